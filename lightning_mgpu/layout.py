@@ -1,0 +1,133 @@
+"""The parallel layout: how many ways the job is split along each axis, and the device mesh that realises it.
+
+Every other module asks the layout for its process groups; nobody computes ranks by hand.
+The mesh is ``(pp, dp, tp)`` with ``tp`` innermost, so consecutive ranks (the GPUs of one node) form a
+tensor-parallel group and the chattiest collectives stay on the fastest links.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Union
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+PP_AXIS = "pp"
+DP_AXIS = "dp"
+TP_AXIS = "tp"
+MESH_AXES = (PP_AXIS, DP_AXIS, TP_AXIS)
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+Size = Union[int, Literal["auto"]]
+
+
+def _check_size(name: str, value: object, allow_auto: bool) -> None:
+    if allow_auto and value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        valid = "a positive integer" + (' or "auto"' if allow_auto else "")
+        raise ValueError(f"`{name}` must be {valid}, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Degrees of data, tensor and pipeline parallelism plus the ZeRO stage; ``dp * tp * pp == world_size``."""
+
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    zero_stage: int = 0
+
+    def __post_init__(self) -> None:
+        _check_size("data_parallel_size", self.data_parallel_size, allow_auto=False)
+        _check_size("tensor_parallel_size", self.tensor_parallel_size, allow_auto=False)
+        _check_size("pipeline_parallel_size", self.pipeline_parallel_size, allow_auto=False)
+        _check_zero_stage(self.zero_stage)
+
+    @classmethod
+    def resolve(
+        cls,
+        world_size: int,
+        data_parallel_size: Size = "auto",
+        tensor_parallel_size: Size = 1,
+        pipeline_parallel_size: Size = 1,
+        zero_stage: int = 0,
+    ) -> "ParallelLayout":
+        """Fill in ``"auto"`` sizes from the world size and check that the product covers every process.
+
+        ``"auto"`` on data parallel takes whatever tensor and pipeline parallel leave; ``"auto"`` on tensor or
+        pipeline parallel means 1 (no split) unless every other size is fixed, in which case it takes the rest.
+        """
+        _check_size("world_size", world_size, allow_auto=False)
+        sizes = {
+            "data_parallel_size": data_parallel_size,
+            "tensor_parallel_size": tensor_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size,
+        }
+        for name, value in sizes.items():
+            _check_size(name, value, allow_auto=True)
+        _check_zero_stage(zero_stage)
+        auto = [name for name, value in sizes.items() if value == "auto"]
+        # dp absorbs the remainder first; tp/pp only when dp is fixed.
+        absorber = "data_parallel_size" if "data_parallel_size" in auto else (auto[0] if auto else None)
+        for name in auto:
+            if name != absorber:
+                sizes[name] = 1
+        fixed = 1
+        for name, value in sizes.items():
+            if name != absorber:
+                fixed *= value  # type: ignore[assignment]
+        if absorber is not None:
+            if world_size % fixed:
+                raise ValueError(
+                    f"The fixed parallel sizes multiply to {fixed}, which does not divide the world size {world_size}"
+                    f" (devices x num_nodes). Choose sizes whose product divides {world_size}: {_divisors(world_size)}."
+                )
+            sizes[absorber] = world_size // fixed
+        layout = cls(zero_stage=zero_stage, **sizes)  # type: ignore[arg-type]
+        if layout.world_size != world_size:
+            raise ValueError(
+                f"data_parallel_size x tensor_parallel_size x pipeline_parallel_size = {layout.describe()} ="
+                f" {layout.world_size} processes, but the Trainer has {world_size} (devices x num_nodes)."
+                f" Make the product equal {world_size}, or set `data_parallel_size='auto'`."
+            )
+        return layout
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        return (self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size)
+
+    def describe(self) -> str:
+        return (
+            f"dp={self.data_parallel_size} x tp={self.tensor_parallel_size} x pp={self.pipeline_parallel_size}"
+            f" (zero_stage={self.zero_stage})"
+        )
+
+    def build_mesh(self, device_type: str) -> "DeviceMesh":
+        """Create the named ``(pp, dp, tp)`` mesh; needs an initialized default process group."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = torch.distributed.get_world_size()
+        if world != self.world_size:
+            raise RuntimeError(f"The layout {self.describe()} needs {self.world_size} processes, found {world}.")
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
+
+
+def _check_zero_stage(zero_stage: object) -> None:
+    if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
+        raise ValueError(
+            f"`zero_stage` must be one of {ZERO_STAGES} (0: replicated, 1: + sharded optimizer states,"
+            f" 2: + sharded gradients, 3: + sharded parameters), got {zero_stage!r}."
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

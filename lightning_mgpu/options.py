@@ -1,0 +1,94 @@
+"""The strategy's non-size options, validated once, before any process starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+from lightning_mgpu.layout import Size
+
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+ZERO_BACKENDS = ("torch", "deepspeed")
+CHECKPOINT_FORMATS = ("sharded", "full")
+ACTIVATION_CHECKPOINTING = (False, True, "full", "selective")
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How each parallelizer works (the layout says how many ways)."""
+
+    zero_backend: str = "torch"
+    tp_plan: Union[str, dict[str, str], Callable[..., None]] = "auto"
+    sequence_parallel: bool = False
+    pipeline_schedule: str = "1F1B"
+    num_microbatches: Optional[int] = None
+    stages_per_rank: int = 1
+    pipeline_split: Union[str, list[str]] = "auto"
+    activation_checkpointing: Union[bool, str, list[type]] = False
+    cpu_offload: bool = False
+    checkpoint_format: str = "sharded"
+    async_checkpoint: bool = False
+
+    def __post_init__(self) -> None:
+        _one_of("zero_backend", self.zero_backend, ZERO_BACKENDS)
+        _one_of("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
+        _one_of("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        if not (self.tp_plan == "auto" or isinstance(self.tp_plan, dict) or callable(self.tp_plan)):
+            raise ValueError(
+                f"`tp_plan` must be 'auto', a dict {{module_glob: style}} or a callable (module, tp_mesh),"
+                f" got {self.tp_plan!r}."
+            )
+        if not (self.pipeline_split == "auto" or _is_list_of_str(self.pipeline_split)):
+            raise ValueError(
+                f"`pipeline_split` must be 'auto' or a list of module names where stages begin,"
+                f" got {self.pipeline_split!r}."
+            )
+        if self.num_microbatches is not None and not _positive_int(self.num_microbatches):
+            raise ValueError(f"`num_microbatches` must be a positive integer or None, got {self.num_microbatches!r}.")
+        if not _positive_int(self.stages_per_rank):
+            raise ValueError(f"`stages_per_rank` must be a positive integer, got {self.stages_per_rank!r}.")
+        ac = self.activation_checkpointing
+        if not (ac in ACTIVATION_CHECKPOINTING or (isinstance(ac, (list, tuple)) and all(isinstance(c, type) for c in ac))):
+            raise ValueError(
+                f"`activation_checkpointing` must be False, True, 'full', 'selective' or a list of module classes,"
+                f" got {ac!r}."
+            )
+        for name in ("sequence_parallel", "cpu_offload", "async_checkpoint"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+
+    def check_implemented(self, tensor_parallel_size: Size, pipeline_parallel_size: Size) -> None:
+        """Refuse, loudly, options this version accepts in its signature but does not implement yet."""
+        pending = {
+            "tensor_parallel_size": tensor_parallel_size not in (1, "auto"),
+            "pipeline_parallel_size": pipeline_parallel_size not in (1, "auto"),
+            "zero_backend='deepspeed'": self.zero_backend == "deepspeed",
+            "tp_plan": self.tp_plan != "auto",
+            "sequence_parallel": self.sequence_parallel,
+            "num_microbatches": self.num_microbatches is not None,
+            "stages_per_rank": self.stages_per_rank != 1,
+            "pipeline_split": self.pipeline_split != "auto",
+            "activation_checkpointing": self.activation_checkpointing is not False,
+            "cpu_offload": self.cpu_offload,
+            "checkpoint_format='full'": self.checkpoint_format == "full",
+            "async_checkpoint": self.async_checkpoint,
+        }
+        missing = [name for name, requested in pending.items() if requested]
+        if missing:
+            raise NotImplementedError(
+                f"HybridStrategy does not implement {', '.join(missing)} yet in this version; see the CHANGELOG"
+                " for what is available. Remove the argument(s) to train with data parallelism and ZeRO."
+            )
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"`{name}` must be one of {', '.join(map(repr, allowed))}, got {value!r}.")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_list_of_str(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(v, str) for v in value)

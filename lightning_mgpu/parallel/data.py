@@ -1,0 +1,117 @@
+"""Data parallelism and ZeRO stages 0-3 on torch's FSDP2 machinery.
+
+One mechanism serves every stage, so gradient accumulation, mixed precision and checkpoints behave alike:
+
+- stage 0: ``replicate`` (FSDP2's DDP): parameters replicated, gradients all-reduced.
+- stage 1: stage 0 plus optimizer states sharded: each data-parallel rank steps only the parameters it owns
+  and broadcasts them to its peers afterwards (the ZeroRedundancyOptimizer scheme, applied to the user's own
+  optimizer object so that param groups and LR schedulers keep working).
+- stage 2: ``fully_shard(reshard_after_forward=False)``: gradients and optimizer states sharded; parameters are
+  gathered once per step and kept through backward.
+- stage 3: ``fully_shard(reshard_after_forward=True)``: parameters sharded too, gathered per block when needed.
+
+Blocks (the model's repeated layers) are wrapped one by one so their collectives overlap with compute and only
+one block's parameters are unsharded at a time; the root wrap takes every remaining parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_mgpu.parallel.blocks import find_blocks
+
+
+def apply_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, mp_policy: Any = None) -> None:
+    """Wrap ``module`` in place for data parallelism over ``dp_mesh`` at the given ZeRO stage."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    if zero_stage <= 1:
+        wrap = replicate
+    else:
+        wrap = fully_shard
+        kwargs["reshard_after_forward"] = zero_stage == 3
+    for block in find_blocks(module):
+        wrap(block, **kwargs)
+    if zero_stage >= 2:
+        # The root's parameters (embeddings, head, norms) are needed first in backward: keep them gathered.
+        kwargs["reshard_after_forward"] = False
+    wrap(module, **kwargs)
+
+
+def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
+    """Turn gradient reduction on or off, e.g. off on the non-final micro-steps of gradient accumulation."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(enabled, recurse=True)
+
+
+class OptimizerStateSharding:
+    """ZeRO stage 1: each data-parallel rank keeps optimizer states for, and updates, only the parameters it owns.
+
+    Ownership is balanced greedily by element count. Before ``step`` the gradients of parameters owned elsewhere
+    are dropped, so torch optimizers neither create state for nor update them; after ``step`` every owner
+    broadcasts its updated parameters in one flattened message. ``param_groups`` stay untouched, so LR
+    schedulers, gradient clipping and ``state_dict`` see the optimizer the user built.
+    """
+
+    def __init__(self, optimizer: Optimizer, dp_mesh: DeviceMesh) -> None:
+        self.optimizer = optimizer
+        self._group = dp_mesh.get_group()
+        self._rank = dp_mesh.get_local_rank()
+        self._global_ranks = dist.get_process_group_ranks(self._group)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.owned_by = _balance(params, dp_mesh.size())
+        self._handles = [
+            optimizer.register_step_pre_hook(self._drop_foreign_grads),
+            optimizer.register_step_post_hook(self._broadcast_updates),
+        ]
+
+    def owns(self, param: torch.Tensor) -> bool:
+        return self.owned_by[param] == self._rank
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _drop_foreign_grads(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        for param, owner in self.owned_by.items():
+            if owner != self._rank:
+                param.grad = None
+
+    @torch.no_grad()
+    def _broadcast_updates(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        for owner, global_rank in enumerate(self._global_ranks):
+            tensors = [_local(p) for p, o in self.owned_by.items() if o == owner]
+            if not tensors:
+                continue
+            flat = torch._utils._flatten_dense_tensors(tensors)
+            dist.broadcast(flat, src=global_rank, group=self._group)
+            if owner != self._rank:
+                for tensor, update in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+                    tensor.copy_(update)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param.data
+
+
+def _balance(params: list[torch.Tensor], num_ranks: int) -> dict[torch.Tensor, int]:
+    """Assign each parameter to the currently lightest rank, largest first (ZeroRedundancyOptimizer's rule)."""
+    load = [0] * num_ranks
+    owner: dict[torch.Tensor, int] = {}
+    for param in sorted(params, key=lambda p: -p.numel()):
+        rank = min(range(num_ranks), key=load.__getitem__)
+        owner[param] = rank
+        load[rank] += param.numel()
+    # Keep the optimizer's own order so broadcasts and state are deterministic across ranks.
+    return {p: owner[p] for p in params}

@@ -1,0 +1,67 @@
+"""Gradient norms and clipping across shards: the norm a single process would compute, whatever the layout."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def total_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, cross_stage_group: Optional[Any] = None
+) -> torch.Tensor:
+    """The global ``norm_type``-norm of all gradients.
+
+    DTensor gradients (sharded by FSDP2 or tensor parallel) are reduced by DTensor itself, one collective per
+    distinct (mesh, placements); ``cross_stage_group`` sums the contributions of different pipeline stages, which
+    hold disjoint parameters.
+    """
+    by_layout: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    for param in parameters:
+        if param.grad is not None:
+            grad = param.grad
+            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+            by_layout[key].append(grad)
+    partial_norms = []
+    for grads in by_layout.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        partial_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not partial_norms:
+        total = torch.zeros(())
+    else:
+        # The norm of the partial norms is the norm of everything, for any p and for inf.
+        total = torch.nn.utils.get_total_norm(partial_norms, norm_type)
+    if cross_stage_group is not None:
+        total = _combine_across(total.float(), norm_type, cross_stage_group)
+    return total
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    cross_stage_group: Optional[Any] = None,
+) -> torch.Tensor:
+    """Scale gradients in place so that their global norm is at most ``max_norm``; return the norm before."""
+    parameters = list(parameters)
+    total = total_grad_norm(parameters, norm_type, cross_stage_group)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for param in parameters:
+        if param.grad is None:
+            continue
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        grad.mul_(coefficient.to(device=grad.device, dtype=grad.dtype))
+    return total
+
+
+def _combine_across(norm: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
+    if norm_type == float("inf"):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm**norm_type
+    dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+    return powered ** (1.0 / norm_type)

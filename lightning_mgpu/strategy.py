@@ -1,0 +1,466 @@
+"""HybridStrategy: the Lightning face of lightning-mgpu.
+
+It owns Lightning's hooks and hands every piece of parallel work to ``layout``, ``parallel/`` and ``checkpoint``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_mgpu import checkpoint as sharded_checkpoint
+from lightning_mgpu.layout import DP_AXIS, ParallelLayout, Size
+from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.parallel import parallelize
+from lightning_mgpu.parallel.data import OptimizerStateSharding, set_gradient_sync
+from lightning_mgpu.precision import HybridPrecision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.pytorch.accelerators import Accelerator
+    from torch.distributed.device_mesh import DeviceMesh
+
+_StartMethod = Literal["auto", "popen", "fork", "spawn", "forkserver"]
+
+
+class HybridStrategy(ParallelStrategy):
+    """Data, tensor and pipeline parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
+
+    The arguments are described in the README's "HybridStrategy arguments" table. Sizes multiply to the number of
+    processes (``devices x num_nodes``); ``data_parallel_size="auto"`` takes what the others leave.
+    ``start_method="auto"`` launches with a subprocess per device from a script and by forking from a notebook or
+    interactive session.
+    """
+
+    strategy_name = "hybrid"
+
+    def __init__(
+        self,
+        tensor_parallel_size: Size = 1,
+        pipeline_parallel_size: Size = 1,
+        data_parallel_size: Size = "auto",
+        zero_stage: int = 0,
+        zero_backend: str = "torch",
+        tp_plan: Union[str, dict[str, str], Callable[..., None]] = "auto",
+        sequence_parallel: bool = False,
+        pipeline_schedule: str = "1F1B",
+        num_microbatches: Optional[int] = None,
+        stages_per_rank: int = 1,
+        pipeline_split: Union[str, list[str]] = "auto",
+        activation_checkpointing: Union[bool, str, list[type]] = False,
+        cpu_offload: bool = False,
+        checkpoint_format: str = "sharded",
+        async_checkpoint: bool = False,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: _StartMethod = "auto",
+        accelerator: Optional["Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional["ClusterEnvironment"] = None,
+        checkpoint_io: Optional["CheckpointIO"] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        # Validate everything that does not need the world size now, before any process is started.
+        ParallelLayout.resolve(
+            _smallest_world(tensor_parallel_size, pipeline_parallel_size, data_parallel_size),
+            data_parallel_size,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            zero_stage,
+        )
+        self.options = ParallelOptions(
+            zero_backend=zero_backend,
+            tp_plan=tp_plan,
+            sequence_parallel=sequence_parallel,
+            pipeline_schedule=pipeline_schedule,
+            num_microbatches=num_microbatches,
+            stages_per_rank=stages_per_rank,
+            pipeline_split=pipeline_split,
+            activation_checkpointing=activation_checkpointing,
+            cpu_offload=cpu_offload,
+            checkpoint_format=checkpoint_format,
+            async_checkpoint=async_checkpoint,
+        )
+        self.options.check_implemented(tensor_parallel_size, pipeline_parallel_size)
+        if start_method not in ("auto", "popen", "fork", "spawn", "forkserver"):
+            raise ValueError(
+                f"`start_method` must be one of 'auto', 'popen', 'fork', 'spawn', 'forkserver', got {start_method!r}."
+            )
+        self._requested_sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._layout: Optional[ParallelLayout] = None
+        self._device_mesh: Optional["DeviceMesh"] = None
+        self._optimizer_sharding: list[OptimizerStateSharding] = []
+        self.num_nodes = 1
+
+    # ----------------------------------------------------------------------------------------------- layout / mesh
+    @property
+    def layout(self) -> ParallelLayout:
+        if self._layout is None:
+            raise RuntimeError("The layout is known once the Trainer has been created with this strategy.")
+        return self._layout
+
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have been initialized.")
+        return self._device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank of one tensor/pipeline group reads the same samples: shard data by data-parallel rank only.
+        dp_mesh = self.device_mesh[DP_AXIS]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    @property
+    def is_distributed(self) -> bool:
+        # Read by Lightning to decide on a DistributedSampler for custom strategies.
+        return True
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def set_world_ranks(self) -> None:
+        # Called when the Trainer is built, before processes start: the earliest point the world size is known.
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        if self.num_processes:
+            self._layout = ParallelLayout.resolve(self.num_nodes * self.num_processes, *self._requested_sizes)
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> HybridPrecision:
+        plugin = self._precision_plugin if self._precision_plugin is not None else Precision()
+        device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
+        self._precision_plugin = HybridPrecision.from_lightning(plugin, device_type)
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = precision_plugin
+
+    # ---------------------------------------------------------------------------------------------- launch / setup
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        start_method = self._start_method
+        if start_method == "auto":
+            start_method = "fork" if _IS_INTERACTIVE else "popen"
+        if start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _HybridMultiProcessingLauncher(self, start_method=start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        self._device_mesh = self.layout.build_mesh(self.root_device.type)
+        # A user's `configure_model` may read `self.device_mesh`, as with Lightning's ModelParallelStrategy.
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        parallelize(self.lightning_module, self.layout, self.device_mesh, self.options)
+        _reduce_metrics_over(self.lightning_module, self.device_mesh[DP_AXIS].get_group())
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        self._reset_optimizers_and_schedulers()
+        for sharding in self._optimizer_sharding:
+            sharding.remove()
+        super().setup_optimizers(trainer)
+        if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1:
+            dp_mesh = self.device_mesh[DP_AXIS]
+            self._optimizer_sharding = [OptimizerStateSharding(optimizer, dp_mesh) for optimizer in self.optimizers]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # Meta-device init lets huge models be built without memory; they are materialized in `setup()`.
+        empty_init_context = torch.device("meta") if empty_init else nullcontext()
+        with empty_init_context, self.precision_plugin.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------------------------------------------------ steps
+    def _redirect(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        # Call the step *through* the module's __call__ so that FSDP2/replicate hooks on the LightningModule fire
+        # even when the step calls a submodule directly (`self.model(input_ids=x)`).
+        assert self.lightning_module is not None
+        return self._forward_redirection(self.lightning_module, self.lightning_module, method_name, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._redirect("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._redirect("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._redirect("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._redirect("predict_step", *args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
+        assert self.model is not None
+        set_gradient_sync(self.model, False)
+        try:
+            yield
+        finally:
+            set_gradient_sync(self.model, True)
+
+    # ------------------------------------------------------------------------------------------------ collectives
+    def _data_parallel_group(self, group: Optional[Any]) -> Optional[Any]:
+        if group is not None or self._device_mesh is None:
+            return group
+        return self._device_mesh[DP_AXIS].get_group()
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        """Reduce over the data-parallel group by default: tensor/pipeline peers hold the same samples' values."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, self._data_parallel_group(group), reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Gather over the data-parallel group by default, one entry per distinct data shard."""
+        return _all_gather_ddp_if_available(tensor, group=self._data_parallel_group(group), sync_grads=sync_grads)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src)
+        return container[0]
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # The shards go through `checkpoint.save_sharded`; Lightning's dict gets none.
+        return {}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # done in `load_checkpoint`
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # done in `load_checkpoint`
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
+        path = Path(self.broadcast(str(filepath)))
+        if path.is_file():
+            path.unlink()
+        checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        checkpoint["parallel_layout"] = self.layout.describe()
+        assert self.model is not None
+        sharded_checkpoint.save_sharded(path, self.model, list(self.optimizers), checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        return sharded_checkpoint.load_sharded(
+            path, self.model, list(self.optimizers), strict=self.lightning_module.strict_loading, weights_only=weights_only
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            import shutil
+
+            path = Path(filepath)
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The unsharded model weights on CPU on global rank 0 (``{}`` elsewhere). Call on every rank."""
+        assert self.model is not None
+        return sharded_checkpoint.full_model_state_dict(self.model)
+
+    @override
+    def teardown(self) -> None:
+        for sharding in self._optimizer_sharding:
+            sharding.remove()
+        self._optimizer_sharding = []
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("hybrid", cls, description="lightning-mgpu HybridStrategy (ZeRO stage 0)")
+        for stage in range(4):
+            strategy_registry.register(
+                f"hybrid_zero{stage}", cls, description=f"lightning-mgpu HybridStrategy, ZeRO stage {stage}", zero_stage=stage
+            )
+
+
+def _smallest_world(*sizes: Size) -> int:
+    """The world size a layout needs when every ``"auto"`` size is 1, for validation before the world is known."""
+    world = 1
+    for size in sizes:
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            world *= size
+    return world
+
+
+def _reduce_metrics_over(module: torch.nn.Module, group: Any) -> None:
+    """Make torchmetrics objects sync over the data-parallel group, not the whole world."""
+    from torchmetrics import Metric
+
+    for submodule in module.modules():
+        if isinstance(submodule, Metric):
+            submodule.process_group = group
+
+
+class _HybridMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, returning the *unsharded* weights to the main process."""
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return self._start_method == "fork"
+
+    @override
+    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
+        strategy = trainer.strategy
+        assert isinstance(strategy, HybridStrategy)
+        state_dict = strategy.full_state_dict()  # collective: every rank takes part
+        if strategy.global_rank != 0:
+            return None
+        callback = trainer.checkpoint_callback
+        best_model_path = getattr(callback, "best_model_path", None) if callback else None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            torch.save(state_dict, weights_path)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
