@@ -29,7 +29,7 @@ def _check_size(name: str, value: object, allow_auto: bool) -> None:
     if allow_auto and value == "auto":
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        valid = "a positive integer" + (' or "auto"' if allow_auto else "")
+        valid = "a positive integer" + (" or 'auto'" if allow_auto else "")
         raise ValueError(f"`{name}` must be {valid}, got {value!r}.")
 
 
@@ -91,8 +91,9 @@ class ParallelLayout:
         layout = cls(zero_stage=zero_stage, **sizes)  # type: ignore[arg-type]
         if layout.world_size != world_size:
             raise ValueError(
-                f"data_parallel_size x tensor_parallel_size x pipeline_parallel_size = {layout.describe()} ="
-                f" {layout.world_size} processes, but the Trainer has {world_size} (devices x num_nodes)."
+                f"data_parallel_size={layout.data_parallel_size} x tensor_parallel_size={layout.tensor_parallel_size}"
+                f" x pipeline_parallel_size={layout.pipeline_parallel_size} = {layout.world_size} processes, but the"
+                f" Trainer has {world_size} (devices x num_nodes)."
                 f" Make the product equal {world_size}, or set `data_parallel_size='auto'`."
             )
         return layout

@@ -235,8 +235,8 @@ class HybridStrategy(ParallelStrategy):
         )
         self._device_mesh = self.layout.build_mesh(self.root_device.type)
         # A user's `configure_model` may read `self.device_mesh`, as with Lightning's ModelParallelStrategy.
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self._device_mesh
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -449,6 +449,16 @@ class _HybridMultiProcessingLauncher(_MultiProcessingLauncher):
     @override
     def is_interactive_compatible(self) -> bool:
         return self._start_method == "fork"
+
+    @override
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        if self._start_method == "fork":
+            # A forked child that uses the parent's already-started OpenMP pool can hang (a notebook has usually
+            # run torch ops before `fit`): one intra-op thread per process is safe, and right when processes
+            # share the machine's cores.
+            os.environ["OMP_NUM_THREADS"] = "1"
+            torch.set_num_threads(1)
+        super()._wrapping_function(process_idx, *args, **kwargs)
 
     @override
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:

@@ -16,7 +16,7 @@ one block's parameters are unsharded at a time; the root wrap takes every remain
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,38 +58,47 @@ def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
 class OptimizerStateSharding:
     """ZeRO stage 1: each data-parallel rank keeps optimizer states for, and updates, only the parameters it owns.
 
-    Ownership is balanced greedily by element count. Before ``step`` the gradients of parameters owned elsewhere
-    are dropped, so torch optimizers neither create state for nor update them; after ``step`` every owner
-    broadcasts its updated parameters in one flattened message. ``param_groups`` stay untouched, so LR
-    schedulers, gradient clipping and ``state_dict`` see the optimizer the user built.
+    Ownership is balanced greedily by element count. The optimizer's ``step`` is wrapped: it first runs the closure
+    (Lightning's forward, backward and gradient clipping, which see every gradient), then drops the gradients of
+    parameters owned elsewhere, so torch optimizers neither create state for nor update them, steps, and finally
+    every owner broadcasts its updated parameters in one flattened message. ``param_groups`` stay untouched, so LR
+    schedulers, clipping and ``state_dict`` see the optimizer the user built.
     """
 
     def __init__(self, optimizer: Optimizer, dp_mesh: DeviceMesh) -> None:
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "zero_stage=1 cannot shard LBFGS: it re-evaluates the closure inside `step`. Use zero_stage=0."
+            )
         self.optimizer = optimizer
         self._group = dp_mesh.get_group()
         self._rank = dp_mesh.get_local_rank()
         self._global_ranks = dist.get_process_group_ranks(self._group)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.owned_by = _balance(params, dp_mesh.size())
-        self._handles = [
-            optimizer.register_step_pre_hook(self._drop_foreign_grads),
-            optimizer.register_step_post_hook(self._broadcast_updates),
-        ]
+        self._unwrapped_step = optimizer.step
+        optimizer.step = self._step  # type: ignore[method-assign]
 
     def owns(self, param: torch.Tensor) -> bool:
         return self.owned_by[param] == self._rank
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        self.optimizer.step = self._unwrapped_step  # type: ignore[method-assign]
 
-    def _drop_foreign_grads(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    def _step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for param, owner in self.owned_by.items():
             if owner != self._rank:
                 param.grad = None
+        self._unwrapped_step()
+        self._broadcast_updates()
+        return loss
 
     @torch.no_grad()
-    def _broadcast_updates(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    def _broadcast_updates(self) -> None:
         for owner, global_rank in enumerate(self._global_ranks):
             tensors = [_local(p) for p, o in self.owned_by.items() if o == owner]
             if not tensors:

@@ -18,7 +18,7 @@ from tests.helpers.distributed import run_distributed
 
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-4
-WEIGHT_ATOL = 1e-6
+WEIGHT_ATOL = 1e-5  # AdamW turns reduction-order noise on near-zero gradients into ~1e-6 steps
 
 
 class LossRecorder(L.Callback):

@@ -1,0 +1,76 @@
+"""Callbacks that look inside a run: memory held per rank, collectives issued per step."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+class MemoryProbe(L.Callback):
+    """Bytes held in parameters, gradients and optimizer state right after backward, before the optimizer step.
+
+    Measured at ``step`` (>= 1, so optimizer states exist); scalar state such as Adam's ``step`` is left out.
+    """
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+        self.results: dict[str, Any] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step != self.step:
+            return
+        params = list(pl_module.parameters())
+        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        self.results = {
+            "numel": sum(p.numel() for p in params),  # global numel, whatever the sharding
+            "largest_numel": max(p.numel() for p in params),
+            "param_bytes": sum(local_bytes(p) for p in params),
+            "grad_bytes": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+            "optim_bytes": sum(local_bytes(t) for t in state),
+        }
+
+
+class CollectiveCounter(L.Callback):
+    """Counts tensor collectives (more than one element, i.e. not logging syncs) per training batch."""
+
+    _NAMES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast", "reduce_scatter_tensor")
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {"per_batch": []}
+        self._current: Counter = Counter()
+        self._originals: dict[str, Any] = {}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for name in self._NAMES:
+            original = getattr(dist, name)
+            self._originals[name] = original
+            setattr(dist, name, self._counting(name, original))
+
+    def _counting(self, name: str, original: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
+            if any(t.numel() > 1 for t in tensors):
+                self._current[name] += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._current = Counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.results["per_batch"].append(dict(self._current))
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)

@@ -1,0 +1,62 @@
+import pytest
+
+from lightning_mgpu.layout import MESH_AXES, ParallelLayout
+from tests.helpers.distributed import run_distributed
+
+
+@pytest.mark.parametrize(
+    ("world", "sizes", "expected"),
+    [
+        (8, dict(), (8, 1, 1)),
+        (8, dict(tensor_parallel_size=2), (4, 2, 1)),
+        (8, dict(tensor_parallel_size=2, pipeline_parallel_size=2), (2, 2, 2)),
+        (8, dict(data_parallel_size=2, tensor_parallel_size="auto"), (2, 4, 1)),
+        (8, dict(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size="auto"), (2, 2, 2)),
+        (1, dict(), (1, 1, 1)),
+    ],
+)
+def test_resolve_auto_sizes(world, sizes, expected):
+    layout = ParallelLayout.resolve(world, **sizes)
+    assert (layout.data_parallel_size, layout.tensor_parallel_size, layout.pipeline_parallel_size) == expected
+    assert layout.world_size == world
+    assert layout.mesh_shape == (expected[2], expected[0], expected[1])  # (pp, dp, tp): tp innermost
+
+
+@pytest.mark.parametrize(
+    ("world", "sizes", "match"),
+    [
+        (4, dict(tensor_parallel_size=0), "tensor_parallel_size.*positive integer.*got 0"),
+        (4, dict(pipeline_parallel_size=-2), "pipeline_parallel_size.*got -2"),
+        (4, dict(data_parallel_size=1.5), "data_parallel_size.*got 1.5"),
+        (4, dict(tensor_parallel_size="max"), "tensor_parallel_size.*'auto'.*got 'max'"),
+        (4, dict(zero_stage=5), r"zero_stage.*\(0, 1, 2, 3\).*got 5"),
+        (4, dict(zero_stage=True), "zero_stage.*got True"),
+        (6, dict(tensor_parallel_size=4), "multiply to 4.*does not divide the world size 6"),
+        (4, dict(data_parallel_size=2, tensor_parallel_size=1, pipeline_parallel_size=1), "= 2 processes.*has 4"),
+        (4, dict(data_parallel_size=4, tensor_parallel_size=2), "= 8 processes, but the Trainer has 4.*data_parallel_size='auto'"),
+    ],
+)
+def test_invalid_layouts_name_argument_value_and_fix(world, sizes, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelLayout.resolve(world, **sizes)
+
+
+def test_layout_is_frozen():
+    layout = ParallelLayout()
+    with pytest.raises(AttributeError):
+        layout.zero_stage = 3  # type: ignore[misc]
+
+
+def _mesh_groups():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    mesh = ParallelLayout.resolve(8, tensor_parallel_size=2, pipeline_parallel_size=2).build_mesh("cpu")
+    return {axis: dist.get_process_group_ranks(mesh[axis].get_group()) for axis in MESH_AXES}
+
+
+def test_mesh_axes_put_tensor_parallel_innermost():
+    groups = run_distributed(_mesh_groups, 8)
+    # rank 5 = (pp 1, dp 0, tp 1) in a (pp=2, dp=2, tp=2) mesh
+    assert groups[5] == {"pp": [1, 5], "dp": [5, 7], "tp": [4, 5]}
+    assert groups[0]["tp"] == [0, 1]  # consecutive ranks (one node's GPUs) share a tensor-parallel group
