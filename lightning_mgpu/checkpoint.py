@@ -65,5 +65,7 @@ def load_sharded(
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state[_MODEL_KEY], options=StateDictOptions(strict=strict))
     for optimizer, optimizer_state in zip(optimizers, state.get(_OPTIMIZER_KEY, [])):
-        set_optimizer_state_dict(model, optimizer, optimizer_state)
+        # DCP already refused keys missing from the checkpoint; not strict here because under ZeRO-1 a rank
+        # holds (and asks for) the states of the parameters it owns only.
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(strict=False))
     return torch.load(path / METADATA_FILE, map_location="cpu", weights_only=bool(weights_only))
