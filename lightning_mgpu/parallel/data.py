@@ -28,12 +28,26 @@ from torch.optim import Optimizer
 from lightning_mgpu.parallel.blocks import find_blocks
 
 
-def apply_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, mp_policy: Any = None) -> None:
-    """Wrap ``module`` in place for data parallelism over ``dp_mesh`` at the given ZeRO stage."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def apply_data_parallel(
+    module: nn.Module,
+    dp_mesh: DeviceMesh,
+    zero_stage: int,
+    mp_policy: Optional[Any] = None,
+    offload_policy: Optional[Any] = None,
+) -> None:
+    """Wrap ``module`` in place for data parallelism over ``dp_mesh`` at the given ZeRO stage.
 
-    kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    ``mp_policy`` (FSDP2 ``MixedPrecisionPolicy``) and ``offload_policy`` (``OffloadPolicy``/``CPUOffloadPolicy``)
+    pass through to FSDP2 unchanged.
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {
+        "mesh": dp_mesh,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload_policy or OffloadPolicy(),
+    }
     if zero_stage <= 1:
         wrap = replicate
     else:

@@ -1,0 +1,147 @@
+"""The examples run as a user would run them: the notebook in a Jupyter kernel, the CLI script as a subprocess.
+
+These are end-to-end runs with two CPU processes each (about 15-20 s apiece on two cores).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+NOTEBOOK = EXAMPLES / "notebook_hybrid_strategy.ipynb"
+CLI_SCRIPT = Path("examples") / "cli" / "train.py"
+CLI_CONFIG = Path("examples") / "cli" / "hybrid_zero2.yaml"
+TIMEOUT = 300
+
+# Set by torchrun, SLURM-less launchers or an enclosing Lightning run: inherited, they would make the examples
+# believe they were launched externally (or reuse a busy port) instead of starting their own processes.
+_LAUNCH_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+)
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+    env["OMP_NUM_THREADS"] = "1"  # two processes on a shared machine: no thread oversubscription
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# ------------------------------------------------------------------------------------------------------ notebook
+def _python_kernel_name() -> str:
+    jupyter_client = pytest.importorskip("jupyter_client.kernelspec")
+    specs = jupyter_client.find_kernel_specs()
+    if "python3" in specs:
+        return "python3"
+    manager = jupyter_client.KernelSpecManager()
+    for name in sorted(specs):
+        if manager.get_kernel_spec(name).language.lower() == "python":
+            return name
+    pytest.skip(f"no Jupyter kernel for Python is installed (found kernel specs: {sorted(specs) or 'none'})")
+
+
+def test_notebook_is_saved_without_outputs():
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert code_cells
+    assert all(not cell.outputs and cell.execution_count is None for cell in code_cells)
+
+
+def test_notebook_runs():
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    kernel_name = _python_kernel_name()
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=TIMEOUT,
+        kernel_name=kernel_name,
+        allow_errors=False,
+        resources={"metadata": {"path": str(EXAMPLES)}},
+    )
+    # Raises CellExecutionError (with the cell's source and traceback) on the first failing cell, which covers
+    # the notebook's own assertions: finite losses below the untrained loss.
+    client.execute(env=_clean_env())
+    outputs = "".join(
+        output.get("text", "") for cell in nb.cells if cell.cell_type == "code" for output in cell.outputs
+    )
+    assert "_HybridMultiProcessingLauncher" in outputs  # the workers were forked from the kernel
+    assert "`max_steps=20` reached" in outputs
+
+
+# ----------------------------------------------------------------------------------------------------------- CLI
+def _run_cli(*extra_args: str, root_dir: Path) -> subprocess.CompletedProcess:
+    # `default_root_dir` keeps the config.yaml that LightningCLI saves out of the repository.
+    cmd = [sys.executable, str(CLI_SCRIPT), "fit", "--config", str(CLI_CONFIG), f"--trainer.default_root_dir={root_dir}"]
+    cmd += extra_args
+    # A session of its own, so that a timeout can end the worker the launcher started as well.
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT} s. Output:\n{output[-5000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, output)
+
+
+def _assert_trained(result: subprocess.CompletedProcess) -> None:
+    tail = result.stdout[-5000:]
+    assert result.returncode == 0, f"exit code {result.returncode}. Output:\n{tail}"
+    assert "Starting with 2 processes" in result.stdout, tail
+    assert "`max_steps=5` reached" in result.stdout, tail
+
+
+def test_cli_config_resolves_the_strategy_class_path_and_registered_names():
+    """Parsing only (no processes): the class path and the string form both become a HybridStrategy."""
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from lightning_mgpu import HybridStrategy
+    from lightning_mgpu.demo import GPTLightningModule, TextDataModule
+
+    base = ["--config", str(REPO / CLI_CONFIG), "--seed_everything=false"]
+    for extra, stage in (([], 2), (["--trainer.strategy=hybrid_zero1"], 1), (["--trainer.strategy=hybrid"], 0)):
+        cli = LightningCLI(GPTLightningModule, TextDataModule, run=False, args=base + extra)
+        strategy = cli.trainer.strategy
+        assert isinstance(strategy, HybridStrategy), (extra, type(strategy))
+        assert strategy.layout.zero_stage == stage
+        assert strategy.layout.data_parallel_size == 2
+        # Default start method from a script: Lightning's subprocess launcher, as for DDP.
+        assert isinstance(strategy.launcher, _SubprocessScriptLauncher)
+        assert cli.model.hparams.n_layer == 2 and cli.datamodule.batch_size == 8
+
+
+def test_cli_trains_with_the_yaml_config(tmp_path):
+    result = _run_cli(root_dir=tmp_path)
+    _assert_trained(result)
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "class_path: lightning_mgpu.HybridStrategy" in saved and "zero_stage: 2" in saved
+
+
+def test_cli_trains_with_a_registered_strategy_name(tmp_path):
+    result = _run_cli("--trainer.strategy=hybrid_zero1", root_dir=tmp_path)
+    _assert_trained(result)
+    assert "strategy: hybrid_zero1" in (tmp_path / "config.yaml").read_text()
