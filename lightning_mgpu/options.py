@@ -38,6 +38,12 @@ class ParallelOptions:
                 f"`tp_plan` must be 'auto', a dict {{module_glob: style}} or a callable (module, tp_mesh),"
                 f" got {self.tp_plan!r}."
             )
+        if isinstance(self.tp_plan, dict):
+            from lightning_mgpu.parallel.tensor import STYLE_NAMES
+
+            unknown = {glob: s for glob, s in self.tp_plan.items() if s not in STYLE_NAMES}
+            if unknown:
+                raise ValueError(f"`tp_plan` has unknown styles {unknown}; use one of {list(STYLE_NAMES)}.")
         if not (self.pipeline_split == "auto" or _is_list_of_str(self.pipeline_split)):
             raise ValueError(
                 f"`pipeline_split` must be 'auto' or a list of module names where stages begin,"
@@ -60,11 +66,8 @@ class ParallelOptions:
     def check_implemented(self, tensor_parallel_size: Size, pipeline_parallel_size: Size) -> None:
         """Refuse, loudly, options this version accepts in its signature but does not implement yet."""
         pending = {
-            "tensor_parallel_size": tensor_parallel_size not in (1, "auto"),
             "pipeline_parallel_size": pipeline_parallel_size not in (1, "auto"),
             "zero_backend='deepspeed'": self.zero_backend == "deepspeed",
-            "tp_plan": self.tp_plan != "auto",
-            "sequence_parallel": self.sequence_parallel,
             "num_microbatches": self.num_microbatches is not None,
             "stages_per_rank": self.stages_per_rank != 1,
             "pipeline_split": self.pipeline_split != "auto",

@@ -44,6 +44,7 @@ from lightning_mgpu.layout import DP_AXIS, ParallelLayout, Size
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding, set_gradient_sync
+from lightning_mgpu.parallel.tensor import tensor_parallel_context
 from lightning_mgpu.precision import HybridPrecision
 
 if TYPE_CHECKING:
@@ -283,7 +284,8 @@ class HybridStrategy(ParallelStrategy):
         # Call the step *through* the module's __call__ so that FSDP2/replicate hooks on the LightningModule fire
         # even when the step calls a submodule directly (`self.model(input_ids=x)`).
         assert self.lightning_module is not None
-        return self._forward_redirection(self.lightning_module, self.lightning_module, method_name, *args, **kwargs)
+        with tensor_parallel_context(self._sequence_parallel):
+            return self._forward_redirection(self.lightning_module, self.lightning_module, method_name, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -304,6 +306,15 @@ class HybridStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._redirect("predict_step", *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        with tensor_parallel_context(self._sequence_parallel):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @property
+    def _sequence_parallel(self) -> bool:
+        return self.options.sequence_parallel and self.layout.tensor_parallel_size > 1
 
     @contextmanager
     @override

@@ -55,7 +55,7 @@ def test_layout_that_does_not_cover_the_devices_fails_when_the_trainer_is_built(
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(sequence_parallel=True), dict(cpu_offload=True), dict(async_checkpoint=True), dict(zero_backend="deepspeed")],
+    [dict(pipeline_parallel_size=2), dict(cpu_offload=True), dict(async_checkpoint=True), dict(zero_backend="deepspeed")],
 )
 def test_features_of_later_versions_are_refused_not_ignored(kwargs):
     with pytest.raises(NotImplementedError, match=f"does not implement {next(iter(kwargs))}"):

@@ -6,14 +6,14 @@ from torch import nn
 
 
 def find_block_container(module: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
-    """Return ``(fqn, container)`` of the largest ``ModuleList``/``Sequential`` holding 2+ blocks of one class.
+    """Return ``(fqn, container)`` of the largest ``ModuleList`` (or ``Sequential`` of 2+) of blocks of one class.
 
     This is how a transformer keeps its layers (``transformer.h`` in nanoGPT, ``model.layers`` in Hugging Face
     Llama, ``transformer.h`` in GPT-2). Returns ``None`` for models without such a list (a small CNN).
     """
     best: tuple[int, str, nn.ModuleList | nn.Sequential] | None = None
     for name, child in module.named_modules():
-        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
+        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < (1 if isinstance(child, nn.ModuleList) else 2):
             continue
         classes = {type(block) for block in child}
         if len(classes) != 1 or not any(True for _ in child[0].parameters()):

@@ -53,12 +53,23 @@ def apply_data_parallel(
     else:
         wrap = fully_shard
         kwargs["reshard_after_forward"] = zero_stage == 3
+        kwargs["shard_placement_fn"] = _shard_dim_beside_tensor_parallel
     for block in find_blocks(module):
         wrap(block, **kwargs)
     if zero_stage >= 2:
         # The root's parameters (embeddings, head, norms) are needed first in backward: keep them gathered.
         kwargs["reshard_after_forward"] = False
     wrap(module, **kwargs)
+
+
+def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Optional[Any]:
+    """Shard a fused (strided) tensor-parallel weight on dim 1: two strided layouts on one dim cannot be described."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements):
+        return Shard(1)
+    return None  # FSDP2's default, Shard(0)
 
 
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:

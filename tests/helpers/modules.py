@@ -59,10 +59,11 @@ class _CausalLMModule(L.LightningModule):
 
 
 class LlamaModule(_CausalLMModule):
-    """Tiny Hugging Face Llama (GQA: 4 query heads, 2 KV heads; RMSNorm; SwiGLU; RoPE), ~90K parameters."""
+    """Tiny Hugging Face Llama (GQA: 4 query heads, 2 KV heads by default; RMSNorm; SwiGLU; RoPE), ~90K parameters."""
 
     def __init__(
-        self, vocab_size: int = 128, max_seq_len: int = 64, lr: float = 1e-3, seed: Optional[int] = None
+        self, vocab_size: int = 128, max_seq_len: int = 64, lr: float = 1e-3, seed: Optional[int] = None,
+        num_key_value_heads: int = 2,
     ) -> None:
         super().__init__(lr=lr)
         self.save_hyperparameters()
@@ -74,7 +75,7 @@ class LlamaModule(_CausalLMModule):
             intermediate_size=128,
             num_hidden_layers=2,
             num_attention_heads=4,
-            num_key_value_heads=2,
+            num_key_value_heads=num_key_value_heads,
             max_position_embeddings=max_seq_len,
             tie_word_embeddings=False,
             use_cache=False,

@@ -1,0 +1,391 @@
+"""Tensor parallelism (+ sequence parallelism) with DTensor over the layout's ``tp`` axis.
+
+A *plan* maps module names (``fnmatch`` globs over FQNs) to style names; styles are torch's parallel styles,
+extended to GPT-2's ``Conv1D`` (weight stored transposed) and to fused projections such as nanoGPT's ``c_attn``
+(``[q | k | v]`` in one Linear), which are sharded chunk by chunk with ``_StridedShard`` so that each rank holds
+the q, k and v of its own heads and the full tensor keeps its original layout.
+
+``tp_plan="auto"`` takes Hugging Face's own plans (``config.base_model_tp_plan`` and the model class's
+``_tp_plan``) where present, and name rules for GPT-style blocks otherwise. After sharding, attention modules'
+head-count attributes are made local so their ``view(B, T, n_head, ...)`` sees this rank's heads.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from typing import Any, Callable, Optional, Union
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_mgpu.parallel.blocks import find_block_container
+
+Plan = Union[str, dict[str, str], Callable[[nn.Module, DeviceMesh], None]]
+
+SEQUENCE_DIM = 1
+
+# Leaf names of projections in GPT-style blocks (nanoGPT, litgpt, GPT-2, Llama-likes without a HF plan).
+_FUSED_QKV = ("c_attn", "qkv", "qkv_proj", "Wqkv")
+_COLWISE = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "c_fc", "fc1", "fc_in", "up_proj", "gate_proj",
+            "w1", "w3")
+_ROWWISE = ("c_proj", "o_proj", "out_proj", "down_proj", "fc2", "fc_out", "w2", "proj")
+_TOKEN_EMBEDDINGS = ("wte", "embed_tokens", "tok_embeddings", "word_embeddings")
+_HEADS = ("lm_head", "output", "embed_out")
+# Attributes an attention module keeps about its global size; made local after sharding (head_dim stays).
+_LOCAL_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads",
+                     "n_query_groups", "n_embd", "embed_dim", "split_size", "all_head_size")
+# Hugging Face plan vocabulary -> ours.
+_HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_gather_output",
+              "embedding_rowwise": "embedding_rowwise",
+              "colwise_gather_output": "colwise_gather_output", "rowwise_rep": "rowwise",
+              "sequence_parallel": "sequence_parallel", "replicate": "replicate"}
+
+
+def _output_dim(module: nn.Module) -> int:
+    """Dimension of the weight indexing output features: 0 for Linear, 1 for GPT-2's transposed Conv1D."""
+    return 1 if type(module).__name__ == "Conv1D" else 0
+
+
+def _is_projection(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+class _Colwise(ColwiseParallel):
+    """Column-wise sharding of Linear/Conv1D outputs; ``chunks > 1`` shards each of a fused projection's chunks.
+
+    A fused projection's bias stays replicated (DTensor slices it to match the output) so that data-parallel
+    sharding can cut it along dim 0 without stacking two strided layouts on one dimension.
+    """
+
+    def __init__(self, chunks: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.chunks = chunks
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Embedding):
+            return super()._apply(module, device_mesh)
+        dim = _output_dim(module)
+        fused = self.chunks > 1
+        placements = (
+            {"weight": _StridedShard(dim, split_factor=self.chunks), "bias": Replicate()}
+            if fused
+            else {"weight": Shard(dim), "bias": Shard(0)}
+        )
+        output_fn = (
+            _local_output if fused else partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+        )
+        distribute_module(
+            module,
+            device_mesh,
+            partial(_distribute_parameters, placements, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            output_fn,
+        )
+        if fused and getattr(module, "bias", None) is not None:
+            module.bias.register_post_accumulate_grad_hook(_keep_grad_placement)
+        return module
+
+
+def _keep_grad_placement(param: nn.Parameter) -> None:
+    """A replicated bias used through a sharded output gets a sharded gradient; give optimizers the param's layout."""
+    if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+        param.grad = param.grad.redistribute(placements=param.placements)
+
+
+class _Rowwise(RowwiseParallel):
+    """Row-wise sharding of Linear/Conv1D inputs; the partial outputs are all-reduced (or reduce-scattered)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Embedding):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        placements = {"weight": Shard(1 - _output_dim(module)), "bias": Replicate()}
+        return distribute_module(
+            module,
+            device_mesh,
+            partial(_distribute_parameters, placements, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+def _distribute_parameters(placements: dict, src_data_rank: Optional[int], name: str, module: nn.Module,
+                           mesh: DeviceMesh) -> None:
+    for param_name, placement in placements.items():
+        param = getattr(module, param_name, None)
+        if param is None or isinstance(param, DTensor):
+            continue
+        distributed = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+        module.register_parameter(param_name, nn.Parameter(distributed, requires_grad=param.requires_grad))
+
+
+def _local_output(module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) -> Any:
+    return outputs.to_local()
+
+
+def style(name: str, sequence_parallel: bool) -> Optional[ParallelStyle]:
+    """The torch ParallelStyle for a plan's style name (``None`` for ``"replicate"``)."""
+    sequence, replicated = Shard(SEQUENCE_DIM), Replicate()
+    stream = sequence if sequence_parallel else replicated  # layout of the residual stream between blocks
+    styles: dict[str, Callable[[], Optional[ParallelStyle]]] = {
+        "colwise": lambda: _Colwise(input_layouts=stream),
+        "colwise_qkv": lambda: _Colwise(chunks=3, input_layouts=stream),
+        "colwise_gather_output": lambda: _Colwise(input_layouts=stream, output_layouts=replicated),
+        "rowwise": lambda: _Rowwise(output_layouts=stream, use_local_output=not sequence_parallel),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=replicated, output_layouts=stream,
+                                                     use_local_output=not sequence_parallel),
+        "embedding_colwise": lambda: ColwiseParallel(input_layouts=replicated, output_layouts=stream,
+                                                     use_local_output=not sequence_parallel),
+        "sequence_parallel": lambda: SequenceParallel(use_local_output=False) if sequence_parallel else None,
+        "replicate": lambda: None,
+    }
+    if name not in styles:
+        raise ValueError(f"Unknown tensor-parallel style {name!r} in `tp_plan`. Known styles: {sorted(styles)}.")
+    return styles[name]()
+
+
+STYLE_NAMES = ("colwise", "colwise_qkv", "colwise_gather_output", "rowwise", "embedding_rowwise",
+               "embedding_colwise", "sequence_parallel", "replicate")
+
+
+# ----------------------------------------------------------------------------------------------------- plans
+def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, str]:
+    """Derive ``{fqn: style}`` for ``module``: Hugging Face plans first, GPT-block name rules for the rest."""
+    plan: dict[str, str] = {}
+    covered: set[str] = set()
+    for prefix, hf_model in _hugging_face_models(module):
+        plan.update(_hugging_face_plan(prefix, hf_model, module))
+        covered.add(prefix)
+    found = find_block_container(module)
+    if found is not None and not any(found[0].startswith(c) for c in covered):
+        plan.update(_block_rules(module, found[0]))
+    if not plan:
+        linears = [name for name, child in module.named_modules() if _is_projection(child)]
+        raise ValueError(
+            "tp_plan='auto' found neither a Hugging Face tensor-parallel plan nor a list of repeated blocks to shard."
+            f" Linear layers in the model: {linears[:12]}{' ...' if len(linears) > 12 else ''}. Pass `tp_plan` as a"
+            f" dict {{module_glob: style}} (styles: {list(STYLE_NAMES)}) or a callable (module, tp_mesh)."
+        )
+    if sequence_parallel:
+        plan.update(_sequence_parallel_rules(module, plan))
+    return plan
+
+
+def _hugging_face_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    models = []
+    for name, child in module.named_modules():
+        plan = getattr(getattr(child, "config", None), "base_model_tp_plan", None)
+        if plan and hasattr(child, "base_model_prefix") and not any(name.startswith(p + ".") for p, _ in models):
+            models.append((name, child))
+    return models
+
+
+def _hugging_face_plan(prefix: str, hf_model: nn.Module, root: nn.Module) -> dict[str, str]:
+    head = f"{prefix}." if prefix else ""
+    # transformers >= 4.5x merges the class plan and config.base_model_tp_plan into the instance's `_tp_plan`.
+    plan = dict(getattr(hf_model, "_tp_plan", None) or {})
+    base = hf_model.base_model_prefix
+    if not any(key.startswith(base + ".") for key in plan) and hasattr(hf_model, base):
+        plan.update({f"{base}.{glob}": s for glob, s in hf_model.config.base_model_tp_plan.items()})
+    if getattr(hf_model.config, "tie_word_embeddings", False):
+        # A head tied to the input embedding cannot be sharded two ways: keep both replicated.
+        plan = {glob: s for glob, s in plan.items() if s not in ("colwise_gather_output", "colwise_rep",
+                                                                  "embedding_rowwise")}
+    return {f"{head}{glob}": _hf_style(s) for glob, s in plan.items()}
+
+
+def _hf_style(name: str) -> str:
+    if name not in _HF_STYLES:
+        raise ValueError(
+            f"The model's Hugging Face tensor-parallel plan uses style {name!r}, which lightning-mgpu does not map."
+            f" Pass an explicit `tp_plan` dict with styles from {list(STYLE_NAMES)}."
+        )
+    return _HF_STYLES[name]
+
+
+def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
+    plan: dict[str, str] = {}
+    unplaced: list[str] = []
+    for name, child in module.named_modules():
+        if not name.startswith(blocks_fqn + ".") or not _is_projection(child):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        glob = _block_glob(name, blocks_fqn)
+        if leaf in _FUSED_QKV:
+            plan[glob] = "colwise_qkv"
+        elif leaf in _COLWISE:
+            plan[glob] = "colwise"
+        elif leaf in _ROWWISE:
+            plan[glob] = "rowwise"
+        else:
+            unplaced.append(name)
+    if unplaced:
+        example = {_block_glob(n, blocks_fqn): "colwise | rowwise | colwise_qkv | replicate" for n in unplaced}
+        raise ValueError(
+            f"tp_plan='auto' cannot tell how to shard these layers of the blocks in {blocks_fqn!r}: {unplaced}."
+            f" Pass `tp_plan` as a dict, e.g. {{**placed, **{example}}}, with styles from {list(STYLE_NAMES)}."
+        )
+    if not plan:
+        raise ValueError(
+            f"tp_plan='auto' found no Linear layers to shard in the blocks {blocks_fqn!r}. Pass `tp_plan` as a dict"
+            f" {{module_glob: style}} or a callable (module, tp_mesh)."
+        )
+    return plan
+
+
+def _block_glob(name: str, blocks_fqn: str) -> str:
+    """``transformer.h.3.attn.c_attn`` -> ``transformer.h.*.attn.c_attn``."""
+    rest = name[len(blocks_fqn) + 1:].split(".", 1)
+    return f"{blocks_fqn}.*.{rest[1]}" if len(rest) == 2 else f"{blocks_fqn}.*"
+
+
+def _sequence_parallel_rules(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Norms run on sequence shards; the token embedding scatters its output and the head gathers its input."""
+    rules: dict[str, str] = {}
+    found = find_block_container(module)
+    blocks = found[0] + "." if found else None
+    for name, child in module.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        # Norms on the residual stream only: children of a block, or outside the blocks (not q/k norms on heads).
+        on_stream = blocks is None or not name.startswith(blocks) or name[len(blocks):].count(".") == 1
+        if _is_norm(child) and on_stream:
+            rules[name] = "sequence_parallel"
+        elif isinstance(child, nn.Embedding) and leaf in _TOKEN_EMBEDDINGS:
+            rules[name] = "embedding_rowwise"
+        elif _is_projection(child) and leaf in _HEADS and not any(fnmatch.fnmatchcase(name, g) for g in plan):
+            rules[name] = "colwise_gather_output"
+    return rules
+
+
+def _is_norm(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return isinstance(module, nn.LayerNorm) or (name.endswith("Norm") and "Group" not in name and "Batch" not in name)
+
+
+# ----------------------------------------------------------------------------------------------------- apply
+def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Plan, sequence_parallel: bool) -> None:
+    """Shard ``module`` in place over ``tp_mesh`` following ``tp_plan``."""
+    if callable(tp_plan):
+        tp_plan(module, tp_mesh)
+        return
+    if _already_parallelized(module):
+        return  # the user's configure_model applied its own plan with `self.device_mesh`
+    plan = auto_plan(module, sequence_parallel) if tp_plan == "auto" else dict(tp_plan)
+    matched = _match(module, plan)
+    tp = tp_mesh.size()
+    _check_divisible(module, matched, tp)
+    styles = {fqn: style(name, sequence_parallel) for fqn, name in matched.items()}
+    parallelize_module(module, tp_mesh, {fqn: s for fqn, s in styles.items() if s is not None})
+    _localize_attention(module, matched, tp)
+    if sequence_parallel:
+        _replicate_remaining(module, tp_mesh)
+
+
+def _replicate_remaining(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Under sequence parallelism activations are DTensors, so every parameter must be one too (replicated)."""
+    for child in module.modules():
+        for name, param in list(child.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                replicated = distribute_tensor(param.detach(), tp_mesh, [Replicate()])
+                child.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+def _already_parallelized(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _match(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Expand globs to module FQNs; the most specific (longest) glob wins. A glob matching nothing is an error."""
+    names = [name for name, _ in module.named_modules() if name]
+    matched: dict[str, tuple[int, str]] = {}
+    for glob, style_name in plan.items():
+        if style_name not in STYLE_NAMES:
+            raise ValueError(f"Unknown tensor-parallel style {style_name!r} for {glob!r}. Known: {list(STYLE_NAMES)}.")
+        hits = [n for n in names if fnmatch.fnmatchcase(n, glob)]
+        if not hits:
+            raise ValueError(
+                f"`tp_plan` entry {glob!r} matches no module. Module names look like: {names[:8]} ..."
+                " (globs are matched against names relative to the LightningModule)."
+            )
+        for name in hits:
+            if name not in matched or len(glob) > matched[name][0]:
+                matched[name] = (len(glob), style_name)
+    return {name: style_name for name, (_, style_name) in matched.items()}
+
+
+def _check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None:
+    problems = []
+    for name, style_name in matched.items():
+        child = module.get_submodule(name)
+        if style_name.startswith("colwise") and _is_projection(child):
+            out = _features(child)[1] // (3 if style_name == "colwise_qkv" else 1)
+            if out % tp:
+                problems.append(f"{name}: {out} output features{' per q/k/v' if style_name == 'colwise_qkv' else ''}")
+        elif style_name == "rowwise" and _is_projection(child) and _features(child)[0] % tp:
+            problems.append(f"{name}: {_features(child)[0]} input features")
+        elif style_name.startswith("embedding") and isinstance(child, nn.Embedding):
+            size = child.num_embeddings if style_name == "embedding_rowwise" else child.embedding_dim
+            if size % tp:
+                problems.append(f"{name}: {size} {'vocabulary entries' if 'row' in style_name else 'channels'}")
+    for name, attention in _attention_modules(module, matched):
+        for attribute in _LOCAL_ATTRIBUTES:
+            value = getattr(attention, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+                problems.append(f"{name}.{attribute} = {value}")
+        config = getattr(attention, "config", None)
+        for attribute in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(config, attribute, None)
+            if isinstance(value, int) and value % tp:
+                problems.append(f"{name}: config.{attribute} = {value}")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide every sharded size, but: {'; '.join(sorted(set(problems)))}."
+            " Choose a tensor_parallel_size that divides them (heads, key/value heads, hidden and vocabulary sizes)."
+        )
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a Linear or a Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.weight.shape[1]
+
+
+def _attention_modules(module: nn.Module, matched: dict[str, str]) -> list[tuple[str, nn.Module]]:
+    """Parents of column-sharded projections inside blocks: the modules that split outputs into heads."""
+    parents = {name.rsplit(".", 1)[0] for name, s in matched.items() if s in ("colwise", "colwise_qkv") and "." in name}
+    return [(p, module.get_submodule(p)) for p in sorted(parents)]
+
+
+def _localize_attention(module: nn.Module, matched: dict[str, str], tp: int) -> None:
+    for _, attention in _attention_modules(module, matched):
+        for attribute in _LOCAL_ATTRIBUTES:
+            value = getattr(attention, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(attention, attribute, value // tp)
+
+
+@contextmanager
+def tensor_parallel_context(sequence_parallel: bool) -> Generator[None, None, None]:
+    """Around each step: with sequence parallelism the residual stream is a DTensor, and plain tensors added to
+    it (position embeddings, masks) are treated as replicated."""
+    if not sequence_parallel:
+        with nullcontext():
+            yield
+        return
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication():
+        yield
