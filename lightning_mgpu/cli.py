@@ -11,21 +11,25 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo",
         help="train a small GPT on bundled Shakespeare sonnets with several CPU processes",
-        description="Train the demo GPT (nanoGPT-style, plain torch) on the bundled sonnets with HybridStrategy.",
+        description="Train the demo GPT (nanoGPT-style, plain torch) on the bundled sonnets with HybridStrategy."
+        " The default layout uses every kind of parallelism: 8 processes = pipeline 2 x data 2 x tensor 2, ZeRO-1.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    demo.add_argument("--devices", type=int, default=4, help="processes (CPU) or GPUs per node")
+    demo.add_argument("--devices", type=int, default=8, help="processes (CPU) or GPUs per node")
     demo.add_argument("--accelerator", default="cpu")
     demo.add_argument("--data-parallel-size", default="auto", help="int or 'auto'")
-    demo.add_argument("--tensor-parallel-size", type=int, default=1)
-    demo.add_argument("--pipeline-parallel-size", type=int, default=1)
-    demo.add_argument("--zero-stage", type=int, default=2)
+    demo.add_argument("--tensor-parallel-size", type=int, default=2)
+    demo.add_argument("--pipeline-parallel-size", type=int, default=2)
+    demo.add_argument("--pipeline-schedule", default="1F1B")
+    demo.add_argument("--num-microbatches", type=int, default=None)
+    demo.add_argument("--sequence-parallel", action="store_true")
+    demo.add_argument("--zero-stage", type=int, default=1)
     demo.add_argument("--precision", default="32-true")
-    demo.add_argument("--max-steps", type=int, default=60)
+    demo.add_argument("--max-steps", type=int, default=80)
     demo.add_argument("--batch-size", type=int, default=16, help="global batch size")
     demo.add_argument("--block-size", type=int, default=64)
     demo.add_argument("--n-layer", type=int, default=4)
-    demo.add_argument("--n-embd", type=int, default=128)
+    demo.add_argument("--n-embd", type=int, default=64)
     demo.add_argument("--n-head", type=int, default=4)
     demo.add_argument("--lr", type=float, default=2e-3)
     demo.add_argument("--seed", type=int, default=1234)
@@ -45,6 +49,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         data_parallel_size=dp,  # type: ignore[arg-type]
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_schedule=args.pipeline_schedule,
+        num_microbatches=args.num_microbatches,
+        sequence_parallel=args.sequence_parallel,
         zero_stage=args.zero_stage,
         start_method="fork",  # one import of torch, shared by every worker: the demo starts in about a second
     )
@@ -89,6 +96,58 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_checkpoint_commands(subparsers: argparse._SubParsersAction) -> None:
+    consolidate = subparsers.add_parser(
+        "consolidate",
+        help="write a sharded checkpoint as one file (torch or safetensors), in one process",
+        description="Write a sharded HybridStrategy checkpoint (a DCP directory, any layout) as one file with the"
+        " plain module's keys: a Lightning checkpoint loadable with `LightningModule.load_from_checkpoint` and"
+        " `torch.load(weights_only=True)`, or safetensors weights (Hugging Face names for a Hugging Face model).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    consolidate.add_argument("checkpoint", metavar="CKPT_DIR", help="the sharded checkpoint directory")
+    consolidate.add_argument("out", metavar="OUT", help="the file to write")
+    consolidate.add_argument("--format", choices=("torch", "safetensors"), default="torch", dest="out_format")
+    consolidate.add_argument("--weights-only", action="store_true",
+                             help="torch format: keep the weights and hyperparameters only (no optimizer, loops)")
+    consolidate.add_argument("--prefix", default="auto",
+                             help="safetensors: key prefix to strip; 'auto' = the LightningModule attribute holding"
+                             " the Hugging Face model (or 'model.' when every key has it), 'none' = keep keys")
+    consolidate.add_argument("--trust", action="store_true",
+                             help="unpickle arbitrary objects in the checkpoint's metadata (weights_only=False)")
+    consolidate.set_defaults(run=_run_consolidate)
+
+    inspect = subparsers.add_parser(
+        "inspect",
+        help="print a checkpoint's layout, step and tensor shapes",
+        description="Print the layout a checkpoint was saved with, its epoch and step, and its tensors' shapes.",
+    )
+    inspect.add_argument("checkpoint", metavar="CKPT", help="a sharded checkpoint directory or a full file")
+    inspect.add_argument("--optimizer", action="store_true", help="list the optimizer state tensors too")
+    inspect.add_argument("--trust", action="store_true",
+                         help="unpickle arbitrary objects in the checkpoint's metadata (weights_only=False)")
+    inspect.set_defaults(run=_run_inspect)
+
+
+def _run_consolidate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lightning_mgpu.checkpoint import write_consolidated
+
+    print(write_consolidated(Path(args.checkpoint), Path(args.out), args.out_format, args.weights_only, args.prefix,
+                             load_weights_only=False if args.trust else True))
+    return 0
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lightning_mgpu.checkpoint import describe
+
+    print(describe(Path(args.checkpoint), args.optimizer, load_weights_only=False if args.trust else True))
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from lightning_mgpu import __version__
 
@@ -99,6 +158,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--version", action="version", version=f"lightning-mgpu {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_demo(subparsers)
+    _add_checkpoint_commands(subparsers)
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()

@@ -22,7 +22,7 @@ class ParallelOptions:
     sequence_parallel: bool = False
     pipeline_schedule: str = "1F1B"
     num_microbatches: Optional[int] = None
-    stages_per_rank: int = 1
+    stages_per_rank: Optional[int] = None
     pipeline_split: Union[str, list[str]] = "auto"
     activation_checkpointing: Union[bool, str, list[type]] = False
     cpu_offload: bool = False
@@ -51,8 +51,8 @@ class ParallelOptions:
             )
         if self.num_microbatches is not None and not _positive_int(self.num_microbatches):
             raise ValueError(f"`num_microbatches` must be a positive integer or None, got {self.num_microbatches!r}.")
-        if not _positive_int(self.stages_per_rank):
-            raise ValueError(f"`stages_per_rank` must be a positive integer, got {self.stages_per_rank!r}.")
+        if self.stages_per_rank is not None and not _positive_int(self.stages_per_rank):
+            raise ValueError(f"`stages_per_rank` must be a positive integer or None, got {self.stages_per_rank!r}.")
         ac = self.activation_checkpointing
         if not (ac in ACTIVATION_CHECKPOINTING or (isinstance(ac, (list, tuple)) and all(isinstance(c, type) for c in ac))):
             raise ValueError(
@@ -62,25 +62,30 @@ class ParallelOptions:
         for name in ("sequence_parallel", "cpu_offload", "async_checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        if self.async_checkpoint and self.checkpoint_format != "sharded":
+            raise ValueError(
+                "`async_checkpoint=True` writes sharded checkpoints in the background and needs"
+                f" `checkpoint_format='sharded'`, got {self.checkpoint_format!r}."
+            )
 
     def check_implemented(self, tensor_parallel_size: Size, pipeline_parallel_size: Size) -> None:
         """Refuse, loudly, options this version accepts in its signature but does not implement yet."""
         pending = {
-            "pipeline_parallel_size": pipeline_parallel_size not in (1, "auto"),
             "zero_backend='deepspeed'": self.zero_backend == "deepspeed",
-            "num_microbatches": self.num_microbatches is not None,
-            "stages_per_rank": self.stages_per_rank != 1,
-            "pipeline_split": self.pipeline_split != "auto",
-            "activation_checkpointing": self.activation_checkpointing is not False,
-            "cpu_offload": self.cpu_offload,
-            "checkpoint_format='full'": self.checkpoint_format == "full",
-            "async_checkpoint": self.async_checkpoint,
         }
         missing = [name for name, requested in pending.items() if requested]
         if missing:
             raise NotImplementedError(
                 f"HybridStrategy does not implement {', '.join(missing)} yet in this version; see the CHANGELOG"
                 " for what is available. Remove the argument(s) to train with data parallelism and ZeRO."
+            )
+
+    def check_zero_stage(self, zero_stage: int) -> None:
+        """Options that need a given ZeRO stage."""
+        if self.cpu_offload and zero_stage != 3:
+            raise ValueError(
+                f"`cpu_offload=True` offloads sharded parameters, gradients and optimizer states (FSDP2's"
+                f" CPUOffloadPolicy) and needs zero_stage=3, got zero_stage={zero_stage}."
             )
 
 

@@ -36,14 +36,15 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
-from lightning_mgpu.layout import DP_AXIS, ParallelLayout, Size
+from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding, set_gradient_sync
+from lightning_mgpu.parallel.pipeline_step import PipelineEngine, gather_pipeline_state_dict
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
 from lightning_mgpu.precision import HybridPrecision
 
@@ -78,7 +79,7 @@ class HybridStrategy(ParallelStrategy):
         sequence_parallel: bool = False,
         pipeline_schedule: str = "1F1B",
         num_microbatches: Optional[int] = None,
-        stages_per_rank: int = 1,
+        stages_per_rank: Optional[int] = None,
         pipeline_split: Union[str, list[str]] = "auto",
         activation_checkpointing: Union[bool, str, list[type]] = False,
         cpu_offload: bool = False,
@@ -122,6 +123,7 @@ class HybridStrategy(ParallelStrategy):
             async_checkpoint=async_checkpoint,
         )
         self.options.check_implemented(tensor_parallel_size, pipeline_parallel_size)
+        self.options.check_zero_stage(zero_stage)
         if start_method not in ("auto", "popen", "fork", "spawn", "forkserver"):
             raise ValueError(
                 f"`start_method` must be one of 'auto', 'popen', 'fork', 'spawn', 'forkserver', got {start_method!r}."
@@ -133,6 +135,8 @@ class HybridStrategy(ParallelStrategy):
         self._layout: Optional[ParallelLayout] = None
         self._device_mesh: Optional["DeviceMesh"] = None
         self._optimizer_sharding: list[OptimizerStateSharding] = []
+        self._runner: Optional[_StepRunner] = None
+        self._pipeline: Optional[PipelineEngine] = None
         self.num_nodes = 1
 
     # ----------------------------------------------------------------------------------------------- layout / mesh
@@ -205,7 +209,8 @@ class HybridStrategy(ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
-        self._precision_plugin = precision_plugin
+        # Lightning turns Trainer(precision="16-mixed") into bf16-mixed on CPU; we run real fp16 there.
+        self._precision_plugin = HybridPrecision.honour_trainer_flag(precision_plugin)
 
     # ---------------------------------------------------------------------------------------------- launch / setup
     @override
@@ -247,7 +252,10 @@ class HybridStrategy(ParallelStrategy):
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        parallelize(self.lightning_module, self.layout, self.device_mesh, self.options)
+        if self._runner is not None and self._runner.module is self.lightning_module:
+            self.model = self._runner  # already parallelized by an earlier fit/validate with this Trainer
+        else:
+            self.model = self._runner = self._parallelize()
         _reduce_metrics_over(self.lightning_module, self.device_mesh[DP_AXIS].get_group())
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -256,12 +264,48 @@ class HybridStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _parallelize(self) -> "_StepRunner":
+        runner = _StepRunner(self.lightning_module)
+        pipeline = parallelize(
+            self.lightning_module,
+            self.layout,
+            self.device_mesh,
+            self.options,
+            mp_policy=self.precision_plugin.mp_policy(),
+            root=runner,
+        )
+        if pipeline is not None:
+            if not self.lightning_module.automatic_optimization:
+                raise ValueError(
+                    "pipeline_parallel_size > 1 runs forward and backward inside the pipeline schedule, so it needs"
+                    " automatic optimization; this module sets `automatic_optimization = False`. Use"
+                    " pipeline_parallel_size=1 (tensor/data parallelism and ZeRO support manual optimization)."
+                )
+            pp_mesh = self.device_mesh[PP_AXIS]
+            self._pipeline = PipelineEngine(
+                self.lightning_module, pipeline, self.options.pipeline_schedule, self.options.num_microbatches,
+                pp_mesh.get_group(), self.root_device,
+            )
+            # Stages hold disjoint parameters: gradient norms add up over the pipeline group.
+            self.precision_plugin.grad_norm_group = pp_mesh.get_group()
+        return runner
+
+    @property
+    def _data_parallel_roots(self) -> list[nn.Module]:
+        """The modules the data-parallel root wraps went on: pipeline stages, or the step runner."""
+        if self._pipeline is not None:
+            return list(self._pipeline.runtime.stages)
+        return [self.model] if self.model is not None else []
+
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         self._reset_optimizers_and_schedulers()
         for sharding in self._optimizer_sharding:
             sharding.remove()
         super().setup_optimizers(trainer)
+        if self._pipeline is not None:
+            for optimizer in self.optimizers:
+                self._pipeline.guard_zero_grad(optimizer)
         if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1:
             dp_mesh = self.device_mesh[DP_AXIS]
             self._optimizer_sharding = [OptimizerStateSharding(optimizer, dp_mesh) for optimizer in self.optimizers]
@@ -281,34 +325,50 @@ class HybridStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------------------------------------------ steps
     def _redirect(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        # Call the step *through* the module's __call__ so that FSDP2/replicate hooks on the LightningModule fire
-        # even when the step calls a submodule directly (`self.model(input_ids=x)`).
-        assert self.lightning_module is not None
+        # Run the step through the root wrapper's __call__ so the data-parallel hooks fire even when the step calls
+        # a submodule directly (`self.model(input_ids=x)`).
+        assert isinstance(self.model, _StepRunner)
         with tensor_parallel_context(self._sequence_parallel):
-            return self._forward_redirection(self.lightning_module, self.lightning_module, method_name, *args, **kwargs)
+            return self.model(method_name, *args, **kwargs)
+
+    def _pipelined(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        assert self._pipeline is not None and self.lightning_module is not None
+        if kwargs:
+            raise TypeError(f"Under pipeline parallelism {method_name} is called with positional arguments only.")
+        with tensor_parallel_context(self._sequence_parallel):
+            if method_name == "training_step":
+                accumulate = self.lightning_module.trainer.accumulate_grad_batches
+                return self._pipeline.training_step(*args, accumulate_grad_batches=accumulate)
+            return self._pipeline.evaluation_step(method_name, *args)
+
+    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        run = self._pipelined if self._pipeline is not None else self._redirect
+        return run(method_name, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
-            return self._redirect("training_step", *args, **kwargs)
+            return self._step("training_step", *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._redirect("validation_step", *args, **kwargs)
+            return self._step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._redirect("test_step", *args, **kwargs)
+            return self._step("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._redirect("predict_step", *args, **kwargs)
+            return self._step("predict_step", *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None:
+            return closure_loss  # the schedule already ran backward inside `training_step`
         with tensor_parallel_context(self._sequence_parallel):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
@@ -320,12 +380,13 @@ class HybridStrategy(ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
-        assert self.model is not None
-        set_gradient_sync(self.model, False)
+        for root in self._data_parallel_roots:
+            set_gradient_sync(root, False)
         try:
             yield
         finally:
-            set_gradient_sync(self.model, True)
+            for root in self._data_parallel_roots:
+                set_gradient_sync(root, True)
 
     # ------------------------------------------------------------------------------------------------ collectives
     def _data_parallel_group(self, group: Optional[Any]) -> Optional[Any]:
@@ -367,7 +428,7 @@ class HybridStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # The shards go through `checkpoint.save_sharded`; Lightning's dict gets none.
+        # The states go through `checkpoint.Checkpointer.save`; Lightning's dict gets none.
         return {}
 
     @override
@@ -382,41 +443,54 @@ class HybridStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # done in `load_checkpoint`
 
+    @property
+    def checkpointer(self) -> sharded_checkpoint.Checkpointer:
+        """Saves and loads checkpoints (``checkpoint_format``, ``async_checkpoint``) for this strategy."""
+        if getattr(self, "_checkpointer", None) is None:
+            self._checkpointer = sharded_checkpoint.Checkpointer(
+                self.options.checkpoint_format, self.options.async_checkpoint
+            )
+        return self._checkpointer
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
-        path = Path(self.broadcast(str(filepath)))
-        if path.is_file():
-            path.unlink()
-        checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        checkpoint["parallel_layout"] = self.layout.describe()
-        assert self.model is not None
-        sharded_checkpoint.save_sharded(path, self.model, list(self.optimizers), checkpoint)
+        assert self.lightning_module is not None
+        self.checkpointer.save(checkpoint, filepath, self.lightning_module, list(self.optimizers), self.layout)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.model is not None and self.lightning_module is not None
-        return sharded_checkpoint.load_sharded(
-            path, self.model, list(self.optimizers), strict=self.lightning_module.strict_loading, weights_only=weights_only
+        module = self.lightning_module
+        assert module is not None
+        fitting = module._trainer is None or module.trainer.state.fn == TrainerFn.FITTING
+        return self.checkpointer.load(
+            checkpoint_path, module, list(self.optimizers), strict=module.strict_loading, weights_only=weights_only,
+            fitting=fitting,
         )
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            import shutil
+        self.checkpointer.remove(filepath)
 
-            path = Path(filepath)
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # After a mid-epoch resume the training data continues where the checkpoint stopped (Lightning alone
+        # would restart the epoch's batches); see `checkpoint.resume`.
+        assert self.lightning_module is not None
+        return self.checkpointer.process_dataloader(dataloader, self.lightning_module.trainer)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The unsharded model weights on CPU on global rank 0 (``{}`` elsewhere). Call on every rank."""
-        assert self.model is not None
-        return sharded_checkpoint.full_model_state_dict(self.model)
+        assert self.lightning_module is not None
+        if self._pipeline is None:
+            return sharded_checkpoint.full_model_state_dict(self.lightning_module)
+        return gather_pipeline_state_dict(self.lightning_module, self.device_mesh[PP_AXIS].get_group())
 
     @override
     def teardown(self) -> None:
+        if getattr(self, "_checkpointer", None) is not None:
+            self._checkpointer.wait()  # a background save finishes (or raises) before `fit` returns
         for sharding in self._optimizer_sharding:
             sharding.remove()
         self._optimizer_sharding = []
@@ -433,6 +507,22 @@ class HybridStrategy(ParallelStrategy):
             strategy_registry.register(
                 f"hybrid_zero{stage}", cls, description=f"lightning-mgpu HybridStrategy, ZeRO stage {stage}", zero_stage=stage
             )
+
+
+class _StepRunner(nn.Module):
+    """Calls one LightningModule step per ``__call__``: the data-parallel root that the strategy runs each step.
+
+    Keeping the root outside the LightningModule means the user's own ``self(x)`` inside a step is a plain call
+    and keys of ``lightning_module.state_dict()`` stay the user's.
+    """
+
+    def __init__(self, module: "pl.LightningModule") -> None:
+        super().__init__()
+        self.module = module
+
+    @override
+    def forward(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.module, method_name)(*args, **kwargs)
 
 
 def _smallest_world(*sizes: Size) -> int:

@@ -22,10 +22,10 @@ def test_help_lists_commands(capsys):
 def test_demo_trains_with_several_processes():
     """The README's main command, shortened: a real run with forked CPU workers, progress and final loss."""
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_mgpu.cli", "demo", "--devices", "2", "--max-steps", "6",
-         "--n-layer", "1", "--n-embd", "32", "--sample-tokens", "8"],
+        [sys.executable, "-m", "lightning_mgpu.cli", "demo", "--devices", "4", "--tensor-parallel-size", "1",
+         "--max-steps", "6", "--n-layer", "2", "--n-embd", "32", "--sample-tokens", "8"],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "dp=2 x tp=1 x pp=1 (zero_stage=2)" in out.stdout
+    assert "dp=2 x tp=1 x pp=2 (zero_stage=1)" in out.stdout
     assert "final train_loss:" in out.stdout and "sample:" in out.stdout

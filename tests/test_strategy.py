@@ -29,7 +29,7 @@ def _trainer(devices=2, **kwargs):
         (dict(tp_plan="magic"), "`tp_plan` must be 'auto', a dict.*got 'magic'"),
         (dict(pipeline_split="middle"), "`pipeline_split` must be 'auto' or a list.*got 'middle'"),
         (dict(num_microbatches=0), "`num_microbatches` must be a positive integer or None, got 0"),
-        (dict(stages_per_rank=0), "`stages_per_rank` must be a positive integer, got 0"),
+        (dict(stages_per_rank=0), "`stages_per_rank` must be a positive integer or None, got 0"),
         (dict(activation_checkpointing="some"), "`activation_checkpointing` must be.*got 'some'"),
         (dict(cpu_offload="yes"), "`cpu_offload` must be True or False, got 'yes'"),
         (dict(start_method="thread"), "`start_method` must be one of.*got 'thread'"),
@@ -53,10 +53,7 @@ def test_layout_that_does_not_cover_the_devices_fails_when_the_trainer_is_built(
         _trainer(devices=devices, strategy=HybridStrategy(**kwargs))
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [dict(pipeline_parallel_size=2), dict(cpu_offload=True), dict(async_checkpoint=True), dict(zero_backend="deepspeed")],
-)
+@pytest.mark.parametrize("kwargs", [dict(zero_backend="deepspeed")])
 def test_features_of_later_versions_are_refused_not_ignored(kwargs):
     with pytest.raises(NotImplementedError, match=f"does not implement {next(iter(kwargs))}"):
         HybridStrategy(**kwargs)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
-from lightning_mgpu.layout import DP_AXIS, TP_AXIS, ParallelLayout
+from lightning_mgpu.layout import DP_AXIS, PP_AXIS, TP_AXIS, ParallelLayout
+from lightning_mgpu.parallel.activation import apply_activation_checkpointing
 from lightning_mgpu.parallel.data import apply_data_parallel
+from lightning_mgpu.parallel.pipeline import PipelineRuntime, split_pipeline
 from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -16,9 +18,53 @@ if TYPE_CHECKING:
     from lightning_mgpu.options import ParallelOptions
 
 
-def parallelize(module: nn.Module, layout: ParallelLayout, mesh: "DeviceMesh", options: "ParallelOptions") -> None:
-    """Apply every parallelism of ``layout`` to ``module`` in place: tensor, pipeline, checkpointing, data."""
+def parallelize(
+    module: nn.Module,
+    layout: ParallelLayout,
+    mesh: "DeviceMesh",
+    options: "ParallelOptions",
+    mp_policy: Optional[Any] = None,
+    root: Optional[nn.Module] = None,
+) -> Optional[PipelineRuntime]:
+    """Apply every parallelism of ``layout`` to ``module`` in place: tensor, pipeline, checkpointing, data.
+
+    ``mp_policy`` is the precision plugin's FSDP2 ``MixedPrecisionPolicy`` (``HybridPrecision.mp_policy()``) for the
+    data-parallel wrap. ``root`` is the module called once per step that the data-parallel root wrap goes on.
+    With pipeline parallelism, returns this rank's stages; each stage is then the data-parallel root.
+    """
     if layout.tensor_parallel_size > 1:
+        if any(type(m).__name__ == "Float8Linear" for m in module.modules()):
+            raise NotImplementedError("fp8-mixed with tensor_parallel_size > 1 is not supported yet.")
         apply_tensor_parallel(module, mesh[TP_AXIS], options.tp_plan, options.sequence_parallel)
-    if layout.data_parallel_size > 1:
-        apply_data_parallel(module, mesh[DP_AXIS], layout.zero_stage)
+    runtime = None
+    blocks = None
+    if layout.pipeline_parallel_size > 1:
+        runtime = split_pipeline(module, mesh[PP_AXIS], options)
+        blocks = [block for stage in runtime.stages for block in stage.blocks]
+        if layout.data_parallel_size > 1 and len(runtime.stages) > 1:
+            raise NotImplementedError(
+                f"pipeline_schedule={options.pipeline_schedule!r} places several stages per rank; combining that with"
+                " data_parallel_size > 1 is not supported yet. Use GPipe or 1F1B with data parallelism."
+            )
+        root = runtime.stages[0]
+    if options.activation_checkpointing is not False:
+        apply_activation_checkpointing(module, options.activation_checkpointing)
+    offload_policy = None
+    if options.cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        # Pinned host memory makes the copies to and from the GPU asynchronous; there is none without CUDA.
+        offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    # The wrap also does the casting (param_dtype) and the offloading, so it applies at dp=1 when either is asked.
+    casts = mp_policy is not None and getattr(mp_policy, "param_dtype", None) is not None
+    if layout.data_parallel_size > 1 or offload_policy is not None or casts:
+        apply_data_parallel(
+            module,
+            mesh[DP_AXIS],
+            layout.zero_stage,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            root=root,
+            blocks=blocks,
+        )
+    return runtime

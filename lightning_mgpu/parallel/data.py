@@ -34,8 +34,16 @@ def apply_data_parallel(
     zero_stage: int,
     mp_policy: Optional[Any] = None,
     offload_policy: Optional[Any] = None,
+    root: Optional[nn.Module] = None,
+    blocks: Optional[list[nn.Module]] = None,
 ) -> None:
     """Wrap ``module`` in place for data parallelism over ``dp_mesh`` at the given ZeRO stage.
+
+    ``blocks`` defaults to the model's repeated blocks (with pipelining: only this rank's).
+    Its blocks get a wrap each; ``root`` (default: ``module`` itself), which must contain ``module``, takes the
+    remaining parameters. The strategy passes a module that is called exactly once per step, so that the
+    LightningModule's own nested ``self(x)`` calls do not end the root's forward early (FSDP2 would then reshard
+    the root and gather it again in backward).
 
     ``mp_policy`` (FSDP2 ``MixedPrecisionPolicy``) and ``offload_policy`` (``OffloadPolicy``/``CPUOffloadPolicy``)
     pass through to FSDP2 unchanged.
@@ -54,12 +62,12 @@ def apply_data_parallel(
         wrap = fully_shard
         kwargs["reshard_after_forward"] = zero_stage == 3
         kwargs["shard_placement_fn"] = _shard_dim_beside_tensor_parallel
-    for block in find_blocks(module):
+    for block in find_blocks(module) if blocks is None else blocks:
         wrap(block, **kwargs)
     if zero_stage >= 2:
         # The root's parameters (embeddings, head, norms) are needed first in backward: keep them gathered.
         kwargs["reshard_after_forward"] = False
-    wrap(module, **kwargs)
+    wrap(module if root is None else root, **kwargs)
 
 
 def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Optional[Any]:

@@ -48,6 +48,7 @@ def _fit_worker(
     seed: int,
     trainer_kwargs: dict[str, Any],
     callbacks_factory: Optional[Callable[[], list[L.Callback]]],
+    fit_kwargs: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     from lightning_mgpu import HybridStrategy
 
@@ -63,20 +64,22 @@ def _fit_worker(
         strategy: Any = DDPStrategy(timeout=_TIMEOUT)
     else:
         strategy = HybridStrategy(timeout=_TIMEOUT, **strategy_kwargs)
+    defaults: dict[str, Any] = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
         max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         callbacks=[recorder, *extra_callbacks],
-        **trainer_kwargs,
+        **{**defaults, **trainer_kwargs},  # trainer_kwargs may override the defaults (e.g. enable_checkpointing)
     )
-    trainer.fit(module, datamodule)
+    trainer.fit(module, datamodule, **(fit_kwargs or {}))
     if isinstance(trainer.strategy, HybridStrategy):
         state_dict = trainer.strategy.full_state_dict()
     else:
@@ -99,8 +102,12 @@ def fit(
     seed: int = 1234,
     trainer_kwargs: Optional[dict[str, Any]] = None,
     callbacks_factory: Optional[Callable[[], list[L.Callback]]] = None,
+    fit_kwargs: Optional[dict[str, Any]] = None,
 ) -> tuple[RunResult, list[dict[str, Any]]]:
-    """Fit in ``devices`` forked processes; return global rank 0's result and every rank's extras."""
+    """Fit in ``devices`` forked processes; return global rank 0's result and every rank's extras.
+
+    ``fit_kwargs`` go to ``trainer.fit`` (e.g. ``ckpt_path``).
+    """
     outputs = run_distributed(
         _fit_worker,
         devices,
@@ -112,6 +119,7 @@ def fit(
         seed,
         trainer_kwargs or {},
         callbacks_factory,
+        fit_kwargs,
     )
     rank0 = next(o for o in outputs if o["rank"] == 0)
     return RunResult(rank0["losses"], rank0["state_dict"], rank0["extra"]), [o["extra"] for o in outputs]

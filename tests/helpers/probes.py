@@ -74,3 +74,15 @@ class CollectiveCounter(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for name, original in self._originals.items():
             setattr(dist, name, original)
+
+
+class MetricRecorder(L.Callback):
+    """Records logged metrics as global rank 0's loggers see them: validation ones after each validation run."""
+
+    def __init__(self, validation_key: str = "val_loss") -> None:
+        self.validation_key = validation_key
+        self.results: dict[str, Any] = {"val_losses": [], "predictions": None}
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.validation_key in trainer.callback_metrics:
+            self.results["val_losses"].append(float(trainer.callback_metrics[self.validation_key]))

@@ -103,3 +103,16 @@ def test_gradient_clipping_uses_the_global_norm(zero_stage):
     clipped_reference = reference("gpt", trainer_kwargs)
     assert clipped_reference.losses != reference("gpt").losses  # the clip is active
     assert_same_training(clipped_reference, result)
+
+
+@pytest.mark.parametrize(("zero_stage", "gathers"), [(2, lambda blocks: blocks + 1), (3, lambda blocks: 2 * blocks + 1)])
+def test_parameters_are_gathered_once_per_unit_and_pass(zero_stage, gathers):
+    """Stage 2 gathers each block and the root once per step; stage 3 gathers blocks again in backward. The root
+    (embeddings, head) must not be gathered twice because the step calls `self(x)` inside the root's forward."""
+    dp = 2
+    module, data = MODELS["gpt"]
+    _, extras = fit(module, lambda: data(GLOBAL_BATCH // dp), {"zero_stage": zero_stage}, dp, 3,
+                    callbacks_factory=lambda: [CollectiveCounter()])
+    blocks = 2  # _gpt() has n_layer=2
+    per_batch = [b.get("all_gather_single", 0) for b in extras[0]["per_batch"]]
+    assert per_batch == [gathers(blocks)] * 3, per_batch

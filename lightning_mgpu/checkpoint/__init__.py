@@ -1,0 +1,24 @@
+"""Checkpoints keyed by the plain module's FQNs: saved under any layout, loaded under any other.
+
+- ``format``: the on-disk formats (sharded DCP directory, full file), atomic publishing, completeness checks.
+- ``states``: model/optimizer/RNG states of the live objects, conversions between optimizer formats.
+- ``checkpointer``: ``Checkpointer``, what ``HybridStrategy``'s checkpoint hooks call (sync/async, sharded/full).
+- ``resume``: continuing the training data where a mid-epoch checkpoint stopped.
+- ``convert``: consolidation to one file (torch or safetensors) and ``inspect``, without a process group.
+"""
+
+from lightning_mgpu.checkpoint.checkpointer import Checkpointer
+from lightning_mgpu.checkpoint.convert import consolidate, describe, write_consolidated
+from lightning_mgpu.checkpoint.format import METADATA_FILE, CheckpointError, is_sharded_checkpoint
+from lightning_mgpu.checkpoint.states import full_model_state_dict
+
+__all__ = [
+    "METADATA_FILE",
+    "CheckpointError",
+    "Checkpointer",
+    "consolidate",
+    "describe",
+    "full_model_state_dict",
+    "is_sharded_checkpoint",
+    "write_consolidated",
+]

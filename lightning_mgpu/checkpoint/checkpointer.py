@@ -1,0 +1,297 @@
+"""The strategy's checkpoint hooks: save (sharded or full, synchronous or in the background), load, remove."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.trainer.states import RunningStage
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.optim import Optimizer
+
+from lightning_mgpu.checkpoint import format as fmt
+from lightning_mgpu.checkpoint import resume, states
+from lightning_mgpu.checkpoint.format import INFO_KEY, LAYOUT_KEY, MODEL_KEY, OPTIMIZER_KEY, CheckpointError
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_mgpu.layout import ParallelLayout
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    if not _distributed():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on global rank 0 (``[]`` elsewhere)."""
+    if not _distributed():
+        return [obj]
+    gathered: Optional[list[Any]] = [None] * dist.get_world_size() if _rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered or []
+
+
+def _broadcast_object(obj: Any) -> Any:
+    if not _distributed():
+        return obj
+    container = [obj]
+    dist.broadcast_object_list(container, src=0)
+    return container[0]
+
+
+def _broadcast_path(path: Any) -> Path:
+    return Path(_broadcast_object(str(path)))
+
+
+def layout_record(layout: "ParallelLayout") -> dict[str, int]:
+    record = dataclasses.asdict(layout)
+    record["world_size"] = layout.world_size
+    return record
+
+
+def describe_layout(record: Any) -> str:
+    if not isinstance(record, dict):
+        return str(record)
+    return (
+        f"dp={record['data_parallel_size']} x tp={record['tensor_parallel_size']} x"
+        f" pp={record['pipeline_parallel_size']} (zero_stage={record['zero_stage']})"
+    )
+
+
+def hf_models(module: nn.Module) -> dict[str, dict[str, str]]:
+    """Children of the LightningModule that are Hugging Face ``PreTrainedModel``s: their prefix and config."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return {}
+    found = {}
+    for name, child in module.named_children():
+        if isinstance(child, transformers.PreTrainedModel):
+            found[name] = {"class": type(child).__name__, "config": child.config.to_json_string()}
+    return found
+
+
+class _PendingSave:
+    """An asynchronous save: DCP writes in a thread, then global rank 0 publishes the directory."""
+
+    def __init__(self, future: Any, staging: Path, path: Path, publishes: bool) -> None:
+        self.path = path
+        self._staging = staging
+        self._publishes = publishes
+        self._error: Optional[BaseException] = None
+        self._done = threading.Event()
+        future.add_done_callback(self._finish)
+
+    def _finish(self, future: Any) -> None:
+        try:
+            future.result()
+            if self._publishes:
+                fmt.publish(self._staging, self.path)
+        except BaseException as error:  # surfaced by `wait`
+            self._error = error
+        finally:
+            self._done.set()
+
+    def wait(self, agree: bool) -> None:
+        """Block until done; raise its error. With ``agree`` (a collective), every rank raises if any rank's
+        part failed, so that no rank goes on into collectives the others have left."""
+        self._done.wait()
+        error = self._error
+        failures = [(_rank(), error)] if error is not None else []
+        if agree and _distributed():
+            reports = _all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+            failures = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+        if failures:
+            rank, report = failures[0]
+            if isinstance(report, BaseException):
+                report = f"{type(report).__name__}: {report}"
+            raise CheckpointError(f"The asynchronous save of {self.path} failed (rank {rank}): {report}") from error
+
+
+class Checkpointer:
+    """Save and load a LightningModule and its optimizers whatever the layout; owned by ``HybridStrategy``."""
+
+    def __init__(self, checkpoint_format: str = "sharded", async_save: bool = False) -> None:
+        if async_save and checkpoint_format != "sharded":
+            raise ValueError("`async_checkpoint=True` needs `checkpoint_format='sharded'`.")
+        self.checkpoint_format = checkpoint_format
+        self.async_save = async_save
+        self._pending: Optional[_PendingSave] = None
+        self._async_group: Optional[Any] = None
+        self._resuming = False
+
+    # ------------------------------------------------------------------------------------------------------ save
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: Any,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        layout: "ParallelLayout",
+    ) -> None:
+        """Write ``checkpoint`` (Lightning's dict) with the model's and optimizers' states. Collective."""
+        path = _broadcast_path(filepath)
+        self.wait(agree=True)
+        with_optimizers = OPTIMIZER_KEY in checkpoint  # Lightning leaves it out for `save_weights_only`
+        state: dict[str, Any] = {MODEL_KEY: states.model_state(model)}
+        groups: list[list[list[str]]] = []
+        if with_optimizers:
+            state[OPTIMIZER_KEY] = [states.optimizer_state(model, optimizer) for optimizer in optimizers]
+            groups = [states.group_fqns(model, o, s) for o, s in zip(optimizers, state[OPTIMIZER_KEY])]
+        gathered = _gather_object({"rng": states.collect_rng_states(), "groups": groups})
+        meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
+        meta[LAYOUT_KEY] = layout_record(layout)
+        meta[INFO_KEY] = {
+            "format_version": fmt.FORMAT_VERSION,
+            "format": self.checkpoint_format,
+            "rng_states": [g["rng"] for g in gathered],
+            "optimizer_param_groups": states.merge_group_fqns([g["groups"] for g in gathered]),
+            "hf_models": hf_models(model),
+        }
+        staging = fmt.partial_path(path)
+        if _rank() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fmt.remove(staging)  # what an earlier interrupted save left
+            staging.mkdir()
+        _barrier()
+        if self.async_save:
+            if _rank() == 0:
+                fmt.write_file(meta, staging / fmt.METADATA_FILE)
+            future = dcp.async_save(state, checkpoint_id=staging, process_group=self._checkpoint_group())
+            self._pending = _PendingSave(future, staging, path, publishes=_rank() == 0)
+            return
+        dcp.save(state, checkpoint_id=staging)
+        error = None
+        if _rank() == 0:
+            try:
+                self._finish_on_rank_zero(staging, path, meta)
+            except Exception as caught:
+                error = caught
+        # Nobody goes on (to load, delete, or exit) before the checkpoint is in place, and all fail together.
+        failure = _broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+        if failure is not None:
+            raise CheckpointError(f"Saving {path} failed on global rank 0: {failure}") from error
+
+    def _finish_on_rank_zero(self, staging: Path, path: Path, meta: dict[str, Any]) -> None:
+        if self.checkpoint_format == "sharded":
+            fmt.write_file(meta, staging / fmt.METADATA_FILE)
+            fmt.publish(staging, path)
+            return
+        from lightning_mgpu.checkpoint.convert import consolidate_directory
+
+        finished = staging / "full.ckpt"
+        fmt.write_file(consolidate_directory(staging, meta), finished)
+        fmt.publish(finished, path)
+        fmt.remove(staging)
+
+    def _checkpoint_group(self) -> Optional[Any]:
+        # The background thread's collectives must not interleave with training's on the default group.
+        if _distributed() and self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
+    def wait(self, agree: bool = False) -> None:
+        """Block until a background save is on disk; raise its error, if any (on every rank with ``agree``,
+        which is then a collective: it is used where every rank is saving, loading or removing together)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait(agree)
+
+    def remove(self, filepath: Any) -> None:
+        path = Path(filepath)
+        if self._pending is not None and self._pending.path == path:
+            self.wait(agree=True)
+        if _rank() == 0:
+            fmt.remove(path)
+
+    # ------------------------------------------------------------------------------------------------------ load
+    def load(
+        self,
+        filepath: Any,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+        fitting: bool = True,
+    ) -> dict[str, Any]:
+        """Load a sharded directory or a full file (ours or any single-device Lightning checkpoint) into
+        ``model`` and, when ``fitting``, ``optimizers`` and the RNGs; return Lightning's part. Collective."""
+        self.wait(agree=True)
+        path = _broadcast_path(filepath)
+        fmt.check_exists(path)
+        optimizers = optimizers if fitting else []
+        if path.is_dir():
+            fmt.check_sharded(path)
+            meta = fmt.load_file(path / fmt.METADATA_FILE, weights_only)
+            reader: Any = FileSystemReader(path)
+            states.load_states(reader, model, optimizers, strict, str(path), checkpoint_id=path)
+        else:
+            meta = fmt.load_file(path, weights_only)
+            if MODEL_KEY not in meta:
+                raise CheckpointError(f"{path} has no `{MODEL_KEY}`: it is not a Lightning checkpoint.")
+            flat = _flatten_full(meta, model, optimizers)
+            states.load_states(fmt.FlatReader(flat), model, optimizers, strict, str(path))
+            meta = {k: v for k, v in meta.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
+        if fitting:
+            rng_states = meta.get(INFO_KEY, {}).get("rng_states")
+            if rng_states:
+                states.set_rng_states(rng_states[_rank() % len(rng_states)])
+            self._resuming = True
+        return meta
+
+    def process_dataloader(self, dataloader: Any, trainer: "pl.Trainer") -> Any:
+        """After a mid-epoch resume, the training loader continues where the checkpoint's epoch stopped."""
+        if not self._resuming or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        self._resuming = False
+        skip, epoch = resume.batches_to_skip(trainer)
+        if not skip:
+            return dataloader
+        # Lightning warns that a plain loader cannot resume mid-epoch; this one does.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        return resume.FastForward(dataloader, skip, epoch)
+
+
+def _flatten_full(checkpoint: dict[str, Any], model: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:
+    """A full file's model and optimizer states as DCP-flattened entries, to be served by ``FlatReader``."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    nested: dict[str, Any] = {MODEL_KEY: checkpoint[MODEL_KEY]}
+    saved = checkpoint.get(OPTIMIZER_KEY)
+    if optimizers and saved:
+        named_groups = checkpoint.get(INFO_KEY, {}).get("optimizer_param_groups")
+        flats = []
+        for i, native in enumerate(saved[: len(optimizers)]):
+            if named_groups is not None and i < len(named_groups):
+                groups = named_groups[i]
+            else:  # a plain Lightning checkpoint: parameters in the order of the current optimizer, as torch does
+                template = states.optimizer_state(model, optimizers[i])
+                groups = states.group_fqns(model, optimizers[i], template)
+            flats.append(states.native_to_flat(native, groups))
+        nested[OPTIMIZER_KEY] = flats
+    flat, _ = flatten_state_dict(nested)
+    return flat

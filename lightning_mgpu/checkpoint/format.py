@@ -1,0 +1,228 @@
+"""What a checkpoint is on disk, how it is published atomically, and how it is checked before it is read.
+
+Two formats, both keyed by the plain module's FQNs:
+
+- ``"sharded"``: a directory. ``torch.distributed.checkpoint`` (DCP) files hold ``state_dict.<fqn>`` (the model)
+  and ``optimizer_states.<i>.state.<fqn>.<name>`` / ``optimizer_states.<i>.param_groups.<fqn>.<hparam>``
+  (optimizer ``i`` in DCP's flattened form, which reshards across pipeline stages); ``meta.pt`` holds everything
+  else Lightning keeps (loops, callbacks, LR schedulers, precision state, hyperparameters) plus ``parallel_layout``
+  and the ``lightning_mgpu`` record (format, RNG states of every rank, optimizer parameter groups by FQN).
+- ``"full"``: one ``torch.save`` file laid out like a single-device Lightning checkpoint (``state_dict`` with plain
+  keys, ``optimizer_states`` in torch's own format) plus the same two records.
+
+Every save is written beside its target, in ``.<name>.partial``, and renamed into place only when complete; an
+interrupted save therefore never replaces or half-writes a checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+
+FORMAT_VERSION = 1
+METADATA_FILE = "meta.pt"  # Lightning's state beside the shards
+DCP_INDEX = ".metadata"  # written by DCP once every rank's shards are on disk
+MODEL_KEY = "state_dict"
+OPTIMIZER_KEY = "optimizer_states"
+INFO_KEY = "lightning_mgpu"
+LAYOUT_KEY = "parallel_layout"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is incomplete, corrupt, or does not fit the model/optimizers it is loaded into."""
+
+
+def partial_path(path: Path) -> Path:
+    """Where a save to ``path`` is written before it is published."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def _replaced_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.replaced")
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot fsync directories
+    finally:
+        os.close(fd)
+
+
+def write_file(obj: Any, path: Path) -> None:
+    """``torch.save`` and flush to disk."""
+    torch.save(obj, path)
+    _fsync(path)
+
+
+def publish(finished: Path, path: Path) -> None:
+    """Move a finished checkpoint to ``path`` with renames, replacing what is there.
+
+    A directory cannot be renamed over a non-empty one, so a previous checkpoint at ``path`` is first renamed
+    aside and deleted after; if the process dies between the two renames, ``load`` names where it is.
+    """
+    replaced = None
+    if path.exists() or path.is_symlink():
+        replaced = _replaced_path(path)
+        remove(replaced)
+        os.replace(path, replaced)
+    os.replace(finished, path)
+    _fsync(path.parent)
+    if replaced is not None:
+        remove(replaced)
+
+
+def check_exists(path: Path) -> None:
+    if path.exists():
+        return
+    message = f"Checkpoint {path} does not exist."
+    if partial_path(path).exists():
+        message += (
+            f" An unfinished save was found at {partial_path(path)}: it was interrupted before every rank had"
+            " finished writing, and is not loadable. Resume from an earlier checkpoint."
+        )
+    if _replaced_path(path).exists():
+        message += (
+            f" The checkpoint previously at this path is at {_replaced_path(path)} (a save was interrupted while"
+            " replacing it); rename it back to use it."
+        )
+    raise FileNotFoundError(message)
+
+
+def check_sharded(path: Path) -> Metadata:
+    """Check that every file a sharded checkpoint needs is there and long enough; return DCP's index."""
+    problems = []
+    if not (path / METADATA_FILE).is_file():
+        problems.append(f"{METADATA_FILE} (the trainer state, written by global rank 0 after the shards)")
+    metadata = None
+    if not (path / DCP_INDEX).is_file():
+        problems.append(f"{DCP_INDEX} (DCP's index of the shards, written once every rank has finished)")
+    else:
+        try:
+            metadata = FileSystemReader(path).read_metadata()
+        except Exception as error:  # a truncated pickle raises anything from EOFError to UnpicklingError
+            problems.append(f"{DCP_INDEX} is unreadable ({type(error).__name__}: {error})")
+    if metadata is not None:
+        needed: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(needed.items()):
+            file = path / name
+            if not file.is_file():
+                problems.append(f"{name} (a data shard)")
+            elif file.stat().st_size < size:
+                problems.append(f"{name} is truncated ({file.stat().st_size} of at least {size} bytes)")
+    if problems:
+        raise CheckpointError(
+            f"The sharded checkpoint {path} is incomplete or corrupt; missing or damaged: {'; '.join(problems)}."
+        )
+    assert metadata is not None
+    return metadata
+
+
+def load_file(path: Path, weights_only: Optional[bool] = None) -> Any:
+    """``torch.load`` on CPU, memory-mapped where possible, naming the file when it is damaged."""
+    try:
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        except RuntimeError as error:
+            if "mmap" not in str(error):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as error:
+        raise CheckpointError(f"{path} could not be read, it is truncated or corrupt: {error}") from error
+
+
+def read_metadata(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """A checkpoint's metadata: ``meta.pt`` of a (checked) directory, or the whole of a full file."""
+    check_exists(path)
+    if path.is_dir():
+        check_sharded(path)
+        return load_file(path / METADATA_FILE, weights_only)
+    return load_file(path, weights_only)
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / METADATA_FILE).is_file()
+
+
+class FlatReader(StorageReader):
+    """Serves DCP loads from full tensors in memory (a ``"full"`` file), so that loading a full file reshards
+    into whatever layout the model has exactly as loading a sharded directory does."""
+
+    def __init__(self, flat: dict[str, Any]) -> None:
+        super().__init__()
+        self.flat = flat
+        entries: dict[str, Any] = {}
+        for key, value in flat.items():
+            if isinstance(value, torch.Tensor):
+                chunk = ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=value.size())
+                entries[key] = TensorStorageMetadata(TensorProperties.create_from_tensor(value), value.size(), [chunk])
+            else:
+                entries[key] = BytesStorageMetadata()
+        self.metadata = Metadata(state_dict_metadata=entries)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        for item in plan.items:
+            value = self.flat[item.storage_index.fqn]
+            if item.type == LoadItemType.BYTE_IO:
+                buffer = io.BytesIO()
+                torch.save(value, buffer)
+                buffer.seek(0)
+                planner.load_bytes(item, buffer)
+                continue
+            for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                value = value.narrow(dim, offset, length)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(value)
+            planner.commit_tensor(item, target)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False

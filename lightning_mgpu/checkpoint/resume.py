@@ -1,0 +1,107 @@
+"""Continue the data where a mid-epoch checkpoint stopped.
+
+Lightning restores its loop counters, but a plain ``DataLoader`` is not resumable: after a mid-epoch resume it
+restarts the epoch's iterator from its first batch (with a warning), so the resumed run trains on batches the
+interrupted one had already seen. The strategy hands the training loader to :func:`fast_forward`, which skips
+the batches the checkpoint's epoch had consumed, once, using the sampler's epoch of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import TYPE_CHECKING, Any, Iterator
+
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch.utilities.seed import isolate_rng
+from torch.utils.data import DataLoader, IterableDataset
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+def batches_to_skip(trainer: "pl.Trainer") -> tuple[int, int]:
+    """``(batches consumed in the interrupted epoch, that epoch)``, from the restored loops; ``(0, epoch)`` when
+    the checkpoint was saved at an epoch boundary. Mirrors how Lightning's loops count the restarted epoch."""
+    fit_loop = trainer.fit_loop
+    epoch = fit_loop.epoch_progress.current.processed
+    fit_loop.update_restart_stage()  # recomputed by `fit_loop.reset()` as well; only read here
+    if not fit_loop.restarted_mid_epoch:
+        return 0, epoch
+    epoch_loop = fit_loop.epoch_loop
+    progress = epoch_loop.batch_progress
+    consumed = progress.current.completed
+    if epoch_loop.restarted_on_train_batch_end:
+        if progress.is_last_batch:
+            return 0, epoch  # the epoch's last batch had finished: Lightning starts the next epoch
+        accumulating = progress.current.ready % trainer.accumulate_grad_batches != 0
+        if not accumulating:
+            consumed += 1  # saved in `on_train_batch_end`: Lightning counts the batch as completed
+    return consumed, epoch
+
+
+class FastForward:
+    """The training loader, whose next iterator starts ``skip`` batches into epoch ``epoch``.
+
+    Everything else (``len``, ``sampler``, ``dataset``, later epochs) is the wrapped loader's. The first
+    iterator is built with the RNG isolated: the interrupted run had built it at the start of the epoch, and
+    its random draws are not part of the RNG state the checkpoint restored.
+    """
+
+    def __init__(self, loader: Any, skip: int, epoch: int) -> None:
+        self.loader = loader
+        self.skip = skip
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.skip:
+            return iter(self.loader)
+        skip, self.skip = self.skip, 0
+        with isolate_rng():
+            _set_sampler_epoch(self.loader, self.epoch)
+            return _skipping_iterator(self.loader, skip)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Lightning sets e.g. `worker_init_fn` on the loader it is given: it belongs to the wrapped loader.
+        if name in ("loader", "skip", "epoch"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.loader, name, value)
+
+
+def _skipping_iterator(loader: Any, skip: int) -> Iterator[Any]:
+    if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset):
+        # Skip indices, not batches: nothing is loaded for the skipped part, worker processes included.
+        clone = copy.copy(loader)
+        attribute = "batch_sampler" if loader._auto_collation else "sampler"
+        # DataLoader refuses to set these after __init__; the clone is private to this one iterator.
+        clone.__dict__[attribute] = _SkipFirst(getattr(loader, attribute), skip)
+        clone.__dict__["_iterator"] = None
+        return iter(clone)
+    # Iterable datasets and other iterables: the skipped batches have to be produced and dropped.
+    return itertools.islice(iter(loader), skip, None)
+
+
+class _SkipFirst:
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler = sampler
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.skip)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "sampler":
+            raise AttributeError(name)
+        return getattr(self.sampler, name)

@@ -1,0 +1,287 @@
+"""Model, optimizer and RNG states of the live objects, keyed by plain FQNs whatever the layout.
+
+The optimizer state is DCP's flattened form (``state.<fqn>.<name>``, ``param_groups.<fqn>.<hparam>``): every
+entry names its parameter, so ranks holding different parameters (ZeRO-1 owners, pipeline stages) save and load
+their own parts and any other layout can reassemble them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.optim import Optimizer
+
+from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, CheckpointError
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_STATE = "state."
+_GROUPS = "param_groups."
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model state on CPU, on global rank 0 (other ranks get ``{}``). Collective."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def model_state(model: nn.Module) -> dict[str, Any]:
+    return get_model_state_dict(model)
+
+
+@contextmanager
+def _no_implicit_init(optimizer: Optimizer) -> Iterator[None]:
+    """Keep DCP from initializing an empty optimizer state with a zero-lr step.
+
+    DCP does that in ``get_optimizer_state_dict`` and again in ``set_optimizer_state_dict`` whenever the state is
+    empty and no gradient exists. That step would change the run (Adam's step count), and under ZeRO-1 it is a
+    collective issued by the ranks that hold no state only (a hang). A zero gradient on one parameter makes DCP
+    skip it.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sentinel = None
+    if not optimizer.state and params and all(p.grad is None for p in params):
+        sentinel = params[0]
+        sentinel.grad = torch.zeros_like(sentinel)
+    try:
+        yield
+    finally:
+        if sentinel is not None:
+            sentinel.grad = None
+
+
+def optimizer_state(model: nn.Module, optimizer: Optimizer, initialize: bool = False) -> dict[str, Any]:
+    """The optimizer's flattened state; with ``initialize`` (every rank together, on fresh optimizers), states
+    are created first, to be loaded into."""
+    if initialize:
+        return get_optimizer_state_dict(model, optimizer, options=_FLAT)
+    with _no_implicit_init(optimizer):
+        return get_optimizer_state_dict(model, optimizer, options=_FLAT)
+
+
+def _fqns_of(model: nn.Module) -> dict[nn.Parameter, list[str]]:
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+    except ImportError:  # pragma: no cover - older/newer torch: names are plain for our wrappers anyway
+        _get_fqns = None
+    names: dict[nn.Parameter, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[param].extend(sorted(_get_fqns(model, name)) if _get_fqns is not None else [name])
+    return names
+
+
+def group_fqns(model: nn.Module, optimizer: Optimizer, flat_state: dict[str, Any]) -> list[list[str]]:
+    """The FQN of every parameter of every param group, in the optimizer's order, as named in ``flat_state``."""
+    present = {key[len(_GROUPS):].rsplit(".", 1)[0] for key in flat_state if key.startswith(_GROUPS)}
+    names = _fqns_of(model)
+    groups = []
+    for group in optimizer.param_groups:
+        fqns = []
+        for param in group["params"]:
+            candidates = [n for n in names.get(param, []) if n in present] or names.get(param, [])
+            if not candidates:
+                raise CheckpointError("An optimizer holds a parameter that is not part of the LightningModule.")
+            fqns.append(candidates[0])
+        groups.append(fqns)
+    return groups
+
+
+def merge_group_fqns(per_rank: list[list[list[list[str]]]]) -> list[list[list[str]]]:
+    """Union over ranks (in rank order, so pipeline stages in order) of each optimizer's param groups."""
+    merged: list[list[list[str]]] = []
+    for rank_groups in per_rank:
+        for i, groups in enumerate(rank_groups):
+            if i == len(merged):
+                merged.append([[] for _ in groups])
+            for j, fqns in enumerate(groups):
+                seen = set(merged[i][j])
+                merged[i][j].extend(f for f in fqns if f not in seen)
+    return merged
+
+
+# --------------------------------------------------------------------------------------- flat <-> torch's format
+def _split_state_key(rest: str, fqns: set[str]) -> tuple[str, list[str]]:
+    parts = rest.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        fqn = ".".join(parts[:cut])
+        if fqn in fqns:
+            return fqn, parts[cut:]
+    raise CheckpointError(f"The optimizer state entry {rest!r} names no parameter of the checkpoint.")
+
+
+def flat_to_native(flat: dict[str, Any], groups: list[list[str]]) -> dict[str, Any]:
+    """DCP's flattened optimizer state to ``torch.optim.Optimizer.state_dict()``'s format (integer ids)."""
+    fqns = {fqn for group in groups for fqn in group}
+    hparams: dict[str, dict[str, Any]] = defaultdict(dict)
+    states: dict[str, dict[str, Any]] = defaultdict(dict)
+    for key, value in flat.items():
+        if key.startswith(_GROUPS):
+            fqn, name = key[len(_GROUPS):].rsplit(".", 1)
+            hparams[fqn][name] = value
+        elif key.startswith(_STATE):
+            fqn, path = _split_state_key(key[len(_STATE):], fqns)
+            node = states[fqn]
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = value
+    native: dict[str, Any] = {"state": {}, "param_groups": []}
+    index = 0
+    for group in groups:
+        native_group = dict(hparams.get(group[0], {})) if group else {}
+        native_group["params"] = []
+        for fqn in group:
+            native_group["params"].append(index)
+            if fqn in states:
+                native["state"][index] = states[fqn]
+            index += 1
+        native["param_groups"].append(native_group)
+    return native
+
+
+def native_to_flat(native: dict[str, Any], groups: list[list[str]]) -> dict[str, Any]:
+    """``Optimizer.state_dict()``'s format, with the FQNs of its param groups, to DCP's flattened form."""
+    if len(native["param_groups"]) != len(groups):
+        raise CheckpointError(
+            f"The checkpoint's optimizer has {len(native['param_groups'])} param groups, the current one"
+            f" {len(groups)}."
+        )
+    flat: dict[str, Any] = {}
+
+    def add_state(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for name, inner in value.items():
+                add_state(f"{prefix}.{name}", inner)
+        else:
+            flat[prefix] = value
+
+    for group, fqns in zip(native["param_groups"], groups):
+        if len(group["params"]) != len(fqns):
+            raise CheckpointError(
+                f"A param group of the checkpoint's optimizer has {len(group['params'])} parameters, the current"
+                f" one {len(fqns)}."
+            )
+        for pid, fqn in zip(group["params"], fqns):
+            for name, value in group.items():
+                if name != "params":
+                    flat[f"{_GROUPS}{fqn}.{name}"] = value
+            for name, value in native["state"].get(pid, {}).items():
+                add_state(f"{_STATE}{fqn}.{name}", value)
+    return flat
+
+
+# ------------------------------------------------------------------------------------------------------- loading
+def load_states(
+    reader: StorageReader,
+    model: nn.Module,
+    optimizers: list[Optimizer],
+    strict: bool,
+    where: str,
+    checkpoint_id: Optional[Any] = None,
+) -> None:
+    """Fill ``model`` and ``optimizers`` from ``reader`` (resharding to the current layout). Collective.
+
+    Only entries the checkpoint has are requested, so what is missing is named here instead of failing deep
+    inside DCP: model entries (an error when ``strict``), a whole optimizer (an error: nothing to resume), some
+    states of a parameter (an error: corrupt), or every state of a parameter (fine: the parameter had none yet).
+    """
+    available = set(reader.read_metadata().state_dict_metadata)
+    model_sd = model_state(model)
+    missing = [k for k in model_sd if f"{MODEL_KEY}.{k}" not in available]
+    if missing and strict:
+        raise CheckpointError(
+            f"{where} has no entry for {len(missing)} of the model's {len(model_sd)} parameters and buffers:"
+            f" {_some(missing)}. Set `strict_loading = False` on the LightningModule to load the others."
+        )
+    request: dict[str, Any] = {MODEL_KEY: {k: v for k, v in model_sd.items() if k not in set(missing)}}
+    templates, stateless = [], []
+    for i, optimizer in enumerate(optimizers):
+        prefix = f"{OPTIMIZER_KEY}.{i}."
+        if not any(key.startswith(prefix) for key in available):
+            raise CheckpointError(
+                f"{where} has no state for optimizer {i} (it was saved with `save_weights_only=True` or with fewer"
+                " optimizers): it can initialize weights but not resume training."
+            )
+        template = optimizer_state(model, optimizer, initialize=True)
+        templates.append(template)
+        stateless.append(_params_without_saved_state(template, available, prefix, optimizer, model, where))
+        # Only what the checkpoint has; the rest (an option a newer torch added) keeps its current value.
+        request.setdefault(OPTIMIZER_KEY, []).append({k: v for k, v in template.items() if prefix + k in available})
+    try:
+        dcp.load(request, checkpoint_id=checkpoint_id, storage_reader=reader)
+    except Exception as error:
+        raise CheckpointError(f"Loading {where} failed: {error}") from error
+    model_sd.update(request[MODEL_KEY])
+    set_model_state_dict(model, model_sd)
+    for optimizer, template, loaded, without in zip(optimizers, templates, request.get(OPTIMIZER_KEY, []), stateless):
+        template.update(loaded)
+        with _no_implicit_init(optimizer):
+            set_optimizer_state_dict(model, optimizer, template, options=_FLAT)
+        # Parameters that had no state when saved (never stepped, or steps skipped by the loss scaler) get none.
+        for param in [p for p, s in optimizer.state.items() if p in without or not s]:
+            del optimizer.state[param]
+
+
+def _params_without_saved_state(
+    template: dict[str, Any], available: set[str], prefix: str, optimizer: Optimizer, model: nn.Module, where: str
+) -> set[nn.Parameter]:
+    """The parameters the checkpoint has no optimizer state for; an error if it has only part of one's state."""
+    fqns = {fqn for groups in group_fqns(model, optimizer, template) for fqn in groups}
+    by_param: dict[str, list[str]] = defaultdict(list)
+    for key in template:
+        if key.startswith(_STATE):
+            by_param[_split_state_key(key[len(_STATE):], fqns)[0]].append(key)
+    without = set()
+    for fqn, keys in by_param.items():
+        absent = [k for k in keys if prefix + k not in available]
+        if absent and len(absent) < len(keys):
+            raise CheckpointError(f"{where} is missing optimizer entries {_some(absent)}: the checkpoint is corrupt.")
+        if absent:
+            without.add(fqn)
+    if not without:
+        return set()
+    return {param for param, names in _fqns_of(model).items() if without.intersection(names)}
+
+
+def _some(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+# ----------------------------------------------------------------------------------------------------------- RNG
+def collect_rng_states() -> dict[str, Any]:
+    """Torch (CPU and CUDA), Python and NumPy RNG states, in types ``torch.load(weights_only=True)`` accepts."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        states["torch.cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return states
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    states["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    if "torch.cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["torch.cuda"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in states:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = states["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))

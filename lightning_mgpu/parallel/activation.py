@@ -1,0 +1,193 @@
+"""Activation checkpointing per block, keeping every parameter's name.
+
+Applied after tensor parallelism and the pipeline split and before the data-parallel wrap, so it composes with all
+of them. Each chosen module's ``forward`` is replaced (on the instance) by one that runs the original forward under
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. No wrapper module is inserted, so ``state_dict()`` keys,
+optimizer parameter names and checkpoints are those of the plain model (torch's ``checkpoint_wrapper`` would add
+``_checkpoint_wrapped_module.`` to every key inside a block). Hooks that other parallelizers put on the module
+(FSDP2 unshard/reshard, tensor-parallel redistribution) stay outside the checkpointed region; the recomputation in
+backward runs the same forward under the same autocast state, so losses and gradients are bit-identical.
+
+Modes (``activation_checkpointing=`` of :class:`~lightning_mgpu.HybridStrategy`):
+
+- ``False``: off.
+- ``True`` / ``"full"``: every repeated block (``parallel.blocks.find_blocks``) keeps only its input; everything
+  inside is recomputed in backward (one extra forward per block).
+- ``"selective"``: op-level selective checkpointing per block (``create_selective_checkpoint_contexts``): the
+  outputs of matmuls (``mm``, ``addmm``, ``bmm``, attention kernels, float8 ``_scaled_mm``) and of collectives are
+  saved; cheap ops (norms, activations, softmax, residual adds, dtype casts) are recomputed. Less memory saved
+  than ``"full"``, but no matmul or communication is repeated.
+- a list of module classes: full checkpointing of every outermost module of those classes (for models without a
+  repeated block list, or to choose the granularity).
+"""
+
+from __future__ import annotations
+
+import types
+from functools import partial
+from typing import Any, Callable, Union
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from lightning_mgpu.parallel.blocks import find_blocks
+
+Mode = Union[bool, str, list[type], tuple[type, ...]]
+
+_INNER_FORWARD = "_mgpu_checkpointed_forward"
+
+
+def _saved_ops() -> set[Any]:
+    """Ops whose outputs "selective" keeps: the expensive ones (matmuls, attention) and communication."""
+    aten = torch.ops.aten
+    names = [
+        (aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "baddbmm"), (aten, "_scaled_mm"),
+        (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
+        (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
+        (aten, "_flash_attention_forward"), (aten, "_efficient_attention_forward"),
+    ]
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    if c10d is not None:
+        names += [(c10d, "all_reduce"), (c10d, "reduce_scatter_tensor"), (c10d, "all_gather_into_tensor"),
+                  (c10d, "all_to_all_single")]
+    ops = set()
+    for namespace, name in names:
+        packet = getattr(namespace, name, None)
+        if packet is not None:
+            ops.update(getattr(packet, overload) for overload in packet.overloads())
+    return ops
+
+
+_SAVED_OPS: set[Any] = set()
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> tuple[Any, Any]:
+    if not _SAVED_OPS:
+        _SAVED_OPS.update(_saved_ops())
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def checkpoint_targets(module: nn.Module, mode: Mode) -> list[nn.Module]:
+    """The modules ``mode`` checkpoints in ``module`` (outermost matches only for a list of classes)."""
+    if mode is False:
+        return []
+    if mode is True or mode in ("full", "selective"):
+        blocks = find_blocks(module)
+        if not blocks:
+            raise ValueError(
+                f"activation_checkpointing={mode!r} found no repeated blocks (a ModuleList/Sequential of 2+ layers of"
+                f" one class) in {type(module).__name__}. Pass the module classes to checkpoint instead, e.g."
+                " activation_checkpointing=[MyBlock]."
+            )
+        return blocks
+    if isinstance(mode, (list, tuple)) and mode and all(isinstance(c, type) for c in mode):
+        classes = tuple(mode)
+        targets: list[nn.Module] = []
+        inside: set[int] = set()
+        for child in module.modules():
+            if id(child) in inside:
+                continue
+            if isinstance(child, classes):
+                targets.append(child)
+                inside.update(id(m) for m in child.modules())
+        if not targets:
+            names = ", ".join(c.__name__ for c in classes)
+            raise ValueError(f"activation_checkpointing=[{names}] matches no module of {type(module).__name__}.")
+        return targets
+    raise ValueError(
+        f"`activation_checkpointing` must be False, True, 'full', 'selective' or a list of module classes, got {mode!r}."
+    )
+
+
+def apply_activation_checkpointing(module: nn.Module, mode: Mode) -> list[nn.Module]:
+    """Checkpoint the activations of ``module``'s blocks (or of the given classes) in place; return the targets.
+
+    State-dict keys are unchanged. Applying it twice to a module is an error (it would recompute twice).
+    """
+    targets = checkpoint_targets(module, mode)
+    context_fn = _selective_context if mode == "selective" else None
+    for target in targets:
+        if hasattr(target, _INNER_FORWARD):
+            raise RuntimeError(f"activation checkpointing is already applied to {type(target).__name__}.")
+        # A bound method (not a closure) so that deep copies of the model call their own forward.
+        setattr(target, _INNER_FORWARD, target.forward)
+        target.forward = types.MethodType(partial(_checkpointed_forward, context_fn=context_fn), target)
+    return targets
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return hasattr(module, _INNER_FORWARD)
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, context_fn: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+    inner = getattr(self, _INNER_FORWARD)
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)  # evaluation: nothing is saved anyway
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+
+class ActivationMemory:
+    """Measure the tensor memory a forward leaves for backward, and the peak over forward + backward.
+
+    A ``TorchDispatchMode`` records the storage of every tensor an op creates while the context is active (DTensors
+    by their local tensors). ``held_bytes()`` is the size of those still alive, e.g. right after forward: the
+    activations autograd keeps for backward (minus ``exclude``, e.g. the parameters' storages). ``peak_bytes`` is the
+    largest total alive after any op. Only tensors created inside the context count, so parameters, gradients kept
+    from earlier steps and optimizer states are left out. Slow (a Python call per op): for measuring, not training.
+    """
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                tracker._record(out)
+                return out
+
+        self._mode = _Mode()
+        self._storages: dict[int, tuple[Any, int]] = {}
+        self.peak_bytes = 0
+
+    def __enter__(self) -> "ActivationMemory":
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    def _record(self, out: Any) -> None:
+        from torch.distributed.tensor import DTensor
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_leaves
+
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if isinstance(tensor, DTensor):
+                tensor = tensor._local_tensor
+            if tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            entry = self._storages.get(key)
+            if entry is None or entry[0].expired():
+                self._storages[key] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
+
+    def held_bytes(self, exclude: Any = ()) -> int:
+        """Bytes of the recorded storages still alive, leaving out tensors in ``exclude`` (e.g. parameters)."""
+        from torch.distributed.tensor import DTensor
+
+        excluded = {(t._local_tensor if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in exclude}
+        for key in [k for k, (ref, _) in self._storages.items() if ref.expired()]:
+            del self._storages[key]
+        return sum(size for key, (_, size) in self._storages.items() if key not in excluded)

@@ -1,0 +1,377 @@
+"""Pipeline parallelism for unmodified models, run by torch.distributed.pipelining schedules.
+
+The model is not rewritten or traced. Each rank keeps the blocks of its stages (the others are replaced by
+parameter-free stand-ins), and a stage runs the user's *whole* network call with three interceptions:
+
+- modules before the blocks (embeddings) exist only on the first stage; elsewhere a placeholder returns zeros of
+  the right shape (computed on the meta device), which the stage then ignores;
+- the stage's first block takes the activation received from the previous stage instead of its input;
+- the stage's last block ends the call by raising ``_StageDone`` with its output, except on the last stage, whose
+  call runs to the end (norm, head) and returns the network's real output.
+
+Because every rank of a pipeline reads the same batch, each stage knows the network call's arguments for every
+microbatch (captured by running the user's step up to the network call): position ids, masks and rotary
+embeddings are computed as usual on every stage.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_mgpu.parallel.blocks import find_block_container
+
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+LOOP_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+class _StageDone(Exception):
+    """Raised by a non-last stage's last block to end the network call with that block's output."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+
+def stages_per_rank(schedule: str, requested: Optional[int]) -> int:
+    """Virtual stages per rank: 1 for GPipe/1F1B, 2 for interleaved and V schedules unless given."""
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        if requested not in (None, 1):
+            raise ValueError(f"pipeline_schedule={schedule!r} runs one stage per rank; got stages_per_rank={requested}.")
+        return 1
+    if schedule in V_SCHEDULES and requested not in (None, 2):
+        raise ValueError(f"pipeline_schedule={schedule!r} places two stages per rank (a V); got {requested}.")
+    return requested or 2
+
+
+def stage_indices(schedule: str, pp_rank: int, pp_size: int, per_rank: int) -> list[int]:
+    """Which global stages this rank runs: looped (r, r+p, ...) or V-shaped (r, 2p-1-r)."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(per_rank)]
+
+
+def balance(costs: list[int], num_stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
+    """Start index of each stage: contiguous groups of blocks minimizing the largest stage's parameter count.
+
+    ``first_extra``/``last_extra`` are the parameters that come with the first/last stage (embeddings, head).
+    """
+    n = len(costs)
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    inf = float("inf")
+    # best[s][i]: minimal max-cost splitting the first i blocks into s stages; cut[s][i]: start of the last stage.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                stage = prefix[i] - prefix[j] + (first_extra if j == 0 else 0) + (last_extra if i == n else 0)
+                value = max(best[s - 1][j], stage)
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    starts, i = [], n
+    for s in range(num_stages, 0, -1):
+        i = cut[s][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+@dataclass
+class PipelineSplit:
+    """Where the blocks are and which modules come before and after them in the network's call."""
+
+    container_fqn: str
+    num_blocks: int
+    before: list[str]  # FQNs of modules with parameters that run before the blocks (first stage only)
+    after: list[str]  # ... and after them (last stage only)
+    starts: list[int] = field(default_factory=list)  # first block index of each stage
+
+    def blocks_of(self, stage: int) -> range:
+        end = self.starts[stage + 1] if stage + 1 < len(self.starts) else self.num_blocks
+        return range(self.starts[stage], end)
+
+
+def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> PipelineSplit:
+    found = find_block_container(module)
+    if found is None:
+        raise ValueError(
+            "pipeline_parallel_size > 1 needs the model's repeated blocks in a ModuleList/Sequential (as in GPT,"
+            " Llama, ...), and none was found. Give `pipeline_split` as the module names where stages begin."
+        )
+    container_fqn, container = found
+    if len(container) < num_stages:
+        raise ValueError(
+            f"{num_stages} pipeline stages need at least {num_stages} blocks, but {container_fqn!r} has"
+            f" {len(container)}. Lower pipeline_parallel_size (or stages_per_rank)."
+        )
+    before, after = _around(module, container_fqn)
+    split = PipelineSplit(container_fqn, len(container), before, after)
+    if pipeline_split == "auto":
+        costs = [sum(p.numel() for p in block.parameters()) for block in container]
+        size = lambda names: sum(p.numel() for n in names for p in module.get_submodule(n).parameters())  # noqa: E731
+        split.starts = balance(costs, num_stages, size(before), size(after))
+    else:
+        split.starts = _explicit_starts(list(pipeline_split), container_fqn, len(container), num_stages)
+    return split
+
+
+def _around(module: nn.Module, container_fqn: str) -> tuple[list[str], list[str]]:
+    """Modules with parameters registered before/after the path to the blocks: the network's prologue/epilogue."""
+    before, after = [], []
+    parts = container_fqn.split(".")
+    node, prefix = module, ""
+    for part in parts:
+        seen = False
+        for name, child in node.named_children():
+            fqn = f"{prefix}{name}"
+            if name == part:
+                seen = True
+                continue
+            if any(True for _ in child.parameters()):
+                (after if seen else before).append(fqn)
+        node, prefix = getattr(node, part) if not part.isdigit() else node[int(part)], f"{prefix}{part}."
+    return before, after
+
+
+def _explicit_starts(names: list[str], container_fqn: str, num_blocks: int, num_stages: int) -> list[int]:
+    indices = []
+    for name in names:
+        head, _, index = name.rpartition(".")
+        if head != container_fqn or not index.isdigit() or not 0 <= int(index) < num_blocks:
+            raise ValueError(
+                f"`pipeline_split` entry {name!r} is not one of the blocks {container_fqn}.0 ..."
+                f" {container_fqn}.{num_blocks - 1}."
+            )
+        indices.append(int(index))
+    if indices and indices[0] != 0:
+        indices = [0, *indices]
+    if len(indices) != num_stages or indices != sorted(set(indices)):
+        raise ValueError(
+            f"`pipeline_split` must name {num_stages - 1} increasing blocks where stages 1..{num_stages - 1} begin"
+            f" (e.g. [{container_fqn!r}.{num_blocks // 2}] for 2 stages), got {names}."
+        )
+    return indices
+
+
+# ---------------------------------------------------------------------------------------------- stand-ins
+class _PassThrough(nn.Module):
+    """A block owned by another rank: hands its input on unchanged (its stage's output replaces it later)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class _Placeholder(nn.Module):
+    """A prologue module owned by the first stage: returns zeros shaped like its real output, from a meta copy."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self._meta = [copy.deepcopy(original).to("meta")]  # in a list: not a submodule, no parameters
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        device = next((t.device for t in (*args, *kwargs.values()) if torch.is_tensor(t)), None)
+        to_meta = lambda t: t.to("meta") if torch.is_tensor(t) else t  # noqa: E731
+        output = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if torch.is_tensor(t) else t,
+                        output)
+
+
+class _Unreachable(nn.Module):
+    """An epilogue module (norm, head) owned by the last stage; earlier stages end before reaching it."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("lightning-mgpu: a pipeline stage ran past its last block; please report this.")
+
+
+def _replace(module: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, name = fqn.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    if isinstance(parent, (nn.ModuleList, nn.Sequential)) and name.isdigit():
+        parent[int(name)] = new
+    else:
+        setattr(parent, name, new)
+
+
+# --------------------------------------------------------------------------------------------------- stages
+@dataclass
+class NetworkCall:
+    """The user's network call for one microbatch, captured from its step."""
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+
+
+class Stage(nn.Module):
+    """One pipeline stage: owns (as submodules) exactly its parameters; runs the captured network call.
+
+    The schedule scales and the data-parallel wrap shards ``self.parameters()``, so a stage must own its
+    parameters and no others, even when one rank runs two stages of one model.
+    """
+
+    def __init__(self, runtime: "PipelineRuntime", index: int, blocks: list[nn.Module], ends: list[nn.Module]) -> None:
+        super().__init__()
+        self._runtime = [runtime]  # not a submodule
+        self.index = index
+        self.blocks = list(blocks)
+        self.owned = nn.ModuleList([*blocks, *ends])
+        self.received: Optional[torch.Tensor] = None
+        self.inferring = False  # set while torch's pipelining infers shapes with a trial forward
+        self._next_microbatch = 0
+
+    @property
+    def runtime(self) -> "PipelineRuntime":
+        return self._runtime[0]
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.runtime.num_stages - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inferring:
+            microbatch = 0  # a shape-inference trial: run microbatch 0, count nothing, keep nothing
+            self.received = None if self.is_first else x
+        elif self.is_first:
+            microbatch = int(x.reshape(-1)[0])  # stage 0 receives the microbatch index
+        else:
+            # Schedules run a stage's forwards in microbatch order.
+            microbatch, self.received = self._next_microbatch, x
+        if not self.inferring:
+            self._next_microbatch = microbatch + 1
+        call = self.runtime.calls[microbatch]
+        self.runtime.active = self
+        try:
+            output = call.module(*call.args, **call.kwargs)
+        except _StageDone as done:
+            return done.output
+        finally:
+            self.runtime.active = None
+            self.received = None
+        if self.inferring:
+            self.runtime.trial_output = output
+        else:
+            self.runtime.outputs[microbatch] = output
+        return _main_tensor(output)
+
+    def reset(self) -> None:
+        self._next_microbatch = 0
+
+
+def _main_tensor(output: Any) -> torch.Tensor:
+    """The tensor the schedule tracks for the last stage's output (logits of a Hugging Face output)."""
+    if torch.is_tensor(output):
+        return output
+    for value in (output.values() if isinstance(output, dict) else output):
+        if torch.is_tensor(value) and value.is_floating_point():
+            return value
+    raise TypeError("The network's output holds no floating-point tensor; pipeline parallelism needs one.")
+
+
+class PipelineRuntime:
+    """This rank's stages and what a step needs to run them: the captured calls and the last stage's outputs."""
+
+    def __init__(self, module: nn.Module, split: PipelineSplit, my_stages: list[int], num_stages: int) -> None:
+        self.split = split
+        self.num_stages = num_stages
+        self.calls: list[NetworkCall] = []
+        self.outputs: dict[int, Any] = {}
+        self.trial_output: Any = None  # the last stage's output in torch's shape-inference trial
+        self.inferring = False
+        self.active: Optional[Stage] = None
+        owns_first, owns_last = 0 in my_stages, num_stages - 1 in my_stages
+        container = module.get_submodule(split.container_fqn)
+        mine = {i for s in my_stages for i in split.blocks_of(s)}
+        for index in range(split.num_blocks):
+            if index in mine:
+                _gate(container[index], index, self)
+            else:
+                container[index] = _PassThrough()
+        for fqn in split.before:
+            if not owns_first:
+                _replace(module, fqn, _Placeholder(module.get_submodule(fqn)))
+        for fqn in split.after:
+            if not owns_last:
+                _replace(module, fqn, _Unreachable())
+        self.stages = []
+        for stage in my_stages:
+            ends = [module.get_submodule(f) for f in (split.before if stage == 0 else [])]
+            ends += [module.get_submodule(f) for f in (split.after if stage == num_stages - 1 else [])]
+            self.stages.append(Stage(self, stage, [container[i] for i in split.blocks_of(stage)], ends))
+
+    def start_step(self, calls: list[NetworkCall]) -> None:
+        self.calls, self.outputs = calls, {}
+        for stage in self.stages:
+            stage.reset()
+
+
+def split_pipeline(module: nn.Module, pp_mesh: Any, options: Any) -> PipelineRuntime:
+    """Keep this rank's stages of ``module`` (in place) and return them."""
+    per_rank = stages_per_rank(options.pipeline_schedule, options.stages_per_rank)
+    pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    num_stages = pp_size * per_rank
+    split = plan_split(module, num_stages, options.pipeline_split)
+    return PipelineRuntime(module, split, stage_indices(options.pipeline_schedule, pp_rank, pp_size, per_rank),
+                           num_stages)
+
+
+def _gate(block: nn.Module, index: int, runtime: PipelineRuntime) -> None:
+    """Make an owned block run only inside its own stage, swap in the received activation, end the stage."""
+    forward = block.forward
+
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        stage = runtime.active
+        if stage is None:
+            return forward(*args, **kwargs)
+        blocks = runtime.split.blocks_of(stage.index)
+        if index not in blocks:
+            return args[0] if args else next(iter(kwargs.values()))  # another stage of this rank
+        if index == blocks.start and stage.received is not None:
+            args, kwargs = _with_hidden(args, kwargs, stage.received)
+        output = forward(*args, **kwargs)
+        if index == blocks.stop - 1 and not stage.is_last:
+            raise _StageDone(output)
+        return output
+
+    block.forward = gated  # type: ignore[method-assign]
+
+
+def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    first = next(iter(kwargs))
+    return args, {**kwargs, first: hidden}
+
+
+def split_microbatches(batch: Any, count: int) -> list[Any]:
+    """Cut every tensor of ``batch`` into ``count`` equal chunks along dim 0; other leaves are shared."""
+    sizes = {t.shape[0] for t in _tensors(batch)}
+    if len(sizes) != 1:
+        raise ValueError(f"Pipeline microbatching needs the batch's tensors to share dim 0; found sizes {sizes}.")
+    size = sizes.pop()
+    if size % count:
+        valid = [m for m in range(1, size + 1) if size % m == 0]
+        raise ValueError(
+            f"The per-data-parallel-rank batch of {size} samples does not split into num_microbatches={count}"
+            f" equal microbatches. Use a num_microbatches in {valid}, or a batch size divisible by {count}."
+        )
+    return [tree_map(lambda t, k=k: t.chunk(count)[k] if torch.is_tensor(t) else t, batch) for k in range(count)]
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map(lambda t: found.append(t) if torch.is_tensor(t) else None, tree)
+    return found
+

@@ -1,0 +1,360 @@
+"""Run a LightningModule's steps through a pipeline schedule, leaving the user's step code as it is.
+
+A step is run in three parts:
+
+1. *capture*, on every rank, per microbatch: the user's step runs until it calls the network (``self(x)`` or a
+   submodule such as ``self.model(input_ids=x)``); the call's arguments are recorded and the step is cut short;
+2. the torch schedule runs the stages, feeding stage 0 the microbatch index;
+3. *replay*, on the rank holding the last stage, per microbatch (inside the schedule's loss function during
+   training): the user's step runs again and its network call returns that microbatch's pipeline output, so the
+   loss and every logged value are computed by the user's own code.
+
+Logged values (mean over microbatches) and the returned loss are then broadcast from the last stage to the
+pipeline group and logged on every rank, so loggers, the progress bar and callbacks on global rank 0 (which holds
+the first stage) see what a single-process run shows.
+
+Contract: one network call per step, before which the step does nothing with side effects beyond ``self.log``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Generator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_mgpu.parallel.pipeline import V_SCHEDULES, NetworkCall, PipelineRuntime, split_microbatches
+
+class _Captured(Exception):
+    def __init__(self, call: NetworkCall) -> None:
+        super().__init__()
+        self.call = call
+
+
+class PipelineEngine:
+    """The schedules, capture hooks and broadcast logic for one rank of a pipeline."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        runtime: PipelineRuntime,
+        schedule_name: str,
+        num_microbatches: Optional[int],
+        pp_group: Any,
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        self.runtime = runtime
+        self.schedule_name = schedule_name
+        self.num_microbatches = num_microbatches
+        self.group = pp_group
+        self.device = device
+        self.ranks = dist.get_process_group_ranks(pp_group)
+        self.pp_size = len(self.ranks)
+        self.last_stage_rank = self.ranks[_owner(schedule_name, runtime.num_stages - 1, self.pp_size)]
+        self.owns_first = any(s.is_first for s in runtime.stages)
+        self.owns_last = any(s.is_last for s in runtime.stages)
+        self._mode = "idle"
+        self._zero_loss = False
+        self.gradients_pending = False
+        self._replay_calls = 0
+        self._schedules: dict[Any, Any] = {}
+        self._loss_scale = 1.0
+        self._current: Optional[dict[str, Any]] = None
+        path = [module]
+        for part in runtime.split.container_fqn.split(".")[:-1]:
+            path.append(path[-1].get_submodule(part))
+        self._hooks = [m.register_forward_pre_hook(self._on_network_call, with_kwargs=True) for m in path]
+
+    # ---------------------------------------------------------------------------------------- capture / replay
+    def _on_network_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._mode == "capture":
+            raise _Captured(NetworkCall(module, args, kwargs))
+        if self._mode == "replay":
+            self._replay_calls += 1
+            if self._replay_calls > 1:
+                raise RuntimeError(
+                    "With pipeline_parallel_size > 1 a step may call the network once (it runs split across"
+                    f" ranks); {type(module).__name__} was called again. Compute everything from one call's output."
+                )
+        return None
+
+    def _capture(self, step: Callable[[], Any]) -> NetworkCall:
+        self._mode = "capture"
+        try:
+            with _muted_logging(self.module, None):
+                step()
+        except _Captured as captured:
+            return captured.call
+        finally:
+            self._mode = "idle"
+        raise RuntimeError(
+            "With pipeline_parallel_size > 1 the step must call the network (`self(x)` or the submodule holding the"
+            " blocks, e.g. `self.model(...)`), but it returned without doing so."
+        )
+
+    def _replay(self, method: str, args: tuple, microbatch: int, logs: list) -> Any:
+        call = self.runtime.calls[microbatch]
+        if self.runtime.inferring:
+            output, logs = self.runtime.trial_output, []  # torch's shape-inference trial: logs are not real
+        else:
+            output = self.runtime.outputs.pop(microbatch)
+        had_instance_forward = "forward" in vars(call.module)
+        original = call.module.forward
+        call.module.forward = lambda *a, **k: output  # type: ignore[method-assign]
+        self._mode, self._replay_calls = "replay", 0
+        try:
+            with _muted_logging(self.module, logs):
+                return getattr(self.module, method)(*args)
+        finally:
+            self._mode = "idle"
+            if had_instance_forward:
+                call.module.forward = original  # type: ignore[method-assign]
+            else:
+                del call.module.forward
+
+    # --------------------------------------------------------------------------------------------------- steps
+    def training_step(self, batch: Any, batch_idx: int, accumulate_grad_batches: int) -> torch.Tensor:
+        """Forward *and* backward of the step (the schedule interleaves them); Lightning's backward is skipped."""
+        if batch_idx % accumulate_grad_batches == 0:
+            for param in self.module.parameters():
+                param.grad = None
+        # Lightning zeroes gradients after `training_step` returns, expecting backward to follow: skip that once.
+        self.gradients_pending = True
+        microbatches, count = self._split(batch)
+        self._start(microbatches, "training_step", batch_idx)
+        logs: list = []
+        self._current = {"microbatches": microbatches, "batch_idx": batch_idx, "logs": logs}
+        self._loss_scale = 1.0 / (count * accumulate_grad_batches)
+        losses: list = []
+        schedule = self._schedule(count, microbatches, training=True)
+        schedule.step(*self._stage_inputs(count), **self._targets(count), losses=losses)
+        loss = torch.stack([l.detach() for l in losses]).mean() / self._loss_scale if losses else None
+        return self._publish(loss, logs)
+
+    def evaluation_step(self, method: str, batch: Any, *args: Any) -> Any:
+        """Forward-only through the pipeline, then the user's step on the last stage with each microbatch's output."""
+        microbatches, count = self._split(batch)
+        single = len(self.runtime.stages) == 1
+        if not single:
+            # Multi-stage schedules have no working forward-only mode in torch 2.13 (V schedules fail, looped ones
+            # insist on a loss): run their training step with a zero loss; the zero gradients change nothing.
+            microbatches = _outside_inference_mode(microbatches)
+        self._start(microbatches, method, *args)
+        schedule = self._schedule(count, microbatches, training=not single)
+        if single:
+            schedule.eval(*self._stage_inputs(count))
+        else:
+            self._zero_loss = True
+            try:
+                with torch.inference_mode(False), torch.enable_grad():
+                    schedule.step(*self._stage_inputs(count), **self._targets(count))
+            finally:
+                self._zero_loss = False
+        logs: list = []
+        results = None
+        if self.owns_last:
+            with torch.no_grad():
+                results = [self._replay(method, (mb, *args), k, logs) for k, mb in enumerate(microbatches)]
+        return self._publish(results, logs, merge=True)
+
+    def _split(self, batch: Any) -> tuple[list[Any], int]:
+        count = self.num_microbatches or self.runtime.num_stages
+        return split_microbatches(batch, count), count
+
+    def _start(self, microbatches: list[Any], method: str, *args: Any) -> None:
+        step = getattr(self.module, method)
+        calls = [self._capture(lambda mb=mb: step(mb, *args)) for mb in microbatches]
+        self.runtime.start_step(calls)
+
+    def _stage_inputs(self, count: int) -> tuple:
+        return (torch.arange(count, device=self.device).unsqueeze(1),) if self.owns_first else ()
+
+    def _targets(self, count: int) -> dict:
+        return {"target": torch.arange(count, device=self.device)} if self.owns_last else {}
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the user's own step, replayed with this microbatch's output."""
+        if self._zero_loss:
+            return output.sum() * 0.0
+        assert self._current is not None
+        microbatch = int(target.reshape(-1)[0])
+        result = self._replay(
+            "training_step",
+            (self._current["microbatches"][microbatch], self._current["batch_idx"]),
+            microbatch,
+            self._current["logs"],
+        )
+        loss = result["loss"] if isinstance(result, dict) else result
+        if not torch.is_tensor(loss):
+            raise RuntimeError("training_step must return the loss (a tensor or a dict with 'loss') under pipelining.")
+        return loss * self._loss_scale
+
+    def _schedule(self, count: int, microbatches: list[Any], training: bool) -> Any:
+        from torch.distributed.pipelining.schedules import _ScheduleForwardOnly, get_schedule_class
+
+        shapes = tuple(tuple(t.shape) for t in _leaves(microbatches[0]))
+        key = (training, count, shapes)
+        if key not in self._schedules:
+            stages = [
+                _trial_aware_stage_class()(stage, stage.index, self.runtime.num_stages, self.device, group=self.group)
+                for stage in self.runtime.stages
+            ]
+            if len(stages) == 1 and not training:
+                schedule = _ScheduleForwardOnly(stages[0], count)
+            else:
+                schedule_class = get_schedule_class(self.schedule_name)
+                kwargs = {"loss_fn": self._loss, "scale_grads": False}
+                schedule = schedule_class(stages[0] if len(stages) == 1 else stages, count, **kwargs)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    # ------------------------------------------------------------------------------------------------ publish
+    def _publish(self, result: Any, logs: list, merge: bool = False) -> Any:
+        """Broadcast the last stage's result and mean logged values to the pipeline group; log them everywhere."""
+        payload = [None]
+        if dist.get_rank() == self.last_stage_rank:
+            payload = [(_to_cpu(_merge(result) if merge else result), _mean_logs(logs))]
+        dist.broadcast_object_list(payload, src=self.last_stage_rank, group=self.group)
+        result, mean_logs = payload[0]
+        for name, (value, kwargs) in mean_logs.items():
+            self.module.log(name, torch.tensor(value, device=self.device), **kwargs)
+        return _to_device(result, self.device)
+
+    def guard_zero_grad(self, optimizer: Any) -> None:
+        """Keep Lightning's post-``training_step`` ``zero_grad`` from erasing the gradients the schedule made."""
+        zero_grad = optimizer.zero_grad
+
+        def guarded(*args: Any, **kwargs: Any) -> None:
+            if self.gradients_pending:
+                self.gradients_pending = False
+                return
+            zero_grad(*args, **kwargs)
+
+        optimizer.zero_grad = guarded
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _trial_aware_stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage
+
+    class TrialAwareStage(PipelineStage):
+        """Tells our stage when torch runs its shape-inference trial, so the trial consumes no microbatch."""
+
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with _trial(self.submod):
+                return super()._forward_metadata_inference(*args, **kwargs)
+
+        def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with _trial(self.submod):
+                return super()._backward_metadata_inference(*args, **kwargs)
+
+    return TrialAwareStage
+
+
+@contextmanager
+def _trial(stage: Any) -> Generator[None, None, None]:
+    stage.inferring = stage.runtime.inferring = True
+    try:
+        yield
+    finally:
+        stage.inferring = stage.runtime.inferring = False
+
+
+def _owner(schedule: str, stage: int, pp_size: int) -> int:
+    if schedule in V_SCHEDULES and stage >= pp_size:
+        return 2 * pp_size - 1 - stage
+    return stage % pp_size
+
+
+@contextmanager
+def _muted_logging(module: nn.Module, record: Optional[list]) -> Generator[None, None, None]:
+    """Route ``self.log``/``self.log_dict`` into ``record`` (or nowhere) while a step is captured or replayed."""
+
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if record is not None:
+            record.append((name, value, kwargs))
+
+    def log_dict(dictionary: dict, *args: Any, **kwargs: Any) -> None:
+        for name, value in dictionary.items():
+            log(name, value, **kwargs)
+
+    module.log, module.log_dict = log, log_dict  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+
+
+def _mean_logs(logs: list) -> dict[str, tuple[float, dict]]:
+    grouped: dict[str, list] = {}
+    options: dict[str, dict] = {}
+    for name, value, kwargs in logs:
+        if not (torch.is_tensor(value) or isinstance(value, (int, float))):
+            raise TypeError(
+                f"Under pipeline parallelism `self.log({name!r}, ...)` needs a tensor or number (got"
+                f" {type(value).__name__}); log `metric.compute()` or the tensor instead of a Metric object."
+            )
+        grouped.setdefault(name, []).append(float(value))
+        options[name] = kwargs
+    return {name: (sum(values) / len(values), options[name]) for name, values in grouped.items()}
+
+
+def _merge(results: Optional[list]) -> Any:
+    if results is None:
+        return None
+    if all(r is None for r in results):
+        return None
+    if all(torch.is_tensor(r) for r in results):
+        if all(r.dim() == 0 for r in results):
+            return torch.stack([r.detach() for r in results]).mean()
+        return torch.cat([r.detach() for r in results])
+    return results
+
+
+def _outside_inference_mode(tree: Any) -> Any:
+    """Normal (autograd-capable) copies of tensors made under Lightning's evaluation ``inference_mode``."""
+    from torch.utils._pytree import tree_map
+
+    with torch.inference_mode(False):
+        return tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, tree)
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if torch.is_tensor(t)]
+
+
+def _to_cpu(tree: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach().cpu() if torch.is_tensor(t) else t, tree)
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, tree)
+
+
+def gather_pipeline_state_dict(module: nn.Module, pp_group: Any) -> dict[str, torch.Tensor]:
+    """The whole unsharded model on global rank 0: each stage's full weights, gathered over the pipeline group."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # Every rank gathers its stage's data/tensor-parallel shards (collective), then rank 0 collects the stages.
+    local = _to_cpu(get_model_state_dict(module, options=StateDictOptions(full_state_dict=True)))
+    ranks = dist.get_process_group_ranks(pp_group)
+    gathered: Optional[list] = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
+    dist.gather_object(local, gathered, dst=ranks[0], group=pp_group)
+    if dist.get_rank() != 0:
+        return {}
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered or []:
+        merged.update(part)
+    return merged

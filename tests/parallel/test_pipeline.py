@@ -1,0 +1,171 @@
+"""Pipeline parallelism behind unmodified LightningModules: every schedule, 3D layouts, what users see."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_mgpu.demo import GPTLightningModule, TextDataModule
+from lightning_mgpu.parallel.pipeline import balance, split_microbatches, stage_indices, stages_per_rank
+from tests.helpers.equivalence import assert_same_training, fit
+from tests.helpers.modules import GPT2Module, LlamaModule, RandomTokenDataModule
+from tests.helpers.probes import MemoryProbe, MetricRecorder
+
+GLOBAL_BATCH = 8
+STEPS = 10
+WEIGHT_ATOL = 1e-4  # as for tensor parallel: AdamW turns reduction-order noise into ~1e-5 steps
+
+
+def _nanogpt(n_layer: int = 4):
+    return GPTLightningModule(block_size=32, n_layer=n_layer, n_head=4, n_embd=32, lr=1e-3)
+
+
+def _text(batch: int):
+    return TextDataModule(batch_size=batch, block_size=32, val_fraction=0.1)
+
+
+MODELS = {
+    "nanogpt": (_nanogpt, _text),
+    "llama": (partial(LlamaModule), lambda batch: RandomTokenDataModule(batch_size=batch, with_val=True)),
+    "gpt2": (GPT2Module, lambda batch: RandomTokenDataModule(batch_size=batch, with_val=True)),
+}
+TRAINER = {"limit_val_batches": 2, "val_check_interval": 5, "num_sanity_val_steps": 1}
+
+_references: dict = {}
+
+
+def _reference(model: str, trainer_kwargs: dict):
+    key = (model, tuple(sorted(trainer_kwargs.items())))
+    if key not in _references:
+        module, data = MODELS[model]
+        _references[key] = fit(module, lambda: data(GLOBAL_BATCH), None, 1, STEPS, trainer_kwargs=trainer_kwargs,
+                               callbacks_factory=lambda: [MetricRecorder()])
+    return _references[key]
+
+
+def _check(model: str, strategy: dict, devices: int, dp: int = 1, trainer_kwargs: dict = TRAINER) -> None:
+    module, data = MODELS[model]
+    reference, reference_extras = _reference(model, trainer_kwargs)
+    result, extras = fit(module, lambda: data(GLOBAL_BATCH // dp), strategy, devices, STEPS,
+                         trainer_kwargs=trainer_kwargs, callbacks_factory=lambda: [MetricRecorder()])
+    assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
+    # Validation (sanity check included) reaches global rank 0, which holds the first stage, as in one process.
+    expected, got = reference_extras[0]["val_losses"], extras[0]["val_losses"]
+    assert len(got) == len(expected) > 1
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+SCHEDULES = [("GPipe", 2), ("GPipe", 4), ("1F1B", 2), ("1F1B", 4), ("Interleaved1F1B", 4), ("LoopedBFS", 4),
+             ("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 4), ("DualPipeV", 4)]
+
+
+@pytest.mark.parametrize(("schedule", "microbatches"), SCHEDULES, ids=[f"{s}-m{m}" for s, m in SCHEDULES])
+def test_every_schedule_trains_like_one_process(schedule, microbatches):
+    _check("nanogpt", {"pipeline_parallel_size": 2, "pipeline_schedule": schedule,
+                       "num_microbatches": microbatches}, 2)
+
+
+LAYOUTS = [  # (model, strategy, devices, dp)
+    ("nanogpt", {"pipeline_parallel_size": 4}, 4, 1),
+    ("llama", {"pipeline_parallel_size": 2}, 2, 1),
+    ("gpt2", {"pipeline_parallel_size": 2}, 2, 1),
+    ("llama", {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4, 1),
+    ("gpt2", {"pipeline_parallel_size": 2, "zero_stage": 1}, 4, 2),
+    ("nanogpt", {"pipeline_parallel_size": 2, "zero_stage": 3}, 4, 2),
+    ("nanogpt", {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1}, 8, 2),
+]
+
+
+@pytest.mark.parametrize(("model", "strategy", "devices", "dp"), LAYOUTS,
+                         ids=["-".join(f"{k[0]}{v}" for k, v in s.items()) + f"-{m}" for m, s, _, _ in LAYOUTS])
+def test_layouts_train_like_one_process(model, strategy, devices, dp):
+    _check(model, strategy, devices, dp)
+
+
+def test_clipping_and_accumulation_across_stages():
+    trainer_kwargs = {**TRAINER, "gradient_clip_val": 0.05, "accumulate_grad_batches": 2}
+    _check("nanogpt", {"pipeline_parallel_size": 2}, 2, trainer_kwargs=trainer_kwargs)
+
+
+def test_each_rank_keeps_only_its_stages_parameters():
+    _, extras = fit(_nanogpt, lambda: _text(GLOBAL_BATCH), {"pipeline_parallel_size": 2}, 2, 2,
+                    callbacks_factory=lambda: [MemoryProbe(step=1)])
+    module = _nanogpt()
+    blocks = sum(p.numel() for p in module.model.transformer.h.parameters())
+    embeddings = sum(p.numel() for n in ("wte", "wpe") for p in getattr(module.model.transformer, n).parameters())
+    head = sum(p.numel() for p in [*module.model.transformer.ln_f.parameters(), *module.model.lm_head.parameters()])
+    assert extras[0]["numel"] == blocks // 2 + embeddings
+    assert extras[1]["numel"] == blocks // 2 + head
+
+
+class _TwoCalls(GPTLightningModule):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self(x).mean() + self(x).mean()
+
+
+def test_a_second_network_call_is_refused_with_the_fix():
+    with pytest.raises(RuntimeError, match="may call the network once"):
+        fit(lambda: _TwoCalls(block_size=32, n_layer=2, n_head=4, n_embd=32), lambda: _text(8),
+            {"pipeline_parallel_size": 2}, 2, 1)
+
+
+class _Predicting(GPTLightningModule):
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(-1)
+
+
+def _predict_worker(strategy_kwargs):
+    from lightning_mgpu import HybridStrategy
+
+    L.seed_everything(7)
+    module = _Predicting(block_size=32, n_layer=2, n_head=4, n_embd=32)
+    strategy = HybridStrategy(**strategy_kwargs) if strategy_kwargs else "auto"
+    trainer = L.Trainer(accelerator="cpu", devices=2 if strategy_kwargs else 1, strategy=strategy, logger=False,
+                        enable_progress_bar=False, limit_predict_batches=2)
+    data = _text(4)
+    data.setup()
+    return trainer.predict(module, data.val_dataloader())
+
+
+def test_predict_returns_the_predictions_on_every_rank():
+    from tests.helpers.distributed import run_distributed
+
+    reference = run_distributed(_predict_worker, 1, None)[0]
+    outputs = run_distributed(_predict_worker, 2, {"pipeline_parallel_size": 2})
+    for output in outputs:
+        assert len(output) == len(reference) == 2
+        for got, expected in zip(output, reference):
+            assert torch.equal(got, expected)
+
+
+def test_balance_and_placement():
+    assert balance([10] * 8, 4) == [0, 2, 4, 6]
+    assert balance([10] * 8, 2, first_extra=40) == [0, 2]  # embeddings (40) weigh on stage 0: it gets 2 blocks, 60 = 60
+    assert stage_indices("1F1B", 1, 4, 1) == [1]
+    assert stage_indices("Interleaved1F1B", 1, 4, 2) == [1, 5]
+    assert stage_indices("ZBVZeroBubble", 1, 4, 2) == [1, 6]  # V: rank 1 holds stages 1 and 6 of 8
+    assert stages_per_rank("DualPipeV", None) == 2
+    with pytest.raises(ValueError, match="one stage per rank"):
+        stages_per_rank("1F1B", 2)
+
+
+def test_microbatch_errors_say_which_counts_work():
+    batch = (torch.zeros(6, 4), torch.zeros(6, 4))
+    assert [mb[0].shape[0] for mb in split_microbatches(batch, 3)] == [2, 2, 2]
+    with pytest.raises(ValueError, match=r"batch of 6 samples does not split into num_microbatches=4.*\[1, 2, 3, 6\]"):
+        split_microbatches(batch, 4)
+
+
+class _Manual(GPTLightningModule):
+    def __init__(self):
+        super().__init__(block_size=32, n_layer=2, n_head=4, n_embd=32)
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_refused_with_the_reason():
+    with pytest.raises(RuntimeError, match="needs automatic optimization"):
+        fit(_Manual, lambda: _text(8), {"pipeline_parallel_size": 2}, 2, 1)

@@ -1,0 +1,440 @@
+"""Checkpoints: exact resume (mid-epoch too), any layout to any other, full files, atomic saves, async, consolidation.
+
+One uninterrupted run (dp=2, ZeRO-1) saves at steps 3 (mid-epoch 0), 4 (epoch boundary) and 6 (mid-epoch 1); the
+resume tests load one of those under another layout (and tensor/pipeline-parallel runs of a Hugging Face Llama under
+ZeRO-3) and must continue the uninterrupted run's losses. Each resumed job also saves again right after loading:
+consolidating that save and the original gives identical weights and optimizer states, which checks "equal after
+load" in every layout with the same code. One process per layout and job; run with ``-s`` to see the measured
+differences.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_mgpu import HybridStrategy
+from lightning_mgpu.checkpoint import CheckpointError, Checkpointer, consolidate, write_consolidated
+from lightning_mgpu.checkpoint.resume import FastForward
+from lightning_mgpu.cli import main as cli
+from tests.helpers.equivalence import fit
+from tests.helpers.modules import CNNModule, LlamaModule, RandomImageDataModule, RandomTokenDataModule
+
+GLOBAL_BATCH = 8
+SAMPLES = 32  # 4 steps per epoch
+STEPS = 10
+SAVE_AT = (3, 4, 6)
+CROSS_LAYOUT_RTOL = 1e-5
+
+
+class ResumeModule(CNNModule):
+    """The CNN with AdamW (two param groups), a per-step LR schedule, and a loss scaled by torch, Python and NumPy
+    random numbers: the same on every rank, so layouts stay comparable, and wrong unless the RNGs are restored."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        noise = float(torch.rand(())) + random.random() + float(np.random.rand())
+        loss = F.cross_entropy(self(x), y) * (1.0 + 0.01 * noise)
+        self.log("train_loss", loss, sync_dist=True)
+        self.log("sample", float(x[0, 0, 0, 0]), reduce_fx="min", sync_dist=True)  # which data, for messages
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.dim() > 1]
+        no_decay = [p for p in self.parameters() if p.dim() <= 1]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=3e-3)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _data(dp: int):
+    return lambda: RandomImageDataModule(num_samples=SAMPLES, batch_size=GLOBAL_BATCH // dp)
+
+
+class SaveAt(L.Callback):
+    """``trainer.save_checkpoint`` after the given steps (where ModelCheckpoint saves), and once right after a
+    resume (``resaved``: what this layout holds once loaded). Results: sample ids seen per step."""
+
+    def __init__(self, directory: Path, steps=(), resave: bool = False) -> None:
+        self.directory, self.steps, self.resave = directory, steps, resave
+        self.results: dict[str, Any] = {"save_seconds": []}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.resave:
+            trainer.save_checkpoint(self.directory / "resaved.ckpt")
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step in self.steps:
+            start = time.perf_counter()
+            trainer.save_checkpoint(self.directory / f"step{trainer.global_step}.ckpt")
+            self.results["save_seconds"].append(time.perf_counter() - start)
+
+
+_runs: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """dp=2, ZeRO-1, 10 steps, saving at 3, 4, 6."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    result, _ = fit(ResumeModule, _data(2), {"zero_stage": 1}, 2, STEPS,
+                    callbacks_factory=lambda: [SaveAt(directory, SAVE_AT)])
+    assert len(result.losses) == STEPS
+    return directory, result
+
+
+def _resume(directory: Path, ckpt: Path, dp: int, strategy_kwargs: dict, tmp: Path, module=ResumeModule, data=None,
+            steps: int = STEPS):
+    result, _ = fit(module, data or _data(dp), strategy_kwargs, dp, steps,
+                    callbacks_factory=lambda: [SaveAt(tmp, resave=True)], fit_kwargs={"ckpt_path": str(ckpt)})
+    return result
+
+
+def _assert_same_states(saved: Path, resaved: Path) -> None:
+    """Weights, optimizer states and LR/param-group values equal, whatever the two layouts."""
+    a, b = consolidate(saved), consolidate(resaved)
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    for key in a["state_dict"]:
+        assert torch.equal(a["state_dict"][key], b["state_dict"][key]), key
+    assert a["optimizer_states"][0]["param_groups"] == b["optimizer_states"][0]["param_groups"]
+    sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert sa.keys() == sb.keys() and len(sa) == len(a["state_dict"]) - 0  # every parameter has a state
+    for pid in sa:
+        for name in sa[pid]:
+            assert torch.equal(sa[pid][name], sb[pid][name]), (pid, name)
+    assert a["lr_schedulers"] == b["lr_schedulers"]
+    assert a["global_step"] == b["global_step"]
+
+
+def _losses_match(reference: list[float], resumed: list[float], step: int, rtol: float) -> None:
+    expected = reference[step:]
+    assert len(resumed) == len(expected), (resumed, expected)
+    worst = max(abs(r - e) / abs(e) for r, e in zip(resumed, expected))
+    print(f"resumed after step {step}: {len(resumed)} losses, largest relative difference {worst:.2e}")
+    torch.testing.assert_close(torch.tensor(resumed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
+                               rtol=rtol, atol=0.0, msg=lambda m: f"{m}\nexpected={expected}\nresumed={resumed}")
+
+
+def test_resume_in_the_same_layout_is_bit_identical(uninterrupted, tmp_path):
+    directory, reference = uninterrupted
+    resumed = _resume(directory, directory / "step6.ckpt", 2, {"zero_stage": 1}, tmp_path)
+    assert resumed.losses == reference.losses[6:]  # mid-epoch 1: data order, RNGs, LR schedule, optimizer
+    _assert_same_states(directory / "step6.ckpt", tmp_path / "resaved.ckpt")
+
+
+@pytest.mark.parametrize(
+    ("step", "dp", "strategy_kwargs"),
+    [
+        (3, 2, {"zero_stage": 3}),  # mid-epoch 0, ZeRO-1 -> ZeRO-3
+        (4, 4, {"zero_stage": 2}),  # epoch boundary, dp 2 -> 4
+        (6, 1, {}),  # mid-epoch 1, onto one process
+    ],
+    ids=["zero1-to-zero3", "dp2-to-dp4-zero2", "dp2-to-one-process"],
+)
+def test_resume_in_another_layout(uninterrupted, tmp_path, step, dp, strategy_kwargs):
+    directory, reference = uninterrupted
+    resumed = _resume(directory, directory / f"step{step}.ckpt", dp, strategy_kwargs, tmp_path)
+    _losses_match(reference.losses, resumed.losses, step, CROSS_LAYOUT_RTOL)
+    _assert_same_states(directory / f"step{step}.ckpt", tmp_path / "resaved.ckpt")
+
+
+def test_resume_restores_the_loss_scaler_even_before_any_optimizer_step(tmp_path):
+    """fp16 with a scale that overflows: the first steps are skipped, so the step-3 checkpoint has a scaler state
+    and no optimizer state at all; resuming must restore the one and create none of the other."""
+    from lightning_mgpu import HybridPrecision
+
+    plugins = lambda: {"plugins": [HybridPrecision("16-mixed", init_scale=2.0**20, growth_interval=1)]}  # noqa: E731
+    reference, _ = fit(ResumeModule, _data(2), {"zero_stage": 1}, 2, 6, trainer_kwargs=plugins(),
+                       callbacks_factory=lambda: [SaveAt(tmp_path, (3,))])
+    saved = consolidate(tmp_path / "step3.ckpt")
+    assert saved["optimizer_states"][0]["state"] == {} and saved["HybridPrecision"]["scale"] < 2.0**20
+    resumed, _ = fit(ResumeModule, _data(2), {"zero_stage": 1}, 2, 6, trainer_kwargs=plugins(),
+                     callbacks_factory=lambda: [SaveAt(tmp_path, resave=True)],
+                     fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")})
+    assert resumed.losses == reference.losses[3:]
+    resaved = consolidate(tmp_path / "resaved.ckpt")
+    assert resaved["HybridPrecision"] == saved["HybridPrecision"] and resaved["optimizer_states"][0]["state"] == {}
+
+
+def test_resume_from_tensor_parallel_into_zero3(tmp_path):
+    """Hugging Face Llama: saved under tp=2 (DTensors sharded by heads, fused ranks), resumed under dp=2 ZeRO-3."""
+    data = lambda per_rank: lambda: RandomTokenDataModule(num_samples=32, batch_size=per_rank)  # noqa: E731
+    module = lambda: LlamaModule(seed=0)  # noqa: E731
+    reference, _ = fit(module, data(8), {"tensor_parallel_size": 2}, 2, 6,
+                       callbacks_factory=lambda: [SaveAt(tmp_path, (3,))])
+    resumed = _resume(tmp_path, tmp_path / "step3.ckpt", 2, {"zero_stage": 3}, tmp_path, module, data(4), 6)
+    _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
+    _assert_same_states(tmp_path / "step3.ckpt", tmp_path / "resaved.ckpt")
+
+
+def test_resume_from_pipeline_parallel_into_zero3(tmp_path):
+    """Saved by two pipeline stages (each rank holds half the model, and half the optimizer's parameters)."""
+    try:
+        HybridStrategy(pipeline_parallel_size=2)
+    except NotImplementedError:
+        pytest.skip("pipeline parallelism is not implemented in this version")
+    data = lambda per_rank: lambda: RandomTokenDataModule(num_samples=32, batch_size=per_rank)  # noqa: E731
+    module = lambda: LlamaModule(seed=0)  # noqa: E731
+    reference, _ = fit(module, data(8), {"pipeline_parallel_size": 2}, 2, 6,
+                       callbacks_factory=lambda: [SaveAt(tmp_path, (3,))])
+    resumed = _resume(tmp_path, tmp_path / "step3.ckpt", 2, {"zero_stage": 3}, tmp_path, module, data(4), 6)
+    _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
+    _assert_same_states(tmp_path / "step3.ckpt", tmp_path / "resaved.ckpt")
+
+
+# ------------------------------------------------------------------------------------------------------ full format
+def test_full_format_is_one_plain_file_that_resumes_in_another_layout(uninterrupted, tmp_path):
+    directory, reference = uninterrupted
+    fit(ResumeModule, _data(2), {"zero_stage": 2, "checkpoint_format": "full"}, 2, 6,
+        callbacks_factory=lambda: [SaveAt(tmp_path, (6,))])
+    path = tmp_path / "step6.ckpt"
+    assert path.is_file() and not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+    full = torch.load(path, weights_only=True)  # plain torch, safe unpickler
+    plain = ResumeModule()
+    assert full["state_dict"].keys() == plain.state_dict().keys()
+    assert full["parallel_layout"] == {"data_parallel_size": 2, "tensor_parallel_size": 1,
+                                       "pipeline_parallel_size": 1, "zero_stage": 2, "world_size": 2}
+    # Weights-only loading into the unmodified LightningModule, and torch's own optimizer format.
+    loaded = ResumeModule.load_from_checkpoint(path)
+    sharded = consolidate(directory / "step6.ckpt")  # the same step, trained under ZeRO-1
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, sharded["state_dict"][key], rtol=1e-4, atol=1e-5)
+    optimizer = plain.configure_optimizers()["optimizer"]
+    optimizer.load_state_dict(full["optimizer_states"][0])
+    assert optimizer.state_dict()["param_groups"] == sharded["optimizer_states"][0]["param_groups"]
+    # And it resumes under HybridStrategy (dp=2, ZeRO-1: each rank takes the states of the parameters it owns)
+    # where the uninterrupted run went on.
+    resumed = _resume(directory, path, 2, {"zero_stage": 1}, tmp_path)
+    _losses_match(reference.losses, resumed.losses, 6, CROSS_LAYOUT_RTOL)
+    _assert_same_states(path, tmp_path / "resaved.ckpt")
+
+
+def test_a_plain_lightning_checkpoint_resumes_under_hybrid_strategy(tmp_path):
+    """From Lightning's DDP on one process (torch's optimizer format, no names) to dp=2 ZeRO-1."""
+    data = lambda per_rank: lambda: RandomImageDataModule(num_samples=SAMPLES, batch_size=per_rank)  # noqa: E731
+    reference, _ = fit(CNNModule, data(8), None, 1, 8, callbacks_factory=lambda: [SaveAt(tmp_path, (3,))])
+    resumed, _ = fit(CNNModule, data(4), {"zero_stage": 1}, 2, 8, fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")})
+    _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
+
+
+# ---------------------------------------------------------------------------------------------------- consolidation
+class ValLoss(L.Callback):
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.results["val_loss"] = float(trainer.callback_metrics["val_loss"])
+
+
+@pytest.mark.parametrize("layout", [{"zero_stage": 3}, {"tensor_parallel_size": 2}], ids=["dp2-zero3", "tp2"])
+def test_consolidated_file_loads_strictly_into_the_unmodified_module(tmp_path, capsys, layout):
+    """Sharded Llama -> `lightning-mgpu consolidate` (torch and safetensors) -> same loss on a batch."""
+    steps, per_rank = 3, 4 if "zero_stage" in layout else 8
+    data = lambda: RandomTokenDataModule(batch_size=per_rank, with_val=True)  # noqa: E731
+    _, extras = fit(lambda: LlamaModule(seed=0), data, layout, 2, steps,
+                    trainer_kwargs={"limit_val_batches": 1, "val_check_interval": steps},
+                    callbacks_factory=lambda: [SaveAt(tmp_path, (steps,)), ValLoss()])
+    sharded_loss = extras[0]["val_loss"]
+    ckpt = tmp_path / f"step{steps}.ckpt"
+    x, y = RandomTokenDataModule().val_data[:8]
+
+    def loss_of(module: LlamaModule) -> float:
+        with torch.no_grad():
+            return float(F.cross_entropy(module(x).reshape(-1, 128), y.reshape(-1)))
+
+    assert cli(["consolidate", str(ckpt), str(tmp_path / "full.ckpt")]) == 0
+    full = torch.load(tmp_path / "full.ckpt", weights_only=True)
+    module = LlamaModule()
+    module.load_state_dict(full["state_dict"], strict=True)
+    assert loss_of(module) == pytest.approx(sharded_loss, rel=1e-5)
+    assert loss_of(LlamaModule.load_from_checkpoint(tmp_path / "full.ckpt")) == pytest.approx(sharded_loss, rel=1e-5)
+
+    # safetensors with Hugging Face's names, next to a config.json: `from_pretrained` takes the directory.
+    hf_dir = tmp_path / "hf"
+    assert cli(["consolidate", str(ckpt), str(hf_dir / "model.safetensors"), "--format", "safetensors"]) == 0
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    assert set(load_file(hf_dir / "model.safetensors")) == set(module.model.state_dict())
+    hf = LlamaForCausalLM.from_pretrained(hf_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=x).logits, module(x), rtol=1e-5, atol=1e-6)
+
+    capsys.readouterr()
+    assert cli(["inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    tp = layout.get("tensor_parallel_size", 1)
+    stage = layout.get("zero_stage", 0)
+    assert f"dp={2 // tp} x tp={tp} x pp=1 (zero_stage={stage}), 2 processes" in out
+    assert f"global step {steps}" in out
+    assert re.search(r"model\.model\.embed_tokens\.weight +\[128, 64\] +float32", out), out
+    assert "Hugging Face models: model (LlamaForCausalLM)" in out
+
+
+# -------------------------------------------------------------------------------------------- atomic and honest saves
+class WriterFault(L.Callback):
+    """Patches DCP's file writer in one rank: on its ``at``-th save it writes its shard, then dies (SIGKILL) or
+    raises; ``delay`` slows every write (seconds) to show that training goes on during an asynchronous save."""
+
+    def __init__(self, rank: int, at: int, action: str = "kill", delay: float = 0.0) -> None:
+        self.rank, self.at, self.action, self.delay = rank, at, action, delay
+        self.results: dict[str, Any] = {"steps_during_a_save": 0}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        original, calls, fault = FileSystemWriter.write_data, [0], self
+
+        def write_data(writer: Any, plan: Any, planner: Any) -> Any:
+            calls[0] += 1
+            time.sleep(fault.delay)
+            if trainer.global_rank == fault.rank and calls[0] == fault.at:
+                if fault.action == "raise":
+                    raise OSError("No space left on device (injected)")
+                original(writer, plan, planner).wait()  # this rank's shard is on disk ...
+                os.kill(os.getpid(), signal.SIGKILL)  # ... and the rank dies before the save completes
+            return original(writer, plan, planner)
+
+        FileSystemWriter.write_data = write_data
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        pending = trainer.strategy.checkpointer._pending
+        if pending is not None and not pending._done.is_set():
+            self.results["steps_during_a_save"] += 1
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:  # after the strategy's teardown
+        last = getattr(trainer.checkpoint_callback, "last_model_path", "")
+        self.results["last_published_at_fit_end"] = bool(last) and Path(last).is_dir()
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_resumable(uninterrupted, tmp_path):
+    _, reference = uninterrupted
+    callbacks = lambda: [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True),  # noqa: E731
+                         WriterFault(rank=1, at=3)]  # saves: step 2 (epoch=0-step=2, last), step 4: killed
+    # The harness sees rank 1's death, or rank 0's collective failing because its peer is gone, whichever first.
+    with pytest.raises(RuntimeError, match=r"rank 1 died with exit code -9|(?s:rank 0 of 2 failed.*closed by peer)"):
+        fit(ResumeModule, _data(2), {"zero_stage": 1}, 2, STEPS, trainer_kwargs={"enable_checkpointing": True},
+            callbacks_factory=callbacks, fit_kwargs={})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".epoch=0-step=4.ckpt.partial", "epoch=0-step=2.ckpt", "last.ckpt"], names
+    with pytest.raises(FileNotFoundError, match="An unfinished save was found at .*epoch=0-step=4.ckpt.partial"):
+        Checkpointer().load(tmp_path / "epoch=0-step=4.ckpt", ResumeModule(), [], fitting=False)
+    resumed, _ = fit(ResumeModule, _data(2), {"zero_stage": 1}, 2, STEPS,
+                     fit_kwargs={"ckpt_path": str(tmp_path / "last.ckpt")})
+    assert resumed.losses == reference.losses[2:]
+
+
+def test_async_save_with_model_checkpoint_top_k(uninterrupted, tmp_path):
+    """Training goes on while shards are written; old top-k directories are deleted; the last one resumes."""
+    _, reference = uninterrupted
+    dirpath = tmp_path / "ckpts"
+    callbacks = lambda: [ModelCheckpoint(dirpath=dirpath, monitor="train_loss", save_top_k=2,  # noqa: E731
+                                         every_n_train_steps=1, save_last=True),
+                         WriterFault(rank=0, at=-1, delay=0.05)]
+    result, extras = fit(ResumeModule, _data(2), {"zero_stage": 2, "async_checkpoint": True}, 2, 6,
+                         trainer_kwargs={"enable_checkpointing": True}, callbacks_factory=callbacks)
+    _losses_match(reference.losses[:6], result.losses, 0, CROSS_LAYOUT_RTOL)
+    assert extras[0]["steps_during_a_save"] >= 3
+    assert extras[0]["last_published_at_fit_end"]  # the end of `fit` waited for the last save
+    names = sorted(p.name for p in dirpath.iterdir())
+    best = sorted(range(1, 7), key=lambda s: result.losses[s - 1])[:2]
+    assert names == sorted([f"epoch={(s - 1) // 4}-step={s}.ckpt" for s in best] + ["last.ckpt"]), names
+    assert consolidate(dirpath / "last.ckpt")["global_step"] == 6
+    resumed, _ = fit(ResumeModule, _data(2), {"zero_stage": 2}, 2, STEPS,
+                     fit_kwargs={"ckpt_path": str(dirpath / "last.ckpt")})
+    _losses_match(reference.losses, resumed.losses, 6, CROSS_LAYOUT_RTOL)
+
+
+def test_async_save_errors_surface_at_the_next_save(tmp_path):
+    callbacks = lambda: [SaveAt(tmp_path, (1, 2, 3)), WriterFault(rank=1, at=2, action="raise")]  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"(?s)asynchronous save of .*step2.ckpt failed.*No space left on device"):
+        fit(ResumeModule, _data(2), {"zero_stage": 1, "async_checkpoint": True}, 2, 4, callbacks_factory=callbacks)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step2.ckpt.partial", "step1.ckpt"]
+    Checkpointer().load(tmp_path / "step1.ckpt", ResumeModule(), [], fitting=False)  # complete and loadable
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: (d / "__1_0.distcp").unlink(), r"missing or damaged: __1_0\.distcp \(a data shard\)"),
+        (lambda d: os.truncate(d / "__0_0.distcp", 100), r"__0_0\.distcp is truncated \(100 of at least \d+ bytes\)"),
+        (lambda d: (d / "meta.pt").unlink(), r"meta\.pt \(the trainer state"),
+        (lambda d: (d / ".metadata").unlink(), r"\.metadata \(DCP's index of the shards"),
+        (lambda d: os.truncate(d / ".metadata", 10), r"\.metadata is unreadable"),
+    ],
+    ids=["shard-missing", "shard-truncated", "meta-missing", "index-missing", "index-truncated"],
+)
+def test_a_damaged_checkpoint_fails_naming_what_is_missing(uninterrupted, tmp_path, damage, message):
+    import shutil
+
+    directory, _ = uninterrupted
+    path = tmp_path / "step3.ckpt"
+    shutil.copytree(directory / "step3.ckpt", path)
+    damage(path)
+    with pytest.raises(CheckpointError, match=message):
+        Checkpointer().load(path, ResumeModule(), [], fitting=False)
+
+
+def test_loading_names_missing_entries_and_respects_strict(uninterrupted, tmp_path):
+    directory, _ = uninterrupted
+    module = ResumeModule()
+    module.extra = torch.nn.Linear(2, 2)
+    message = r"no entry for 2 of the model's 12 parameters and buffers: extra\.weight, extra\.bias"
+    with pytest.raises(CheckpointError, match=message):
+        Checkpointer().load(directory / "step3.ckpt", module, [], strict=True, fitting=False)
+    Checkpointer().load(directory / "step3.ckpt", module, [], strict=False, fitting=False)
+    torch.testing.assert_close(module.head.weight, consolidate(directory / "step3.ckpt")["state_dict"]["head.weight"])
+    # A weights-only file initializes a model but cannot resume training.
+    write_consolidated(directory / "step3.ckpt", tmp_path / "weights.ckpt", weights_only=True)
+    plain = ResumeModule()
+    with pytest.raises(CheckpointError, match="has no state for optimizer 0 .*save_weights_only"):
+        Checkpointer().load(tmp_path / "weights.ckpt", plain, [plain.configure_optimizers()["optimizer"]])
+    (tmp_path / "broken.ckpt").write_bytes((tmp_path / "weights.ckpt").read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="broken.ckpt could not be read, it is truncated or corrupt"):
+        Checkpointer().load(tmp_path / "broken.ckpt", plain, [], fitting=False)
+
+
+def test_fast_forward_skips_indices_of_map_style_data_and_batches_of_iterables():
+    from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+    class Counting(Dataset):
+        def __init__(self) -> None:
+            self.fetched: list[int] = []
+
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int) -> int:
+            self.fetched.append(i)
+            return i
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    data = Counting()
+    loader = DataLoader(data, batch_size=2)
+    forward = FastForward(loader, skip=3, epoch=0)
+    assert len(forward) == 5 and forward.batch_size == 2
+    assert [b.tolist() for b in forward] == [[6, 7], [8, 9]]
+    assert data.fetched == [6, 7, 8, 9]  # nothing loaded for the skipped batches
+    assert [b.tolist() for b in forward][0] == [0, 1]  # only the first epoch after the resume is shortened
+    assert [b.tolist() for b in FastForward(DataLoader(Stream(), batch_size=4), skip=2, epoch=0)] == [[8, 9]]
+
+
+def test_async_checkpoint_needs_the_sharded_format():
+    with pytest.raises(ValueError, match="`async_checkpoint=True` .* needs `checkpoint_format='sharded'`, got 'full'"):
+        HybridStrategy(async_checkpoint=True, checkpoint_format="full")
