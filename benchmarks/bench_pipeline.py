@@ -16,11 +16,12 @@ name           what
                at the same cut points (``lightning_mgpu.parallel.pipeline.plan_split``) and stage placement
                (``stage_indices``) as HybridStrategy, wrapped in ``PipelineStage`` and run by the same torch
                schedule class with ``loss_fn = cross_entropy / m`` (``scale_grads=False``), then AdamW with the demo's
-               parameter groups
+               parameter groups, on the batches Lightning trains on (its ``DistributedSampler(shuffle=True)``)
 =============  ===================================================================================================
 
 The two runs share the processes and the default process group (the hand loop initializes it, Lightning finds it
-initialized); their order alternates from one ``m`` to the next.
+initialized); each runs ``--repeats`` times, their order alternating from one (repeat, m) to the next, timed steps
+pooled. Their losses are printed side by side: they agree to the last digit.
 
 Measured, per configuration, in every rank, by wrapping torch's pipelining internals in the worker processes
 (nothing in the package is changed):
@@ -31,8 +32,10 @@ Measured, per configuration, in every rank, by wrapping torch's pipelining inter
   it does not count waiting for a peer or for a core, so it is less sensitive to other jobs on the machine);
 - inside ``schedule.step``: wall time; *compute*, the time in ``PipelineStage.forward_one_chunk`` (F),
   ``backward_one_chunk`` (B, or I when the schedule splits the backward) and ``backward_weight_one_chunk`` (W), plus
-  the loss function on the last stage (L); *p2p wait*, the time in torch's ``_wait_batch_p2p``; the rest is the
-  schedule's own Python (issuing sends/receives, bookkeeping);
+  the loss function on the last stage (L), in wall and in thread CPU time; *p2p wait*, the time in torch's
+  ``_wait_batch_p2p``; *p2p issue*, the time in torch's ``_batch_p2p`` (gloo ``isend``/``irecv`` calls), wall and
+  thread CPU time; the rest is the schedule's own Python and, on a loaded machine, time the process waited for a
+  core;
 - Lightning only: the capture of the user's step per microbatch (``PipelineEngine._start``) and the broadcast of
   the loss and logged values (``PipelineEngine._publish``);
 - parameters held per rank (numel of the rank's stages) after training, beside the analytic split.
@@ -47,8 +50,9 @@ Bubble (idle fraction of each rank inside the schedule's step), three ways:
   table's order, an action starts when its rank is free and its dependency (previous stage's F, next stage's B/I,
   own I for W) has finished, F=1, B=2, I=W=1 (time per rank-stage; v stages per rank scale all alike), communication
   free; bubble of rank r = 1 - busy_r / makespan. ``x th`` is sched/theory (target: within 1.2x);
-- ``sim-meas``: the same simulation with the measured median F(+L), B, I, W of each stage (lightning run): the
-  bubble the schedule order implies for this model on this machine, without p2p latency or contention;
+- ``sim-meas``: the same simulation with the measured median F(+L), B, I, W of each stage, in thread CPU time
+  (Lightning run / hand run): the bubble the schedule order implies with this model's real per-stage costs, without
+  p2p latency or contention;
 - ``measured``: per rank, (schedule.step wall - compute) / schedule.step wall, median over the timed steps
   (p2p waits + schedule overhead; 2 cores shared by ``pp`` ranks and other jobs make this noisy).
 
@@ -129,7 +133,8 @@ def schedule_tables(schedule: str, p: int, m: int, v: int) -> tuple[list[list[An
                     actions[i] = action._replace(microbatch_index=expected)
                     fixed += 1
         if fixed:
-            notes.append(f"rank {rank}: {fixed} forward(s) of torch's table renumbered (F{m} for m={m} microbatches)")
+            notes.append(f"rank {rank}: torch's table has {fixed} forward(s) out of microbatch order (1F1B's last rank:"
+                         f" F1..F{m} for microbatches 0..{m - 1}), renumbered for the simulation")
         tables.append(actions)
     return tables, notes
 
@@ -216,25 +221,32 @@ class _Recorder:
         self.current: Optional[dict[str, Any]] = None
 
     def start(self) -> None:
-        self.current = {"sched": 0.0, "sched_cpu": 0.0, "compute": 0.0, "wait": 0.0, "capture": 0.0, "publish": 0.0,
-                        "actions": defaultdict(list)}
+        self.current = {"sched": 0.0, "sched_cpu": 0.0, "compute": 0.0, "compute_cpu": 0.0, "wait": 0.0,
+                        "issue": 0.0, "issue_cpu": 0.0, "capture": 0.0, "publish": 0.0, "actions": defaultdict(list)}
 
     def stop(self) -> dict[str, Any]:
         record, self.current = self.current or {}, None
         record["actions"] = dict(record.get("actions", {}))
         return record
 
-    def add(self, kind: str, stage: Optional[int], seconds: float) -> None:
+    def add(self, kind: str, stage: Optional[int], seconds: float, cpu: float) -> None:
+        """``seconds`` of wall time and ``cpu`` seconds of this thread's CPU time spent in one action."""
         if self.current is None:
             return
         if kind in COMPUTE_KINDS:
             self.current["compute"] += seconds
-            self.current["actions"][(kind, stage)].append(seconds)
+            self.current["compute_cpu"] += cpu
+            self.current["actions"][(kind, stage)].append((seconds, cpu))
         else:
             self.current[kind] += seconds
+            if f"{kind}_cpu" in self.current:
+                self.current[f"{kind}_cpu"] += cpu
 
 
 _RECORDER: Optional[_Recorder] = None
+# Per-action CPU clock (~1 us a call). A module global so that an A/B run can swap it for ``lambda: 0.0``: doing so
+# changed no step time beyond the noise.
+_THREAD_CLOCK: Callable[[], float] = time.thread_time
 
 
 def _instrument() -> _Recorder:
@@ -253,13 +265,13 @@ def _instrument() -> _Recorder:
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _THREAD_CLOCK()
             try:
                 return original(*args, **kwargs)
             finally:
                 what = kind_of(*args, **kwargs)
                 if what is not None:
-                    rec.add(what[0], what[1], time.perf_counter() - t0)
+                    rec.add(what[0], what[1], time.perf_counter() - t0, _THREAD_CLOCK() - c0)
 
         setattr(owner, name, wrapper)
 
@@ -271,6 +283,7 @@ def _instrument() -> _Recorder:
     timed(schedules._PipelineSchedule, "_maybe_compute_loss",
           lambda self, st, *a, **k: ("L", st.stage_index) if st.is_last and self._loss_fn is not None else None)
     timed(schedules, "_wait_batch_p2p", lambda *a, **k: ("wait", None))
+    timed(schedules, "_batch_p2p", lambda *a, **k: ("issue", None))
     timed(PipelineEngine, "_start", lambda *a, **k: ("capture", None))
     timed(PipelineEngine, "_publish", lambda *a, **k: ("publish", None))
 
@@ -337,6 +350,7 @@ def _run_hand(schedule: str, m: int, args: dict[str, Any], rec: _Recorder) -> di
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
+    from torch.utils.data import DataLoader, DistributedSampler
 
     from lightning_mgpu.demo import GPT, GPTConfig
     from lightning_mgpu.parallel.pipeline import plan_split, stage_indices, stages_per_rank
@@ -363,8 +377,12 @@ def _run_hand(schedule: str, m: int, args: dict[str, Any], rec: _Recorder) -> di
     optimizer = _adamw(params)
     dm = _datamodule(args)
     dm.setup()
+    # The order Lightning trains in: it swaps the loader's sampler for DistributedSampler(shuffle=True) over the
+    # data-parallel ranks (one here), seeded from PL_GLOBAL_SEED (0 when unset).
+    sampler = DistributedSampler(dm.train_dataset, num_replicas=1, rank=0, shuffle=True,
+                                 seed=int(os.getenv("PL_GLOBAL_SEED", 0)))
     steps = []
-    for step, (x, y) in enumerate(dm.train_dataloader()):
+    for step, (x, y) in enumerate(DataLoader(dm.train_dataset, batch_size=args["batch_size"], sampler=sampler)):
         if step == args["steps"]:
             break
         rec.start()
@@ -377,7 +395,8 @@ def _run_hand(schedule: str, m: int, args: dict[str, Any], rec: _Recorder) -> di
         optimizer.step()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         record = rec.stop()
-        record.update(wall=wall, cpu=cpu, loss=float(torch.stack(losses).sum()) if losses else None)
+        loss = float(torch.stack([l.detach() for l in losses]).sum()) if losses else None
+        record.update(wall=wall, cpu=cpu, loss=loss)
         steps.append(record)
     return {"steps": steps, "numel": sum(p.numel() for p in params)}
 
@@ -424,8 +443,11 @@ def _run_lightning(schedule: str, m: int, args: dict[str, Any], rec: _Recorder) 
     return {"steps": probe.steps, "numel": sum(p.numel() for p in module.parameters())}
 
 
-def schedule_job(schedule: str, ms: list[int], args: dict[str, Any]) -> dict[str, Any]:
-    """In one rank: for each m, the hand loop and the Lightning fit (order alternating), on one process group."""
+def schedule_job(schedule: str, ms: list[int], args: dict[str, Any]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """In one rank: ``--repeats`` times, for each m, the hand loop and the Lightning fit, on one process group.
+
+    The order of the two alternates from one (repeat, m) to the next, so that a slow drift of the machine hits both.
+    """
     if not args["verbose"]:
         warnings.filterwarnings("ignore")
         for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torch.distributed"):
@@ -435,13 +457,14 @@ def schedule_job(schedule: str, ms: list[int], args: dict[str, Any]) -> dict[str
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=args["timeout"]))
     rec = _instrument()
-    results = {}
-    for i, m in enumerate(ms):
-        for impl in (("hand", "lightning") if i % 2 == 0 else ("lightning", "hand")):
-            dist.barrier()
-            run = _run_hand if impl == "hand" else _run_lightning
-            results[(impl, m)] = run(schedule, m, args, rec)
-    return results
+    results: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for repeat in range(args["repeats"]):
+        for i, m in enumerate(ms):
+            for impl in (("hand", "lightning") if (i + repeat) % 2 == 0 else ("lightning", "hand")):
+                dist.barrier()
+                run = _run_hand if impl == "hand" else _run_lightning
+                results[(impl, m)].append(run(schedule, m, args, rec))
+    return dict(results)
 
 
 # --------------------------------------------------------------------------------------------------- the report
@@ -449,35 +472,46 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def summarize(outputs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    """One (impl, m) over the ranks: step = slowest rank per step; everything else per rank, median over steps."""
-    timed = [o["steps"][warmup:] for o in outputs]
-    steps = list(zip(*timed))
+def summarize(runs: list[list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
+    """One (impl, m): ``runs[repeat][rank]``. Steps after ``warmup`` of every repeat are pooled; step time = the
+    slowest rank per step; everything else per rank, median over the pooled steps."""
+    p = len(runs[0])
+    steps = [step for run in runs for step in list(zip(*(o["steps"] for o in run)))[warmup:]]
     per_rank: list[dict[str, Any]] = []
-    for rank_steps in timed:
-        durations: dict[tuple, list[float]] = defaultdict(list)
+    for rank in range(p):
+        rank_steps = [step[rank] for step in steps]
+        durations: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
         for s in rank_steps:
             for key, values in s["actions"].items():
                 durations[key] += values
         per_rank.append({
             "sched": _median([s["sched"] for s in rank_steps]),
             "compute": _median([s["compute"] for s in rank_steps]),
+            "compute_cpu": _median([s["compute_cpu"] for s in rank_steps]),
             "wait": _median([s["wait"] for s in rank_steps]),
+            "issue": _median([s["issue"] for s in rank_steps]),
+            "issue_cpu": _median([s["issue_cpu"] for s in rank_steps]),
+            "rest": _median([s["sched"] - s["compute"] - s["wait"] - s["issue"] for s in rank_steps]),
             "bubble": _median([(s["sched"] - s["compute"]) / s["sched"] for s in rank_steps if s["sched"] > 0]),
             "wait_frac": _median([s["wait"] / s["sched"] for s in rank_steps if s["sched"] > 0]),
             "outside": _median([s["wall"] - s["sched"] for s in rank_steps]),
             "capture": _median([s["capture"] for s in rank_steps]),
             "publish": _median([s["publish"] for s in rank_steps]),
-            "costs": {key: _median(values) for key, values in durations.items()},
+            # per (kind, stage): median wall and median thread CPU time of one action
+            "costs": {key: _median([w for w, _ in values]) for key, values in durations.items()},
+            "costs_cpu": {key: _median([c for _, c in values]) for key, values in durations.items()},
         })
-    losses = [[s["loss"] for s in o["steps"]] for o in outputs]
-    loss_curve = next((curve for curve in reversed(losses) if all(v is not None for v in curve)), None)
+    first = runs[0]
+    curves = [[s["loss"] for s in o["steps"]] for o in first]
+    loss_curve = next((curve for curve in reversed(curves) if all(v is not None for v in curve)), None)
     return {
         "wall": _median([max(s["wall"] for s in step) for step in steps]),
+        "min": min(max(s["wall"] for s in step) for step in steps),
         "cpu": _median([statistics.mean(s["cpu"] for s in step) for step in steps]),
         "sched": _median([max(s["sched"] for s in step) for step in steps]),
+        "n_steps": len(steps),
         "ranks": per_rank,
-        "numel": [o["numel"] for o in outputs],
+        "numel": [o["numel"] for o in first],
         "losses": loss_curve,
     }
 
@@ -534,13 +568,14 @@ def print_report(results: dict, analyses: dict, skipped: dict, args: dict[str, A
         f"GPT n_layer={args['n_layer']} n_embd={args['n_embd']} n_head={args['n_head']} block_size={args['block_size']}"
         f" batch={args['batch_size']}: N={total:,} params (embeddings {emb:,}, norm+head {head:,});"
         f" pp={p} ranks, gloo, 1 thread/rank, torch {torch.__version__}; steps {args['warmup'] + 1}..{args['steps']}"
-        " timed."
+        f" of {args['repeats']} run(s) per configuration timed. Load average (1 min) {args['load_before']:.1f} before,"
+        f" {args['load_after']:.1f} after, on {os.cpu_count()} cores."
     )
 
     # ---- 1. bubble
     print("\n1. Bubble: idle fraction per rank inside schedule.step (r0/r1/...), mean over ranks where one number")
     head1 = (f"{'schedule':<21} {'m':>2} {'v':>1} | {'theory':>6} {'formula':<15} | {'sched':>5} {'x th':>5} |"
-             f" {'sim-meas':>8} | {'measured':>{6 * p}} {'mean':>5} {'x th':>5} | {'p2p wait':>{6 * p}} |"
+             f" {'sim-meas L/H':>12} | {'measured L':>{6 * p}} {'mean':>5} {'x th':>5} {'H mean':>6} | {'p2p wait L':>{6 * p}} |"
              f" {'act peak':>{5 * p}}")
     print(head1)
     print("-" * len(head1))
@@ -548,16 +583,21 @@ def print_report(results: dict, analyses: dict, skipped: dict, args: dict[str, A
         sched = statistics.mean(a["sched"])
         ratio = sched / a["theory"]
         flag = " " if 1 / 1.2 <= ratio <= 1.2 else "!"
-        r = results.get((schedule, m, "lightning"))
+        r, rh = results.get((schedule, m, "lightning")), results.get((schedule, m, "hand"))
         if r is not None:
-            costs = {k: v for rank in r["ranks"] for k, v in rank["costs"].items()}
-            sim = simulate_measured(a, costs, p)
+            sims = []
+            for run in (r, rh):
+                costs = {k: v for rank in run["ranks"] for k, v in rank["costs_cpu"].items()} if run else {}
+                sim = simulate_measured(a, costs, p) if run else None
+                sims.append("?" if sim is None else f"{sim:.3f}")
             measured = [rank["bubble"] for rank in r["ranks"]]
             mean = statistics.mean(measured)
-            meas = (f"{'?' if sim is None else f'{sim:.3f}':>8} | {_slash(measured, '.3f'):>{6 * p}} {mean:5.3f}"
-                    f" {mean / a['theory']:5.2f} | {_slash([rank['wait_frac'] for rank in r['ranks']], '.3f'):>{6 * p}}")
+            hand = f"{statistics.mean(rank['bubble'] for rank in rh['ranks']):.3f}" if rh is not None else "-"
+            meas = (f"{'/'.join(sims):>12} | {_slash(measured, '.3f'):>{6 * p}} {mean:5.3f}"
+                    f" {mean / a['theory']:5.2f} {hand:>6} |"
+                    f" {_slash([rank['wait_frac'] for rank in r['ranks']], '.3f'):>{6 * p}}")
         else:
-            meas = f"{'-':>8} | {'-':>{6 * p}} {'-':>5} {'-':>5} | {'-':>{6 * p}}"
+            meas = f"{'-':>12} | {'-':>{6 * p}} {'-':>5} {'-':>5} {'-':>6} | {'-':>{6 * p}}"
         print(f"{schedule:<21} {m:>2} {a['v']:>1} | {a['theory']:6.3f} {a['formula']:<15} | {sched:5.3f} {ratio:5.2f}{flag}|"
               f" {meas} | {_slash(a['act'], '.1f'):>{5 * p}}")
     for (schedule, m), a in analyses.items():
@@ -568,8 +608,9 @@ def print_report(results: dict, analyses: dict, skipped: dict, args: dict[str, A
 
     # ---- 2. time
     print("\n2. Step time, HybridStrategy in Lightning (L) vs the same split by hand in a plain loop (H)")
-    head2 = (f"{'schedule':<21} {'m':>2} | {'L ms':>6} {'H ms':>6} {'L/H':>5} | {'L cpu':>6} {'H cpu':>6} {'L/H':>5} |"
-             f" {'sched L':>7} {'sched H':>7} {'L/H':>5} | {'L out':>5} {'H out':>5} {'capt':>5} {'publ':>5} |"
+    head2 = (f"{'schedule':<21} {'m':>2} | {'L ms':>6} {'H ms':>6} {'L/H':>5} | {'L min':>6} {'H min':>6} {'L/H':>5} |"
+             f" {'L cpu':>6} {'H cpu':>6} {'L/H':>5} |"
+             f" {'sched L':>7} {'sched H':>7} {'L/H':>5} | {'L out':>5} {'H out':>5} {'capt':>4} {'publ':>{5 * p}} |"
              f" {'loss L':>6} {'H':>6} {'max|d|':>7}")
     print(head2)
     print("-" * len(head2))
@@ -583,19 +624,21 @@ def print_report(results: dict, analyses: dict, skipped: dict, args: dict[str, A
                 if rl["losses"] and rh["losses"] else float("nan"))
         print(
             f"{schedule:<21} {m:>2} | {rl['wall'] * 1e3:6.1f} {rh['wall'] * 1e3:6.1f} {rl['wall'] / rh['wall']:5.2f} |"
+            f" {rl['min'] * 1e3:6.1f} {rh['min'] * 1e3:6.1f} {rl['min'] / rh['min']:5.2f} |"
             f" {rl['cpu'] * 1e3:6.1f} {rh['cpu'] * 1e3:6.1f} {rl['cpu'] / rh['cpu']:5.2f} |"
             f" {rl['sched'] * 1e3:7.1f} {rh['sched'] * 1e3:7.1f} {rl['sched'] / rh['sched']:5.2f} |"
             f" {mean_rank(rl, 'outside') * 1e3:5.1f} {mean_rank(rh, 'outside') * 1e3:5.1f}"
-            f" {mean_rank(rl, 'capture') * 1e3:5.1f} {mean_rank(rl, 'publish') * 1e3:5.1f} |"
+            f" {mean_rank(rl, 'capture') * 1e3:4.1f} {_slash([x['publish'] * 1e3 for x in rl['ranks']], '4.1f'):>{5 * p}} |"
             f" {rl['losses'][-1] if rl['losses'] else float('nan'):6.3f}"
             f" {rh['losses'][-1] if rh['losses'] else float('nan'):6.3f} {diff:7.1e}"
         )
 
     # ---- 2b. where the time goes
-    print("\n   Inside schedule.step, ms per rank (r0/r1/...): compute (F+B+I+W+loss), p2p wait, the rest (schedule")
-    print("   Python); and the median compute per action, ms, per stage s: F(+loss) B or I+W")
-    head3 = (f"{'schedule':<21} {'m':>2} {'':>1} | {'compute':>{6 * p}} {'wait':>{6 * p}} {'rest':>{6 * p}} |"
-             " per-action costs")
+    print("\n   Inside schedule.step, ms per rank (r0/r1/...): compute (F+B+I+W+loss) wall and thread CPU time, p2p wait,")
+    print("   p2p issue (torch's _batch_p2p: gloo isend/irecv) wall and thread CPU time, the rest (schedule Python,")
+    print("   preemption); per-action thread CPU ms, per stage s: F(+loss) and B or I+W")
+    head3 = (f"{'schedule':<21} {'m':>2} {'':>1} | {'compute':>{6 * p}} {'comp cpu':>{6 * p}} {'wait':>{6 * p}}"
+             f" {'issue':>{6 * p}} {'iss cpu':>{6 * p}} {'rest':>{6 * p}} | per-action thread CPU ms")
     print(head3)
     print("-" * len(head3))
     for (schedule, m) in analyses:
@@ -604,7 +647,7 @@ def print_report(results: dict, analyses: dict, skipped: dict, args: dict[str, A
             if r is None:
                 continue
             ranks = r["ranks"]
-            costs = {k: v for rank in ranks for k, v in rank["costs"].items()}
+            costs = {k: v for rank in ranks for k, v in rank["costs_cpu"].items()}
             parts = []
             for s in sorted({k[1] for k in costs}):
                 f = costs.get(("F", s), 0.0) + costs.get(("L", s), 0.0)
@@ -614,8 +657,11 @@ def print_report(results: dict, analyses: dict, skipped: dict, args: dict[str, A
             print(
                 f"{schedule if impl == 'lightning' else '':<21} {m if impl == 'lightning' else '':>2} {impl[0].upper():>1} |"
                 f" {_slash([x['compute'] * 1e3 for x in ranks], '5.1f'):>{6 * p}}"
+                f" {_slash([x['compute_cpu'] * 1e3 for x in ranks], '5.1f'):>{6 * p}}"
                 f" {_slash([x['wait'] * 1e3 for x in ranks], '5.1f'):>{6 * p}}"
-                f" {_slash([(x['sched'] - x['compute'] - x['wait']) * 1e3 for x in ranks], '5.1f'):>{6 * p}} |"
+                f" {_slash([x['issue'] * 1e3 for x in ranks], '5.1f'):>{6 * p}}"
+                f" {_slash([x['issue_cpu'] * 1e3 for x in ranks], '5.1f'):>{6 * p}}"
+                f" {_slash([x['rest'] * 1e3 for x in ranks], '5.1f'):>{6 * p}} |"
                 f" {'; '.join(parts)}"
             )
 
@@ -644,16 +690,21 @@ Notes.
    (p-1)/(3vm+p-1) for zero-bubble schedules (only the first microbatch's forward ramp, F=1 of F+B=3, is idle).
    sched: event simulation of torch's schedule tables (pipeline_order; get_schedule_ops), F=1, B=2, I=W=1, free
    p2p, bubble 1 - busy/makespan; x th = sched/theory, '!' when outside 1/1.2..1.2.
-   sim-meas: the same tables with the measured median F(+loss)/B/I/W per stage of the Lightning run.
+   sim-meas: the same tables with the measured median F(+loss)/B/I/W of each stage (thread CPU time, so without
+   preemption), of the Lightning run / of the hand run: the bubble this schedule order gives with this model's real
+   per-stage costs (stage 0 has no input gradient, the last stage has the head and the loss) and free p2p.
    measured: per rank (time in schedule.step - compute) / time in schedule.step, median over timed steps, Lightning
    run; x th = mean/theory. p2p wait: share of schedule.step spent in torch's _wait_batch_p2p.
    act peak: most microbatch activations a rank holds at once per torch's table, in units of one rank's whole
    share of the model (a stage of v per rank counts 1/v), freed at B (or W).
-2. L/H ms: median over timed steps of the slowest rank's step (optimizer step included); cpu: mean of the ranks'
-   process CPU time over the same span. sched: time in schedule.step (slowest rank). out: step - schedule.step
-   (L: capture of the step per microbatch, broadcast of loss/logs, self.log, optimizer, Lightning's loop; H:
-   zero_grad + AdamW). capt/publ: the engine's capture and broadcast within L out. loss: last step's loss, and
-   the largest difference per step between the two runs (same seed, data and split).
+2. L/H ms: median over timed steps of the slowest rank's step (optimizer step included); min: the fastest such step
+   (least disturbed by other jobs); cpu: median of the ranks' mean process CPU time over the same span (gloo's
+   threads included). sched: time in schedule.step (slowest rank). out: step - schedule.step (L: capture of the step
+   per microbatch, broadcast of loss/logs, self.log, optimizer, Lightning's loop; H: zero_grad + AdamW), mean of the
+   ranks. capt: the engine's capture of the step per microbatch (mean of the ranks); publ, per rank: its broadcast
+   of the loss and logged values from the last stage (broadcast_object_list, which also waits for the last stage to
+   finish), both within L out. loss: last step's loss, and the largest difference per step between the two runs
+   (same seed, data and split).
    Per-action costs: medians over timed steps of F (forward_one_chunk, + the loss on the last stage), B
    (backward_one_chunk) or I/W (input/weight halves of a split backward). L forwards run the user's whole network
    call with interception (placeholders on meta, pass-through blocks) and replay the user's step as the loss.
@@ -663,7 +714,9 @@ Notes.
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
     parser.add_argument("--microbatches", type=str, default="",
                         help="comma-separated microbatch counts (default: 2*pp,4*pp)")
@@ -675,13 +728,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per schedule (all its runs)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each (impl, m), interleaved in the same processes; timed steps pooled")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per schedule (all its runs)")
     parser.add_argument("--verbose", action="store_true", help="keep Lightning's and torch's messages")
     ns = parser.parse_args(argv)
     args = vars(ns)
     p = ns.pp
-    if p < 2 or not 0 <= ns.warmup < ns.steps:
-        parser.error("need --pp >= 2 and 0 <= --warmup < --steps")
+    if p < 2 or not 0 <= ns.warmup < ns.steps or ns.repeats < 1:
+        parser.error("need --pp >= 2, 0 <= --warmup < --steps and --repeats >= 1")
     ms = [int(x) for x in ns.microbatches.split(",") if x.strip()] or [2 * p, 4 * p]
     names = [n.strip() for n in ns.only.split(",") if n.strip()] or list(SCHEDULES)
     unknown = set(names) - set(SCHEDULES)
@@ -712,6 +767,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"{len(dm.train_dataset)} samples are fewer than --steps x --batch-size")
 
     results: dict[tuple[str, int, str], dict[str, Any]] = {}
+    args["load_before"] = os.getloadavg()[0]
     start = time.perf_counter()
     for name in names:
         valid = [m for m in ms if (name, m) in analyses]
@@ -728,11 +784,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         line = []
         for m in valid:
             for impl in IMPLS:
-                results[(name, m, impl)] = summarize([o[(impl, m)] for o in outputs], ns.warmup)
+                runs = [[o[(impl, m)][k] for o in outputs] for k in range(ns.repeats)]
+                results[(name, m, impl)] = summarize(runs, ns.warmup)
             line.append(f"m={m} L {results[(name, m, 'lightning')]['wall'] * 1e3:.1f} / H"
                         f" {results[(name, m, 'hand')]['wall'] * 1e3:.1f} ms")
         print(f"{name}: {'; '.join(line)} ({time.perf_counter() - t0:.1f} s job)", flush=True)
     print(f"total {time.perf_counter() - start:.0f} s")
+    args["load_after"] = os.getloadavg()[0]
     print_report(results, analyses, skipped, args)
 
 

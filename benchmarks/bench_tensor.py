@@ -52,7 +52,7 @@ from collections import Counter, defaultdict
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -230,7 +230,7 @@ def _op_counts(profiler: Any) -> dict[str, tuple[int, float]]:
     return {e.key: (e.count, e.self_cpu_time_total / 1e3) for e in profiler.key_averages()}
 
 
-def _make_callbacks(args: dict[str, Any]) -> tuple[Any, Any, Any]:
+def _make_callbacks(args: dict[str, Any]) -> tuple[Any, Any]:
     """bench_zero's timing/memory probe (its profiled step = our collectives step), + batch starts + comm + ops."""
     import lightning as L
 
@@ -274,7 +274,7 @@ def _make_callbacks(args: dict[str, Any]) -> tuple[Any, Any, Any]:
                     self._profiler.__exit__(None, None, None)
                 self.ops, self._profiler = _op_counts(self._profiler), None
 
-    return probe, TensorParallelProbe(), None
+    return probe, TensorParallelProbe()
 
 
 def _empty_module(sequence_parallel: bool = False) -> Any:
@@ -321,6 +321,20 @@ def _gpt_module(name: str, args: dict[str, Any]) -> Any:
         def backward(self, loss: torch.Tensor, *a: Any, **kw: Any) -> None:
             with _step_context(sp):
                 super().backward(loss, *a, **kw)
+
+        def on_fit_start(self) -> None:
+            if not args["mp_rehook"]:
+                return
+            # ModelParallelStrategy.setup() calls module.to(device) after configure_model; nn.Module._apply swaps
+            # DTensor parameters (torch.utils.swap_tensors), and the fused bias's post-accumulate-grad hook that
+            # _Colwise(chunks=3) registered no longer fires. Re-arm it (the Python-side dict survived the swap).
+            from lightning_mgpu.parallel.tensor import _keep_grad_placement
+
+            for block in self.model.transformer.h:
+                bias = block.attn.c_attn.bias
+                if bias is not None:
+                    bias._post_accumulate_grad_hooks = None
+                    bias.register_post_accumulate_grad_hook(_keep_grad_placement)
 
     return TensorParallelByHand(**_model_kwargs(args))
 
@@ -370,7 +384,7 @@ def fit_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
         strategy = DDPStrategy(process_group_backend="gloo", timeout=timeout)
     else:
         strategy = SingleDeviceStrategy(device=torch.device("cpu"))
-    probe, tp_probe, _ = _make_callbacks({**args, "steps": steps})
+    probe, tp_probe = _make_callbacks({**args, "steps": steps})
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -545,8 +559,8 @@ def analytic_comm(model: str, d: dict[str, Any], tp: int, sp: bool) -> dict[tupl
         add("outside", "bwd", "RS", 1, X)
         # norms: GPT LayerNorm weight+bias (2 per block + ln_f) and wpe; Llama RMSNorm weight (2 per block + norm)
         if model == "gpt":
-            add("optimizer", "opt", "AR", 2 * (2 * L + 1) + 1, 0)
-            out[("optimizer", "opt")]["ARB"] = 4 * ((2 * L + 1) * 2 * h + d["max_pos"] * h)
+            add("optimizer", "opt", "AR", 2 * (2 * L + 1), 4 * h)
+            add("optimizer", "opt", "AR", 1, 4 * d["max_pos"] * h)
         else:
             add("optimizer", "opt", "AR", 2 * L + 1, 4 * h)
     elif model == "llama":
@@ -626,7 +640,7 @@ def print_timing(res: dict[str, dict[str, Any]], args: dict[str, Any]) -> None:
     peer = res.get("by-hand")
     print(f"\nStep time, ms: median over steps {args['warmup'] + 1}..{args['steps']} of {args['repeats']} run(s), the slowest"
           f" rank per step; cpu: mean of the {tp} ranks' process CPU time. ratio: / (b).")
-    head = (f"{'run':<40} {'step':>6} {'(min)':>6} {'ratio':>5} {'cpu':>6} {'ratio':>5} {'iter':>6} {'ratio':>5}"
+    head = (f"{'run':<40} {'step':>6} {'ratio':>5} {'(min)':>6} {'ratio':>5} {'cpu':>6} {'ratio':>5} {'iter':>6} {'ratio':>5}"
             f" | {'fwd/bwd/opt wall':>16} | {'param':>5} {'grad':>5} {'optim':>5} MB | {'loss':>6} sharding")
     print(head)
     print("-" * len(head))
@@ -640,7 +654,7 @@ def print_timing(res: dict[str, dict[str, Any]], args: dict[str, Any]) -> None:
         mem_s = f"{mem['params'] / MB:5.2f} {mem['grads'] / MB:5.2f} {mem['optim'] / MB:5.2f}" if mem else f"{'?':>17}"
         ph = "/".join(f"{x * 1e3:.0f}" for x in r["phases"][:3])
         same = "" if ref_sharding is None else ("= (a)" if r["sharding"] == ref_sharding else "DIFFERS from (a)")
-        print(f"{label:<40} {r['median'] * 1e3:6.1f} {r['min'] * 1e3:6.1f} {ratio('median'):>5} {r['cpu'] * 1e3:6.1f}"
+        print(f"{label:<40} {r['median'] * 1e3:6.1f} {ratio('median'):>5} {r['min'] * 1e3:6.1f} {ratio('min'):>5} {r['cpu'] * 1e3:6.1f}"
               f" {ratio('cpu'):>5} {r['iter'] * 1e3:6.1f} {ratio('iter'):>5} | {ph:>16} | {mem_s} | {r['loss']:6.4f} {same}")
         if ref_sharding is not None and r["sharding"] != ref_sharding:
             diff = [(x, y) for x, y in zip(ref_sharding, r["sharding"]) if x != y][:3]
@@ -648,6 +662,9 @@ def print_timing(res: dict[str, dict[str, Any]], args: dict[str, Any]) -> None:
     if args["repeats"] > 1:
         print("per-run step medians (ms): " + "; ".join(
             f"{n} " + "/".join(f"{m * 1e3:.1f}" for m in res[n]["run_medians"]) for n in MAIN if n in res))
+        if peer and "hybrid" in res:
+            pairs = zip(res["hybrid"]["run_medians"], peer["run_medians"], res["hybrid"]["run_cpus"], peer["run_cpus"])
+            print("per-repeat (a)/(b), wall / cpu: " + "  ".join(f"{a / b:.2f} / {ca / cb:.2f}" for a, b, ca, cb in pairs))
 
     empties = [n for n in EMPTY if n in res]
     if empties:
@@ -725,22 +742,51 @@ def print_comm(res: dict[str, dict[str, Any]], args: dict[str, Any], gpt_dims: d
             print(f"  + eager c10d (Lightning self.log(sync_dist=True)): {log['AR']} AR of {_fmt_bytes(log['ARB'])} over a"
                   f" group of {log['group']}")
         if r.get("comm"):
+            rs = total_m.get("RSB", 0) * (tp - 1) / tp
             print(f"  cross-check, gloo work items of the same step (bench_zero's profiler count): "
-                  f"{_fmt_bytes(r['comm']['wire'])} ring-equivalent")
+                  f"{_fmt_bytes(r['comm']['wire'])} ring-equivalent"
+                  + (f" (gloo runs reduce-scatter as an all-reduce: expected ring + {_fmt_bytes(rs)} ="
+                     f" {_fmt_bytes(_ring(total_m, tp) + rs)})" if rs else ""))
+        opt = meas["regions"].get(("optimizer", "opt"))
+        ana_opt = ana.get(("optimizer", "opt"))
+        if opt and ana_opt and opt.get("AR") and ana_opt.get("AR"):
+            print(f"  optimizer step: {opt['AR']} AR for {ana_opt['AR']} parameters with Partial(sum) gradients"
+                  f" ({opt['AR'] / ana_opt['AR']:.1f} each): DTensor redistributes such a gradient on every use"
+                  " inside AdamW instead of once after backward.")
+        mem = r.get("memory")
+        if mem and mem["grads"] > mem["params"] * 1.001:
+            print(f"  gradients hold {_fmt_bytes(mem['grads'] - mem['params'])} more than the parameters per rank:"
+                  " a sharded parameter got a replicated (full-size) gradient.")
     others = [(n, MAIN[n]) for n in ("by-hand", "lightning-mp") if res.get(n, {}).get("records") is not None]
     if others and res.get("hybrid", {}).get("records") is not None:
-        ref = measured_comm(res["hybrid"]["records"], res["hybrid"]["blocks"], tp)
-        ref_total = _total([c for blk in ref["blocks"].values() for c in blk.values()]
-                           + [c for k, c in ref["regions"].items() if k[0] != "logging"])
+        print("\nThe same step's collectives in the other runs, compared with (a)'s (logging left out):")
+        ref = _by_region(res["hybrid"], tp)
         for n, label in others:
-            m = measured_comm(res[n]["records"], res[n]["blocks"], tp)
-            total = _total([c for blk in m["blocks"].values() for c in blk.values()]
-                           + [c for k, c in m["regions"].items() if k[0] != "logging"])
-            log = m["regions"].get(("logging", ""))
+            mine = _by_region(res[n], tp)
+            log = measured_comm(res[n]["records"], res[n]["blocks"], tp)["regions"].get(("logging", ""))
             log_s = f"; + {log['AR']} AR logging over a group of {log['group']}" if log else "; no logging collective"
-            verdict = "same model collectives as (a)" if _comparable(total) == _comparable(ref_total) else (
-                f"DIFFERENT from (a): {_fmt_comm(total, tp)}")
-            print(f"  {label}: {verdict}{log_s}")
+            diff = [k for k in sorted(set(ref) | set(mine)) if _comparable(ref.get(k)) != _comparable(mine.get(k))]
+            if not diff:
+                print(f"  {label}: same{log_s}")
+                continue
+            print(f"! {label}: DIFFERENT{log_s}")
+            for region, phase in diff:
+                print(f"    {region} {phase}: {_fmt_comm(mine.get((region, phase)), tp)}   (a): {_fmt_comm(ref.get((region, phase)), tp)}")
+            if n == "lightning-mp" and not args["mp_rehook"]:
+                print("    (the fused q|k|v bias gradient hook of _Colwise(chunks=3) is lost when ModelParallelStrategy.setup()"
+                      " calls module.to() after configure_model: the bias gradient stays _StridedShard and AdamW gathers"
+                      " it on each use; --mp-rehook re-arms the hook)")
+
+
+def _by_region(r: dict[str, Any], tp: int) -> dict[tuple[str, str], Counter]:
+    """All blocks summed per phase, outside the blocks per phase, optimizer step (eager c10d logging left out)."""
+    m = measured_comm(r["records"], r["blocks"], tp)
+    out: dict[tuple[str, str], Counter] = {k: c for k, c in m["regions"].items() if k[0] != "logging"}
+    for phase in ("fwd", "bwd"):
+        blocks = [blk[phase] for blk in m["blocks"].values() if phase in blk]
+        if blocks:
+            out[("all blocks", phase)] = _total(blocks)
+    return out
 
 
 def _comparable(c: Optional[Counter]) -> dict[str, float]:
@@ -786,7 +832,8 @@ Notes. step: on_train_batch_start -> on_train_batch_end (bench_zero's probe; the
   (a) and (c) run the demo module's self.log("train_loss", sync_dist=True) each step; (b) logs nothing. The empty
   step measures exactly that kind of per-step loop cost without a model.
 collectives: '!' marks a row where the measured count or bytes differ from the analytic (Megatron-LM) expectation
-  (see analytic_comm's docstring for each term)."""
+  (see analytic_comm's docstring for each term). Counted from on_train_batch_start to on_train_batch_end: Lightning
+  also broadcasts a SIGTERM flag tensor once per step outside that span (in 'iter', not in 'step')."""
     )
 
 
@@ -803,10 +850,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8, help="per rank (every rank of a tp group reads the same)")
     parser.add_argument("--mem-step", type=int, default=2, help="optimizer step at which memory is read")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration, interleaved; steps pooled")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs per configuration (the Llama: once), interleaved; steps pooled")
     parser.add_argument("--only", type=str, default="", help=f"comma-separated subset of {','.join(ORDER)}")
     parser.add_argument("--no-empty", action="store_true", help="skip the empty-step baselines")
     parser.add_argument("--no-llama", action="store_true", help="skip the tiny HF Llama collectives run")
+    parser.add_argument("--mp-rehook", action="store_true",
+                        help="(c): re-arm the fused-bias gradient hook that ModelParallelStrategy's module.to() drops")
     parser.add_argument("--profile", action="store_true", help="torch.profiler op counts of (a) and (b), one step")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--verbose", action="store_true", help="keep Lightning's and torch's messages")
@@ -873,7 +923,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         rank0 = [next(o for o in outputs if o["rank"] == 0) for outputs in done]
         r = summarize(done, ns.warmup) if name != "llama" else {"comm": rank0[0]["comm"]}
         iters = [_iter_summary(outputs, ns.warmup) for outputs in done] if name != "llama" else [(0.0, 0.0)]
-        r.update(iter=statistics.median(i[0] for i in iters), iter_cpu=statistics.median(i[1] for i in iters),
+        r.update(run_cpus=[summarize([outputs], ns.warmup)["cpu"] for outputs in done] if name != "llama" else [],
+                 iter=statistics.median(i[0] for i in iters), iter_cpu=statistics.median(i[1] for i in iters),
                  records=rank0[0]["records"], ops=rank0[0]["ops"], sharding=rank0[0]["sharding"],
                  blocks=rank0[0]["blocks"], dims=rank0[0]["dims"])
         res[name] = r

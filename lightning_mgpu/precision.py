@@ -124,11 +124,6 @@ class HybridPrecision(Precision):
 
     @device_type.setter
     def device_type(self, device_type: str) -> None:
-        if self.precision == "fp8-mixed" and device_type == "cpu" and not self.fp8_emulate:
-            raise ValueError(
-                "HybridPrecision('fp8-mixed') has no float8 matmul kernels on CPU. Pass `fp8_emulate=True` to run"
-                " torchao's float8 emulation (for testing; slow), or use 'bf16-mixed'."
-            )
         if device_type == self._device_type:
             return
         self._device_type = device_type
@@ -143,6 +138,7 @@ class HybridPrecision(Precision):
         """Translate the plugin Lightning picked from ``Trainer(precision=...)``."""
         if isinstance(plugin, HybridPrecision):
             plugin.device_type = device_type
+            plugin._check_device()  # the strategy knows the device when the Trainer is built: fail before launching
             return plugin
         if isinstance(plugin, MixedPrecision):
             converted = cls(plugin.precision, device_type)
@@ -158,15 +154,28 @@ class HybridPrecision(Precision):
         name = "64-true" if isinstance(plugin, DoublePrecision) else type(plugin).__name__
         raise ValueError(f"HybridStrategy does not support the precision {name!r}. Choose one of {SUPPORTED}.")
 
+    def _check_device(self) -> None:
+        if self.precision == "fp8-mixed" and self.device_type == "cpu" and not self.fp8_emulate:
+            raise ValueError(
+                "HybridPrecision('fp8-mixed') has no float8 matmul kernels on CPU. Pass `fp8_emulate=True` to run"
+                " torchao's float8 emulation (for testing; slow), or use 'bf16-mixed'."
+            )
+
     @classmethod
-    def honour_trainer_flag(cls, plugin: Optional[Precision]) -> Optional[Precision]:
+    def honour_trainer_flag(cls, plugin: Optional[Precision], accelerator: Any = None) -> Optional[Precision]:
         """Undo Lightning's CPU rewrite of ``Trainer(precision="16-mixed")`` into bf16-mixed.
 
         Lightning's accelerator connector replaces ``"16-mixed"`` with ``"bf16-mixed"`` on CPU (with a warning)
         before the strategy sees the plugin. HybridStrategy runs real fp16 autocast with loss scaling on CPU too,
         so when the plugin is being handed over by the connector, the flag the user passed is read from the
         connector's frame and honoured. ``plugins=[HybridPrecision("16-mixed")]`` does the same explicitly.
+        With the ``accelerator`` already chosen, a precision the CPU cannot run fails here, before any launch.
         """
+        from lightning.pytorch.accelerators import CPUAccelerator
+
+        if isinstance(plugin, HybridPrecision) and isinstance(accelerator, CPUAccelerator):
+            plugin.device_type = "cpu"
+            plugin._check_device()
         if not (isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"):
             return plugin
         if _trainer_precision_flag() != "16-mixed":
@@ -200,6 +209,7 @@ class HybridPrecision(Precision):
         if self.true_dtype is not None:
             return module.to(dtype=self.true_dtype)
         if self.precision == "fp8-mixed":
+            self._check_device()
             convert_to_float8(module, emulate=self.fp8_emulate, device_type=self.device_type)
         return module
 
@@ -309,6 +319,9 @@ class JobGradScaler(ShardedGradScaler):
 
     @override
     def unscale_(self, optimizer: Optimizer) -> None:
+        if self._enabled and self._scale is None:
+            # Pipeline stages before the last never scale a loss themselves, yet hold scaled gradients.
+            self._lazy_init_scale_growth_tracker(torch.device(self._device))
         if dist.is_available() and dist.is_initialized():
             return super().unscale_(optimizer)
         return torch.amp.GradScaler.unscale_(self, optimizer)  # single process: nothing to agree on

@@ -210,7 +210,7 @@ class HybridStrategy(ParallelStrategy):
     @override
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         # Lightning turns Trainer(precision="16-mixed") into bf16-mixed on CPU; we run real fp16 there.
-        self._precision_plugin = HybridPrecision.honour_trainer_flag(precision_plugin)
+        self._precision_plugin = HybridPrecision.honour_trainer_flag(precision_plugin, self.accelerator)
 
     # ---------------------------------------------------------------------------------------------- launch / setup
     @override
@@ -240,6 +240,7 @@ class HybridStrategy(ParallelStrategy):
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         self._device_mesh = self.layout.build_mesh(self.root_device.type)
+        self._dp_group = self._device_mesh[DP_AXIS].get_group()  # looked up once: slicing a mesh is not free
         # A user's `configure_model` may read `self.device_mesh`, as with Lightning's ModelParallelStrategy.
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self._device_mesh
@@ -288,6 +289,8 @@ class HybridStrategy(ParallelStrategy):
             )
             # Stages hold disjoint parameters: gradient norms add up over the pipeline group.
             self.precision_plugin.grad_norm_group = pp_mesh.get_group()
+            # 16-mixed: the schedule runs backward, so it scales each microbatch's loss with the job's scaler.
+            self._pipeline.grad_scaler = self.precision_plugin.scaler
         return runner
 
     @property
@@ -392,7 +395,7 @@ class HybridStrategy(ParallelStrategy):
     def _data_parallel_group(self, group: Optional[Any]) -> Optional[Any]:
         if group is not None or self._device_mesh is None:
             return group
-        return self._device_mesh[DP_AXIS].get_group()
+        return self._dp_group
 
     @override
     def reduce(

@@ -438,3 +438,45 @@ def test_fast_forward_skips_indices_of_map_style_data_and_batches_of_iterables()
 def test_async_checkpoint_needs_the_sharded_format():
     with pytest.raises(ValueError, match="`async_checkpoint=True` .* needs `checkpoint_format='sharded'`, got 'full'"):
         HybridStrategy(async_checkpoint=True, checkpoint_format="full")
+
+
+def _gpt():
+    from lightning_mgpu.demo import GPTLightningModule
+
+    return GPTLightningModule(block_size=32, n_layer=2, n_head=4, n_embd=32, lr=1e-3)
+
+
+def _sonnets(batch: int):
+    from lightning_mgpu.demo import TextDataModule
+
+    return lambda: TextDataModule(batch_size=batch, block_size=32, val_fraction=0.0)
+
+
+_gpt_reference: dict = {}
+
+
+ROUND_TRIPS = [  # the issue's acceptance: (save layout, devices, dp) -> (resume layout, devices, dp)
+    (({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4, 1), ({"zero_stage": 3}, 2, 2)),
+    (({"tensor_parallel_size": 2, "zero_stage": 3}, 4, 2), ({"pipeline_parallel_size": 2, "zero_stage": 1}, 4, 2)),
+    (({"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1}, 8, 2), ({}, 1, 1)),
+]
+
+
+@pytest.mark.parametrize(("saved", "resumed"), ROUND_TRIPS, ids=["pp2tp2-to-dp2z3", "dp2tp2z3-to-pp2dp2z1",
+                                                                   "pp2dp2tp2-to-1proc"])
+def test_transformer_round_trips_between_3d_layouts(tmp_path, saved, resumed):
+    """Save mid-run in one 3D layout, resume in another: the states are equal after loading and the losses follow
+    the uninterrupted single-process run."""
+    if "losses" not in _gpt_reference:
+        _gpt_reference["losses"] = fit(_gpt, _sonnets(GLOBAL_BATCH), None, 1, 6)[0].losses
+    reference = _gpt_reference["losses"]
+    (save_kwargs, save_devices, save_dp), (resume_kwargs, resume_devices, resume_dp) = saved, resumed
+    first, _ = fit(_gpt, _sonnets(GLOBAL_BATCH // save_dp), save_kwargs, save_devices, 3,
+                   callbacks_factory=lambda: [SaveAt(tmp_path, steps=(3,))])
+    _losses_match(reference[:3], first.losses, 0, CROSS_LAYOUT_RTOL)
+    resave_dir = tmp_path / "after"
+    second, _ = fit(_gpt, _sonnets(GLOBAL_BATCH // resume_dp), resume_kwargs or None if resume_devices > 1 else
+                    resume_kwargs, resume_devices, 6, callbacks_factory=lambda: [SaveAt(resave_dir, resave=True)],
+                    fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")})
+    _losses_match(reference, second.losses, 3, CROSS_LAYOUT_RTOL)
+    _assert_same_states(tmp_path / "step3.ckpt", resave_dir / "resaved.ckpt")

@@ -38,7 +38,41 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def model_state(model: nn.Module) -> dict[str, Any]:
-    return get_model_state_dict(model)
+    return describable(get_model_state_dict(model))
+
+
+def describable(state: dict[str, Any]) -> dict[str, Any]:
+    """DCP cannot describe a fused projection's tensor-parallel ``_StridedShard``: replicate those over ``tp``.
+
+    Only the fused q|k|v weights are concerned (a small part of the model); every other placement is kept.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from lightning_mgpu.layout import TP_AXIS
+
+    def convert(value: Any) -> Any:
+        if not isinstance(value, DTensor):
+            return value
+        names = value.device_mesh.mesh_dim_names or ()
+        placements = [
+            Replicate() if isinstance(p, _StridedShard) and i < len(names) and names[i] == TP_AXIS else p
+            for i, p in enumerate(value.placements)
+        ]
+        return value if list(value.placements) == placements else value.redistribute(placements=placements)
+
+    return {key: convert(value) for key, value in state.items()}
+
+
+def _restore_state_placements(optimizer: Optimizer) -> None:
+    """Loaded optimizer states take their parameter's layout again (see :func:`describable`)."""
+    from torch.distributed.tensor import DTensor
+
+    for param, state in optimizer.state.items():
+        for name, value in state.items():
+            if isinstance(value, DTensor) and isinstance(param, DTensor) and value.shape == param.shape:
+                if value.placements != param.placements:
+                    state[name] = value.redistribute(placements=param.placements)
 
 
 @contextmanager
@@ -66,9 +100,9 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, initialize: bool = F
     """The optimizer's flattened state; with ``initialize`` (every rank together, on fresh optimizers), states
     are created first, to be loaded into."""
     if initialize:
-        return get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        return describable(get_optimizer_state_dict(model, optimizer, options=_FLAT))
     with _no_implicit_init(optimizer):
-        return get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        return describable(get_optimizer_state_dict(model, optimizer, options=_FLAT))
 
 
 def _fqns_of(model: nn.Module) -> dict[nn.Parameter, list[str]]:
@@ -228,6 +262,7 @@ def load_states(
         template.update(loaded)
         with _no_implicit_init(optimizer):
             set_optimizer_state_dict(model, optimizer, template, options=_FLAT)
+        _restore_state_placements(optimizer)
         # Parameters that had no state when saved (never stepped, or steps skipped by the loss scaler) get none.
         for param in [p for p, s in optimizer.state.items() if p in without or not s]:
             del optimizer.state[param]

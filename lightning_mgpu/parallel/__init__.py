@@ -26,7 +26,7 @@ def parallelize(
     mp_policy: Optional[Any] = None,
     root: Optional[nn.Module] = None,
 ) -> Optional[PipelineRuntime]:
-    """Apply every parallelism of ``layout`` to ``module`` in place: tensor, pipeline, checkpointing, data.
+    """Apply every parallelism of ``layout`` to ``module`` in place: tensor, checkpointing, pipeline, data.
 
     ``mp_policy`` is the precision plugin's FSDP2 ``MixedPrecisionPolicy`` (``HybridPrecision.mp_policy()``) for the
     data-parallel wrap. ``root`` is the module called once per step that the data-parallel root wrap goes on.
@@ -36,6 +36,10 @@ def parallelize(
         if any(type(m).__name__ == "Float8Linear" for m in module.modules()):
             raise NotImplementedError("fp8-mixed with tensor_parallel_size > 1 is not supported yet.")
         apply_tensor_parallel(module, mesh[TP_AXIS], options.tp_plan, options.sequence_parallel)
+    if options.activation_checkpointing is not False:
+        # Before the pipeline split: its gate around each owned block must stay *outside* the checkpointed region,
+        # so that recomputation in backward sees the same (received) input as the forward did.
+        apply_activation_checkpointing(module, options.activation_checkpointing)
     runtime = None
     blocks = None
     if layout.pipeline_parallel_size > 1:
@@ -47,8 +51,6 @@ def parallelize(
                 " data_parallel_size > 1 is not supported yet. Use GPipe or 1F1B with data parallelism."
             )
         root = runtime.stages[0]
-    if options.activation_checkpointing is not False:
-        apply_activation_checkpointing(module, options.activation_checkpointing)
     offload_policy = None
     if options.cpu_offload:
         from torch.distributed.fsdp import CPUOffloadPolicy

@@ -1,6 +1,6 @@
 """Activation checkpointing per block, keeping every parameter's name.
 
-Applied after tensor parallelism and the pipeline split and before the data-parallel wrap, so it composes with all
+Applied after tensor parallelism and before the pipeline split and the data-parallel wrap, so it composes with all
 of them. Each chosen module's ``forward`` is replaced (on the instance) by one that runs the original forward under
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. No wrapper module is inserted, so ``state_dict()`` keys,
 optimizer parameter names and checkpoints are those of the plain model (torch's ``checkpoint_wrapper`` would add
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import types
 from functools import partial
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -72,12 +72,15 @@ def _selective_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-def checkpoint_targets(module: nn.Module, mode: Mode) -> list[nn.Module]:
-    """The modules ``mode`` checkpoints in ``module`` (outermost matches only for a list of classes)."""
+def checkpoint_targets(module: nn.Module, mode: Mode, blocks: Optional[list[nn.Module]] = None) -> list[nn.Module]:
+    """The modules ``mode`` checkpoints in ``module`` (outermost matches only for a list of classes).
+
+    ``blocks`` replaces the search for repeated blocks.
+    """
     if mode is False:
         return []
     if mode is True or mode in ("full", "selective"):
-        blocks = find_blocks(module)
+        blocks = find_blocks(module) if blocks is None else blocks
         if not blocks:
             raise ValueError(
                 f"activation_checkpointing={mode!r} found no repeated blocks (a ModuleList/Sequential of 2+ layers of"
@@ -104,12 +107,18 @@ def checkpoint_targets(module: nn.Module, mode: Mode) -> list[nn.Module]:
     )
 
 
-def apply_activation_checkpointing(module: nn.Module, mode: Mode) -> list[nn.Module]:
+def apply_activation_checkpointing(
+    module: nn.Module, mode: Mode, blocks: Optional[list[nn.Module]] = None
+) -> list[nn.Module]:
     """Checkpoint the activations of ``module``'s blocks (or of the given classes) in place; return the targets.
 
+    ``blocks``: the blocks to use for ``True``/``"full"``/``"selective"`` instead of ``find_blocks(module)``.
     State-dict keys are unchanged. Applying it twice to a module is an error (it would recompute twice).
+
+    With pipeline parallelism apply it *before* the split (``parallelize`` does): the split's gate around each
+    owned block swaps in the received activation and must stay outside the checkpointed region.
     """
-    targets = checkpoint_targets(module, mode)
+    targets = checkpoint_targets(module, mode, blocks)
     context_fn = _selective_context if mode == "selective" else None
     for target in targets:
         if hasattr(target, _INNER_FORWARD):

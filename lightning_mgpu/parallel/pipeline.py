@@ -171,18 +171,26 @@ class _PassThrough(nn.Module):
 
 
 class _Placeholder(nn.Module):
-    """A prologue module owned by the first stage: returns zeros shaped like its real output, from a meta copy."""
+    """A prologue module owned by the first stage: returns zeros shaped like its real output.
+
+    The shape comes from running a meta-device copy once per distinct input shape.
+    """
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
         self._meta = [copy.deepcopy(original).to("meta")]  # in a list: not a submodule, no parameters
+        self._outputs: dict[Any, Any] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        device = next((t.device for t in (*args, *kwargs.values()) if torch.is_tensor(t)), None)
-        to_meta = lambda t: t.to("meta") if torch.is_tensor(t) else t  # noqa: E731
-        output = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
+        device = tensors[0].device if tensors else None
+        autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)) if device else None
+        key = (tuple((tuple(t.shape), t.dtype) for t in tensors), autocast)
+        if key not in self._outputs:
+            to_meta = lambda t: t.to("meta") if torch.is_tensor(t) else t  # noqa: E731
+            self._outputs[key] = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
         return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if torch.is_tensor(t) else t,
-                        output)
+                        self._outputs[key])
 
 
 class _Unreachable(nn.Module):

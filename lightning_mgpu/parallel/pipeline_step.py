@@ -62,6 +62,9 @@ class PipelineEngine:
         self._replay_calls = 0
         self._schedules: dict[Any, Any] = {}
         self._loss_scale = 1.0
+        # The precision plugin's job-wide loss scaler (16-mixed): applied to each microbatch's loss here, since
+        # the schedule runs backward itself. HybridStrategy sets it.
+        self.grad_scaler: Optional[Any] = None
         self._current: Optional[dict[str, Any]] = None
         path = [module]
         for part in runtime.split.container_fqn.split(".")[:-1]:
@@ -132,6 +135,8 @@ class PipelineEngine:
         schedule = self._schedule(count, microbatches, training=True)
         schedule.step(*self._stage_inputs(count), **self._targets(count), losses=losses)
         loss = torch.stack([l.detach() for l in losses]).mean() / self._loss_scale if losses else None
+        if loss is not None and self.grad_scaler is not None:
+            loss = loss / self.grad_scaler.get_scale()
         return self._publish(loss, logs)
 
     def evaluation_step(self, method: str, batch: Any, *args: Any) -> Any:
@@ -190,7 +195,8 @@ class PipelineEngine:
         loss = result["loss"] if isinstance(result, dict) else result
         if not torch.is_tensor(loss):
             raise RuntimeError("training_step must return the loss (a tensor or a dict with 'loss') under pipelining.")
-        return loss * self._loss_scale
+        loss = loss * self._loss_scale
+        return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
 
     def _schedule(self, count: int, microbatches: list[Any], training: bool) -> Any:
         from torch.distributed.pipelining.schedules import _ScheduleForwardOnly, get_schedule_class

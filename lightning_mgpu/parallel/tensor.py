@@ -93,15 +93,29 @@ class _Colwise(ColwiseParallel):
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             output_fn,
         )
-        if fused and getattr(module, "bias", None) is not None:
-            module.bias.register_post_accumulate_grad_hook(_keep_grad_placement)
         return module
 
 
 def _keep_grad_placement(param: nn.Parameter) -> None:
-    """A replicated bias used through a sharded output gets a sharded gradient; give optimizers the param's layout."""
+    """Give a parameter's gradient the parameter's own layout, once, right after backward.
+
+    A replicated parameter used on sharded activations (a fused projection's bias, norms and position embeddings
+    under sequence parallelism) gets a sharded or partial gradient; a vocabulary-sharded embedding can get a
+    replicated one. Left alone, optimizers would redistribute it on every use, or hold it at full size.
+    """
     if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
         param.grad = param.grad.redistribute(placements=param.placements)
+
+
+def _arm_gradient_layout(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook: make sure the module's current DTensor parameters carry the gradient-layout hook.
+
+    Armed at every forward rather than once, because ``module.to()`` swaps parameter tensors (dropping their hooks)
+    and FSDP2 registers its own unsharded parameters during forward.
+    """
+    for param in module.parameters(recurse=False):
+        if isinstance(param, DTensor) and param.requires_grad and not param._post_accumulate_grad_hooks:
+            param.register_post_accumulate_grad_hook(_keep_grad_placement)
 
 
 class _Rowwise(RowwiseParallel):
@@ -291,6 +305,9 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Plan,
     _localize_attention(module, matched, tp)
     if sequence_parallel:
         _replicate_remaining(module, tp_mesh)
+    for child in module.modules():
+        if any(isinstance(p, DTensor) for p in child.parameters(recurse=False)):
+            child.register_forward_pre_hook(_arm_gradient_layout)
 
 
 def _replicate_remaining(module: nn.Module, tp_mesh: DeviceMesh) -> None:
