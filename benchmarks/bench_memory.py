@@ -41,7 +41,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import torch  # noqa: E402
+import torch  # noqa: E402, F401  (imported before forking)
 
 from tests.helpers.distributed import run_distributed  # noqa: E402
 

@@ -132,3 +132,12 @@ def _check_zero_stage(zero_stage: object) -> None:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def minimum_world_size(*sizes: Size) -> int:
+    """The world size a layout needs when every ``"auto"`` size is 1, for validation before the world is known."""
+    world = 1
+    for size in sizes:
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            world *= size
+    return world

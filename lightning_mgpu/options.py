@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from lightning_mgpu.layout import Size
 
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 ZERO_BACKENDS = ("torch", "deepspeed")
@@ -68,7 +67,7 @@ class ParallelOptions:
                 f" `checkpoint_format='sharded'`, got {self.checkpoint_format!r}."
             )
 
-    def check_implemented(self, tensor_parallel_size: Size, pipeline_parallel_size: Size) -> None:
+    def check_implemented(self) -> None:
         """Refuse, loudly, options this version accepts in its signature but does not implement yet."""
         pending = {
             "zero_backend='deepspeed'": self.zero_backend == "deepspeed",

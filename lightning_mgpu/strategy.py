@@ -5,12 +5,9 @@ It owns Lightning's hooks and hands every piece of parallel work to ``layout``, 
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
@@ -29,21 +26,21 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
-from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size
+from lightning_mgpu.launch import HybridMultiProcessingLauncher
+from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.parallel import parallelize
-from lightning_mgpu.parallel.data import OptimizerStateSharding, set_gradient_sync
+from lightning_mgpu.parallel import StepRunner, parallelize
+from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine, gather_pipeline_state_dict
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
 from lightning_mgpu.precision import HybridPrecision
@@ -102,13 +99,8 @@ class HybridStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         # Validate everything that does not need the world size now, before any process is started.
-        ParallelLayout.resolve(
-            _smallest_world(tensor_parallel_size, pipeline_parallel_size, data_parallel_size),
-            data_parallel_size,
-            tensor_parallel_size,
-            pipeline_parallel_size,
-            zero_stage,
-        )
+        self._requested_sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage)
+        ParallelLayout.resolve(minimum_world_size(*self._requested_sizes[:3]), *self._requested_sizes)
         self.options = ParallelOptions(
             zero_backend=zero_backend,
             tp_plan=tp_plan,
@@ -122,21 +114,21 @@ class HybridStrategy(ParallelStrategy):
             checkpoint_format=checkpoint_format,
             async_checkpoint=async_checkpoint,
         )
-        self.options.check_implemented(tensor_parallel_size, pipeline_parallel_size)
+        self.options.check_implemented()
         self.options.check_zero_stage(zero_stage)
         if start_method not in ("auto", "popen", "fork", "spawn", "forkserver"):
             raise ValueError(
                 f"`start_method` must be one of 'auto', 'popen', 'fork', 'spawn', 'forkserver', got {start_method!r}."
             )
-        self._requested_sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
         self._layout: Optional[ParallelLayout] = None
         self._device_mesh: Optional["DeviceMesh"] = None
         self._optimizer_sharding: list[OptimizerStateSharding] = []
-        self._runner: Optional[_StepRunner] = None
+        self._runner: Optional[StepRunner] = None
         self._pipeline: Optional[PipelineEngine] = None
+        self._checkpointer = sharded_checkpoint.Checkpointer(checkpoint_format, async_checkpoint)
         self.num_nodes = 1
 
     # ----------------------------------------------------------------------------------------------- layout / mesh
@@ -224,7 +216,7 @@ class HybridStrategy(ParallelStrategy):
         if start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _HybridMultiProcessingLauncher(self, start_method=start_method)
+            self._launcher = HybridMultiProcessingLauncher(self, start_method=start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -257,7 +249,7 @@ class HybridStrategy(ParallelStrategy):
             self.model = self._runner  # already parallelized by an earlier fit/validate with this Trainer
         else:
             self.model = self._runner = self._parallelize()
-        _reduce_metrics_over(self.lightning_module, self.device_mesh[DP_AXIS].get_group())
+        reduce_metrics_over(self.lightning_module, self.device_mesh[DP_AXIS].get_group())
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -265,8 +257,8 @@ class HybridStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self) -> "_StepRunner":
-        runner = _StepRunner(self.lightning_module)
+    def _parallelize(self) -> "StepRunner":
+        runner = StepRunner(self.lightning_module)
         pipeline = parallelize(
             self.lightning_module,
             self.layout,
@@ -330,7 +322,7 @@ class HybridStrategy(ParallelStrategy):
     def _redirect(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         # Run the step through the root wrapper's __call__ so the data-parallel hooks fire even when the step calls
         # a submodule directly (`self.model(input_ids=x)`).
-        assert isinstance(self.model, _StepRunner)
+        assert isinstance(self.model, StepRunner)
         with tensor_parallel_context(self._sequence_parallel):
             return self.model(method_name, *args, **kwargs)
 
@@ -431,8 +423,7 @@ class HybridStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # The states go through `checkpoint.Checkpointer.save`; Lightning's dict gets none.
-        return {}
+        return {}  # the states go through `checkpoint.Checkpointer.save`
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -449,10 +440,6 @@ class HybridStrategy(ParallelStrategy):
     @property
     def checkpointer(self) -> sharded_checkpoint.Checkpointer:
         """Saves and loads checkpoints (``checkpoint_format``, ``async_checkpoint``) for this strategy."""
-        if getattr(self, "_checkpointer", None) is None:
-            self._checkpointer = sharded_checkpoint.Checkpointer(
-                self.options.checkpoint_format, self.options.async_checkpoint
-            )
         return self._checkpointer
 
     @override
@@ -492,8 +479,7 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if getattr(self, "_checkpointer", None) is not None:
-            self._checkpointer.wait()  # a background save finishes (or raises) before `fit` returns
+        self._checkpointer.wait()  # a background save finishes (or raises) before `fit` returns
         for sharding in self._optimizer_sharding:
             sharding.remove()
         self._optimizer_sharding = []
@@ -510,71 +496,3 @@ class HybridStrategy(ParallelStrategy):
             strategy_registry.register(
                 f"hybrid_zero{stage}", cls, description=f"lightning-mgpu HybridStrategy, ZeRO stage {stage}", zero_stage=stage
             )
-
-
-class _StepRunner(nn.Module):
-    """Calls one LightningModule step per ``__call__``: the data-parallel root that the strategy runs each step.
-
-    Keeping the root outside the LightningModule means the user's own ``self(x)`` inside a step is a plain call
-    and keys of ``lightning_module.state_dict()`` stay the user's.
-    """
-
-    def __init__(self, module: "pl.LightningModule") -> None:
-        super().__init__()
-        self.module = module
-
-    @override
-    def forward(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.module, method_name)(*args, **kwargs)
-
-
-def _smallest_world(*sizes: Size) -> int:
-    """The world size a layout needs when every ``"auto"`` size is 1, for validation before the world is known."""
-    world = 1
-    for size in sizes:
-        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-            world *= size
-    return world
-
-
-def _reduce_metrics_over(module: torch.nn.Module, group: Any) -> None:
-    """Make torchmetrics objects sync over the data-parallel group, not the whole world."""
-    from torchmetrics import Metric
-
-    for submodule in module.modules():
-        if isinstance(submodule, Metric):
-            submodule.process_group = group
-
-
-class _HybridMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's fork/spawn launcher, returning the *unsharded* weights to the main process."""
-
-    @property
-    @override
-    def is_interactive_compatible(self) -> bool:
-        return self._start_method == "fork"
-
-    @override
-    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
-        if self._start_method == "fork":
-            # A forked child that uses the parent's already-started OpenMP pool can hang (a notebook has usually
-            # run torch ops before `fit`): one intra-op thread per process is safe, and right when processes
-            # share the machine's cores.
-            os.environ["OMP_NUM_THREADS"] = "1"
-            torch.set_num_threads(1)
-        super()._wrapping_function(process_idx, *args, **kwargs)
-
-    @override
-    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
-        strategy = trainer.strategy
-        assert isinstance(strategy, HybridStrategy)
-        state_dict = strategy.full_state_dict()  # collective: every rank takes part
-        if strategy.global_rank != 0:
-            return None
-        callback = trainer.checkpoint_callback
-        best_model_path = getattr(callback, "best_model_path", None) if callback else None
-        weights_path = None
-        if trainer.state.fn == TrainerFn.FITTING:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
-            torch.save(state_dict, weights_path)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))

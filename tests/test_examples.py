@@ -84,7 +84,7 @@ def test_notebook_runs():
     outputs = "".join(
         output.get("text", "") for cell in nb.cells if cell.cell_type == "code" for output in cell.outputs
     )
-    assert "_HybridMultiProcessingLauncher" in outputs  # the workers were forked from the kernel
+    assert "HybridMultiProcessingLauncher" in outputs  # the workers were forked from the kernel
     assert "`max_steps=20` reached" in outputs
 
 

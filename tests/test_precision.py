@@ -32,14 +32,6 @@ WEIGHT_ATOL = 1e-2  # 10 AdamW steps of lr 1e-3: near-zero gradients turn roundi
 INJECT_STEP, INJECT_RANK = 3, 1
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Compute in this process on one thread: a forked job hangs once the parent has warmed an OpenMP pool."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

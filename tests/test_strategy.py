@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_mgpu  # noqa: F401  (registers the strategy names)
 from lightning_mgpu import HybridPrecision, HybridStrategy
-from lightning_mgpu.strategy import _reduce_metrics_over
+from lightning_mgpu.parallel.data import reduce_metrics_over
 from tests.helpers.distributed import run_distributed
 
 
@@ -95,7 +95,7 @@ def _collectives_worker():
     value = torch.tensor(float(rank + 1))
     metric = SumMetric()
     metric.update(value)
-    _reduce_metrics_over(metric, strategy.device_mesh["dp"].get_group())
+    reduce_metrics_over(metric, strategy.device_mesh["dp"].get_group())
     return {
         "env": type(trainer.strategy.cluster_environment) is LightningEnvironment,
         "sampler": strategy.distributed_sampler_kwargs,

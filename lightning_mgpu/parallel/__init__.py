@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
+from typing_extensions import override
 
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, TP_AXIS, ParallelLayout
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
@@ -70,3 +71,19 @@ def parallelize(
             blocks=blocks,
         )
     return runtime
+
+
+class StepRunner(nn.Module):
+    """Calls one LightningModule step per ``__call__``: the data-parallel root that the strategy runs each step.
+
+    Keeping the root outside the LightningModule means the user's own ``self(x)`` inside a step is a plain call
+    and keys of ``lightning_module.state_dict()`` stay the user's.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    @override
+    def forward(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.module, method_name)(*args, **kwargs)

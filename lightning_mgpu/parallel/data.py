@@ -157,3 +157,12 @@ def _balance(params: list[torch.Tensor], num_ranks: int) -> dict[torch.Tensor, i
         load[rank] += param.numel()
     # Keep the optimizer's own order so broadcasts and state are deterministic across ranks.
     return {p: owner[p] for p in params}
+
+
+def reduce_metrics_over(module: torch.nn.Module, group: Any) -> None:
+    """Make torchmetrics objects sync over the data-parallel group, not the whole world."""
+    from torchmetrics import Metric
+
+    for submodule in module.modules():
+        if isinstance(submodule, Metric):
+            submodule.process_group = group

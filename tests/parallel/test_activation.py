@@ -15,14 +15,6 @@ from lightning_mgpu.parallel.activation import ActivationMemory, apply_activatio
 from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import CNNModule, LlamaModule, RandomTokenDataModule
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Compute in this process on one thread: a forked job hangs once the parent has warmed an OpenMP pool."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 AC_LOSS_RTOL = 1e-6  # recomputation repeats the same ops in the same order: in practice bit-identical
 
