@@ -57,10 +57,9 @@ _StartMethod = Literal["auto", "popen", "fork", "spawn", "forkserver"]
 class HybridStrategy(ParallelStrategy):
     """Data, tensor and pipeline parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
 
-    The arguments are described in the README's "HybridStrategy arguments" table. Sizes multiply to the number of
-    processes (``devices x num_nodes``); ``data_parallel_size="auto"`` takes what the others leave.
-    ``start_method="auto"`` launches with a subprocess per device from a script and by forking from a notebook or
-    interactive session.
+    Arguments: the README's "HybridStrategy arguments" table. Sizes multiply to ``devices x num_nodes``;
+    ``data_parallel_size="auto"`` takes what the others leave. ``start_method="auto"`` starts a subprocess per
+    device from a script and forks from a notebook or interactive session.
     """
 
     strategy_name = "hybrid"
@@ -162,8 +161,7 @@ class HybridStrategy(ParallelStrategy):
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     @property
-    def is_distributed(self) -> bool:
-        # Read by Lightning to decide on a DistributedSampler for custom strategies.
+    def is_distributed(self) -> bool:  # Lightning reads it to install a DistributedSampler
         return True
 
     @property
@@ -399,18 +397,21 @@ class HybridStrategy(ParallelStrategy):
         return tensor
 
     @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # ModelCheckpoint/EarlyStopping: the vote is over every rank (Lightning compares it with the world size).
+        votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         """Gather over the data-parallel group by default, one entry per distinct data shard."""
         return _all_gather_ddp_if_available(tensor, group=self._data_parallel_group(group), sync_grads=sync_grads)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        if _distributed_is_initialized():
+            nccl = dist.get_backend() == "nccl"
+            dist.barrier(device_ids=[self.root_device.index] if nccl else None)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
@@ -427,7 +428,7 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # done in `load_checkpoint`
+        """Done in ``load_checkpoint``."""
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -435,7 +436,7 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # done in `load_checkpoint`
+        """Done in ``load_checkpoint``."""
 
     @property
     def checkpointer(self) -> sharded_checkpoint.Checkpointer:

@@ -115,3 +115,22 @@ def test_collectives_and_sampler_use_the_data_parallel_group():
         assert result["gathered"] == [1.0, 2.0]
         assert result["broadcast"] == "from 1"
         assert result["metric"] == 3.0
+
+
+def _vote_worker():
+    strategy = HybridStrategy(tensor_parallel_size=2)
+    _trainer(strategy=strategy)
+    strategy.setup_environment()
+    rank = strategy.global_rank
+    return {
+        "all_agree": strategy.reduce_boolean_decision(True),
+        "one_disagrees": strategy.reduce_boolean_decision(rank == 0),
+        "any": strategy.reduce_boolean_decision(rank == 0, all=False),
+        "sum_over_dp": float(strategy.reduce(torch.tensor(1.0), reduce_op="sum")),  # dp group of size 1
+    }
+
+
+def test_checkpoint_and_early_stopping_votes_count_every_rank():
+    """ModelCheckpoint/EarlyStopping compare the vote with the world size, though `reduce` defaults to dp."""
+    for result in run_distributed(_vote_worker, 2, timeout=120):
+        assert result == {"all_agree": True, "one_disagrees": False, "any": True, "sum_over_dp": 1.0}

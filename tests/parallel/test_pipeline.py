@@ -169,3 +169,34 @@ class _Manual(GPTLightningModule):
 def test_manual_optimization_is_refused_with_the_reason():
     with pytest.raises(RuntimeError, match="needs automatic optimization"):
         fit(_Manual, lambda: _text(8), {"pipeline_parallel_size": 2}, 2, 1)
+
+
+class _CheckpointScore(L.Callback):
+    """Reports what ModelCheckpoint/EarlyStopping on global rank 0 decided."""
+
+    def __init__(self) -> None:
+        self.results: dict = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        callback = trainer.checkpoint_callback
+        self.results = {"best": float(callback.best_model_score), "stopped": trainer.early_stopping_callback.wait_count,
+                        "scores": {k: float(v) for k, v in callback.best_k_models.items()}, "step": trainer.global_step,
+                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+
+
+def test_model_checkpoint_and_early_stopping_monitor_validation_loss(tmp_path):
+    """Rank 0 holds the first stage, yet ModelCheckpoint(monitor="val_loss") and EarlyStopping see the loss."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    def callbacks(directory):
+        return lambda: [ModelCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=1),
+                EarlyStopping(monitor="val_loss", patience=5), _CheckpointScore()]
+
+    kwargs = {**TRAINER, "enable_checkpointing": True}
+    _, reference = fit(_nanogpt, lambda: _text(GLOBAL_BATCH), None, 1, STEPS, trainer_kwargs=kwargs,
+                       callbacks_factory=callbacks(tmp_path / "reference"))
+    _, result = fit(_nanogpt, lambda: _text(GLOBAL_BATCH), {"pipeline_parallel_size": 2}, 2, STEPS,
+                    trainer_kwargs=kwargs, callbacks_factory=callbacks(tmp_path / "pipeline"))
+    assert result[0]["best"] == pytest.approx(reference[0]["best"], rel=1e-5), (result[0], reference[0])
+    assert result[0]["stopped"] == reference[0]["stopped"]
+    assert [path.name for path in (tmp_path / "pipeline").iterdir()] == ["epoch=0-step=10.ckpt"]
