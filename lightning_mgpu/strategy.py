@@ -361,7 +361,8 @@ class HybridStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is not None:
-            return closure_loss  # the schedule already ran backward inside `training_step`
+            # The schedule already ran backward inside `training_step`; callbacks still get on_after_backward.
+            return Precision.post_backward(self.precision_plugin, closure_loss, self.lightning_module)
         with tensor_parallel_context(self._sequence_parallel):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 

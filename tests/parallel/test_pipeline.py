@@ -200,3 +200,18 @@ def test_model_checkpoint_and_early_stopping_monitor_validation_loss(tmp_path):
     assert result[0]["best"] == pytest.approx(reference[0]["best"], rel=1e-5), (result[0], reference[0])
     assert result[0]["stopped"] == reference[0]["stopped"]
     assert [path.name for path in (tmp_path / "pipeline").iterdir()] == ["epoch=0-step=10.ckpt"]
+
+
+class _AfterBackward(L.Callback):
+    def __init__(self) -> None:
+        self.results = {"after_backward_with_grads": 0}
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if any(p.grad is not None for p in pl_module.parameters()):
+            self.results["after_backward_with_grads"] += 1
+
+
+def test_on_after_backward_fires_once_per_step_with_gradients():
+    _, extras = fit(_nanogpt, lambda: _text(8), {"pipeline_parallel_size": 2}, 2, 3,
+                    callbacks_factory=lambda: [_AfterBackward()])
+    assert [e["after_backward_with_grads"] for e in extras] == [3, 3]
