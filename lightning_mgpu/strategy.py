@@ -41,7 +41,7 @@ from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimu
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
-from lightning_mgpu.parallel.pipeline_step import PipelineEngine, gather_pipeline_state_dict
+from lightning_mgpu.parallel.pipeline_step import PipelineEngine
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
 from lightning_mgpu.precision import HybridPrecision
 
@@ -475,9 +475,8 @@ class HybridStrategy(ParallelStrategy):
     def full_state_dict(self) -> dict[str, Tensor]:
         """The unsharded model weights on CPU on global rank 0 (``{}`` elsewhere). Call on every rank."""
         assert self.lightning_module is not None
-        if self._pipeline is None:
-            return sharded_checkpoint.full_model_state_dict(self.lightning_module)
-        return gather_pipeline_state_dict(self.lightning_module, self.device_mesh[PP_AXIS].get_group())
+        pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
+        return sharded_checkpoint.full_model_state_dict(self.lightning_module, pp_group)
 
     @override
     def teardown(self) -> None:

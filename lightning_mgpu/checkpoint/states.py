@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -32,9 +33,22 @@ _STATE = "state."
 _GROUPS = "param_groups."
 
 
-def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded model state on CPU, on global rank 0 (other ranks get ``{}``). Collective."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_model_state_dict(model: nn.Module, pp_group: Optional[Any] = None) -> dict[str, torch.Tensor]:
+    """The unsharded model state on CPU, on global rank 0 (other ranks get ``{}``). Collective.
+
+    With pipeline stages (``pp_group``), every rank first gathers its stage's data/tensor-parallel shards, then
+    global rank 0 collects the stages, which hold disjoint parameters.
+    """
+    if pp_group is None:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    stage = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    stage = {key: value.detach().cpu() for key, value in stage.items()}
+    ranks = dist.get_process_group_ranks(pp_group)
+    gathered: Optional[list] = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
+    dist.gather_object(stage, gathered, dst=ranks[0], group=pp_group)
+    if dist.get_rank() != 0:
+        return {}
+    return {key: value for part in gathered or [] for key, value in part.items()}
 
 
 def model_state(model: nn.Module) -> dict[str, Any]:

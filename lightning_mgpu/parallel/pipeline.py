@@ -57,6 +57,11 @@ def stage_indices(schedule: str, pp_rank: int, pp_size: int, per_rank: int) -> l
     return [pp_rank + k * pp_size for k in range(per_rank)]
 
 
+def stage_owner(schedule: str, stage: int, pp_size: int, per_rank: int) -> int:
+    """The pipeline rank that runs ``stage`` (the inverse of :func:`stage_indices`)."""
+    return next(r for r in range(pp_size) if stage in stage_indices(schedule, r, pp_size, per_rank))
+
+
 def balance(costs: list[int], num_stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
     """Start index of each stage: contiguous groups of blocks minimizing the largest stage's parameter count.
 
@@ -365,7 +370,7 @@ def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple
 
 def split_microbatches(batch: Any, count: int) -> list[Any]:
     """Cut every tensor of ``batch`` into ``count`` equal chunks along dim 0; other leaves are shared."""
-    sizes = {t.shape[0] for t in _tensors(batch)}
+    sizes = {t.shape[0] for t in tensor_leaves(batch)}
     if len(sizes) != 1:
         raise ValueError(f"Pipeline microbatching needs the batch's tensors to share dim 0; found sizes {sizes}.")
     size = sizes.pop()
@@ -378,8 +383,8 @@ def split_microbatches(batch: Any, count: int) -> list[Any]:
     return [tree_map(lambda t, k=k: t.chunk(count)[k] if torch.is_tensor(t) else t, batch) for k in range(count)]
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    tree_map(lambda t: found.append(t) if torch.is_tensor(t) else None, tree)
-    return found
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if torch.is_tensor(t)]
 

@@ -25,7 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_mgpu.parallel.pipeline import V_SCHEDULES, NetworkCall, PipelineRuntime, split_microbatches
+from lightning_mgpu.parallel.pipeline import (
+    NetworkCall,
+    PipelineRuntime,
+    split_microbatches,
+    stage_owner,
+    tensor_leaves,
+)
 
 class _Captured(Exception):
     def __init__(self, call: NetworkCall) -> None:
@@ -53,7 +59,8 @@ class PipelineEngine:
         self.device = device
         self.ranks = dist.get_process_group_ranks(pp_group)
         self.pp_size = len(self.ranks)
-        self.last_stage_rank = self.ranks[_owner(schedule_name, runtime.num_stages - 1, self.pp_size)]
+        last = stage_owner(schedule_name, runtime.num_stages - 1, self.pp_size, runtime.num_stages // self.pp_size)
+        self.last_stage_rank = self.ranks[last]
         self.owns_first = any(s.is_first for s in runtime.stages)
         self.owns_last = any(s.is_last for s in runtime.stages)
         self._mode = "idle"
@@ -201,7 +208,7 @@ class PipelineEngine:
     def _schedule(self, count: int, microbatches: list[Any], training: bool) -> Any:
         from torch.distributed.pipelining.schedules import _ScheduleForwardOnly, get_schedule_class
 
-        shapes = tuple(tuple(t.shape) for t in _leaves(microbatches[0]))
+        shapes = tuple(tuple(t.shape) for t in tensor_leaves(microbatches[0]))
         key = (training, count, shapes)
         if key not in self._schedules:
             stages = [
@@ -272,12 +279,6 @@ def _trial(stage: Any) -> Generator[None, None, None]:
         stage.inferring = stage.runtime.inferring = False
 
 
-def _owner(schedule: str, stage: int, pp_size: int) -> int:
-    if schedule in V_SCHEDULES and stage >= pp_size:
-        return 2 * pp_size - 1 - stage
-    return stage % pp_size
-
-
 @contextmanager
 def _muted_logging(module: nn.Module, record: Optional[list]) -> Generator[None, None, None]:
     """Route ``self.log``/``self.log_dict`` into ``record`` (or nowhere) while a step is captured or replayed."""
@@ -331,12 +332,6 @@ def _outside_inference_mode(tree: Any) -> Any:
         return tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, tree)
 
 
-def _leaves(tree: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
-    return [t for t in tree_leaves(tree) if torch.is_tensor(t)]
-
-
 def _to_cpu(tree: Any) -> Any:
     from torch.utils._pytree import tree_map
 
@@ -347,20 +342,3 @@ def _to_device(tree: Any, device: torch.device) -> Any:
     from torch.utils._pytree import tree_map
 
     return tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, tree)
-
-
-def gather_pipeline_state_dict(module: nn.Module, pp_group: Any) -> dict[str, torch.Tensor]:
-    """The whole unsharded model on global rank 0: each stage's full weights, gathered over the pipeline group."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    # Every rank gathers its stage's data/tensor-parallel shards (collective), then rank 0 collects the stages.
-    local = _to_cpu(get_model_state_dict(module, options=StateDictOptions(full_state_dict=True)))
-    ranks = dist.get_process_group_ranks(pp_group)
-    gathered: Optional[list] = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
-    dist.gather_object(local, gathered, dst=ranks[0], group=pp_group)
-    if dist.get_rank() != 0:
-        return {}
-    merged: dict[str, torch.Tensor] = {}
-    for part in gathered or []:
-        merged.update(part)
-    return merged
