@@ -42,16 +42,8 @@ def parallelize(
         # so that recomputation in backward sees the same (received) input as the forward did.
         apply_activation_checkpointing(module, options.activation_checkpointing)
     runtime = None
-    blocks = None
     if layout.pipeline_parallel_size > 1:
         runtime = split_pipeline(module, mesh[PP_AXIS], options)
-        blocks = [block for stage in runtime.stages for block in stage.blocks]
-        if layout.data_parallel_size > 1 and len(runtime.stages) > 1:
-            raise NotImplementedError(
-                f"pipeline_schedule={options.pipeline_schedule!r} places several stages per rank; combining that with"
-                " data_parallel_size > 1 is not supported yet. Use GPipe or 1F1B with data parallelism."
-            )
-        root = runtime.stages[0]
     offload_policy = None
     if options.cpu_offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
@@ -61,15 +53,24 @@ def parallelize(
     # The wrap also does the casting (param_dtype) and the offloading, so it applies at dp=1 when either is asked.
     casts = mp_policy is not None and getattr(mp_policy, "param_dtype", None) is not None
     if layout.data_parallel_size > 1 or offload_policy is not None or casts:
-        apply_data_parallel(
-            module,
-            mesh[DP_AXIS],
-            layout.zero_stage,
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
-            root=root,
-            blocks=blocks,
-        )
+        # With pipelining each stage is a root of its own: the schedule drives each stage's gradient sync
+        # (no-sync on all but the last backward of a step), also when a rank holds several stages.
+        roots = [(stage, stage.blocks) for stage in runtime.stages] if runtime is not None else [(root, None)]
+        # Schedules with several stages per rank gather each stage's parameters before its first action in a step
+        # and free them after its last (torch's UNSHARD/RESHARD actions), as torchtitan does with pipelining;
+        # freeing blocks after each forward inside that window breaks their backward in torch 2.13.
+        reshard_blocks = None if runtime is None or len(runtime.stages) == 1 else False
+        for stage_root, blocks in roots:
+            apply_data_parallel(
+                module,
+                mesh[DP_AXIS],
+                layout.zero_stage,
+                mp_policy=mp_policy,
+                offload_policy=offload_policy,
+                root=stage_root,
+                blocks=blocks,
+                reshard_blocks=reshard_blocks,
+            )
     return runtime
 
 

@@ -36,6 +36,7 @@ def apply_data_parallel(
     offload_policy: Optional[Any] = None,
     root: Optional[nn.Module] = None,
     blocks: Optional[list[nn.Module]] = None,
+    reshard_blocks: Optional[bool] = None,
 ) -> None:
     """Wrap ``module`` in place for data parallelism over ``dp_mesh`` at the given ZeRO stage.
 
@@ -44,6 +45,9 @@ def apply_data_parallel(
     remaining parameters. The strategy passes a module that is called exactly once per step, so that the
     LightningModule's own nested ``self(x)`` calls do not end the root's forward early (FSDP2 would then reshard
     the root and gather it again in backward).
+
+    ``reshard_blocks`` overrides ZeRO-3's reshard-after-forward for blocks (a pipeline schedule that gathers and
+    frees whole stages itself turns it off).
 
     ``mp_policy`` (FSDP2 ``MixedPrecisionPolicy``) and ``offload_policy`` (``OffloadPolicy``/``CPUOffloadPolicy``)
     pass through to FSDP2 unchanged.
@@ -60,7 +64,7 @@ def apply_data_parallel(
         wrap = replicate
     else:
         wrap = fully_shard
-        kwargs["reshard_after_forward"] = zero_stage == 3
+        kwargs["reshard_after_forward"] = zero_stage == 3 if reshard_blocks is None else reshard_blocks and zero_stage == 3
         kwargs["shard_placement_fn"] = _shard_dim_beside_tensor_parallel
     for block in find_blocks(module) if blocks is None else blocks:
         wrap(block, **kwargs)

@@ -76,6 +76,11 @@ LAYOUTS = [  # (model, strategy, devices, dp)
     ("gpt2", {"pipeline_parallel_size": 2, "zero_stage": 1}, 4, 2),
     ("nanogpt", {"pipeline_parallel_size": 2, "zero_stage": 3}, 4, 2),
     ("nanogpt", {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1}, 8, 2),
+    # Two stages per rank with data parallelism: each stage is its own data-parallel root.
+    ("nanogpt", {"pipeline_parallel_size": 2, "pipeline_schedule": "Interleaved1F1B", "num_microbatches": 2,
+                 "zero_stage": 1}, 4, 2),
+    ("nanogpt", {"pipeline_parallel_size": 2, "pipeline_schedule": "DualPipeV", "num_microbatches": 4,
+                 "zero_stage": 2}, 4, 2),
 ]
 
 
@@ -83,6 +88,33 @@ LAYOUTS = [  # (model, strategy, devices, dp)
                          ids=["-".join(f"{k[0]}{v}" for k, v in s.items()) + f"-{m}" for m, s, _, _ in LAYOUTS])
 def test_layouts_train_like_one_process(model, strategy, devices, dp):
     _check(model, strategy, devices, dp)
+
+
+class _ShardedBetweenSteps(L.Callback):
+    """Records, after each optimizer step, whether every parameter is back in its data-parallel sharded form."""
+
+    def __init__(self) -> None:
+        self.results: dict = {"sharded": []}
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        from torch.distributed.tensor import DTensor
+
+        params = list(pl_module.parameters())
+        self.results["sharded"].append(
+            all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in params if p.numel() > 1)
+        )
+
+
+def test_zero3_with_two_stages_per_rank_trains_and_frees_gathered_stages():
+    """ZBV (V placement, zero bubble) at ZeRO-3: the schedule gathers each stage for its work and frees it after."""
+    strategy = {"pipeline_parallel_size": 2, "pipeline_schedule": "ZBVZeroBubble", "num_microbatches": 4,
+                "zero_stage": 3}
+    reference, _ = _reference("nanogpt", TRAINER)
+    result, extras = fit(_nanogpt, lambda: _text(GLOBAL_BATCH // 2), strategy, 4, STEPS, trainer_kwargs=TRAINER,
+                         callbacks_factory=lambda: [_ShardedBetweenSteps()])
+    assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
+    for rank_extras in extras:
+        assert rank_extras["sharded"] == [True] * STEPS
 
 
 def test_clipping_and_accumulation_across_stages():
