@@ -9,9 +9,9 @@ A step is run in three parts:
    training): the user's step runs again and its network call returns that microbatch's pipeline output, so the
    loss and every logged value are computed by the user's own code.
 
-Logged values (mean over microbatches) and the returned loss are then broadcast from the last stage to the
-pipeline group and logged on every rank, so loggers, the progress bar and callbacks on global rank 0 (which holds
-the first stage) see what a single-process run shows.
+Logged values (mean over microbatches), torchmetrics objects and the returned loss are then sent from the last
+stage to the pipeline group and logged on every rank (``pipeline_publish``), so loggers, the progress bar and
+callbacks on global rank 0 (which holds the first stage) see what a single-process run shows.
 
 Contract: one network call per step, before which the step does nothing with side effects beyond ``self.log``.
 """
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_mgpu.parallel.pipeline_publish import MetricRelay, Publisher, StepLogs
 from lightning_mgpu.parallel.pipeline import (
     NetworkCall,
     PipelineRuntime,
@@ -73,6 +74,8 @@ class PipelineEngine:
         # the schedule runs backward itself. HybridStrategy sets it.
         self.grad_scaler: Optional[Any] = None
         self._current: Optional[dict[str, Any]] = None
+        self.relay = MetricRelay(module)
+        self.publisher = Publisher(pp_group, self.last_stage_rank, device)
         path = [module]
         for part in runtime.split.container_fqn.split(".")[:-1]:
             path.append(path[-1].get_submodule(part))
@@ -105,12 +108,15 @@ class PipelineEngine:
             " blocks, e.g. `self.model(...)`), but it returned without doing so."
         )
 
-    def _replay(self, method: str, args: tuple, microbatch: int, logs: list) -> Any:
-        call = self.runtime.calls[microbatch]
+    def _replay(self, method: str, args: tuple, microbatch: int, logs: StepLogs) -> Any:
         if self.runtime.inferring:
-            output, logs = self.runtime.trial_output, []  # torch's shape-inference trial: logs are not real
-        else:
-            output = self.runtime.outputs.pop(microbatch)
+            # torch's shape-inference trial: neither its logs nor its metric updates are real.
+            with self.relay.frozen():
+                return self._replay_with(self.runtime.trial_output, method, args, microbatch, StepLogs())
+        return self._replay_with(self.runtime.outputs.pop(microbatch), method, args, microbatch, logs)
+
+    def _replay_with(self, output: Any, method: str, args: tuple, microbatch: int, logs: StepLogs) -> Any:
+        call = self.runtime.calls[microbatch]
         had_instance_forward = "forward" in vars(call.module)
         original = call.module.forward
         call.module.forward = lambda *a, **k: output  # type: ignore[method-assign]
@@ -135,7 +141,9 @@ class PipelineEngine:
         self.gradients_pending = True
         microbatches, count = self._split(batch)
         self._start(microbatches, "training_step", batch_idx)
-        logs: list = []
+        logs = StepLogs()
+        if self.owns_last:
+            self.relay.begin()
         self._current = {"microbatches": microbatches, "batch_idx": batch_idx, "logs": logs}
         self._loss_scale = 1.0 / (count * accumulate_grad_batches)
         losses: list = []
@@ -144,7 +152,7 @@ class PipelineEngine:
         loss = torch.stack([l.detach() for l in losses]).mean() / self._loss_scale if losses else None
         if loss is not None and self.grad_scaler is not None:
             loss = loss / self.grad_scaler.get_scale()
-        return self._publish(loss, logs)
+        return self._publish(loss, logs, objects=False)
 
     def evaluation_step(self, method: str, batch: Any, *args: Any) -> Any:
         """Forward-only through the pipeline, then the user's step on the last stage with each microbatch's output."""
@@ -165,12 +173,13 @@ class PipelineEngine:
                     schedule.step(*self._stage_inputs(count), **self._targets(count))
             finally:
                 self._zero_loss = False
-        logs: list = []
+        logs = StepLogs()
         results = None
         if self.owns_last:
+            self.relay.begin()
             with torch.no_grad():
-                results = [self._replay(method, (mb, *args), k, logs) for k, mb in enumerate(microbatches)]
-        return self._publish(results, logs, merge=True)
+                results = _merge([self._replay(method, (mb, *args), k, logs) for k, mb in enumerate(microbatches)])
+        return self._publish(results, logs, objects=True)
 
     def _split(self, batch: Any) -> tuple[list[Any], int]:
         count = self.num_microbatches or self.runtime.num_stages
@@ -225,16 +234,19 @@ class PipelineEngine:
         return self._schedules[key]
 
     # ------------------------------------------------------------------------------------------------ publish
-    def _publish(self, result: Any, logs: list, merge: bool = False) -> Any:
-        """Broadcast the last stage's result and mean logged values to the pipeline group; log them everywhere."""
-        payload = [None]
-        if dist.get_rank() == self.last_stage_rank:
-            payload = [(_to_cpu(_merge(result) if merge else result), _mean_logs(logs))]
-        dist.broadcast_object_list(payload, src=self.last_stage_rank, group=self.group)
-        result, mean_logs = payload[0]
-        for name, (value, kwargs) in mean_logs.items():
+    def _publish(self, result: Any, logs: StepLogs, objects: bool) -> Any:
+        """Send the last stage's result, logs and metric changes to the pipeline group; log them on every rank."""
+        sending = dist.get_rank() == self.last_stage_rank
+        result, means, metric_logs, changes = self.publisher.send(
+            result, logs if sending else None, self.relay if sending else None, objects
+        )
+        if not sending:
+            self.relay.apply(changes, self.device)
+        for name, (value, kwargs) in means.items():
             self.module.log(name, torch.tensor(value, device=self.device), **kwargs)
-        return _to_device(result, self.device)
+        for name, (metric_name, kwargs) in metric_logs.items():
+            self.module.log(name, self.relay.metrics[metric_name], **kwargs)
+        return result
 
     def guard_zero_grad(self, optimizer: Any) -> None:
         """Keep Lightning's post-``training_step`` ``zero_grad`` from erasing the gradients the schedule made."""
@@ -251,6 +263,7 @@ class PipelineEngine:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        self.relay.remove()
 
 
 def _trial_aware_stage_class() -> type:
@@ -280,14 +293,17 @@ def _trial(stage: Any) -> Generator[None, None, None]:
 
 
 @contextmanager
-def _muted_logging(module: nn.Module, record: Optional[list]) -> Generator[None, None, None]:
+def _muted_logging(module: nn.Module, record: Optional[StepLogs]) -> Generator[None, None, None]:
     """Route ``self.log``/``self.log_dict`` into ``record`` (or nowhere) while a step is captured or replayed."""
+    from torchmetrics import MetricCollection
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if record is not None:
-            record.append((name, value, kwargs))
+            record.record(name, value, kwargs)
 
-    def log_dict(dictionary: dict, *args: Any, **kwargs: Any) -> None:
+    def log_dict(dictionary: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(dictionary, MetricCollection):  # as Lightning: its metrics, under their collection names
+            dictionary = dict(dictionary.items(keep_base=False, copy_state=False))
         for name, value in dictionary.items():
             log(name, value, **kwargs)
 
@@ -296,20 +312,6 @@ def _muted_logging(module: nn.Module, record: Optional[list]) -> Generator[None,
         yield
     finally:
         del module.log, module.log_dict
-
-
-def _mean_logs(logs: list) -> dict[str, tuple[float, dict]]:
-    grouped: dict[str, list] = {}
-    options: dict[str, dict] = {}
-    for name, value, kwargs in logs:
-        if not (torch.is_tensor(value) or isinstance(value, (int, float))):
-            raise TypeError(
-                f"Under pipeline parallelism `self.log({name!r}, ...)` needs a tensor or number (got"
-                f" {type(value).__name__}); log `metric.compute()` or the tensor instead of a Metric object."
-            )
-        grouped.setdefault(name, []).append(float(value))
-        options[name] = kwargs
-    return {name: (sum(values) / len(values), options[name]) for name, values in grouped.items()}
 
 
 def _merge(results: Optional[list]) -> Any:
@@ -330,15 +332,3 @@ def _outside_inference_mode(tree: Any) -> Any:
 
     with torch.inference_mode(False):
         return tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, tree)
-
-
-def _to_cpu(tree: Any) -> Any:
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t.detach().cpu() if torch.is_tensor(t) else t, tree)
-
-
-def _to_device(tree: Any, device: torch.device) -> Any:
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, tree)

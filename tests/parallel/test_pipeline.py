@@ -247,3 +247,123 @@ def test_on_after_backward_fires_once_per_step_with_gradients():
     _, extras = fit(_nanogpt, lambda: _text(8), {"pipeline_parallel_size": 2}, 2, 3,
                     callbacks_factory=lambda: [_AfterBackward()])
     assert [e["after_backward_with_grads"] for e in extras] == [3, 3]
+
+
+class _WithMetrics(GPTLightningModule):
+    """Logs torchmetrics objects the usual ways: on_step (a macro F1, which is not a mean over microbatches),
+    on_epoch after `update`, list states (Spearman), a MetricCollection, and `compute()` in an epoch-end hook."""
+
+    def __init__(self) -> None:
+        from torchmetrics import MetricCollection
+        from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+        from torchmetrics.regression import SpearmanCorrCoef
+
+        super().__init__(block_size=32, n_layer=4, n_head=4, n_embd=32, lr=1e-3)
+        self.train_f1 = MulticlassF1Score(num_classes=256, average="macro")
+        self.train_acc = MulticlassAccuracy(num_classes=256, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=256, average="micro")
+        self.val_rank = SpearmanCorrCoef()
+        self.val_collection = MetricCollection({"top5": MulticlassAccuracy(num_classes=256, top_k=5)}, prefix="val_")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        preds = logits.argmax(-1).reshape(-1)
+        self.train_f1(preds, y.reshape(-1))
+        self.log("train_f1", self.train_f1)
+        self.train_acc.update(preds, y.reshape(-1))
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        self.val_acc(logits.argmax(-1).reshape(-1), y.reshape(-1))
+        self.val_rank.update(logits.amax(-1).reshape(-1), y.reshape(-1).float())
+        self.val_collection.update(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        self.log("val_loss", loss, sync_dist=True)
+        self.log("val_acc", self.val_acc)
+        self.log("val_rank", self.val_rank)
+        self.log_dict(self.val_collection)
+
+    def on_validation_epoch_end(self):
+        self.log("val_acc_by_hand", self.val_acc.compute())
+
+
+class _MetricSnapshots(L.Callback):
+    """What rank 0's loggers get: train_f1 after every step, the epoch-level metrics after every validation."""
+
+    KEYS = ("val_acc", "val_rank", "val_top5", "val_acc_by_hand", "val_loss")
+
+    def __init__(self) -> None:
+        self.results: dict = {"train_f1": [], "validation": []}
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.results["train_f1"].append(float(trainer.callback_metrics["train_f1"]))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.results["validation"].append([float(trainer.callback_metrics[k]) for k in self.KEYS])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.results["train_acc"] = float(trainer.callback_metrics["train_acc"])
+
+
+@pytest.mark.parametrize(("strategy", "devices", "dp"), [
+    ({"pipeline_parallel_size": 2, "num_microbatches": 4}, 2, 1),
+    ({"pipeline_parallel_size": 2, "zero_stage": 1}, 4, 2),
+], ids=["pp2-m4", "pp2-dp2"])
+def test_torchmetrics_objects_reach_rank0_with_single_process_values(strategy, devices, dp):
+    trainer_kwargs = {**TRAINER, "max_epochs": 1, "limit_train_batches": STEPS}
+    _, expected = fit(_WithMetrics, lambda: _text(GLOBAL_BATCH), None, 1, STEPS, trainer_kwargs=trainer_kwargs,
+                      callbacks_factory=lambda: [_MetricSnapshots()])
+    _, got = fit(_WithMetrics, lambda: _text(GLOBAL_BATCH // dp), strategy, devices, STEPS,
+                 trainer_kwargs=trainer_kwargs, callbacks_factory=lambda: [_MetricSnapshots()])
+    expected, got = expected[0], got[0]
+    assert len(got["validation"]) == len(expected["validation"]) == 2
+    got_validation, expected_validation = torch.tensor(got["validation"]), torch.tensor(expected["validation"])
+    others = [i for i, key in enumerate(_MetricSnapshots.KEYS) if key != "val_rank"]
+    torch.testing.assert_close(got_validation[:, others], expected_validation[:, others], rtol=1e-5, atol=1e-6)
+    # a rank correlation reorders near-equal maxima on 1e-6 noise, so it gets an absolute tolerance.
+    rank = _MetricSnapshots.KEYS.index("val_rank")
+    torch.testing.assert_close(got_validation[:, rank], expected_validation[:, rank], rtol=0, atol=1e-4)
+    torch.testing.assert_close(got["train_acc"], expected["train_acc"], rtol=1e-5, atol=1e-6)
+    if dp == 1:  # on_step values are per rank (each data-parallel rank's half batch), as with Lightning's DDP
+        torch.testing.assert_close(torch.tensor(got["train_f1"]), torch.tensor(expected["train_f1"]), rtol=1e-5,
+                                   atol=1e-6)
+
+
+class _ObjectBroadcasts(L.Callback):
+    """Counts pickled broadcasts (`broadcast_object_list`) during each training batch."""
+
+    def __init__(self) -> None:
+        self.results: dict = {"object_broadcasts": []}
+        self._count = 0
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        import torch.distributed as dist
+
+        original = dist.broadcast_object_list
+
+        def counted(*args, **kwargs):
+            self._count += 1
+            return original(*args, **kwargs)
+
+        dist.broadcast_object_list = counted
+
+    def on_train_batch_start(self, *args) -> None:
+        self._count = 0
+
+    def on_train_batch_end(self, *args) -> None:
+        self.results["object_broadcasts"].append(self._count)
+
+
+def test_steady_state_steps_send_numbers_not_pickled_objects():
+    _, extras = fit(_nanogpt, lambda: _text(GLOBAL_BATCH), {"pipeline_parallel_size": 2}, 2, 4,
+                    callbacks_factory=lambda: [_ObjectBroadcasts()])
+    # The first step sends the logged names and options once; later steps only a small tensor of numbers.
+    for rank_extras in extras:
+        assert rank_extras["object_broadcasts"] == [1, 0, 0, 0]

@@ -1,0 +1,253 @@
+"""What the last pipeline stage computed in a step, made visible on every rank of its pipeline group.
+
+Under pipelining the user's step runs (is replayed) on the last stage only. Its loss, the values it logs and the
+torchmetrics objects it updates are sent to the other ranks of the pipeline group after every step, so Lightning on
+global rank 0 (which holds the first stage) logs what a single process would:
+
+- tensors and numbers passed to ``self.log`` are averaged over microbatches;
+- torchmetrics ``Metric`` objects: after the step the last stage sends what changed in their states (tensor states
+  whole, the new items of list states), so every rank's copy holds the same state and an epoch-level ``compute()``
+  is right everywhere; a Metric logged ``on_step`` shows its value over the whole batch (the step's inputs are fed
+  to a fresh copy), not over the last microbatch.
+
+The steady state costs one small tensor broadcast per step: names, options and metrics go as pickled objects only
+when they change or when Metric objects are involved.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Generator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class StepLogs:
+    """What the user's step logged on the last stage during one step, across its microbatches."""
+
+    values: list[tuple[str, Any, dict]] = field(default_factory=list)  # tensors and numbers, one per microbatch
+    metrics: dict[str, tuple[nn.Module, dict]] = field(default_factory=dict)  # name -> (Metric, log kwargs)
+
+    def record(self, name: str, value: Any, kwargs: dict) -> None:
+        from torchmetrics import Metric
+
+        if isinstance(value, Metric):
+            self.metrics[name] = (value, kwargs)
+        elif torch.is_tensor(value) or isinstance(value, (int, float)):
+            self.values.append((name, value, kwargs))
+        else:
+            raise TypeError(
+                f"`self.log({name!r}, ...)` needs a tensor, a number or a torchmetrics Metric, got {type(value).__name__}."
+            )
+
+    def means(self) -> dict[str, tuple[float, dict]]:
+        grouped: dict[str, list[float]] = {}
+        options: dict[str, dict] = {}
+        for name, value, kwargs in self.values:
+            grouped.setdefault(name, []).append(_as_float(value))
+            options[name] = kwargs
+        return {name: (sum(values) / len(values), options[name]) for name, values in grouped.items()}
+
+
+def _as_float(value: Any) -> float:
+    if not torch.is_tensor(value):
+        return float(value)
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return float(value.detach())
+
+
+class MetricRelay:
+    """Tracks the torchmetrics objects of a module during a step on the last stage and replays their changes elsewhere."""
+
+    def __init__(self, module: nn.Module) -> None:
+        from torchmetrics import Metric
+
+        self.metrics = {name: m for name, m in module.named_modules() if isinstance(m, Metric)}
+        self._names = {id(m): name for name, m in self.metrics.items()}
+        self._counts: dict[str, int] = {}
+        self._lists: dict[str, dict[str, list]] = {}
+        self._forward_inputs: dict[str, list[tuple[tuple, dict]]] = {}
+        self._hooks = [m.register_forward_hook(self._on_forward, with_kwargs=True) for m in self.metrics.values()]
+        self._recording = False
+
+    def name_of(self, metric: nn.Module) -> str:
+        return self._names[id(metric)]
+
+    def begin(self) -> None:
+        """Before the step's replays on the last stage: remember where every metric stands."""
+        self._counts = {name: m._update_count for name, m in self.metrics.items()}
+        self._lists = {name: {s: list(getattr(m, s)) for s in _list_states(m)} for name, m in self.metrics.items()}
+        self._forward_inputs = {}
+        self._recording = True
+
+    def _on_forward(self, metric: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._recording:
+            self._forward_inputs.setdefault(self.name_of(metric), []).append((args, kwargs))
+
+    def end(self) -> dict[str, dict]:
+        """After the replays: give metrics called on several microbatches their whole-batch forward value; return
+        the changes of every metric the step updated."""
+        self._recording = False
+        changes = {}
+        for name, metric in self.metrics.items():
+            if metric._update_count == self._counts.get(name):
+                continue
+            inputs = self._forward_inputs.get(name, [])
+            if len(inputs) > 1:
+                metric._forward_cache = _whole_batch_value(metric, inputs)
+            changes[name] = {
+                "count": metric._update_count,
+                "forward_cache": metric._forward_cache,
+                "tensors": {s: getattr(metric, s) for s in metric._defaults if s not in self._lists[name]},
+                "lists": {s: _list_change(getattr(metric, s), before) for s, before in self._lists[name].items()},
+            }
+        self._forward_inputs = {}
+        return changes
+
+    def apply(self, changes: dict[str, dict], device: torch.device) -> None:
+        """On the other ranks of the pipeline group: bring each changed metric to the last stage's state."""
+        for name, change in changes.items():
+            metric = self.metrics[name]
+            for state, value in change["tensors"].items():
+                setattr(metric, state, value.to(device))
+            for state, (how, items) in change["lists"].items():
+                items = [t.to(device) for t in items]
+                setattr(metric, state, getattr(metric, state) + items if how == "extend" else items)
+            metric._update_count = change["count"]
+            metric._forward_cache = _to_device(change["forward_cache"], device)
+            metric._computed = None
+
+    @contextmanager
+    def frozen(self) -> Generator[None, None, None]:
+        """Undo whatever the block does to the metrics (torch's shape-inference trial replays a step on fake data)."""
+        saved = {
+            name: (m._update_count, m._forward_cache, {s: _copy_state(getattr(m, s)) for s in m._defaults})
+            for name, m in self.metrics.items()
+        }
+        recording, self._recording = self._recording, False
+        try:
+            yield
+        finally:
+            self._recording = recording
+            for name, (count, forward_cache, states) in saved.items():
+                metric = self.metrics[name]
+                for state, value in states.items():
+                    setattr(metric, state, value)
+                metric._update_count, metric._forward_cache, metric._computed = count, forward_cache, None
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _copy_state(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value.clone()
+
+
+def _list_states(metric: nn.Module) -> list[str]:
+    return [s for s, default in metric._defaults.items() if isinstance(default, list)]
+
+
+def _list_change(now: list, before: list) -> tuple[str, list]:
+    """List states only grow within a step (unless reset): send the new items, or everything after a reset."""
+    if len(now) >= len(before) and all(a is b for a, b in zip(now, before)):
+        return "extend", now[len(before):]
+    return "replace", list(now)
+
+
+def _whole_batch_value(metric: nn.Module, inputs: list[tuple[tuple, dict]]) -> Any:
+    """The value ``metric(batch)`` would have returned for the whole batch: a fresh copy fed every microbatch."""
+    group = getattr(metric, "process_group", None)
+    memo = {id(group): group} if group is not None else {}
+    for hook in metric._forward_hooks.values():  # our hook refers to the relay: share it, do not copy it
+        memo[id(getattr(hook, "__self__", hook))] = getattr(hook, "__self__", hook)
+    fresh = copy.deepcopy(metric, memo)
+    fresh.reset()
+    for args, kwargs in inputs:
+        fresh.update(*args, **kwargs)
+    # As torchmetrics' own forward: the batch value is synced only with dist_sync_on_step.
+    fresh._to_sync, fresh._should_unsync = fresh.dist_sync_on_step, False
+    return fresh.compute()
+
+
+class Publisher:
+    """Sends one step's result and logs from the last stage to its pipeline group (see the module docstring)."""
+
+    def __init__(self, group: Any, source: int, device: torch.device) -> None:
+        self.group = group
+        self.source = source
+        self.device = device
+        self._structure: Optional[tuple] = None  # what the last object broadcast sent, known to every rank
+
+    def send(self, result: Any, logs: Optional[StepLogs], relay: Optional[MetricRelay], objects: bool) -> tuple:
+        """Collective over the pipeline group. Returns ``(result, mean logs, metric logs, metric changes)``.
+
+        ``objects=False`` allows the fast path for a scalar (or absent) result: a flat tensor of numbers when the
+        logged names and options are those of the previous step and no Metric is involved.
+        """
+        sending = dist.get_rank() == self.source
+        payload: Optional[tuple] = None
+        if sending:
+            assert logs is not None
+            metric_logs = {name: (relay.name_of(m) if relay else "", kw) for name, (m, kw) in logs.metrics.items()}
+            changes = relay.end() if relay is not None else {}
+            payload = (_to_cpu(result), logs.means(), metric_logs, changes)
+        if not objects and self._structure is not None:
+            numbers = torch.zeros(2 + len(self._structure[0]), dtype=torch.float64, device=self.device)
+            if sending and _structure(payload) == self._structure:
+                numbers[0] = 1.0
+                numbers[1] = float(payload[0]) if payload[0] is not None else 0.0
+                numbers[2:] = torch.tensor([value for value, _ in payload[1].values()], dtype=torch.float64)
+            dist.broadcast(numbers, src=self.source, group=self.group)
+            if numbers[0] == 1.0:
+                return self._rebuild(numbers.cpu().tolist())
+        box = [payload]
+        dist.broadcast_object_list(box, src=self.source, group=self.group)
+        payload = box[0]
+        assert payload is not None
+        if not objects:
+            self._structure = _structure(payload)
+        return _to_device(payload[0], self.device), payload[1], payload[2], payload[3]
+
+    def _rebuild(self, numbers: list[float]) -> tuple:
+        assert self._structure is not None
+        names, options, result_dtype = self._structure
+        result = None if result_dtype is None else torch.tensor(numbers[1], dtype=result_dtype, device=self.device)
+        means = {name: (value, dict(kwargs)) for name, kwargs, value in zip(names, options, numbers[2:])}
+        return result, means, {}, {}
+
+
+def _structure(payload: Any) -> Optional[tuple]:
+    """The shape of a payload that the fast path can carry as numbers, or None if it cannot."""
+    result, means, metric_logs, changes = payload
+    if metric_logs or changes:
+        return None
+    if result is not None and not (torch.is_tensor(result) and result.dim() == 0):
+        return None
+    try:
+        options = tuple(tuple(sorted(kwargs.items())) for _, kwargs in means.values())
+        hash(options)
+    except TypeError:  # an unhashable option value: send objects
+        return None
+    return tuple(means), options, None if result is None else result.dtype
+
+
+def _to_cpu(tree: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach().cpu() if torch.is_tensor(t) else t, tree)
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, tree)
