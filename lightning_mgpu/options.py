@@ -19,6 +19,7 @@ class ParallelOptions:
     zero_backend: str = "torch"
     tp_plan: Union[str, dict[str, str], Callable[..., None]] = "auto"
     sequence_parallel: bool = False
+    loss_parallel: bool = False
     pipeline_schedule: str = "1F1B"
     num_microbatches: Optional[int] = None
     stages_per_rank: Optional[int] = None
@@ -58,7 +59,7 @@ class ParallelOptions:
                 f"`activation_checkpointing` must be False, True, 'full', 'selective' or a list of module classes,"
                 f" got {ac!r}."
             )
-        for name in ("sequence_parallel", "cpu_offload", "async_checkpoint"):
+        for name in ("sequence_parallel", "loss_parallel", "cpu_offload", "async_checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.async_checkpoint and self.checkpoint_format != "sharded":
@@ -79,8 +80,13 @@ class ParallelOptions:
                 " for what is available. Remove the argument(s) to train with data parallelism and ZeRO."
             )
 
-    def check_zero_stage(self, zero_stage: int) -> None:
-        """Options that need a given ZeRO stage."""
+    def check_sizes(self, zero_stage: int, tensor_parallel_size: Any) -> None:
+        """Options that need a given ZeRO stage or tensor-parallel size."""
+        if self.loss_parallel and tensor_parallel_size == 1:
+            raise ValueError(
+                "`loss_parallel=True` keeps the LM head's logits sharded over the vocabulary across tensor-parallel"
+                " ranks and needs tensor_parallel_size > 1, got 1. Set tensor_parallel_size or drop loss_parallel."
+            )
         if self.cpu_offload and zero_stage != 3:
             raise ValueError(
                 f"`cpu_offload=True` offloads sharded parameters, gradients and optimizer states (FSDP2's"

@@ -73,6 +73,7 @@ class HybridStrategy(ParallelStrategy):
         zero_backend: str = "torch",
         tp_plan: Union[str, dict[str, str], Callable[..., None]] = "auto",
         sequence_parallel: bool = False,
+        loss_parallel: bool = False,
         pipeline_schedule: str = "1F1B",
         num_microbatches: Optional[int] = None,
         stages_per_rank: Optional[int] = None,
@@ -104,6 +105,7 @@ class HybridStrategy(ParallelStrategy):
             zero_backend=zero_backend,
             tp_plan=tp_plan,
             sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
             pipeline_schedule=pipeline_schedule,
             num_microbatches=num_microbatches,
             stages_per_rank=stages_per_rank,
@@ -114,7 +116,7 @@ class HybridStrategy(ParallelStrategy):
             async_checkpoint=async_checkpoint,
         )
         self.options.check_implemented()
-        self.options.check_zero_stage(zero_stage)
+        self.options.check_sizes(zero_stage, tensor_parallel_size)
         if start_method not in ("auto", "popen", "fork", "spawn", "forkserver"):
             raise ValueError(
                 f"`start_method` must be one of 'auto', 'popen', 'fork', 'spawn', 'forkserver', got {start_method!r}."
@@ -266,12 +268,6 @@ class HybridStrategy(ParallelStrategy):
             root=runner,
         )
         if pipeline is not None:
-            if not self.lightning_module.automatic_optimization:
-                raise ValueError(
-                    "pipeline_parallel_size > 1 runs forward and backward inside the pipeline schedule, so it needs"
-                    " automatic optimization; this module sets `automatic_optimization = False`. Use"
-                    " pipeline_parallel_size=1 (tensor/data parallelism and ZeRO support manual optimization)."
-                )
             pp_mesh = self.device_mesh[PP_AXIS]
             self._pipeline = PipelineEngine(
                 self.lightning_module, pipeline, self.options.pipeline_schedule, self.options.num_microbatches,
@@ -321,14 +317,14 @@ class HybridStrategy(ParallelStrategy):
         # Run the step through the root wrapper's __call__ so the data-parallel hooks fire even when the step calls
         # a submodule directly (`self.model(input_ids=x)`).
         assert isinstance(self.model, StepRunner)
-        with tensor_parallel_context(self._sequence_parallel):
+        with self._tensor_parallel_context():
             return self.model(method_name, *args, **kwargs)
 
     def _pipelined(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         assert self._pipeline is not None and self.lightning_module is not None
         if kwargs:
             raise TypeError(f"Under pipeline parallelism {method_name} is called with positional arguments only.")
-        with tensor_parallel_context(self._sequence_parallel):
+        with self._tensor_parallel_context():
             if method_name == "training_step":
                 accumulate = self.lightning_module.trainer.accumulate_grad_batches
                 return self._pipeline.training_step(*args, accumulate_grad_batches=accumulate)
@@ -363,12 +359,12 @@ class HybridStrategy(ParallelStrategy):
         if self._pipeline is not None:
             # The schedule already ran backward inside `training_step`; callbacks still get on_after_backward.
             return Precision.post_backward(self.precision_plugin, closure_loss, self.lightning_module)
-        with tensor_parallel_context(self._sequence_parallel):
+        with self._tensor_parallel_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    @property
-    def _sequence_parallel(self) -> bool:
-        return self.options.sequence_parallel and self.layout.tensor_parallel_size > 1
+    def _tensor_parallel_context(self) -> Any:
+        tp = self.layout.tensor_parallel_size > 1
+        return tensor_parallel_context(self.options.sequence_parallel and tp, self.options.loss_parallel and tp)
 
     @contextmanager
     @override

@@ -36,7 +36,9 @@ def parallelize(
     if layout.tensor_parallel_size > 1:
         if any(type(m).__name__ == "Float8Linear" for m in module.modules()):
             raise NotImplementedError("fp8-mixed with tensor_parallel_size > 1 is not supported yet.")
-        apply_tensor_parallel(module, mesh[TP_AXIS], options.tp_plan, options.sequence_parallel)
+        apply_tensor_parallel(
+            module, mesh[TP_AXIS], options.tp_plan, options.sequence_parallel, loss_parallel=options.loss_parallel
+        )
     if options.activation_checkpointing is not False:
         # Before the pipeline split: its gate around each owned block must stay *outside* the checkpointed region,
         # so that recomputation in backward sees the same (received) input as the forward did.

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any, Callable, Optional, Union
 
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -29,6 +30,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.overrides import TorchFunctionMode
 
 from lightning_mgpu.parallel.blocks import find_block_container
 
@@ -157,6 +159,8 @@ def style(name: str, sequence_parallel: bool) -> Optional[ParallelStyle]:
         "colwise": lambda: _Colwise(input_layouts=stream),
         "colwise_qkv": lambda: _Colwise(chunks=3, input_layouts=stream),
         "colwise_gather_output": lambda: _Colwise(input_layouts=stream, output_layouts=replicated),
+        # An LM head under loss_parallel: logits stay a DTensor sharded over the vocabulary, never gathered.
+        "colwise_loss_parallel": lambda: _Colwise(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
         "rowwise": lambda: _Rowwise(output_layouts=stream, use_local_output=not sequence_parallel),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=replicated, output_layouts=stream,
                                                      use_local_output=not sequence_parallel),
@@ -170,7 +174,7 @@ def style(name: str, sequence_parallel: bool) -> Optional[ParallelStyle]:
     return styles[name]()
 
 
-STYLE_NAMES = ("colwise", "colwise_qkv", "colwise_gather_output", "rowwise", "embedding_rowwise",
+STYLE_NAMES = ("colwise", "colwise_qkv", "colwise_gather_output", "colwise_loss_parallel", "rowwise", "embedding_rowwise",
                "embedding_colwise", "sequence_parallel", "replicate")
 
 
@@ -283,13 +287,66 @@ def _sequence_parallel_rules(module: nn.Module, plan: dict[str, str]) -> dict[st
     return rules
 
 
+def _with_vocab_parallel_head(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``loss_parallel``: the LM head keeps its logits sharded over the vocabulary for the user's cross-entropy."""
+    plan = {glob: "colwise_loss_parallel" if s == "colwise_gather_output" and glob.rsplit(".", 1)[-1] in _HEADS else s
+            for glob, s in plan.items()}
+    if "colwise_loss_parallel" not in plan.values():
+        for name, child in module.named_modules():
+            if _is_projection(child) and name.rsplit(".", 1)[-1] in _HEADS:
+                if not any(fnmatch.fnmatchcase(name, glob) for glob in plan):
+                    plan[name] = "colwise_loss_parallel"
+    if "colwise_loss_parallel" not in plan.values():
+        raise ValueError(
+            "`loss_parallel=True` needs the LM head sharded over the vocabulary, but the plan has no head (modules"
+            f" named one of {list(_HEADS)}). Add {{'<head module>': 'colwise_loss_parallel'}} to `tp_plan`."
+        )
+    # A head tied to the input embedding: shard the embedding over the vocabulary too, so the two stay one weight.
+    heads = {name for name, s in _match(module, plan).items() if s == "colwise_loss_parallel"}
+    for group in _tied_parameters(module):
+        if any(name in heads for name, _ in group):
+            for name, _ in group:
+                if isinstance(module.get_submodule(name), nn.Embedding) and name not in _match(module, plan):
+                    plan[name] = "embedding_rowwise"
+    return plan
+
+
+def _tied_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module name, parameter name) that hold one and the same Parameter (tied weights)."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for name, child in module.named_modules():
+        for param_name, param in child.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((name, param_name))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def _retie(module: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    """Sharding a tied weight gives each holder its own copy: hold one again, or refuse if layouts differ."""
+    for group in groups:
+        params = [getattr(module.get_submodule(m), p) for m, p in group]
+        if all(p is params[0] for p in params):
+            continue
+        layouts = {p.placements if isinstance(p, DTensor) else None for p in params}
+        names = [f"{m}.{p}" if m else p for m, p in group]
+        if len(layouts) > 1:
+            raise ValueError(
+                f"{' and '.join(names)} are one tied weight, but the tensor-parallel plan shards them differently"
+                f" ({', '.join(str(layout) for layout in layouts)}). Give their modules matching styles (a head"
+                " 'colwise*' with its embedding 'embedding_rowwise') or 'replicate' both, or untie them."
+            )
+        for module_name, param_name in group[1:]:
+            module.get_submodule(module_name).register_parameter(param_name, params[0])
+
+
 def _is_norm(module: nn.Module) -> bool:
     name = type(module).__name__
     return isinstance(module, nn.LayerNorm) or (name.endswith("Norm") and "Group" not in name and "Batch" not in name)
 
 
 # ----------------------------------------------------------------------------------------------------- apply
-def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Plan, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(
+    module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Plan, sequence_parallel: bool, loss_parallel: bool = False
+) -> None:
     """Shard ``module`` in place over ``tp_mesh`` following ``tp_plan``."""
     if callable(tp_plan):
         tp_plan(module, tp_mesh)
@@ -297,14 +354,18 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Plan,
     if _already_parallelized(module):
         return  # the user's configure_model applied its own plan with `self.device_mesh`
     plan = auto_plan(module, sequence_parallel) if tp_plan == "auto" else dict(tp_plan)
+    if loss_parallel:
+        plan = _with_vocab_parallel_head(module, plan)
     matched = _match(module, plan)
     tp = tp_mesh.size()
     _check_divisible(module, matched, tp)
     styles = {fqn: style(name, sequence_parallel) for fqn, name in matched.items()}
+    tied = _tied_parameters(module)
     parallelize_module(module, tp_mesh, {fqn: s for fqn, s in styles.items() if s is not None})
     _localize_attention(module, matched, tp)
     if sequence_parallel:
         _replicate_remaining(module, tp_mesh)
+    _retie(module, tied)
     for child in module.modules():
         if any(isinstance(p, DTensor) for p in child.parameters(recurse=False)):
             child.register_forward_pre_hook(_arm_gradient_layout)
@@ -395,14 +456,36 @@ def _localize_attention(module: nn.Module, matched: dict[str, str], tp: int) -> 
 
 
 @contextmanager
-def tensor_parallel_context(sequence_parallel: bool) -> Generator[None, None, None]:
-    """Around each step: with sequence parallelism the residual stream is a DTensor, and plain tensors added to
-    it (position embeddings, masks) are treated as replicated."""
-    if not sequence_parallel:
-        with nullcontext():
-            yield
-        return
-    from torch.distributed.tensor.experimental import implicit_replication
+def tensor_parallel_context(sequence_parallel: bool, loss_parallel: bool = False) -> Generator[None, None, None]:
+    """Around each step and its backward.
 
-    with implicit_replication():
+    With sequence parallelism the residual stream is a DTensor, and plain tensors added to it (position
+    embeddings, masks) are treated as replicated. With ``loss_parallel`` torch's vocabulary-parallel
+    cross-entropy runs on the sharded logits, and its (replicated) result is handed back as a plain tensor so
+    that Lightning's loss handling and ``self.log`` see what they always see.
+    """
+    with ExitStack() as stack:
+        if sequence_parallel:
+            from torch.distributed.tensor.experimental import implicit_replication
+
+            stack.enter_context(implicit_replication())
+        if loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
+
+            stack.enter_context(vocab_parallel_loss())
+            stack.enter_context(_PlainLosses())
         yield
+
+
+class _PlainLosses(TorchFunctionMode):
+    """Return the replicated DTensor that a cross-entropy on sharded logits gives as its local (full) value.
+
+    ``to_local`` is differentiable: backward re-enters the DTensor graph, still inside ``loss_parallel``.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if func in (F.cross_entropy, F.nll_loss) and isinstance(result, DTensor):
+            if all(p.is_replicate() for p in result.placements):
+                return result.to_local()
+        return result

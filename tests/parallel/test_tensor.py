@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import lightning as L
 import pytest
 import torch
 
@@ -191,3 +192,94 @@ def test_collectives_per_step_match_the_analytic_count():
     assert sp == {"all_gather_into_tensor": 5 * layers + 3, "reduce_scatter_tensor": 4 * layers + 2,
                   "all_reduce": 4 * layers + 3}, sp
     print("tp=2 collectives per step:", counts, "with sequence parallel:", sp)
+
+
+class _LlamaWithHuggingFaceLoss(LlamaModule):
+    """The loss computed inside the Hugging Face model (`labels=`: shift, ignore_index, mean), not by the user."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        loss = self.model(input_ids=x, labels=x).loss
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+
+def _tied_gpt2():
+    return GPT2Module(tie_word_embeddings=True)
+
+
+_tokens = lambda batch: RandomTokenDataModule(batch_size=batch)  # noqa: E731
+_text = lambda batch: TextDataModule(batch_size=batch, block_size=32)  # noqa: E731
+LOSS_PARALLEL = [  # (name, module, data, devices, dp, extra strategy arguments)
+    ("nanogpt-tp2", _nanogpt, _text, 2, 1, {}),
+    ("nanogpt-dp2-tp2-z1-sp", _nanogpt, _text, 4, 2, {"zero_stage": 1, "sequence_parallel": True}),
+    ("llama-hf-loss-tp2", _LlamaWithHuggingFaceLoss, _tokens, 2, 1, {}),
+    ("llama-hf-loss-tp2-sp", _LlamaWithHuggingFaceLoss, _tokens, 2, 1, {"sequence_parallel": True}),
+    ("gpt2-tied-tp2", _tied_gpt2, _tokens, 2, 1, {}),
+    ("nanogpt-pp2-tp2", _nanogpt, _text, 4, 1, {"pipeline_parallel_size": 2}),
+]
+
+
+@pytest.mark.parametrize(("name", "module", "data", "devices", "dp", "extra"), LOSS_PARALLEL,
+                         ids=[case[0] for case in LOSS_PARALLEL])
+def test_loss_parallel_trains_like_one_process(name, module, data, devices, dp, extra):
+    reference, _ = fit(module, lambda: data(GLOBAL_BATCH), None, 1, STEPS)
+    strategy = {"tensor_parallel_size": 2, "loss_parallel": True, **extra}
+    result, extras = fit(module, lambda: data(GLOBAL_BATCH // dp), strategy, devices, STEPS,
+                         callbacks_factory=lambda: [_HeadLayout()])
+    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
+    last_stage = extras[-1]  # with pipelining the head lives on the last stage
+    assert "Shard(dim=0)" in last_stage["head_placements"]  # sharded over the vocabulary
+    if name.startswith("gpt2-tied"):
+        assert last_stage["head_tied"]
+
+
+class _HeadLayout(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        head = getattr(pl_module.model.lm_head, "weight", None)  # None on a pipeline stage without the head
+        embedding = pl_module.model.get_input_embeddings() if hasattr(pl_module.model, "get_input_embeddings") else None
+        self.results = {"head_placements": str(getattr(head, "placements", "plain")),
+                        "head_tied": embedding is not None and embedding.weight is head}
+
+
+def test_loss_parallel_needs_tensor_parallelism():
+    with pytest.raises(ValueError, match="loss_parallel=True.*tensor_parallel_size > 1"):
+        HybridStrategy(loss_parallel=True)
+
+
+def _loss_parallel_comm_worker(loss_parallel):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from lightning_mgpu.parallel.tensor import tensor_parallel_context
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    module = GPTLightningModule(block_size=16, n_layer=3, n_head=4, n_embd=32)
+    plan = {"model.transformer.h.*.attn.c_attn": "colwise_qkv", "model.transformer.h.*.attn.c_proj": "rowwise",
+            "model.transformer.h.*.mlp.c_fc": "colwise", "model.transformer.h.*.mlp.c_proj": "rowwise",
+            "model.lm_head": "colwise_gather_output"}
+    apply_tensor_parallel(module, mesh, plan, False, loss_parallel=loss_parallel)
+    tokens = torch.randint(0, 256, (2, 17))
+    with CommDebugMode() as comm, tensor_parallel_context(False, loss_parallel):
+        logits = module(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
+        loss.backward()
+    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    return counts, type(loss).__name__, float(loss)
+
+
+def test_loss_parallel_never_gathers_the_logits():
+    layers = 3
+    (gathered, _, loss_gathered), (parallel, loss_type, loss_parallel) = [
+        run_distributed(_loss_parallel_comm_worker, 2, flag)[0] for flag in (False, True)
+    ]
+    # Gathered logits: per block 4 all-reduces and the fused-bias gather, plus the head's all-gather of the
+    # b x s x V logits in forward and the all-reduce of its input gradient in backward.
+    assert gathered == {"all_reduce": 4 * layers + 1, "all_gather_into_tensor": layers + 1}, gathered
+    # Vocabulary-parallel loss: no gather of the logits; the cross-entropy all-reduces b x s numbers instead (the
+    # row max, the sum of exponentials and the target logit).
+    assert parallel == {"all_reduce": 4 * layers + 1 + 3, "all_gather_into_tensor": layers}, parallel
+    assert loss_type == "Tensor"  # handed back as a plain tensor for Lightning
+    assert abs(loss_parallel - loss_gathered) <= 1e-6 * abs(loss_gathered)
