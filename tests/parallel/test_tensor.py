@@ -283,3 +283,24 @@ def test_loss_parallel_never_gathers_the_logits():
     assert parallel == {"all_reduce": 4 * layers + 1 + 3, "all_gather_into_tensor": layers}, parallel
     assert loss_type == "Tensor"  # handed back as a plain tensor for Lightning
     assert abs(loss_parallel - loss_gathered) <= 1e-6 * abs(loss_gathered)
+
+
+def _tied_plan_worker(plan):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    module = GPT2Module(tie_word_embeddings=True)
+    try:
+        apply_tensor_parallel(module, mesh, plan, False)
+    except ValueError as error:
+        return str(error)
+    return module.model.lm_head.weight is module.model.transformer.wte.weight
+
+
+def test_tied_weights_stay_tied_or_fail_naming_both():
+    blocks = {"model.transformer.h.*.attn.c_attn": "colwise_qkv", "model.transformer.h.*.attn.c_proj": "rowwise"}
+    alike = {**blocks, "model.lm_head": "colwise_gather_output", "model.transformer.wte": "embedding_rowwise"}
+    assert run_distributed(_tied_plan_worker, 2, alike) == [True, True]
+    message = run_distributed(_tied_plan_worker, 2, {**blocks, "model.lm_head": "colwise_gather_output"})[0]
+    assert "model.transformer.wte.weight and model.lm_head.weight are one tied weight" in message, message
