@@ -106,13 +106,7 @@ class PipelineSplit:
 
 
 def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> PipelineSplit:
-    found = find_block_container(module)
-    if found is None:
-        raise ValueError(
-            "pipeline_parallel_size > 1 needs the model's repeated blocks in a ModuleList/Sequential (as in GPT,"
-            " Llama, ...), and none was found. Give `pipeline_split` as the module names where stages begin."
-        )
-    container_fqn, container = found
+    container_fqn, container = _stage_container(module, pipeline_split)
     if len(container) < num_stages:
         raise ValueError(
             f"{num_stages} pipeline stages need at least {num_stages} blocks, but {container_fqn!r} has"
@@ -127,6 +121,44 @@ def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> Pipel
     else:
         split.starts = _explicit_starts(list(pipeline_split), container_fqn, len(container), num_stages)
     return split
+
+
+def _stage_container(module: nn.Module, pipeline_split: Any) -> tuple[str, nn.ModuleList | nn.Sequential]:
+    """The ModuleList/Sequential whose children are cut into stages.
+
+    An explicit split names it (the parent of its entries); otherwise the model's repeated blocks, or failing
+    those, its largest ``Sequential`` (a plain sequential network: every child is a block).
+    """
+    if pipeline_split != "auto":
+        parents = {name.rpartition(".")[0] for name in pipeline_split}
+        parent = parents.pop() if len(parents) == 1 else None
+        container = _submodule_or_none(module, parent) if parent else None
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            return parent, container  # type: ignore[return-value]
+    found = find_block_container(module) or _largest_sequential(module)
+    if found is None:
+        raise ValueError(
+            "pipeline_parallel_size > 1 needs the model's layers in a ModuleList/Sequential (the repeated blocks of"
+            " GPT, Llama, ... or a Sequential network), and none was found. Give `pipeline_split` as the names of"
+            " the children of one ModuleList/Sequential where stages begin, e.g. ['model.layers.4']."
+        )
+    return found
+
+
+def _submodule_or_none(module: nn.Module, name: str) -> Optional[nn.Module]:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _largest_sequential(module: nn.Module) -> Optional[tuple[str, nn.Sequential]]:
+    candidates = [(sum(p.numel() for p in child.parameters()), name, child) for name, child in module.named_modules()
+                  if isinstance(child, nn.Sequential) and sum(1 for c in child if any(True for _ in c.parameters())) >= 2]
+    if not candidates:
+        return None
+    _, name, child = max(candidates, key=lambda candidate: candidate[0])
+    return name, child
 
 
 def _around(module: nn.Module, container_fqn: str) -> tuple[list[str], list[str]]:

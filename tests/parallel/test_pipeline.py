@@ -367,3 +367,48 @@ def test_steady_state_steps_send_numbers_not_pickled_objects():
     # The first step sends the logged names and options once; later steps only a small tensor of numbers.
     for rank_extras in extras:
         assert rank_extras["object_broadcasts"] == [1, 0, 0, 0]
+
+
+class _SequentialNet(L.LightningModule):
+    """A plain network in one Sequential of different layers: no repeated block class, no embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        hidden = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(4)]
+        self.layers = torch.nn.Sequential(torch.nn.Linear(16, 32), *hidden, torch.nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Features(L.LightningDataModule):
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        x, y = torch.randn(256, 16, generator=generator), torch.randint(0, 4, (256,), generator=generator)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=self.batch_size)
+
+
+def test_a_sequential_network_is_split_over_its_children():
+    from lightning_mgpu.parallel.pipeline import plan_split
+
+    split = plan_split(_SequentialNet(), 2, "auto")
+    assert (split.container_fqn, split.starts) == ("layers", [0, 3])
+    assert plan_split(_SequentialNet(), 2, ["layers.2"]).starts == [0, 2]
+    reference, _ = fit(_SequentialNet, lambda: _Features(GLOBAL_BATCH), None, 1, STEPS)
+    strategy = {"pipeline_parallel_size": 2, "pipeline_schedule": "Interleaved1F1B", "zero_stage": 2}
+    result, _ = fit(_SequentialNet, lambda: _Features(GLOBAL_BATCH // 2), strategy, 4, STEPS)
+    assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
