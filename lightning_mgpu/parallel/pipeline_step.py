@@ -154,7 +154,7 @@ class PipelineEngine:
         self._loss_scale = 1.0 / (count * accumulate_grad_batches)
         losses: list = []
         schedule = self._schedule(count, microbatches, training=True)
-        schedule.step(*self._stage_inputs(count), **self._targets(count), losses=losses)
+        schedule.step(*self._stage_inputs(count), **self._targets(count), losses=losses, return_outputs=False)
         loss = torch.stack([l.detach() for l in losses]).mean() / self._loss_scale if losses else None
         if loss is not None and self.grad_scaler is not None:
             loss = loss / self.grad_scaler.get_scale()
@@ -171,12 +171,12 @@ class PipelineEngine:
         self._start(microbatches, method, *args)
         schedule = self._schedule(count, microbatches, training=not single)
         if single:
-            schedule.eval(*self._stage_inputs(count))
+            schedule.eval(*self._stage_inputs(count), return_outputs=False)
         else:
             self._zero_loss = True
             try:
                 with torch.inference_mode(False), torch.enable_grad():
-                    schedule.step(*self._stage_inputs(count), **self._targets(count))
+                    schedule.step(*self._stage_inputs(count), **self._targets(count), return_outputs=False)
             finally:
                 self._zero_loss = False
         logs = StepLogs()

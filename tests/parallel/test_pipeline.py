@@ -27,10 +27,23 @@ def _text(batch: int):
     return TextDataModule(batch_size=batch, block_size=32, val_fraction=0.1)
 
 
+class _LlamaWithHuggingFaceLoss(LlamaModule):
+    """The loss from inside the model (`labels=`, whose output then starts with a scalar) in a dict."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.log("train_loss", loss, sync_dist=True)
+        return {"loss": loss}
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(input_ids=batch[0], labels=batch[0]).loss, sync_dist=True)
+
+
 MODELS = {
     "nanogpt": (_nanogpt, _text),
     "llama": (partial(LlamaModule), lambda batch: RandomTokenDataModule(batch_size=batch, with_val=True)),
     "gpt2": (GPT2Module, lambda batch: RandomTokenDataModule(batch_size=batch, with_val=True)),
+    "llama-hf-loss": (_LlamaWithHuggingFaceLoss, lambda batch: RandomTokenDataModule(batch_size=batch, with_val=True)),
 }
 TRAINER = {"limit_val_batches": 2, "val_check_interval": 5, "num_sanity_val_steps": 1}
 
@@ -71,6 +84,7 @@ def test_every_schedule_trains_like_one_process(schedule, microbatches):
 LAYOUTS = [  # (model, strategy, devices, dp)
     ("nanogpt", {"pipeline_parallel_size": 4}, 4, 1),
     ("llama", {"pipeline_parallel_size": 2}, 2, 1),
+    ("llama-hf-loss", {"pipeline_parallel_size": 2, "pipeline_schedule": "GPipe"}, 2, 1),
     ("gpt2", {"pipeline_parallel_size": 2}, 2, 1),
     ("llama", {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4, 1),
     ("gpt2", {"pipeline_parallel_size": 2, "zero_stage": 1}, 4, 2),
