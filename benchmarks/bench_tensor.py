@@ -375,7 +375,8 @@ def fit_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
         datamodule = TextDataModule(batch_size=args["batch_size"], block_size=args["block_size"], val_fraction=0.1)
     strategy: Any
     if name in ("hybrid", "llama"):
-        strategy = HybridStrategy(tensor_parallel_size=tp, data_parallel_size=1, sequence_parallel=sp, timeout=timeout)
+        strategy = HybridStrategy(tensor_parallel_size=tp, data_parallel_size=1, sequence_parallel=sp,
+                                  loss_parallel=args["loss_parallel"], timeout=timeout)
     elif name == "empty-hybrid":
         strategy = HybridStrategy(tensor_parallel_size=tp, data_parallel_size=1, tp_plan=_noop_plan, timeout=timeout)
     elif name in ("lightning-mp", "empty-mp"):
@@ -519,7 +520,7 @@ def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------- analytics
-def analytic_comm(model: str, d: dict[str, Any], tp: int, sp: bool) -> dict[tuple[str, str], Counter]:
+def analytic_comm(model: str, d: dict[str, Any], tp: int, sp: bool, lp: bool = False) -> dict[tuple[str, str], Counter]:
     """Collectives per training step by (region, phase), Megatron-LM style: ``{kind: count}`` and ``{kind+"B": bytes}``.
 
     X = 4*b*s*h bytes (one fp32 activation of the residual stream). Per block, without sequence parallelism: the
@@ -532,8 +533,14 @@ def analytic_comm(model: str, d: dict[str, Any], tp: int, sp: bool) -> dict[tupl
     (RS of X forward, AG of X backward) and the head gathers its input (AG X forward, RS X backward) and its logits
     (AG of 4*b*s*V forward). The HF Llama plan always shards embedding and head: without SP the embedding output is
     all-reduced (AR X forward), the logits gathered (AG 4bsV forward) and the head's input gradient all-reduced
-    (AR X backward). With SP, the gradients of the parameters replicated on sequence shards (norms, GPT's wpe) are
-    partial sums: Megatron all-reduces them once (1 AR each; here 'optimizer' since DTensor defers it there).
+    (AR X backward). Its attention (q, k, v) and MLP (gate, up) have several column-parallel projections reading one
+    input: converted once per module, they share one backward collective (so still 2 per block, not 5). With SP,
+    the gradients of the parameters replicated on sequence shards (norms, GPT's wpe) are partial sums: all-reduced
+    once each right after backward accumulates them (1 AR each, in backward), as Megatron does. With loss
+    parallelism (``lp``) the head is vocab-parallel in every case and its logits are never gathered: the
+    cross-entropy all-reduces three b*s vectors instead (row max, sum of exponentials, target logit: 3 AR of 4*b*s
+    forward, none backward); the demo GPT's head, replicated without SP otherwise, then all-reduces its input
+    gradient (AR X backward).
     """
     b, s, h, V, L = d["b"], d["s"], d["h"], d["V"], d["L"]
     X = 4 * b * s * h
@@ -542,6 +549,12 @@ def analytic_comm(model: str, d: dict[str, Any], tp: int, sp: bool) -> dict[tupl
     def add(region: str, phase: str, kind: str, n: int, nbytes: float) -> None:
         out[(region, phase)][kind] += n
         out[(region, phase)][kind + "B"] += n * nbytes
+
+    def logits() -> None:
+        if lp:
+            add("outside", "fwd", "AR", 3, 4 * b * s)
+        else:
+            add("outside", "fwd", "AG", 1, 4 * b * s * V)
 
     for phase in ("fwd", "bwd"):
         if sp:
@@ -554,18 +567,20 @@ def analytic_comm(model: str, d: dict[str, Any], tp: int, sp: bool) -> dict[tupl
     if sp:
         add("outside", "fwd", "RS", 1, X)
         add("outside", "fwd", "AG", 1, X)
-        add("outside", "fwd", "AG", 1, 4 * b * s * V)
+        logits()
         add("outside", "bwd", "AG", 1, X)
         add("outside", "bwd", "RS", 1, X)
-        # norms: GPT LayerNorm weight+bias (2 per block + ln_f) and wpe; Llama RMSNorm weight (2 per block + norm)
+        # Norms (GPT LayerNorm weight + bias, Llama RMSNorm weight; 2 per block and the final one) and GPT's wpe:
+        # their partial gradients are all-reduced once, as soon as backward has accumulated them.
+        per_norm = 2 if model == "gpt" else 1
+        add("block", "bwd", "AR", 2 * per_norm, 4 * h)
+        add("outside", "bwd", "AR", per_norm, 4 * h)
         if model == "gpt":
-            add("optimizer", "opt", "AR", 2 * (2 * L + 1), 4 * h)
-            add("optimizer", "opt", "AR", 1, 4 * d["max_pos"] * h)
-        else:
-            add("optimizer", "opt", "AR", 2 * L + 1, 4 * h)
-    elif model == "llama":
-        add("outside", "fwd", "AR", 1, X)
-        add("outside", "fwd", "AG", 1, 4 * b * s * V)
+            add("outside", "bwd", "AR", 1, 4 * d["max_pos"] * h)
+    elif model == "llama" or lp:
+        if model == "llama":
+            add("outside", "fwd", "AR", 1, X)
+        logits()
         add("outside", "bwd", "AR", 1, X)
     return out
 
@@ -698,8 +713,9 @@ def print_timing(res: dict[str, dict[str, Any]], args: dict[str, Any]) -> None:
 
 
 def print_comm(res: dict[str, dict[str, Any]], args: dict[str, Any], gpt_dims: dict[str, Any]) -> None:
-    tp, sp = args["tp"], args["sequence_parallel"]
-    print(f"\nCollectives per training step, tp={tp}{' + sequence parallel' if sp else ''}: torch CommDebugMode on rank 0"
+    tp, sp, lp = args["tp"], args["sequence_parallel"], args["loss_parallel"]
+    print(f"\nCollectives per training step, tp={tp}{' + sequence parallel' if sp else ''}{' + loss parallel' if lp else ''}:"
+          " torch CommDebugMode on rank 0"
           " over one untimed step (forward, backward, optimizer step).")
     print("  N KIND bytes: count, and bytes of the full (unsharded) tensors; ring: bytes each rank sends with ring"
           " algorithms (AR 2(tp-1)/tp, AG/RS (tp-1)/tp of the full tensor).")
@@ -709,7 +725,7 @@ def print_comm(res: dict[str, dict[str, Any]], args: dict[str, Any], gpt_dims: d
         if not r or r.get("records") is None:
             continue
         d = dims
-        ana = analytic_comm(model, d, tp, sp)
+        ana = analytic_comm(model, d, tp, sp, lp)
         meas = measured_comm(r["records"], r["blocks"], tp)
         print(f"\n{title}: b={d['b']} s={d['s']} h={d['h']} V={d['V']} layers={d['L']}; X = 4*b*s*h = {_fmt_bytes(4 * d['b'] * d['s'] * d['h'])}")
         print(f"  {'region':<22} {'phase':<5} {'measured':<58} {'analytic (Megatron)':<50}")
@@ -841,6 +857,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size = processes per run")
     parser.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism in (a), (b) and (c)")
+    parser.add_argument("--loss-parallel", action="store_true",
+                        help="loss_parallel=True in (a) and the Llama run ((b) and (c) keep gathering the logits)")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run, warm-up included")
     parser.add_argument("--empty-steps", type=int, default=40, help="timed steps of the empty-step runs")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
@@ -931,7 +949,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     tp = ns.tp
     print(f"\nGPT n_layer={ns.n_layer} n_embd={ns.n_embd} n_head={ns.n_head} block_size={ns.block_size}, batch {ns.batch_size};"
-          f" tp={tp}{' + sequence parallel' if ns.sequence_parallel else ''} over {tp} gloo processes, 1 thread each,"
+          f" tp={tp}{' + sequence parallel' if ns.sequence_parallel else ''}{' + loss parallel in (a)' if ns.loss_parallel else ''}"
+          f" over {tp} gloo processes, 1 thread each,"
           f" torch {torch.__version__}, {os.cpu_count()} CPUs.")
     print_timing(res, args)
     gpt_dims = {"b": ns.batch_size, "s": ns.block_size, "h": ns.n_embd, "V": 256, "L": ns.n_layer, "qkv_bias": True,

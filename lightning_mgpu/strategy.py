@@ -317,14 +317,14 @@ class HybridStrategy(ParallelStrategy):
         # Run the step through the root wrapper's __call__ so the data-parallel hooks fire even when the step calls
         # a submodule directly (`self.model(input_ids=x)`).
         assert isinstance(self.model, StepRunner)
-        with self._tensor_parallel_context():
+        with self._tensor_parallel_context(method_name):
             return self.model(method_name, *args, **kwargs)
 
     def _pipelined(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         assert self._pipeline is not None and self.lightning_module is not None
         if kwargs:
             raise TypeError(f"Under pipeline parallelism {method_name} is called with positional arguments only.")
-        with self._tensor_parallel_context():
+        with self._tensor_parallel_context(method_name):
             if method_name == "training_step":
                 accumulate = self.lightning_module.trainer.accumulate_grad_batches
                 return self._pipeline.training_step(*args, accumulate_grad_batches=accumulate)
@@ -362,9 +362,11 @@ class HybridStrategy(ParallelStrategy):
         with self._tensor_parallel_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def _tensor_parallel_context(self) -> Any:
+    def _tensor_parallel_context(self, method_name: str = "training_step") -> Any:
+        # Predictions keep whole logits: loss parallelism serves steps that compute a loss, and their backward.
         tp = self.layout.tensor_parallel_size > 1
-        return tensor_parallel_context(self.options.sequence_parallel and tp, self.options.loss_parallel and tp)
+        loss_parallel = self.options.loss_parallel and tp and method_name != "predict_step"
+        return tensor_parallel_context(self.options.sequence_parallel and tp, loss_parallel)
 
     @contextmanager
     @override

@@ -74,6 +74,7 @@ class _Colwise(ColwiseParallel):
     def __init__(self, chunks: int = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.chunks = chunks
+        self.shared: Optional[_SharedInput] = None  # set when siblings read the same input (see _share_inputs)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Embedding):
@@ -92,10 +93,79 @@ class _Colwise(ColwiseParallel):
             module,
             device_mesh,
             partial(_distribute_parameters, placements, self.src_data_rank),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            self._input_fn,
             output_fn,
         )
         return module
+
+    def _input_fn(self, module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> Any:
+        shared = self.shared
+        if shared is not None and shared.hit(inputs[0]):
+            return shared.converted
+        converted = self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, module, inputs, device_mesh)
+        if shared is not None:
+            shared.keep(inputs[0], converted)
+        return converted
+
+
+class _SharedInput:
+    """One parent's conversion of the input its column-parallel children read, shared by those children.
+
+    Hugging Face attention calls ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` and its MLP ``gate_proj(x)``,
+    ``up_proj(x)``: converted per child, ``x`` becomes 3 (2) separate DTensors, and backward reduces each one's
+    partial input gradient on its own (all-reduces, or reduce-scatters under sequence parallelism; forward also
+    all-gathers 3 times under SP). Sharing the first child's DTensor with its siblings makes autograd sum the
+    partial gradients first, so one collective serves the whole parent, as Megatron-LM's single region does.
+
+    torchtitan gets this with ``PrepareModuleInput`` on the parent; that hands the parent's own body a DTensor
+    (a residual add or any plain-tensor op on the input then fails or leaks a DTensor) and must know how the
+    parent is called (HF passes ``hidden_states=`` by keyword, GPT-style code positionally). Sharing inside the
+    children assumes neither: the parent's body sees exactly what it saw before. The cache lives only during the
+    parent's forward (opened and closed by its hooks, also when it raises) and matches the very same tensor
+    object at the same version, so a different or in-place-modified input is converted anew.
+    """
+
+    def __init__(self) -> None:
+        self.open_calls = 0
+        self.source: Optional[Any] = None
+        self.version = -1
+        self.converted: Optional[DTensor] = None
+
+    def open(self, *args: Any) -> None:
+        self.open_calls += 1
+        self.source = self.converted = None
+
+    def close(self, *args: Any) -> None:
+        self.open_calls = max(0, self.open_calls - 1)
+        self.source = self.converted = None
+
+    def hit(self, tensor: Any) -> bool:
+        return self.open_calls > 0 and tensor is self.source and tensor._version == self.version
+
+    def keep(self, tensor: Any, converted: DTensor) -> None:
+        if self.open_calls > 0:
+            self.source, self.version, self.converted = tensor, tensor._version, converted
+
+
+class _LossParallelHead(_Colwise):
+    """An LM head for ``loss_parallel``: column-wise over the vocabulary, its logits gathered only where needed.
+
+    Inside :func:`tensor_parallel_context` with loss parallelism on (training/validation/test steps and their
+    backward) the logits stay a DTensor sharded on the last dimension (``Shard(-1)``), which torch's parallel
+    cross-entropy consumes without ever materializing ``b x s x V`` on a rank. Anywhere else (``predict_step``,
+    ``generate()`` in a callback, a user's own forward outside a step) they are all-gathered into the plain tensor an
+    unsharded head returns, so code that samples or takes an ``argmax`` keeps working.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(output_layouts=Shard(-1), use_local_output=False, **kwargs)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: DTensor,
+                           device_mesh: DeviceMesh) -> Any:
+        if _loss_parallel_depth > 0:
+            return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return outputs.redistribute(placements=(Replicate(),)).to_local()
 
 
 def _keep_grad_placement(param: nn.Parameter) -> None:
@@ -159,8 +229,8 @@ def style(name: str, sequence_parallel: bool) -> Optional[ParallelStyle]:
         "colwise": lambda: _Colwise(input_layouts=stream),
         "colwise_qkv": lambda: _Colwise(chunks=3, input_layouts=stream),
         "colwise_gather_output": lambda: _Colwise(input_layouts=stream, output_layouts=replicated),
-        # An LM head under loss_parallel: logits stay a DTensor sharded over the vocabulary, never gathered.
-        "colwise_loss_parallel": lambda: _Colwise(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
+        # An LM head under loss_parallel: logits stay a DTensor sharded over the vocabulary inside steps.
+        "colwise_loss_parallel": lambda: _LossParallelHead(input_layouts=stream),
         "rowwise": lambda: _Rowwise(output_layouts=stream, use_local_output=not sequence_parallel),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=replicated, output_layouts=stream,
                                                      use_local_output=not sequence_parallel),
@@ -360,6 +430,7 @@ def apply_tensor_parallel(
     tp = tp_mesh.size()
     _check_divisible(module, matched, tp)
     styles = {fqn: style(name, sequence_parallel) for fqn, name in matched.items()}
+    _share_inputs(module, matched, styles)
     tied = _tied_parameters(module)
     parallelize_module(module, tp_mesh, {fqn: s for fqn, s in styles.items() if s is not None})
     _localize_attention(module, matched, tp)
@@ -369,6 +440,24 @@ def apply_tensor_parallel(
     for child in module.modules():
         if any(isinstance(p, DTensor) for p in child.parameters(recurse=False)):
             child.register_forward_pre_hook(_arm_gradient_layout)
+
+
+def _share_inputs(module: nn.Module, matched: dict[str, str], styles: dict[str, Optional[ParallelStyle]]) -> None:
+    """Parents with several column-parallel children (HF attention's q/k/v, a SwiGLU's gate/up) convert the input
+    those children read once for all of them (see ``_SharedInput``)."""
+    children: dict[str, list[_Colwise]] = {}
+    for fqn, name in matched.items():
+        if name in ("colwise", "colwise_qkv") and "." in fqn and isinstance(styles[fqn], _Colwise):
+            children.setdefault(fqn.rsplit(".", 1)[0], []).append(styles[fqn])  # type: ignore[arg-type]
+    for parent_name, colwise in children.items():
+        if len(colwise) < 2:
+            continue
+        shared = _SharedInput()
+        parent = module.get_submodule(parent_name)
+        parent.register_forward_pre_hook(shared.open)
+        parent.register_forward_hook(shared.close, always_call=True)
+        for child_style in colwise:
+            child_style.shared = shared
 
 
 def _replicate_remaining(module: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -457,12 +546,13 @@ def _localize_attention(module: nn.Module, matched: dict[str, str], tp: int) -> 
 
 @contextmanager
 def tensor_parallel_context(sequence_parallel: bool, loss_parallel: bool = False) -> Generator[None, None, None]:
-    """Around each step and its backward.
+    """Around each step and its backward (the strategy enters it for both, also around a pipeline schedule).
 
     With sequence parallelism the residual stream is a DTensor, and plain tensors added to it (position
     embeddings, masks) are treated as replicated. With ``loss_parallel`` torch's vocabulary-parallel
-    cross-entropy runs on the sharded logits, and its (replicated) result is handed back as a plain tensor so
-    that Lightning's loss handling and ``self.log`` see what they always see.
+    cross-entropy runs on the sharded logits (its backward needs the same context, hence around backward too),
+    and its (replicated) result is handed back as a plain tensor so that Lightning's loss handling and
+    ``self.log`` see what they always see.
     """
     with ExitStack() as stack:
         if sequence_parallel:
@@ -470,17 +560,46 @@ def tensor_parallel_context(sequence_parallel: bool, loss_parallel: bool = False
 
             stack.enter_context(implicit_replication())
         if loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel as vocab_parallel_loss
-
-            stack.enter_context(vocab_parallel_loss())
+            stack.enter_context(_vocab_parallel_loss())
             stack.enter_context(_PlainLosses())
         yield
+
+
+_loss_parallel_depth = 0  # how many _vocab_parallel_loss contexts are open (the head reads it)
+
+
+@contextmanager
+def _vocab_parallel_loss() -> Generator[None, None, None]:
+    """torch's ``loss_parallel()``, made reentrant and exception-safe.
+
+    torch's context manager switches its DTensor cross-entropy handlers on at entry and off at exit, without
+    ``try/finally`` and without counting. Nested (manual optimization's ``manual_backward`` inside a step enters
+    the context again) the inner exit would switch them off for the rest of the outer step, and the outer exit
+    raise ``KeyError``; an exception would leave them on for the rest of the process. Only the outermost level
+    enters torch's context here, and it is always left.
+    """
+    global _loss_parallel_depth
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    outermost = loss_parallel() if _loss_parallel_depth == 0 else None
+    if outermost is not None:
+        outermost.__enter__()
+    _loss_parallel_depth += 1
+    try:
+        yield
+    finally:
+        _loss_parallel_depth -= 1
+        if outermost is not None:
+            outermost.__exit__(None, None, None)  # resumes torch's generator past its yield: handlers off
 
 
 class _PlainLosses(TorchFunctionMode):
     """Return the replicated DTensor that a cross-entropy on sharded logits gives as its local (full) value.
 
-    ``to_local`` is differentiable: backward re-enters the DTensor graph, still inside ``loss_parallel``.
+    ``F.cross_entropy``/``F.nll_loss`` (``nn.CrossEntropyLoss`` and Hugging Face's ``ForCausalLMLoss`` call the
+    former) return a DTensor replicated over the tensor-parallel ranks; Lightning would then log, reduce and
+    accumulate a DTensor (``sync_dist`` all-reduces it, and adding it to plain tensors fails). ``to_local`` is
+    differentiable: backward re-enters the DTensor graph, still inside ``loss_parallel``.
     """
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:

@@ -223,7 +223,12 @@ LOSS_PARALLEL = [  # (name, module, data, devices, dp, extra strategy arguments)
 @pytest.mark.parametrize(("name", "module", "data", "devices", "dp", "extra"), LOSS_PARALLEL,
                          ids=[case[0] for case in LOSS_PARALLEL])
 def test_loss_parallel_trains_like_one_process(name, module, data, devices, dp, extra):
-    reference, _ = fit(module, lambda: data(GLOBAL_BATCH), None, 1, STEPS)
+    if module is _nanogpt:
+        reference = _reference("nanogpt", 2)  # the same single-process run as the tests above
+    else:
+        if module not in _references:
+            _references[module], _ = fit(module, lambda: data(GLOBAL_BATCH), None, 1, STEPS)
+        reference = _references[module]
     strategy = {"tensor_parallel_size": 2, "loss_parallel": True, **extra}
     result, extras = fit(module, lambda: data(GLOBAL_BATCH // dp), strategy, devices, STEPS,
                          callbacks_factory=lambda: [_HeadLayout()])
@@ -232,6 +237,9 @@ def test_loss_parallel_trains_like_one_process(name, module, data, devices, dp, 
     assert "Shard(dim=0)" in last_stage["head_placements"]  # sharded over the vocabulary
     if name.startswith("gpt2-tied"):
         assert last_stage["head_tied"]
+    if "pipeline_parallel_size" not in extra:
+        # Outside the steps (predict_step, generate() in a callback) the head hands back whole, plain logits.
+        assert last_stage["outside_step_logits"] == ("Tensor", 128 if "nanogpt" not in name else 256), last_stage
 
 
 class _HeadLayout(L.Callback):
@@ -240,6 +248,17 @@ class _HeadLayout(L.Callback):
         embedding = pl_module.model.get_input_embeddings() if hasattr(pl_module.model, "get_input_embeddings") else None
         self.results = {"head_placements": str(getattr(head, "placements", "plain")),
                         "head_tied": embedding is not None and embedding.weight is head}
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.strategy.layout.pipeline_parallel_size > 1:
+            return
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        # Through the strategy's root module (so data-parallel hooks run) but outside any step; sequence
+        # parallelism needs implicit replication there, as it always has.
+        with torch.no_grad(), implicit_replication():
+            logits = trainer.strategy.model("forward", torch.zeros(2, 8, dtype=torch.long))
+        self.results["outside_step_logits"] = (type(logits).__name__, logits.shape[-1])
 
 
 def test_loss_parallel_needs_tensor_parallelism():
@@ -304,3 +323,88 @@ def test_tied_weights_stay_tied_or_fail_naming_both():
     assert run_distributed(_tied_plan_worker, 2, alike) == [True, True]
     message = run_distributed(_tied_plan_worker, 2, {**blocks, "model.lm_head": "colwise_gather_output"})[0]
     assert "model.transformer.wte.weight and model.lm_head.weight are one tied weight" in message, message
+
+
+def _llama_collectives_worker():
+    """HF Llama tp=2, its own `labels=` loss: collectives per phase and loss/gradients against the unsharded model,
+    with and without sequence parallelism and loss parallelism (one process group, four shardings)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from lightning_mgpu.parallel.tensor import tensor_parallel_context
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    tokens[:, :3] = -100  # ignored positions: ignore_index must hold on the shards too
+    inputs = tokens.clamp(min=0)
+    reference = LlamaModule(num_key_value_heads=2, seed=0)
+    reference_loss = reference.model(input_ids=inputs, labels=tokens).loss
+    reference_loss.backward()
+    results = {}
+    for sp in (False, True):
+        for lp in (False, True):
+            module = LlamaModule(num_key_value_heads=2, seed=0)
+            apply_tensor_parallel(module, mesh, "auto", sp, loss_parallel=lp)
+            with tensor_parallel_context(sp, lp):
+                with CommDebugMode() as forward:
+                    loss = module.model(input_ids=inputs, labels=tokens).loss
+                with CommDebugMode() as backward:
+                    loss.backward()
+            grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                     for name, p in module.named_parameters()}
+            results[(sp, lp)] = {
+                "fwd": {str(op).split(".")[-1]: n for op, n in forward.get_comm_counts().items()},
+                "bwd": {str(op).split(".")[-1]: n for op, n in backward.get_comm_counts().items()},
+                "loss_type": type(loss).__name__,
+                "loss_error": abs(float(loss) - float(reference_loss)) / float(reference_loss),
+                "grad_error": max(float((grads[name] - p.grad).abs().max()) for name, p in reference.named_parameters()),
+            }
+    return results
+
+
+def test_llama_collectives_per_step_and_loss_parallel_match_the_analytic_count():
+    """Hugging Face's plan shards q/k/v and gate/up column-wise, each reading the same input: converted once per
+    attention/MLP, backward needs one collective per module, not one per projection (5 per block)."""
+    L = 2  # layers of the tiny Llama
+    results = run_distributed(_llama_collectives_worker, 2, timeout=200)[0]
+    # Without SP, per block: forward all-reduces the attention and MLP outputs, backward their input gradients;
+    # outside: the vocab-parallel embedding's output all-reduce (fwd) and the head's input gradient (bwd).
+    # The head gathers the b x s x V logits (1 AG) unless loss_parallel, whose cross-entropy all-reduces three
+    # b x s vectors instead (row max, sum of exponentials, target logit).
+    assert results[(False, False)]["fwd"] == {"all_reduce": 2 * L + 1, "all_gather_into_tensor": 1}
+    assert results[(False, False)]["bwd"] == {"all_reduce": 2 * L + 1}  # was 5 * L + 1 converted per projection
+    assert results[(False, True)]["fwd"] == {"all_reduce": 2 * L + 1 + 3}
+    assert results[(False, True)]["bwd"] == {"all_reduce": 2 * L + 1}
+    # With SP each all-reduce of the stream becomes an all-gather before the column-parallel module and a
+    # reduce-scatter after the row-parallel one, mirrored in backward; the embedding reduce-scatters, the head
+    # gathers its input; the replicated RMSNorm weights' partial gradients are all-reduced (2 per block + final).
+    assert results[(True, False)]["fwd"] == {"reduce_scatter_tensor": 2 * L + 1, "all_gather_into_tensor": 2 * L + 2}
+    sp_backward = {"reduce_scatter_tensor": 2 * L + 1, "all_gather_into_tensor": 2 * L + 1, "all_reduce": 2 * L + 1}
+    assert results[(True, False)]["bwd"] == sp_backward  # was 5 * L + 1 reduce-scatters, 5 * L + 2 gathers forward
+    assert results[(True, True)]["fwd"] == {"reduce_scatter_tensor": 2 * L + 1, "all_gather_into_tensor": 2 * L + 1,
+                                            "all_reduce": 3}
+    assert results[(True, True)]["bwd"] == sp_backward
+    for key, result in results.items():
+        assert result["loss_type"] == "Tensor", key  # Lightning gets a plain tensor, also under loss_parallel
+        assert result["loss_error"] < 1e-6 and result["grad_error"] < 1e-6, (key, result)
+
+
+def test_loss_parallel_context_nests_and_survives_errors():
+    """manual_backward inside a step enters the context again; an exception must not leave torch's handlers on."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_mgpu.parallel.tensor import tensor_parallel_context
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    log_softmax = torch.ops.aten._log_softmax.default
+    with tensor_parallel_context(False, True):
+        with tensor_parallel_context(False, True):
+            assert log_softmax in handlers
+        assert log_softmax in handlers  # still on for the rest of the outer step
+    assert log_softmax not in handlers
+    with pytest.raises(RuntimeError, match="boom"):
+        with tensor_parallel_context(True, True):
+            raise RuntimeError("boom")
+    assert log_softmax not in handlers
