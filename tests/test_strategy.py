@@ -32,6 +32,8 @@ def _trainer(devices=2, **kwargs):
         (dict(stages_per_rank=0), "`stages_per_rank` must be a positive integer or None, got 0"),
         (dict(activation_checkpointing="some"), "`activation_checkpointing` must be.*got 'some'"),
         (dict(cpu_offload="yes"), "`cpu_offload` must be True or False, got 'yes'"),
+        (dict(loss_parallel="yes", tensor_parallel_size=2), "`loss_parallel` must be True or False, got 'yes'"),
+        (dict(loss_parallel=True), "`loss_parallel=True`.*needs tensor_parallel_size > 1, got 1"),
         (dict(start_method="thread"), "`start_method` must be one of.*got 'thread'"),
     ],
 )

@@ -124,13 +124,13 @@ def test_auto_plan_names_layers_it_cannot_place():
         auto_plan(_UnknownLayers())
 
 
-def _apply_worker(module_factory, plan, tp):
+def _apply_worker(module_factory, plan, tp, loss_parallel=False):
     torch.distributed.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
     try:
-        apply_tensor_parallel(module_factory(), mesh, plan, sequence_parallel=False)
+        apply_tensor_parallel(module_factory(), mesh, plan, sequence_parallel=False, loss_parallel=loss_parallel)
     except ValueError as error:
         return str(error)
     return "no error"
@@ -264,6 +264,14 @@ class _HeadLayout(L.Callback):
 def test_loss_parallel_needs_tensor_parallelism():
     with pytest.raises(ValueError, match="loss_parallel=True.*tensor_parallel_size > 1"):
         HybridStrategy(loss_parallel=True)
+
+
+def test_loss_parallel_without_a_head_to_shard_fails_before_training():
+    plan = {"model.transformer.h.*.attn.c_attn": "colwise_qkv", "model.transformer.h.*.attn.c_proj": "rowwise",
+            "model.lm_head": "replicate"}
+    message = run_distributed(_apply_worker, 2, _nanogpt, plan, 2, loss_parallel=True, timeout=120)[0]
+    assert "`loss_parallel=True` needs the LM head sharded over the vocabulary" in message, message
+    assert "'colwise_loss_parallel'" in message, message
 
 
 def _loss_parallel_comm_worker(loss_parallel):
