@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_mgpu.parallel.pipeline_publish import MetricRelay, Publisher, StepLogs
 from lightning_mgpu.parallel.pipeline import (
+    V_SCHEDULES,
     NetworkCall,
     PipelineRuntime,
     split_microbatches,
@@ -164,21 +165,24 @@ class PipelineEngine:
         """Forward-only through the pipeline, then the user's step on the last stage with each microbatch's output."""
         microbatches, count = self._split(batch)
         single = len(self.runtime.stages) == 1
-        if not single:
-            # Multi-stage schedules have no working forward-only mode in torch 2.13 (V schedules fail, looped ones
-            # insist on a loss): run their training step with a zero loss; the zero gradients change nothing.
+        # torch 2.13's V schedules (stage 0 and the last stage on one rank) cannot run forward-only ("can't
+        # steal_bwd_input if this stage doesn't have backward"): they run a training step with a zero loss, whose
+        # zero gradients change nothing. Every other schedule runs forward only.
+        v_shaped = self.schedule_name in V_SCHEDULES
+        if v_shaped:
             microbatches = _outside_inference_mode(microbatches)
         self._start(microbatches, method, *args)
         schedule = self._schedule(count, microbatches, training=not single)
-        if single:
-            schedule.eval(*self._stage_inputs(count), return_outputs=False)
-        else:
-            self._zero_loss = True
-            try:
+        self._zero_loss = True  # multi-stage schedules call their loss function even forward-only
+        try:
+            if v_shaped:
                 with torch.inference_mode(False), torch.enable_grad():
                     schedule.step(*self._stage_inputs(count), **self._targets(count), return_outputs=False)
-            finally:
-                self._zero_loss = False
+            else:
+                targets = {} if single else self._targets(count)
+                schedule.eval(*self._stage_inputs(count), **targets, return_outputs=False)
+        finally:
+            self._zero_loss = False
         logs = StepLogs()
         results = None
         if self.owns_last:
