@@ -204,6 +204,23 @@ class _LlamaWithHuggingFaceLoss(LlamaModule):
         return loss
 
 
+class _LlamaManualOptimization(LlamaModule):
+    """`manual_backward` inside the step: the loss-parallel context is entered again, nested."""
+
+    def __init__(self):
+        super().__init__(num_key_value_heads=2)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.model(input_ids=x).logits.reshape(-1, 128), y.reshape(-1))
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        self.log("train_loss", loss, sync_dist=True)
+
+
 def _tied_gpt2():
     return GPT2Module(tie_word_embeddings=True)
 
@@ -215,6 +232,7 @@ LOSS_PARALLEL = [  # (name, module, data, devices, dp, extra strategy arguments)
     ("nanogpt-dp2-tp2-z1-sp", _nanogpt, _text, 4, 2, {"zero_stage": 1, "sequence_parallel": True}),
     ("llama-hf-loss-tp2", _LlamaWithHuggingFaceLoss, _tokens, 2, 1, {}),
     ("llama-hf-loss-tp2-sp", _LlamaWithHuggingFaceLoss, _tokens, 2, 1, {"sequence_parallel": True}),
+    ("llama-manual-optimization-tp2", _LlamaManualOptimization, _tokens, 2, 1, {}),
     ("gpt2-tied-tp2", _tied_gpt2, _tokens, 2, 1, {}),
     ("nanogpt-pp2-tp2", _nanogpt, _text, 4, 1, {"pipeline_parallel_size": 2}),
 ]
