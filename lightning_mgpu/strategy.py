@@ -391,9 +391,10 @@ class HybridStrategy(ParallelStrategy):
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
         """Reduce over the data-parallel group by default: tensor/pipeline peers hold the same samples' values."""
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, self._data_parallel_group(group), reduce_op=reduce_op)
-        return tensor
+        group = self._data_parallel_group(group)
+        if not isinstance(tensor, Tensor) or (group is not None and dist.get_world_size(group) == 1):
+            return tensor  # nothing to reduce (dp=1 under tp/pp): skip Lightning's barrier + all-reduce per log
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
