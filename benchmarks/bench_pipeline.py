@@ -38,6 +38,8 @@ Measured, per configuration, in every rank, by wrapping torch's pipelining inter
   core;
 - Lightning only: the capture of the user's step per microbatch (``PipelineEngine._start``) and the broadcast of
   the loss and logged values (``PipelineEngine._publish``);
+- once, before the schedules, on one process without pipelining: Lightning's own per-step cost (a plain
+  ``Trainer`` vs a plain loop on the whole model), so that L/H can also be read without it (column ``-lit``);
 - parameters held per rank (numel of the rank's stages) after training, beside the analytic split.
 
 Bubble (idle fraction of each rank inside the schedule's step), three ways:
@@ -443,6 +445,56 @@ def _run_lightning(schedule: str, m: int, args: dict[str, Any], rec: _Recorder) 
     return {"steps": probe.steps, "numel": sum(p.numel() for p in module.parameters())}
 
 
+def framework_job(args: dict[str, Any]) -> dict[str, float]:
+    """Lightning's own per-step cost, without any pipelining: one process trains the whole demo GPT with a plain
+    ``Trainer`` (single device) and with a plain loop (same batches, forward + loss + backward + AdamW).
+
+    The difference is what any Lightning run pays per step (loop, hooks, ``self.log``, the closure); the pipeline
+    table's L/H ratio includes it, so the report also shows L/H with it taken out.
+    """
+    import lightning as L
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from lightning_mgpu.demo import GPTLightningModule
+
+    times: dict[str, list[tuple[float, float]]] = {"lightning": [], "hand": []}
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, *unused: Any) -> None:
+            self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+        def on_train_batch_end(self, *unused: Any) -> None:
+            times["lightning"].append((time.perf_counter() - self._t0, time.process_time() - self._c0))
+
+    for _ in range(args["repeats"]):
+        module = GPTLightningModule(**_model_kwargs(args), seed=SEED)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args["steps"], logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Probe()])
+        trainer.fit(module, _datamodule(args))
+        module = GPTLightningModule(**_model_kwargs(args), seed=SEED)
+        optimizer = _adamw(list(module.parameters()))
+        dm = _datamodule(args)
+        dm.setup()
+        for step, (x, y) in enumerate(DataLoader(dm.train_dataset, batch_size=args["batch_size"], shuffle=True)):
+            if step == args["steps"]:
+                break
+            t0, c0 = time.perf_counter(), time.process_time()
+            optimizer.zero_grad(set_to_none=True)
+            logits = module(x)
+            F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
+            optimizer.step()
+            times["hand"].append((time.perf_counter() - t0, time.process_time() - c0))
+    warm = args["warmup"]
+    result = {}
+    for impl, values in times.items():
+        kept = [v for k, v in enumerate(values) if k % args["steps"] >= warm]
+        result[f"{impl}_wall"] = _median([w for w, _ in kept])
+        result[f"{impl}_cpu"] = _median([c for _, c in kept])
+    return result
+
+
 def schedule_job(schedule: str, ms: list[int], args: dict[str, Any]) -> dict[tuple[str, int], list[dict[str, Any]]]:
     """In one rank: ``--repeats`` times, for each m, the hand loop and the Lightning fit, on one process group.
 
@@ -611,7 +663,15 @@ def print_report(results: dict, analyses: dict, skipped: dict, args: dict[str, A
     head2 = (f"{'schedule':<21} {'m':>2} | {'L ms':>6} {'H ms':>6} {'L/H':>5} | {'L min':>6} {'H min':>6} {'L/H':>5} |"
              f" {'L cpu':>6} {'H cpu':>6} {'L/H':>5} |"
              f" {'sched L':>7} {'sched H':>7} {'L/H':>5} | {'L out':>5} {'H out':>5} {'capt':>4} {'publ':>{5 * p}} |"
+             f" {'-lit':>5} |"
              f" {'loss L':>6} {'H':>6} {'max|d|':>7}")
+    framework = args.get("framework")
+    loop_cost = framework["lightning_wall"] - framework["hand_wall"] if framework else 0.0
+    if framework:
+        print(f"   Lightning's own loop on one process, whole model, no pipelining: {framework['lightning_wall'] * 1e3:.1f}"
+              f" ms per step vs {framework['hand_wall'] * 1e3:.1f} ms for a plain loop (CPU"
+              f" {framework['lightning_cpu'] * 1e3:.1f} vs {framework['hand_cpu'] * 1e3:.1f}): {loop_cost * 1e3:.1f} ms"
+              " per step that any Lightning run pays; column -lit = (L ms - that) / H ms.")
     print(head2)
     print("-" * len(head2))
     for (schedule, m) in analyses:
@@ -629,6 +689,7 @@ def print_report(results: dict, analyses: dict, skipped: dict, args: dict[str, A
             f" {rl['sched'] * 1e3:7.1f} {rh['sched'] * 1e3:7.1f} {rl['sched'] / rh['sched']:5.2f} |"
             f" {mean_rank(rl, 'outside') * 1e3:5.1f} {mean_rank(rh, 'outside') * 1e3:5.1f}"
             f" {mean_rank(rl, 'capture') * 1e3:4.1f} {_slash([x['publish'] * 1e3 for x in rl['ranks']], '4.1f'):>{5 * p}} |"
+            f" {(rl['wall'] - loop_cost) / rh['wall']:5.2f} |"
             f" {rl['losses'][-1] if rl['losses'] else float('nan'):6.3f}"
             f" {rh['losses'][-1] if rh['losses'] else float('nan'):6.3f} {diff:7.1e}"
         )
@@ -702,8 +763,9 @@ Notes.
    threads included). sched: time in schedule.step (slowest rank). out: step - schedule.step (L: capture of the step
    per microbatch, broadcast of loss/logs, self.log, optimizer, Lightning's loop; H: zero_grad + AdamW), mean of the
    ranks. capt: the engine's capture of the step per microbatch (mean of the ranks); publ, per rank: its broadcast
-   of the loss and logged values from the last stage (broadcast_object_list, which also waits for the last stage to
-   finish), both within L out. loss: last step's loss, and the largest difference per step between the two runs
+   of the loss and logged values from the last stage (one small tensor once the logged names are known; it also
+   waits for the last stage to finish), both within L out. -lit: L/H with Lightning's own per-step loop cost
+   (measured first on one process without pipelining, printed above the table) taken out of L. loss: last step's loss, and the largest difference per step between the two runs
    (same seed, data and split).
    Per-action costs: medians over timed steps of F (forward_one_chunk, + the loss on the last stage), B
    (backward_one_chunk) or I/W (input/weight halves of a split backward). L forwards run the user's whole network
@@ -769,6 +831,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     results: dict[tuple[str, int, str], dict[str, Any]] = {}
     args["load_before"] = os.getloadavg()[0]
     start = time.perf_counter()
+    args["framework"] = run_distributed(framework_job, 1, args, timeout=ns.timeout)[0]
     for name in names:
         valid = [m for m in ms if (name, m) in analyses]
         if not valid:
