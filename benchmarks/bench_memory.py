@@ -43,6 +43,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402, F401  (imported before forking)
 
+from benchmarks.bench_zero import QUIET_TRAINER  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 SEED = 1234
@@ -132,8 +133,7 @@ def fit_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     trainer = L.Trainer(
         accelerator="cpu", devices=args["devices"], strategy=strategy, precision=args["precision"],
         max_steps=steps + 1,  # the last step is measured for memory and not timed
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe],
+        callbacks=[probe], **QUIET_TRAINER,
     )
     trainer.fit(module, datamodule)
     return {"rank": trainer.global_rank, "times": probe.times, "cpu_times": probe.cpu_times, "memory": probe.memory,

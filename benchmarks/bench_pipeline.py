@@ -83,7 +83,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.bench_zero import SEED  # noqa: E402
+from benchmarks.bench_zero import QUIET_TRAINER, SEED  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -433,12 +433,7 @@ def _run_lightning(schedule: str, m: int, args: dict[str, Any], rec: _Recorder) 
         devices=args["pp"],
         strategy=strategy,
         max_steps=args["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **QUIET_TRAINER,
         callbacks=[probe],
     )
     trainer.fit(module, _datamodule(args))
@@ -469,9 +464,7 @@ def framework_job(args: dict[str, Any]) -> dict[str, float]:
 
     for _ in range(args["repeats"]):
         module = GPTLightningModule(**_model_kwargs(args), seed=SEED)
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args["steps"], logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Probe()])
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args["steps"], callbacks=[Probe()], **QUIET_TRAINER)
         trainer.fit(module, _datamodule(args))
         module = GPTLightningModule(**_model_kwargs(args), seed=SEED)
         optimizer = _adamw(list(module.parameters()))

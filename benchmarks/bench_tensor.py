@@ -61,7 +61,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.bench_zero import MB, SEED, _make_probe, _memory, _quiet_fds, summarize  # noqa: E402
+from benchmarks.bench_zero import MB, QUIET_TRAINER, SEED, _make_probe, _memory, _quiet_fds, summarize  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 KB = 2**10
@@ -391,12 +391,7 @@ def fit_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
         devices=devices,
         strategy=strategy,
         max_steps=steps + 1 + int(args["profile"]),  # + the collectives step (+ the profiled step), untimed
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **QUIET_TRAINER,
         callbacks=[tp_probe, probe],
     )
     trainer.fit(module, datamodule)

@@ -66,6 +66,9 @@ import torch  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 SEED = 1234
+# Every benchmark Trainer: no logger, checkpoints, progress bar, summary or validation to time alongside the steps.
+QUIET_TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0, limit_val_batches=0)
 MB = 2**20
 
 # name -> (kind, options, peer)
@@ -365,12 +368,7 @@ def fit_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
         devices=args["devices"],
         strategy=_make_strategy(kind, options, args["devices"]),
         max_steps=steps + 1,  # the last step is profiled for collectives and not timed
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **QUIET_TRAINER,
         callbacks=[probe],
     )
     trainer.fit(module, datamodule)
