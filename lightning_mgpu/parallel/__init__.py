@@ -58,9 +58,10 @@ def parallelize(
         # With pipelining each stage is a root of its own: the schedule drives each stage's gradient sync
         # (no-sync on all but the last backward of a step), also when a rank holds several stages.
         roots = [(stage, stage.blocks) for stage in runtime.stages] if runtime is not None else [(root, None)]
-        # Schedules with several stages per rank gather each stage's parameters before its first action in a step
-        # and free them after its last (torch's UNSHARD/RESHARD actions), as torchtitan does with pipelining;
-        # freeing blocks after each forward inside that window breaks their backward in torch 2.13.
+        # Schedules with several stages per rank: ZeRO-3 blocks keep their parameters gathered from their first
+        # forward in a step until the gradients are reduced (torchtitan's default with pipelining), so memory
+        # within a step is ZeRO-2's; freeing blocks after each forward breaks looped schedules' backward in
+        # torch 2.13.
         reshard_blocks = None if runtime is None or len(runtime.stages) == 1 else False
         for stage_root, blocks in roots:
             apply_data_parallel(

@@ -99,7 +99,8 @@ class MetricRelay:
         self._recording = False
         changes = {}
         for name, metric in self.metrics.items():
-            if metric._update_count == self._counts.get(name):
+            # A CompositionalMetric's forward leaves its own count alone (its children's change): it was called.
+            if metric._update_count == self._counts.get(name) and name not in self._forward_inputs:
                 continue
             inputs = self._forward_inputs.get(name, [])
             if len(inputs) > 1:
@@ -200,7 +201,7 @@ class Publisher:
             assert logs is not None
             metric_logs = {name: (relay.name_of(m) if relay else "", kw) for name, (m, kw) in logs.metrics.items()}
             changes = relay.end() if relay is not None else {}
-            payload = (_to_cpu(result), logs.means(), metric_logs, changes)
+            payload = (_to_cpu(result), logs.means(), metric_logs, _to_cpu(changes))  # unpickled on rank's device
         if not objects and self._structure is not None:
             numbers = torch.zeros(2 + len(self._structure[0]), dtype=torch.float64, device=self.device)
             if sending and _structure(payload) == self._structure:
@@ -244,7 +245,7 @@ def _structure(payload: Any) -> Optional[tuple]:
 def _to_cpu(tree: Any) -> Any:
     from torch.utils._pytree import tree_map
 
-    return tree_map(lambda t: t.detach().cpu() if torch.is_tensor(t) else t, tree)
+    return tree_map(lambda t: t.detach().cpu().clone() if torch.is_tensor(t) else t, tree)  # clone: no view's storage
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:

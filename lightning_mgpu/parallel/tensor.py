@@ -18,6 +18,7 @@ from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any, Callable, Optional, Union
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -130,6 +131,7 @@ class _SharedInput:
         self.source: Optional[Any] = None
         self.version = -1
         self.converted: Optional[DTensor] = None
+        self.grad_enabled = False
 
     def open(self, *args: Any) -> None:
         self.open_calls += 1
@@ -140,11 +142,14 @@ class _SharedInput:
         self.source = self.converted = None
 
     def hit(self, tensor: Any) -> bool:
-        return self.open_calls > 0 and tensor is self.source and tensor._version == self.version
+        return (self.open_calls > 0 and tensor is self.source and self.grad_enabled == torch.is_grad_enabled()
+                and tensor._version == self.version)
 
     def keep(self, tensor: Any, converted: DTensor) -> None:
-        if self.open_calls > 0:
+        # Inference tensors (Lightning's evaluation under inference_mode) have no version counter: not shared.
+        if self.open_calls > 0 and torch.is_tensor(tensor) and not tensor.is_inference():
             self.source, self.version, self.converted = tensor, tensor._version, converted
+            self.grad_enabled = torch.is_grad_enabled()  # a no_grad conversion must not serve a grad-enabled sibling
 
 
 class _LossParallelHead(_Colwise):

@@ -434,3 +434,22 @@ def test_loss_parallel_context_nests_and_survives_errors():
         with tensor_parallel_context(True, True):
             raise RuntimeError("boom")
     assert log_softmax not in handlers
+
+
+def test_shared_input_skips_inference_tensors_and_grad_mode_changes():
+    from lightning_mgpu.parallel.tensor import _SharedInput
+
+    shared = _SharedInput()
+    shared.open()
+    with torch.inference_mode():
+        frozen = torch.ones(2)
+        shared.keep(frozen, "converted")  # no version counter: must neither raise nor be kept
+        assert not shared.hit(frozen)
+    x = torch.ones(2, requires_grad=True)
+    with torch.no_grad():
+        shared.keep(x, "converted without grad")
+    assert not shared.hit(x)  # a grad-enabled sibling must convert anew
+    shared.keep(x, "converted")
+    assert shared.hit(x) and shared.converted == "converted"
+    shared.close()
+    assert not shared.hit(x)
