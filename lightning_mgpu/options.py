@@ -39,7 +39,7 @@ class ParallelOptions:
                 f" got {self.tp_plan!r}."
             )
         if isinstance(self.tp_plan, dict):
-            from lightning_mgpu.parallel.tensor import STYLE_NAMES
+            from lightning_mgpu.parallel.tensor_plan import STYLE_NAMES
 
             unknown = {glob: s for glob, s in self.tp_plan.items() if s not in STYLE_NAMES}
             if unknown:

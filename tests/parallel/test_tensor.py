@@ -10,7 +10,8 @@ import torch
 
 from lightning_mgpu import HybridStrategy
 from lightning_mgpu.demo import GPTLightningModule, TextDataModule
-from lightning_mgpu.parallel.tensor import apply_tensor_parallel, auto_plan
+from lightning_mgpu.parallel.tensor import apply_tensor_parallel
+from lightning_mgpu.parallel.tensor_plan import auto_plan
 from tests.helpers.distributed import run_distributed
 from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import GPT2Module, LlamaModule, RandomTokenDataModule

@@ -1,0 +1,198 @@
+"""Tensor-parallel plans: which style each module gets, derived from Hugging Face plans or GPT-block name rules.
+
+A plan maps module-name globs (``fnmatch`` over FQNs relative to the LightningModule) to style names; the styles
+themselves are built in ``tensor.py``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+
+from lightning_mgpu.parallel.blocks import find_block_container
+
+# Leaf names of projections in GPT-style blocks (nanoGPT, litgpt, GPT-2, Llama-likes without a HF plan).
+_FUSED_QKV = ("c_attn", "qkv", "qkv_proj", "Wqkv")
+_COLWISE = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "c_fc", "fc1", "fc_in", "up_proj", "gate_proj",
+            "w1", "w3")
+_ROWWISE = ("c_proj", "o_proj", "out_proj", "down_proj", "fc2", "fc_out", "w2", "proj")
+_TOKEN_EMBEDDINGS = ("wte", "embed_tokens", "tok_embeddings", "word_embeddings")
+_HEADS = ("lm_head", "output", "embed_out")
+# Hugging Face plan vocabulary -> ours.
+_HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_gather_output",
+              "embedding_rowwise": "embedding_rowwise",
+              "colwise_gather_output": "colwise_gather_output", "rowwise_rep": "rowwise",
+              "sequence_parallel": "sequence_parallel", "replicate": "replicate"}
+
+STYLE_NAMES = ("colwise", "colwise_qkv", "colwise_gather_output", "colwise_loss_parallel", "rowwise", "embedding_rowwise",
+               "embedding_colwise", "sequence_parallel", "replicate")
+
+
+def _is_projection(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, str]:
+    """Derive ``{fqn: style}`` for ``module``: Hugging Face plans first, GPT-block name rules for the rest."""
+    plan: dict[str, str] = {}
+    covered: set[str] = set()
+    for prefix, hf_model in _hugging_face_models(module):
+        plan.update(_hugging_face_plan(prefix, hf_model, module))
+        covered.add(prefix)
+    found = find_block_container(module)
+    if found is not None and not any(found[0].startswith(c) for c in covered):
+        plan.update(_block_rules(module, found[0]))
+    if not plan:
+        linears = [name for name, child in module.named_modules() if _is_projection(child)]
+        raise ValueError(
+            "tp_plan='auto' found neither a Hugging Face tensor-parallel plan nor a list of repeated blocks to shard."
+            f" Linear layers in the model: {linears[:12]}{' ...' if len(linears) > 12 else ''}. Pass `tp_plan` as a"
+            f" dict {{module_glob: style}} (styles: {list(STYLE_NAMES)}) or a callable (module, tp_mesh)."
+        )
+    if sequence_parallel:
+        plan.update(_sequence_parallel_rules(module, plan))
+    return plan
+
+
+def _hugging_face_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    models = []
+    for name, child in module.named_modules():
+        plan = getattr(getattr(child, "config", None), "base_model_tp_plan", None)
+        if plan and hasattr(child, "base_model_prefix") and not any(name.startswith(p + ".") for p, _ in models):
+            models.append((name, child))
+    return models
+
+
+def _hugging_face_plan(prefix: str, hf_model: nn.Module, root: nn.Module) -> dict[str, str]:
+    head = f"{prefix}." if prefix else ""
+    # transformers >= 4.5x merges the class plan and config.base_model_tp_plan into the instance's `_tp_plan`.
+    plan = dict(getattr(hf_model, "_tp_plan", None) or {})
+    base = hf_model.base_model_prefix
+    if not any(key.startswith(base + ".") for key in plan) and hasattr(hf_model, base):
+        plan.update({f"{base}.{glob}": s for glob, s in hf_model.config.base_model_tp_plan.items()})
+    if getattr(hf_model.config, "tie_word_embeddings", False):
+        # A head tied to the input embedding cannot be sharded two ways: keep both replicated.
+        plan = {glob: s for glob, s in plan.items() if s not in ("colwise_gather_output", "colwise_rep",
+                                                                  "embedding_rowwise")}
+    return {f"{head}{glob}": _hf_style(s) for glob, s in plan.items()}
+
+
+def _hf_style(name: str) -> str:
+    if name not in _HF_STYLES:
+        raise ValueError(
+            f"The model's Hugging Face tensor-parallel plan uses style {name!r}, which lightning-mgpu does not map."
+            f" Pass an explicit `tp_plan` dict with styles from {list(STYLE_NAMES)}."
+        )
+    return _HF_STYLES[name]
+
+
+def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
+    plan: dict[str, str] = {}
+    unplaced: list[str] = []
+    for name, child in module.named_modules():
+        if not name.startswith(blocks_fqn + ".") or not _is_projection(child):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        glob = _block_glob(name, blocks_fqn)
+        if leaf in _FUSED_QKV:
+            plan[glob] = "colwise_qkv"
+        elif leaf in _COLWISE:
+            plan[glob] = "colwise"
+        elif leaf in _ROWWISE:
+            plan[glob] = "rowwise"
+        else:
+            unplaced.append(name)
+    if unplaced:
+        example = {_block_glob(n, blocks_fqn): "colwise | rowwise | colwise_qkv | replicate" for n in unplaced}
+        raise ValueError(
+            f"tp_plan='auto' cannot tell how to shard these layers of the blocks in {blocks_fqn!r}: {unplaced}."
+            f" Pass `tp_plan` as a dict, e.g. {{**placed, **{example}}}, with styles from {list(STYLE_NAMES)}."
+        )
+    if not plan:
+        raise ValueError(
+            f"tp_plan='auto' found no Linear layers to shard in the blocks {blocks_fqn!r}. Pass `tp_plan` as a dict"
+            f" {{module_glob: style}} or a callable (module, tp_mesh)."
+        )
+    return plan
+
+
+def _block_glob(name: str, blocks_fqn: str) -> str:
+    """``transformer.h.3.attn.c_attn`` -> ``transformer.h.*.attn.c_attn``."""
+    rest = name[len(blocks_fqn) + 1:].split(".", 1)
+    return f"{blocks_fqn}.*.{rest[1]}" if len(rest) == 2 else f"{blocks_fqn}.*"
+
+
+def _sequence_parallel_rules(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Norms run on sequence shards; the token embedding scatters its output and the head gathers its input."""
+    rules: dict[str, str] = {}
+    found = find_block_container(module)
+    blocks = found[0] + "." if found else None
+    for name, child in module.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        # Norms on the residual stream only: children of a block, or outside the blocks (not q/k norms on heads).
+        on_stream = blocks is None or not name.startswith(blocks) or name[len(blocks):].count(".") == 1
+        if _is_norm(child) and on_stream:
+            rules[name] = "sequence_parallel"
+        elif isinstance(child, nn.Embedding) and leaf in _TOKEN_EMBEDDINGS:
+            rules[name] = "embedding_rowwise"
+        elif _is_projection(child) and leaf in _HEADS and not any(fnmatch.fnmatchcase(name, g) for g in plan):
+            rules[name] = "colwise_gather_output"
+    return rules
+
+
+def _with_vocab_parallel_head(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``loss_parallel``: the LM head keeps its logits sharded over the vocabulary for the user's cross-entropy."""
+    plan = {glob: "colwise_loss_parallel" if s == "colwise_gather_output" and glob.rsplit(".", 1)[-1] in _HEADS else s
+            for glob, s in plan.items()}
+    if "colwise_loss_parallel" not in plan.values():
+        for name, child in module.named_modules():
+            if _is_projection(child) and name.rsplit(".", 1)[-1] in _HEADS:
+                if not any(fnmatch.fnmatchcase(name, glob) for glob in plan):
+                    plan[name] = "colwise_loss_parallel"
+    if "colwise_loss_parallel" not in plan.values():
+        raise ValueError(
+            "`loss_parallel=True` needs the LM head sharded over the vocabulary, but the plan has no head (modules"
+            f" named one of {list(_HEADS)}). Add {{'<head module>': 'colwise_loss_parallel'}} to `tp_plan`."
+        )
+    # A head tied to the input embedding: shard the embedding over the vocabulary too, so the two stay one weight.
+    heads = {name for name, s in _match(module, plan).items() if s == "colwise_loss_parallel"}
+    for group in _tied_parameters(module):
+        if any(name in heads for name, _ in group):
+            for name, _ in group:
+                if isinstance(module.get_submodule(name), nn.Embedding) and name not in _match(module, plan):
+                    plan[name] = "embedding_rowwise"
+    return plan
+
+
+def _tied_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module name, parameter name) that hold one and the same Parameter (tied weights)."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for name, child in module.named_modules():
+        for param_name, param in child.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((name, param_name))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def _is_norm(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return isinstance(module, nn.LayerNorm) or (name.endswith("Norm") and "Group" not in name and "Batch" not in name)
+
+
+def _match(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Expand globs to module FQNs; the most specific (longest) glob wins. A glob matching nothing is an error."""
+    names = [name for name, _ in module.named_modules() if name]
+    matched: dict[str, tuple[int, str]] = {}
+    for glob, style_name in plan.items():
+        if style_name not in STYLE_NAMES:
+            raise ValueError(f"Unknown tensor-parallel style {style_name!r} for {glob!r}. Known: {list(STYLE_NAMES)}.")
+        hits = [n for n in names if fnmatch.fnmatchcase(n, glob)]
+        if not hits:
+            raise ValueError(
+                f"`tp_plan` entry {glob!r} matches no module. Module names look like: {names[:8]} ..."
+                " (globs are matched against names relative to the LightningModule)."
+            )
+        for name in hits:
+            if name not in matched or len(glob) > matched[name][0]:
+                matched[name] = (len(glob), style_name)
+    return {name: style_name for name, (_, style_name) in matched.items()}
