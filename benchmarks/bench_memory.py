@@ -43,8 +43,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402, F401  (imported before forking)
 
-from benchmarks.bench_zero import QUIET_TRAINER  # noqa: E402
-from tests.helpers.distributed import run_distributed  # noqa: E402
+from benchmarks.bench_zero import QUIET_TRAINER, run_or_report  # noqa: E402
 
 SEED = 1234
 MB = 2**20
@@ -228,12 +227,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     start = time.perf_counter()
     for name in names:
         t0 = time.perf_counter()
-        try:
-            outputs = run_distributed(fit_job, ns.devices, name, args, timeout=ns.timeout)
-        except Exception as err:  # one failing configuration must not hide the others
-            print(f"{name}: FAILED: {str(err).strip().splitlines()[-1]}", flush=True)
-            if ns.verbose:
-                print(err)
+        outputs = run_or_report(name, fit_job, ns.devices, name, args, timeout=ns.timeout, verbose=ns.verbose)
+        if outputs is None:
             continue
         results[name] = summarize(outputs, ns.warmup)
         print(f"{name}: {results[name]['median'] * 1e3:.1f} ms/step median ({time.perf_counter() - t0:.1f} s job)",

@@ -83,7 +83,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.bench_zero import QUIET_TRAINER, SEED  # noqa: E402
+from benchmarks.bench_zero import QUIET_TRAINER, SEED, run_or_report  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -830,12 +830,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         if not valid:
             continue
         t0 = time.perf_counter()
-        try:
-            outputs = run_distributed(schedule_job, p, name, valid, args, timeout=ns.timeout)
-        except Exception as err:  # one failing schedule must not hide the others
-            print(f"{name}: FAILED: {str(err).strip().splitlines()[-1]}", flush=True)
-            if ns.verbose:
-                print(err)
+        outputs = run_or_report(name, schedule_job, p, name, valid, args, timeout=ns.timeout, verbose=ns.verbose)
+        if outputs is None:
             continue
         line = []
         for m in valid:

@@ -61,8 +61,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.bench_zero import MB, QUIET_TRAINER, SEED, _make_probe, _memory, _quiet_fds, summarize  # noqa: E402
-from tests.helpers.distributed import run_distributed  # noqa: E402
+from benchmarks.bench_zero import MB, QUIET_TRAINER, SEED, run_or_report, _make_probe, _memory, _quiet_fds, summarize  # noqa: E402
 
 KB = 2**10
 MAIN = {
@@ -917,12 +916,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 continue
             world = 1 if name == "empty-single" else ns.tp
             t0 = time.perf_counter()
-            try:
-                outputs = run_distributed(job, world, name, args, timeout=ns.timeout)
-            except Exception as err:  # one failing run must not hide the others
-                print(f"{name}: FAILED: {str(err).strip().splitlines()[-1]}", flush=True)
-                if ns.verbose:
-                    print(err)
+            outputs = run_or_report(name, job, world, name, args, timeout=ns.timeout, verbose=ns.verbose)
+            if outputs is None:
                 continue
             runs[name].append(outputs)
             median = summarize([outputs], ns.warmup)["median"] if name != "llama" else float("nan")

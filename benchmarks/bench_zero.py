@@ -85,6 +85,20 @@ ORDER = ["ddp", "hybrid-zero0", "hybrid-zero1", "fsdp2-noreshard", "hybrid-zero2
 
 
 # --------------------------------------------------------------------------------------------------- analytics
+
+def run_or_report(name: str, job: Any, devices: int, *args: Any, timeout: float, verbose: bool) -> Any:
+    """Run ``job`` on ``devices`` forked ranks; on failure print one line (all of it with ``verbose``), return None.
+
+    One failing configuration must not hide the others.
+    """
+    try:
+        return run_distributed(job, devices, *args, timeout=timeout)
+    except Exception as err:
+        print(f"{name}: FAILED: {str(err).strip().splitlines()[-1]}", flush=True)
+        if verbose:
+            print(err)
+        return None
+
 def analytic_bytes_per_param(name: str, dp: int) -> tuple[tuple[float, float, float], str]:
     """(param, grad, optimizer-state) bytes per model parameter held per rank after backward, and a label.
 
@@ -570,12 +584,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             if repeat and not runs[name]:
                 continue  # failed before
             t0 = time.perf_counter()
-            try:
-                outputs = run_distributed(fit_job, ns.devices, name, args, timeout=ns.timeout)
-            except Exception as err:  # one failing configuration must not hide the others
-                print(f"{name}: FAILED: {str(err).strip().splitlines()[-1]}", flush=True)
-                if ns.verbose:
-                    print(err)
+            outputs = run_or_report(name, fit_job, ns.devices, name, args, timeout=ns.timeout, verbose=ns.verbose)
+            if outputs is None:
                 continue
             runs[name].append(outputs)
             median = summarize([outputs], ns.warmup)["median"]
