@@ -23,13 +23,17 @@ from typing import Any, Callable, Generator, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_mgpu.parallel.pipeline_publish import MetricRelay, Publisher, StepLogs
 from lightning_mgpu.parallel.pipeline import (
     V_SCHEDULES,
+    MicrobatchPlan,
     NetworkCall,
     PipelineRuntime,
+    batch_size_of,
+    plan_microbatches,
     split_microbatches,
     stage_owner,
     tensor_leaves,
@@ -76,6 +80,7 @@ class PipelineEngine:
         self.gradients_pending = False
         self._replay_calls = 0
         self._schedules: dict[Any, Any] = {}
+        self._replanned: set[tuple[int, int]] = set()
         self._loss_scale = 1.0
         # The precision plugin's job-wide loss scaler (16-mixed): applied to each microbatch's loss here, since
         # the schedule runs backward itself. HybridStrategy sets it.
@@ -146,7 +151,8 @@ class PipelineEngine:
                 param.grad = None
         # Lightning zeroes gradients after `training_step` returns, expecting backward to follow: skip that once.
         self.gradients_pending = True
-        microbatches, count = self._split(batch)
+        microbatches, plan = self._split(batch)
+        count = plan.count
         self._start(microbatches, "training_step", batch_idx)
         logs = StepLogs()
         if self.owns_last:
@@ -154,7 +160,7 @@ class PipelineEngine:
         self._current = {"microbatches": microbatches, "batch_idx": batch_idx, "logs": logs}
         self._loss_scale = 1.0 / (count * accumulate_grad_batches)
         losses: list = []
-        schedule = self._schedule(count, microbatches, training=True)
+        schedule = self._schedule(plan, microbatches, training=True)
         schedule.step(*self._stage_inputs(count), **self._targets(count), losses=losses, return_outputs=False)
         loss = torch.stack([l.detach() for l in losses]).mean() / self._loss_scale if losses else None
         if loss is not None and self.grad_scaler is not None:
@@ -163,7 +169,8 @@ class PipelineEngine:
 
     def evaluation_step(self, method: str, batch: Any, *args: Any) -> Any:
         """Forward-only through the pipeline, then the user's step on the last stage with each microbatch's output."""
-        microbatches, count = self._split(batch)
+        microbatches, plan = self._split(batch)
+        count = plan.count
         single = len(self.runtime.stages) == 1
         # torch 2.13's V schedules (stage 0 and the last stage on one rank) cannot run forward-only ("can't
         # steal_bwd_input if this stage doesn't have backward"): they run a training step with a zero loss, whose
@@ -172,7 +179,7 @@ class PipelineEngine:
         if v_shaped:
             microbatches = _outside_inference_mode(microbatches)
         self._start(microbatches, method, *args)
-        schedule = self._schedule(count, microbatches, training=not single)
+        schedule = self._schedule(plan, microbatches, training=not single)
         self._zero_loss = True  # multi-stage schedules call their loss function even forward-only
         try:
             if v_shaped:
@@ -191,9 +198,19 @@ class PipelineEngine:
                 results = _merge([self._replay(method, (mb, *args), k, logs) for k, mb in enumerate(microbatches)])
         return self._publish(results, logs, objects=True)
 
-    def _split(self, batch: Any) -> tuple[list[Any], int]:
-        count = self.num_microbatches or self.runtime.num_stages
-        return split_microbatches(batch, count), count
+    def _split(self, batch: Any) -> tuple[list[Any], MicrobatchPlan]:
+        requested = self.num_microbatches or self.runtime.num_stages
+        size = batch_size_of(batch)
+        plan = plan_microbatches(self.schedule_name, requested, size, self.pp_size, self.runtime.num_stages)
+        if plan != MicrobatchPlan(requested, self.schedule_name) and (size, requested) not in self._replanned:
+            self._replanned.add((size, requested))
+            rank_zero_warn(
+                f"A batch of {size} samples (per data-parallel rank) does not split into num_microbatches={requested}"
+                f" equal microbatches for {self.schedule_name}; such batches run as {plan.count} microbatches"
+                f" with {plan.schedule}. The result is the same; only the pipeline's efficiency changes. A last batch"
+                " of an epoch is often ragged: `DataLoader(drop_last=True)` avoids it."
+            )
+        return split_microbatches(batch, plan.count), plan
 
     def _start(self, microbatches: list[Any], method: str, *args: Any) -> None:
         step = getattr(self.module, method)
@@ -224,11 +241,12 @@ class PipelineEngine:
         loss = loss * self._loss_scale
         return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
 
-    def _schedule(self, count: int, microbatches: list[Any], training: bool) -> Any:
+    def _schedule(self, plan: MicrobatchPlan, microbatches: list[Any], training: bool) -> Any:
         from torch.distributed.pipelining.schedules import _ScheduleForwardOnly, get_schedule_class
 
+        count = plan.count
         shapes = tuple(tuple(t.shape) for t in tensor_leaves(microbatches[0]))
-        key = (training, count, shapes)
+        key = (training, plan, shapes)
         if key not in self._schedules:
             stages = [
                 _trial_aware_stage_class()(stage, stage.index, self.runtime.num_stages, self.device, group=self.group)
@@ -237,7 +255,7 @@ class PipelineEngine:
             if len(stages) == 1 and not training:
                 schedule = _ScheduleForwardOnly(stages[0], count)
             else:
-                schedule_class = get_schedule_class(self.schedule_name)
+                schedule_class = get_schedule_class(plan.schedule)
                 kwargs = {"loss_fn": self._loss, "scale_grads": False}
                 schedule = schedule_class(stages[0] if len(stages) == 1 else stages, count, **kwargs)
             self._schedules[key] = schedule
