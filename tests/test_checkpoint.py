@@ -29,7 +29,8 @@ from lightning_mgpu import HybridStrategy
 from lightning_mgpu.checkpoint import CheckpointError, Checkpointer, consolidate, write_consolidated
 from lightning_mgpu.checkpoint.resume import FastForward
 from lightning_mgpu.cli import main as cli
-from tests.helpers.equivalence import fit
+from tests.helpers.distributed import run_distributed
+from tests.helpers.equivalence import _fit_worker, fit
 from tests.helpers.modules import CNNModule, LlamaModule, RandomImageDataModule, RandomTokenDataModule
 
 GLOBAL_BATCH = 8
@@ -193,6 +194,37 @@ def test_resume_from_pipeline_parallel_into_zero3(tmp_path):
     resumed = _resume(tmp_path, tmp_path / "step3.ckpt", 2, {"zero_stage": 3}, tmp_path, module, data(4), 6)
     _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
     _assert_same_states(tmp_path / "step3.ckpt", tmp_path / "resaved.ckpt")
+
+
+def _resume_from_every_kind_of_save(directory: Path, module, data, strategy_kwargs: dict, devices: int):
+    """One job, several fits: the uninterrupted run saves mid-epoch (``on_train_batch_end`` of step 3) and at the
+    epoch boundary (step 4); a run stopped by ``max_steps=3`` saves after ``fit`` returned; each save resumes."""
+    def run(steps: int, **kwargs: Any) -> list[float]:
+        return _fit_worker(module, data, strategy_kwargs, devices, steps, 1234, {}, kwargs.pop("callbacks", None),
+                           **kwargs)["losses"]
+
+    losses = {"reference": run(STEPS, callbacks=lambda: [SaveAt(directory, (3, 4))])}
+    run(3, after_fit=lambda trainer: trainer.save_checkpoint(directory / "after_fit.ckpt"))
+    for name in ("step3", "step4", "after_fit"):
+        losses[name] = run(STEPS, fit_kwargs={"ckpt_path": str(directory / f"{name}.ckpt")})
+    return losses
+
+
+@pytest.mark.parametrize("layout", ["dp2-zero1", "pp2"])
+def test_every_kind_of_save_resumes_bit_identically(tmp_path, layout):
+    """After `fit(max_steps=3)` returned, from a callback mid-epoch, at an epoch boundary: same layout, same
+    batches, the uninterrupted run's losses bit for bit."""
+    if layout == "dp2-zero1":
+        job = (ResumeModule, _data(2), {"zero_stage": 1}, 2)
+    else:
+        job = (lambda: LlamaModule(seed=0), lambda: RandomTokenDataModule(num_samples=32, batch_size=8),
+               {"pipeline_parallel_size": 2}, 2)
+    losses = run_distributed(_resume_from_every_kind_of_save, 2, tmp_path, *job)[0]
+    reference = losses["reference"]
+    assert len(reference) == STEPS
+    for name, step in (("step3", 3), ("step4", 4), ("after_fit", 3)):
+        assert losses[name] == reference[step:], (name, losses[name], reference)
+    assert consolidate(tmp_path / "after_fit.ckpt")["epoch"] == 0  # where its data stopped, not the next epoch
 
 
 # ------------------------------------------------------------------------------------------------------ full format

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 import threading
@@ -163,7 +164,10 @@ class Checkpointer:
             state[OPTIMIZER_KEY] = [states.optimizer_state(model, optimizer) for optimizer in optimizers]
             groups = [states.group_fqns(model, o, s) for o, s in zip(optimizers, state[OPTIMIZER_KEY])]
         gathered = _gather_object({"rng": states.collect_rng_states(), "groups": groups})
-        meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
+        meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZER_KEY, "loops")}
+        if "loops" in checkpoint:
+            meta["loops"] = copy.deepcopy(checkpoint["loops"])
+            resume.continue_cut_short_epoch(meta)  # saved after `fit` stopped mid-epoch: record where data stopped
         meta[LAYOUT_KEY] = layout_record(layout)
         meta[INFO_KEY] = {
             "format_version": fmt.FORMAT_VERSION,
@@ -256,6 +260,7 @@ class Checkpointer:
             flat = _flatten_full(meta, model, optimizers)
             states.load_states(fmt.FlatReader(flat), model, optimizers, strict, str(path))
             meta = {k: v for k, v in meta.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
+        resume.continue_cut_short_epoch(meta)  # saved by an earlier version after `fit` stopped mid-epoch
         if fitting:
             rng_states = meta.get(INFO_KEY, {}).get("rng_states")
             if rng_states:

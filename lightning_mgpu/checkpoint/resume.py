@@ -2,8 +2,12 @@
 
 Lightning restores its loop counters, but a plain ``DataLoader`` is not resumable: after a mid-epoch resume it
 restarts the epoch's iterator from its first batch (with a warning), so the resumed run trains on batches the
-interrupted one had already seen. The strategy hands the training loader to :func:`fast_forward`, which skips
+interrupted one had already seen. The strategy hands the training loader to :class:`FastForward`, which skips
 the batches the checkpoint's epoch had consumed, once, using the sampler's epoch of the checkpoint.
+
+When ``max_steps`` or ``trainer.should_stop`` ends ``fit`` mid-epoch, Lightning counts that epoch as finished, so a
+checkpoint saved after ``fit`` returned (or in ``on_train_end``) would resume at the start of the next epoch:
+:func:`continue_cut_short_epoch` puts such a checkpoint's loops back where its data stopped.
 """
 
 from __future__ import annotations
@@ -38,6 +42,34 @@ def batches_to_skip(trainer: "pl.Trainer") -> tuple[int, int]:
         if not accumulating:
             consumed += 1  # saved in `on_train_batch_end`: Lightning counts the batch as completed
     return consumed, epoch
+
+
+def continue_cut_short_epoch(checkpoint: dict[str, Any]) -> None:
+    """Rewind the saved loops of an epoch that ended before its last batch to the state ``on_train_batch_end`` of
+    its last finished batch saves (the one :func:`batches_to_skip` continues from); a no-op for any other state.
+
+    Lightning's fit loop runs its epoch end when ``max_steps`` or ``should_stop`` stops the epoch loop, marking the
+    epoch processed and completed although ``is_last_batch`` is false; restoring that starts the next epoch and
+    skips the rest of this one.
+    """
+    fit = checkpoint.get("loops", {}).get("fit_loop") or {}
+    epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
+    if not epochs or not batches or batches.get("is_last_batch", True):
+        return
+    last = batches["current"]
+    if not last["ready"] == last["started"] == last["processed"] == last["completed"] > 0:
+        return  # saved inside a batch: Lightning's own restart logic applies
+    if epochs["total"]["processed"] != epochs["total"]["started"]:
+        return  # the epoch is still running (a save during the epoch)
+    for counts in (epochs["total"], epochs["current"]):
+        counts["processed"] -= 1
+        counts["completed"] = min(counts["completed"], counts["processed"])
+    for counts in (batches["total"], batches["current"]):
+        counts["completed"] -= 1
+    loop_state = fit.get("epoch_loop.state_dict", {})
+    if "_batches_that_stepped" in loop_state:
+        loop_state["_batches_that_stepped"] -= 1  # counted after `on_train_batch_end`; Lightning adds it back
+    checkpoint["epoch"] = epochs["current"]["completed"]
 
 
 class FastForward:

@@ -49,7 +49,9 @@ def _fit_worker(
     trainer_kwargs: dict[str, Any],
     callbacks_factory: Optional[Callable[[], list[L.Callback]]],
     fit_kwargs: Optional[dict[str, Any]] = None,
+    after_fit: Optional[Callable[[L.Trainer], Any]] = None,
 ) -> dict[str, Any]:
+    """One fit in this process (a rank of a ``run_distributed`` job); ``after_fit(trainer)`` runs once it returned."""
     from lightning_mgpu import HybridStrategy
 
     L.seed_everything(seed, verbose=False)
@@ -80,6 +82,8 @@ def _fit_worker(
         **{**defaults, **trainer_kwargs},  # trainer_kwargs may override the defaults (e.g. enable_checkpointing)
     )
     trainer.fit(module, datamodule, **(fit_kwargs or {}))
+    if after_fit is not None:
+        after_fit(trainer)
     if isinstance(trainer.strategy, HybridStrategy):
         state_dict = trainer.strategy.full_state_dict()
     else:
