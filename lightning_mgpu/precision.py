@@ -21,7 +21,7 @@ import importlib.util
 import logging
 import sys
 from collections import defaultdict
-from collections.abc import Generator
+from collections.abc import Generator, Set as AbstractSet
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -114,8 +114,10 @@ class HybridPrecision(Precision):
         self.scaler: Optional[JobGradScaler] = None
         self._device_type = ""
         self.device_type = device_type
-        # Set by the strategy: the group over which gradient norms of different shards must be summed.
+        # Set by the strategy: the group over which gradient norms of different shards must be summed, and the
+        # parameters (tied copies) whose gradients another member of that group counts.
         self.grad_norm_group: Optional[Any] = None
+        self.grads_counted_elsewhere: Callable[[], AbstractSet[int]] = frozenset
 
     # ----------------------------------------------------------------------------------------------- construction
     @property
@@ -159,6 +161,14 @@ class HybridPrecision(Precision):
             raise ValueError(
                 "HybridPrecision('fp8-mixed') has no float8 matmul kernels on CPU. Pass `fp8_emulate=True` to run"
                 " torchao's float8 emulation (for testing; slow), or use 'bf16-mixed'."
+            )
+
+    def check_layout(self, tensor_parallel_size: int) -> None:
+        """Combinations with the layout this version cannot run: refused when the Trainer is built."""
+        if self.precision == "fp8-mixed" and tensor_parallel_size > 1:
+            raise NotImplementedError(
+                f"HybridPrecision('fp8-mixed') with tensor_parallel_size={tensor_parallel_size} is not supported yet."
+                " Use 'bf16-mixed' with tensor parallelism, or tensor_parallel_size=1 with fp8-mixed."
             )
 
     @classmethod
@@ -293,7 +303,10 @@ class HybridPrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(list(self.main_params(optimizer)), clip_val, cross_stage_group=self.grad_norm_group)
+        clip_grad_norm_(
+            list(self.main_params(optimizer)), clip_val, cross_stage_group=self.grad_norm_group,
+            counted_elsewhere=self.grads_counted_elsewhere(),
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:

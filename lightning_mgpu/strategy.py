@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_mgpu import checkpoint as sharded_checkpoint
 from lightning_mgpu.launch import HybridMultiProcessingLauncher
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
-from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
@@ -50,9 +50,6 @@ if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
     from lightning.pytorch.accelerators import Accelerator
     from torch.distributed.device_mesh import DeviceMesh
-
-_StartMethod = Literal["auto", "popen", "fork", "spawn", "forkserver"]
-
 
 class HybridStrategy(ParallelStrategy):
     """Data, tensor and pipeline parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
@@ -83,8 +80,8 @@ class HybridStrategy(ParallelStrategy):
         checkpoint_format: str = "sharded",
         async_checkpoint: bool = False,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: _StartMethod = "auto",
+        timeout: Optional[Union[timedelta, int, float]] = default_pg_timeout,
+        start_method: StartMethod = "auto",
         accelerator: Optional["Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional["ClusterEnvironment"] = None,
@@ -98,7 +95,8 @@ class HybridStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        # Validate everything that does not need the world size now, before any process is started.
+        # Validate everything that does not need the world size now, before any process is started; the rest when
+        # the Trainer is built (`set_world_ranks`, the `precision_plugin` setter), still in the launching process.
         self._requested_sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage)
         ParallelLayout.resolve(minimum_world_size(*self._requested_sizes[:3]), *self._requested_sizes)
         self.options = ParallelOptions(
@@ -116,13 +114,10 @@ class HybridStrategy(ParallelStrategy):
             async_checkpoint=async_checkpoint,
         )
         self.options.check_implemented()
-        self.options.check_sizes(zero_stage, tensor_parallel_size)
-        if start_method not in ("auto", "popen", "fork", "spawn", "forkserver"):
-            raise ValueError(
-                f"`start_method` must be one of 'auto', 'popen', 'fork', 'spawn', 'forkserver', got {start_method!r}."
-            )
+        self.options.check_sizes(zero_stage, tensor_parallel_size, pipeline_parallel_size)
+        self._launch_options = LaunchOptions(process_group_backend, timeout, start_method)
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = self._launch_options.timeout
         self._start_method = start_method
         self._layout: Optional[ParallelLayout] = None
         self._device_mesh: Optional["DeviceMesh"] = None
@@ -189,6 +184,23 @@ class HybridStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         if self.num_processes:
             self._layout = ParallelLayout.resolve(self.num_nodes * self.num_processes, *self._requested_sizes)
+            self._check_layout(self._layout)
+
+    def _check_layout(self, layout: ParallelLayout) -> None:
+        """What needs the resolved sizes and the Trainer's devices: raised here, in the launching process."""
+        names = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
+        auto = tuple(name for name, size in zip(names, self._requested_sizes) if size == "auto")
+        self.options.check_sizes(layout.zero_stage, layout.tensor_parallel_size, layout.pipeline_parallel_size, auto)
+        assert self.parallel_devices is not None
+        self._launch_options.check_device(self.parallel_devices[0].type)
+        self.precision_plugin.check_layout(layout.tensor_parallel_size)
+        tp = layout.tensor_parallel_size
+        if self.num_nodes > 1 and self.num_processes % tp:
+            rank_zero_warn(
+                f"tensor_parallel_size={tp} does not divide the {self.num_processes} devices of a node, so some"
+                " tensor-parallel groups span nodes and their per-layer collectives cross the network. Choose a"
+                f" tensor_parallel_size that divides {self.num_processes} to keep them within a node."
+            )
 
     @property  # type: ignore[override]
     @override
@@ -202,7 +214,12 @@ class HybridStrategy(ParallelStrategy):
     @override
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         # Lightning turns Trainer(precision="16-mixed") into bf16-mixed on CPU; we run real fp16 there.
-        self._precision_plugin = HybridPrecision.honour_trainer_flag(precision_plugin, self.accelerator)
+        plugin = HybridPrecision.honour_trainer_flag(precision_plugin, self.accelerator)
+        if plugin is not None and not isinstance(plugin, HybridPrecision):
+            # Translated when handed over (at Trainer construction), so that a precision HybridPrecision cannot run
+            # fails before launch; the getter sets the device type once the devices are known.
+            plugin = HybridPrecision.from_lightning(plugin, getattr(plugin, "device", None) or "cpu")
+        self._precision_plugin = plugin
 
     # ---------------------------------------------------------------------------------------------- launch / setup
     @override
@@ -273,8 +290,9 @@ class HybridStrategy(ParallelStrategy):
                 self.lightning_module, pipeline, self.options.pipeline_schedule, self.options.num_microbatches,
                 pp_mesh.get_group(), self.root_device,
             )
-            # Stages hold disjoint parameters: gradient norms add up over the pipeline group.
+            # Stages hold disjoint parameters (tied copies aside): gradient norms add up over the pipeline group.
             self.precision_plugin.grad_norm_group = pp_mesh.get_group()
+            self.precision_plugin.grads_counted_elsewhere = self._pipeline.grads_counted_elsewhere
             # 16-mixed: the schedule runs backward, so it scales each microbatch's loss with the job's scaler.
             self._pipeline.grad_scaler = self.precision_plugin.scaler
         return runner
@@ -374,11 +392,15 @@ class HybridStrategy(ParallelStrategy):
         """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
         for root in self._data_parallel_roots:
             set_gradient_sync(root, False)
+        if self._pipeline is not None:
+            self._pipeline.sync_gradients = False
         try:
             yield
         finally:
             for root in self._data_parallel_roots:
                 set_gradient_sync(root, True)
+            if self._pipeline is not None:
+                self._pipeline.sync_gradients = True
 
     # ------------------------------------------------------------------------------------------------ collectives
     def _data_parallel_group(self, group: Optional[Any]) -> Optional[Any]:

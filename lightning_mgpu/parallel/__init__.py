@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from torch import nn
 from typing_extensions import override
 
-from lightning_mgpu.layout import DP_AXIS, PP_AXIS, TP_AXIS, ParallelLayout
+from lightning_mgpu.layout import DP_AXIS, TP_AXIS, ParallelLayout
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
 from lightning_mgpu.parallel.data import apply_data_parallel
 from lightning_mgpu.parallel.pipeline import PipelineRuntime, split_pipeline
@@ -45,7 +45,7 @@ def parallelize(
         apply_activation_checkpointing(module, options.activation_checkpointing)
     runtime = None
     if layout.pipeline_parallel_size > 1:
-        runtime = split_pipeline(module, mesh[PP_AXIS], options)
+        runtime = split_pipeline(module, mesh, options)
     offload_policy = None
     if options.cpu_offload:
         from torch.distributed.fsdp import CPUOffloadPolicy

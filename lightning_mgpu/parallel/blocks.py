@@ -1,4 +1,8 @@
-"""Find the repeated blocks of a model: the unit of FSDP sharding, pipeline stages and activation checkpointing."""
+"""A model's structure as the parallelizers see it.
+
+Its repeated blocks (the unit of FSDP sharding, pipeline stages and activation checkpointing) and its tied
+weights (one Parameter held by several modules, which every split must keep one weight).
+"""
 
 from __future__ import annotations
 
@@ -28,3 +32,12 @@ def find_blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``module``, in order; empty when it has none."""
     found = find_block_container(module)
     return [] if found is None else list(found[1])
+
+
+def tied_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module name, parameter name) that hold one and the same Parameter (tied weights)."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for name, child in module.named_modules():
+        for param_name, param in child.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((name, param_name))
+    return [group for group in holders.values() if len(group) > 1]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Set as AbstractSet
 from typing import Any, Optional
 
 import torch
@@ -12,17 +12,20 @@ from torch.distributed.tensor import DTensor
 
 
 def total_grad_norm(
-    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, cross_stage_group: Optional[Any] = None
+    parameters: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    cross_stage_group: Optional[Any] = None,
+    counted_elsewhere: AbstractSet[int] = frozenset(),
 ) -> torch.Tensor:
     """The global ``norm_type``-norm of all gradients.
 
     DTensor gradients (sharded by FSDP2 or tensor parallel) are reduced by DTensor itself, one collective per
     distinct (mesh, placements); ``cross_stage_group`` sums the contributions of different pipeline stages, which
-    hold disjoint parameters.
+    hold disjoint parameters but for tied copies, whose ``id``s in ``counted_elsewhere`` another stage counts.
     """
     by_layout: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for param in parameters:
-        if param.grad is not None:
+        if param.grad is not None and id(param) not in counted_elsewhere:
             grad = param.grad
             key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
             by_layout[key].append(grad)
@@ -45,10 +48,11 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     cross_stage_group: Optional[Any] = None,
+    counted_elsewhere: AbstractSet[int] = frozenset(),
 ) -> torch.Tensor:
     """Scale gradients in place so that their global norm is at most ``max_norm``; return the norm before."""
     parameters = list(parameters)
-    total = total_grad_norm(parameters, norm_type, cross_stage_group)
+    total = total_grad_norm(parameters, norm_type, cross_stage_group, counted_elsewhere)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for param in parameters:
         if param.grad is None:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightning_mgpu.layout import PP_AXIS
 from lightning_mgpu.parallel.blocks import find_block_container
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -237,6 +238,20 @@ class _Unreachable(nn.Module):
         raise RuntimeError("lightning-mgpu: a pipeline stage ran past its last block; please report this.")
 
 
+def _keep_tied_names(module: nn.Module, standins: list[tuple[nn.Module, nn.Module]]) -> None:
+    """Stand-ins keep the tied weights their modules shared with modules this rank kept, under the same names.
+
+    So a tied weight has all its names on every rank that holds it, as in one process: state-dict and optimizer
+    keys match a single-process checkpoint (one optimizer state under its first name), and a data-parallel wrap
+    of the stage replaces the Parameter under every name at once.
+    """
+    kept = {id(p) for p in module.parameters()}
+    for standin, original in standins:
+        for name, param in original.named_parameters(recurse=False):
+            if id(param) in kept:
+                standin.register_parameter(name, param)
+
+
 def _replace(module: nn.Module, fqn: str, new: nn.Module) -> None:
     parent_name, _, name = fqn.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
@@ -336,25 +351,36 @@ class PipelineRuntime:
         self.trial_output: Any = None  # the last stage's output in torch's shape-inference trial
         self.inferring = False
         self.active: Optional[Stage] = None
+        self.tied_gradients: Optional[Any] = None  # TiedGradients, set by `split_pipeline`
         owns_first, owns_last = 0 in my_stages, num_stages - 1 in my_stages
         container = module.get_submodule(split.container_fqn)
         mine = {i for s in my_stages for i in split.blocks_of(s)}
+        standins: list[tuple[nn.Module, nn.Module]] = []  # (stand-in, the module it replaced)
         for index in range(split.num_blocks):
             if index in mine:
                 _gate(container[index], index, self)
             else:
-                container[index] = _PassThrough()
+                standins.append((_PassThrough(), container[index]))
+                container[index] = standins[-1][0]
         for fqn in split.before:
             if not owns_first:
-                _replace(module, fqn, _Placeholder(module.get_submodule(fqn)))
+                standins.append((_Placeholder(module.get_submodule(fqn)), module.get_submodule(fqn)))
+                _replace(module, fqn, standins[-1][0])
         for fqn in split.after:
             if not owns_last:
-                _replace(module, fqn, _Unreachable())
+                standins.append((_Unreachable(), module.get_submodule(fqn)))
+                _replace(module, fqn, standins[-1][0])
+        _keep_tied_names(module, standins)
         self.stages = []
         for stage in my_stages:
             ends = [module.get_submodule(f) for f in (split.before if stage == 0 else [])]
             ends += [module.get_submodule(f) for f in (split.after if stage == num_stages - 1 else [])]
             self.stages.append(Stage(self, stage, [container[i] for i in split.blocks_of(stage)], ends))
+        for standin, _ in standins:  # a stand-in holding a tied weight goes with the stage that uses the weight
+            held = list(standin.parameters(recurse=False))
+            stage = next((s for s in self.stages if any(p is held[0] for p in s.owned.parameters())), None) if held else None
+            if stage is not None:
+                stage.owned.append(standin)
 
     def start_step(self, calls: list[NetworkCall]) -> None:
         self.calls, self.outputs = calls, {}
@@ -362,14 +388,19 @@ class PipelineRuntime:
             stage.reset()
 
 
-def split_pipeline(module: nn.Module, pp_mesh: Any, options: Any) -> PipelineRuntime:
-    """Keep this rank's stages of ``module`` (in place) and return them."""
-    per_rank = stages_per_rank(options.pipeline_schedule, options.stages_per_rank)
+def split_pipeline(module: nn.Module, mesh: Any, options: Any) -> PipelineRuntime:
+    """Keep this rank's stages of ``module`` (in place) and return them. Collective over the whole ``mesh``."""
+    from lightning_mgpu.parallel.pipeline_ties import TiedGradients, find_cross_stage_ties
+
+    schedule, pp_mesh = options.pipeline_schedule, mesh[PP_AXIS]
+    per_rank = stages_per_rank(schedule, options.stages_per_rank)
     pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     num_stages = pp_size * per_rank
     split = plan_split(module, num_stages, options.pipeline_split)
-    return PipelineRuntime(module, split, stage_indices(options.pipeline_schedule, pp_rank, pp_size, per_rank),
-                           num_stages)
+    ties = find_cross_stage_ties(module, split, [stage_owner(schedule, s, pp_size, per_rank) for s in range(num_stages)])
+    runtime = PipelineRuntime(module, split, stage_indices(schedule, pp_rank, pp_size, per_rank), num_stages)
+    runtime.tied_gradients = TiedGradients(ties, mesh, pp_rank)
+    return runtime
 
 
 def _gate(block: nn.Module, index: int, runtime: PipelineRuntime) -> None:

@@ -78,6 +78,8 @@ class PipelineEngine:
         self._mode = "idle"
         self._zero_loss = False
         self.gradients_pending = False
+        # False on the non-final micro-steps of gradient accumulation (the strategy's `block_backward_sync`).
+        self.sync_gradients = True
         self._replay_calls = 0
         self._schedules: dict[Any, Any] = {}
         self._replanned: set[tuple[int, int]] = set()
@@ -162,6 +164,8 @@ class PipelineEngine:
         losses: list = []
         schedule = self._schedule(plan, microbatches, training=True)
         schedule.step(*self._stage_inputs(count), **self._targets(count), losses=losses, return_outputs=False)
+        if self.sync_gradients and self.runtime.tied_gradients:
+            self.runtime.tied_gradients.sum_gradients(self.module)
         loss = torch.stack([l.detach() for l in losses]).mean() / self._loss_scale if losses else None
         if loss is not None and self.grad_scaler is not None:
             loss = loss / self.grad_scaler.get_scale()
@@ -275,6 +279,11 @@ class PipelineEngine:
         for name, (metric_name, kwargs) in metric_logs.items():
             self.module.log(name, self.relay.metrics[metric_name], **kwargs)
         return result
+
+    def grads_counted_elsewhere(self) -> set[int]:
+        """This rank's tied copies whose gradients another stage counts in norms (see ``pipeline_ties``)."""
+        ties = self.runtime.tied_gradients
+        return ties.counted_elsewhere(self.module) if ties else set()
 
     def guard_zero_grad(self, optimizer: Any) -> None:
         """Keep Lightning's post-``training_step`` ``zero_grad`` from erasing the gradients the schedule made."""

@@ -32,10 +32,10 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 
+from lightning_mgpu.parallel.blocks import tied_parameters
 from lightning_mgpu.parallel.tensor_plan import (
     _is_projection,
     _match,
-    _tied_parameters,
     _with_vocab_parallel_head,
     auto_plan,
 )
@@ -274,7 +274,7 @@ def apply_tensor_parallel(
     _check_divisible(module, matched, tp)
     styles = {fqn: style(name, sequence_parallel) for fqn, name in matched.items()}
     _share_inputs(module, matched, styles)
-    tied = _tied_parameters(module)
+    tied = tied_parameters(module)
     parallelize_module(module, tp_mesh, {fqn: s for fqn, s in styles.items() if s is not None})
     _localize_attention(module, matched, tp)
     if sequence_parallel:

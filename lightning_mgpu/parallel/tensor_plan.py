@@ -10,7 +10,7 @@ import fnmatch
 
 from torch import nn
 
-from lightning_mgpu.parallel.blocks import find_block_container
+from lightning_mgpu.parallel.blocks import find_block_container, tied_parameters
 
 # Leaf names of projections in GPT-style blocks (nanoGPT, litgpt, GPT-2, Llama-likes without a HF plan).
 _FUSED_QKV = ("c_attn", "qkv", "qkv_proj", "Wqkv")
@@ -157,21 +157,12 @@ def _with_vocab_parallel_head(module: nn.Module, plan: dict[str, str]) -> dict[s
         )
     # A head tied to the input embedding: shard the embedding over the vocabulary too, so the two stay one weight.
     heads = {name for name, s in _match(module, plan).items() if s == "colwise_loss_parallel"}
-    for group in _tied_parameters(module):
+    for group in tied_parameters(module):
         if any(name in heads for name, _ in group):
             for name, _ in group:
                 if isinstance(module.get_submodule(name), nn.Embedding) and name not in _match(module, plan):
                     plan[name] = "embedding_rowwise"
     return plan
-
-
-def _tied_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
-    """Groups of (module name, parameter name) that hold one and the same Parameter (tied weights)."""
-    holders: dict[int, list[tuple[str, str]]] = {}
-    for name, child in module.named_modules():
-        for param_name, param in child.named_parameters(recurse=False):
-            holders.setdefault(id(param), []).append((name, param_name))
-    return [group for group in holders.values() if len(group) > 1]
 
 
 def _is_norm(module: nn.Module) -> bool:
