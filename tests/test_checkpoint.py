@@ -439,6 +439,53 @@ def test_loading_names_missing_entries_and_respects_strict(uninterrupted, tmp_pa
         Checkpointer().load(tmp_path / "broken.ckpt", plain, [], fitting=False)
 
 
+def _gpt_of(n_layer: int = 4, n_embd: int = 32, strict: bool = True):
+    def make():
+        module = _gpt(n_layer=n_layer, n_embd=n_embd)
+        module.strict_loading = strict
+        return module
+
+    return make
+
+
+def _resume_other_models(directory: Path, strategy_kwargs: dict, devices: int) -> dict[str, Any]:
+    """One job: a 4-layer GPT saves; a 2-layer one resumes strictly (an error), then with `strict_loading=False`;
+    a wider one resumes (an error). Every rank reports the error it raised."""
+    def run(module, steps: int = 2, **kwargs: Any) -> Any:
+        try:
+            return _fit_worker(module, _sonnets(GLOBAL_BATCH), strategy_kwargs, devices, steps, 1234, {}, None,
+                               **kwargs)["losses"]
+        except CheckpointError as error:
+            return str(error)
+
+    ckpt = directory / "four_layers.ckpt"
+    run(_gpt_of(4), 1, after_fit=lambda trainer: trainer.save_checkpoint(ckpt))
+    return {
+        "fewer_layers": run(_gpt_of(2), fit_kwargs={"ckpt_path": str(ckpt)}),
+        "fewer_layers_not_strict": run(_gpt_of(2, strict=False), fit_kwargs={"ckpt_path": str(ckpt)}),
+        "wider": run(_gpt_of(4, n_embd=48), fit_kwargs={"ckpt_path": str(ckpt)}),
+    }
+
+
+@pytest.mark.parametrize("layout", [{"zero_stage": 3}, {"pipeline_parallel_size": 2}], ids=["dp2-zero3", "pp2"])
+def test_a_checkpoint_that_does_not_fit_the_model_fails_early_naming_why(tmp_path, layout):
+    """Checked from the checkpoint's index before any data is read; under pipeline parallelism the entries of
+    other stages are not "unexpected"; every rank raises the same short message."""
+    reports = run_distributed(_resume_other_models, 2, tmp_path, layout, 2)
+    for report in reports:
+        fewer = report["fewer_layers"]
+        assert isinstance(fewer, str) and fewer == reports[0]["fewer_layers"], fewer
+        assert re.search(r"four_layers\.ckpt does not fit the model: it has 24 entries the model does not have:"
+                         r" model\.transformer\.h\.2\.\*, model\.transformer\.h\.3\.\* \(set `strict_loading = False`",
+                         fewer), fewer
+        assert isinstance(report["fewer_layers_not_strict"], list) and len(report["fewer_layers_not_strict"]) == 1
+        wider = report["wider"]
+        assert isinstance(wider, str) and len(wider) < 600, wider
+        assert re.search(r"shapes differ: model\.transformer\.wte\.weight is \[\d+, 48\] in the model, \[\d+, 32\] in"
+                         r" the checkpoint", wider), wider
+        assert "strict_loading" not in wider  # no escape from a shape mismatch
+
+
 def test_fast_forward_skips_indices_of_map_style_data_and_batches_of_iterables():
     from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -472,10 +519,10 @@ def test_async_checkpoint_needs_the_sharded_format():
         HybridStrategy(async_checkpoint=True, checkpoint_format="full")
 
 
-def _gpt():
+def _gpt(n_layer: int = 2, n_embd: int = 32):
     from lightning_mgpu.demo import GPTLightningModule
 
-    return GPTLightningModule(block_size=32, n_layer=2, n_head=4, n_embd=32, lr=1e-3)
+    return GPTLightningModule(block_size=32, n_layer=n_layer, n_head=4, n_embd=n_embd, lr=1e-3)
 
 
 def _sonnets(batch: int):

@@ -241,17 +241,15 @@ def load_states(
     """Fill ``model`` and ``optimizers`` from ``reader`` (resharding to the current layout). Collective.
 
     Only entries the checkpoint has are requested, so what is missing is named here instead of failing deep
-    inside DCP: model entries (an error when ``strict``), a whole optimizer (an error: nothing to resume), some
-    states of a parameter (an error: corrupt), or every state of a parameter (fine: the parameter had none yet).
+    inside DCP: model entries and entries the model lacks (errors when ``strict``, see :func:`check_model_fits`),
+    a whole optimizer (an error: nothing to resume), some states of a parameter (an error: corrupt), or every
+    state of a parameter (fine: the parameter had none yet).
     """
-    available = set(reader.read_metadata().state_dict_metadata)
+    index = reader.read_metadata().state_dict_metadata
+    available = set(index)
     model_sd = model_state(model)
+    check_model_fits(index, model_sd, strict, where)
     missing = [k for k in model_sd if f"{MODEL_KEY}.{k}" not in available]
-    if missing and strict:
-        raise CheckpointError(
-            f"{where} has no entry for {len(missing)} of the model's {len(model_sd)} parameters and buffers:"
-            f" {_some(missing)}. Set `strict_loading = False` on the LightningModule to load the others."
-        )
     request: dict[str, Any] = {MODEL_KEY: {k: v for k, v in model_sd.items() if k not in set(missing)}}
     templates, stateless = [], []
     for i, optimizer in enumerate(optimizers):
@@ -301,6 +299,68 @@ def _params_without_saved_state(
     if not without:
         return set()
     return {param for param, names in _fqns_of(model).items() if without.intersection(names)}
+
+
+def check_model_fits(index: dict[str, Any], model_sd: dict[str, Any], strict: bool, where: str) -> None:
+    """Compare the model with the checkpoint's index before reading any data, on every rank together. Collective.
+
+    Shapes are global (a DTensor's ``shape``) on both sides, so every layout compares alike. A rank holds only
+    its pipeline stage's entries: what the checkpoint has beyond the model is judged against the union of every
+    rank's entries, and all ranks raise the same error if any rank finds a problem (none waits in a collective).
+    """
+    saved = {key[len(MODEL_KEY) + 1:]: value for key, value in index.items() if key.startswith(MODEL_KEY + ".")}
+    mismatched = [
+        f"{key} is {list(value.shape)} in the model, {list(saved[key].size)} in the checkpoint"
+        for key, value in model_sd.items()
+        if isinstance(value, torch.Tensor) and hasattr(saved.get(key), "size") and value.shape != saved[key].size
+    ]
+    missing = [key for key in model_sd if key not in saved] if strict else []
+    reports = _union_over_ranks({"keys": list(model_sd), "missing": missing, "mismatched": mismatched})
+    held = list(dict.fromkeys(key for report in reports for key in report["keys"]))
+    unexpected = [key for key in saved if key not in set(held)] if strict else []
+    missing = list(dict.fromkeys(key for report in reports for key in report["missing"]))
+    mismatched = list(dict.fromkeys(line for report in reports for line in report["mismatched"]))
+    problems = []
+    if missing:
+        problems.append(f"it has no entry for {len(missing)} of the model's {len(held)} parameters and buffers:"
+                        f" {_some(_by_block(missing, held))}")
+    if unexpected:
+        problems.append(f"it has {len(unexpected)} entries the model does not have:"
+                        f" {_some(_by_block(unexpected, list(saved)))}")
+    if missing or unexpected:
+        problems[-1] += " (set `strict_loading = False` on the LightningModule to load only the entries both have)"
+    if mismatched:
+        problems.append(f"shapes differ: {_some(mismatched, 4)}")
+    if problems:
+        raise CheckpointError(f"{where} does not fit the model: {'; '.join(problems)}.")
+
+
+def _union_over_ranks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [report]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report)
+    return gathered
+
+
+def _by_block(keys: list[str], among: list[str]) -> list[str]:
+    """``model.layers.2.*`` when every entry of that numbered block (of ``among``) is listed; other keys as is."""
+
+    def block(key: str) -> str:
+        parts = key.split(".")
+        cut = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
+        return key if cut is None else ".".join(parts[: cut + 1]) + ".*"
+
+    sizes = defaultdict(int)
+    for key in among:
+        sizes[block(key)] += 1
+    listed: dict[str, list[str]] = defaultdict(list)
+    for key in keys:
+        listed[block(key)].append(key)
+    shown = []
+    for name, members in listed.items():
+        shown += [name] if len(members) > 1 and len(members) == sizes[name] else members
+    return shown
 
 
 def _some(keys: list[str], limit: int = 8) -> str:
