@@ -1,12 +1,30 @@
-"""The strategy's non-size options, validated once, before any process starts."""
+"""The strategy's non-size options, validated once, before any process starts.
+
+The rule for options that act along one parallel dimension only (``sequence_parallel``, ``loss_parallel`` and
+``tp_plan`` along tensor parallelism; ``pipeline_schedule``, ``num_microbatches``, ``stages_per_rank`` and
+``pipeline_split`` along pipeline parallelism): set to anything but its default while that dimension has size 1,
+the option is *refused*, naming the option, the dimension and both fixes. Whoever set it expected an effect, and a
+silently ignored option hides a mistake in the layout. Defaults never trigger it. A size given as ``"auto"`` is
+checked once it is resolved, when the ``Trainer`` is built.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union, get_args
 
+from lightning_mgpu.parallel.pipeline import (
+    LOOP_SCHEDULES,
+    SINGLE_STAGE_SCHEDULES,
+    V_SCHEDULES,
+    microbatch_count_error,
+)
+from lightning_mgpu.parallel.pipeline import stages_per_rank as resolve_stages_per_rank
 
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+PIPELINE_SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOP_SCHEDULES + V_SCHEDULES
+StartMethod = Literal["auto", "popen", "fork", "spawn", "forkserver"]
+START_METHODS = get_args(StartMethod)
 ZERO_BACKENDS = ("torch", "deepspeed")
 CHECKPOINT_FORMATS = ("sharded", "full")
 ACTIVATION_CHECKPOINTING = (False, True, "full", "selective")
@@ -41,6 +59,11 @@ class ParallelOptions:
         if isinstance(self.tp_plan, dict):
             from lightning_mgpu.parallel.tensor_plan import STYLE_NAMES
 
+            not_globs = [glob for glob in self.tp_plan if not isinstance(glob, str) or not glob]
+            if not_globs:
+                raise ValueError(
+                    f"`tp_plan` keys are module-name globs (str, e.g. 'model.layers.*.mlp.up_proj'), got {not_globs}."
+                )
             unknown = {glob: s for glob, s in self.tp_plan.items() if s not in STYLE_NAMES}
             if unknown:
                 raise ValueError(f"`tp_plan` has unknown styles {unknown}; use one of {list(STYLE_NAMES)}.")
@@ -54,10 +77,11 @@ class ParallelOptions:
         if self.stages_per_rank is not None and not _positive_int(self.stages_per_rank):
             raise ValueError(f"`stages_per_rank` must be a positive integer or None, got {self.stages_per_rank!r}.")
         ac = self.activation_checkpointing
-        if not (ac in ACTIVATION_CHECKPOINTING or (isinstance(ac, (list, tuple)) and all(isinstance(c, type) for c in ac))):
+        classes = isinstance(ac, (list, tuple)) and len(ac) > 0 and all(isinstance(c, type) for c in ac)
+        if not (classes or (not isinstance(ac, (list, tuple)) and ac in ACTIVATION_CHECKPOINTING)):
             raise ValueError(
-                f"`activation_checkpointing` must be False, True, 'full', 'selective' or a list of module classes,"
-                f" got {ac!r}."
+                f"`activation_checkpointing` must be False, True, 'full', 'selective' or a non-empty list of module"
+                f" classes (e.g. [MyBlock]), got {ac!r}."
             )
         for name in ("sequence_parallel", "loss_parallel", "cpu_offload", "async_checkpoint"):
             if not isinstance(getattr(self, name), bool):
@@ -66,6 +90,23 @@ class ParallelOptions:
             raise ValueError(
                 "`async_checkpoint=True` writes sharded checkpoints in the background and needs"
                 f" `checkpoint_format='sharded'`, got {self.checkpoint_format!r}."
+            )
+        self._check_stages_per_rank()
+
+    def _check_stages_per_rank(self) -> None:
+        """``stages_per_rank`` against the schedule's stage placement (torch 2.13's schedules' own rules)."""
+        schedule, per_rank = self.pipeline_schedule, self.stages_per_rank
+        if schedule in SINGLE_STAGE_SCHEDULES and per_rank not in (None, 1):
+            raise ValueError(
+                f"`stages_per_rank={per_rank}` needs a multi-stage schedule, but pipeline_schedule={schedule!r} runs"
+                f" one stage per rank. Choose one of {', '.join(map(repr, LOOP_SCHEDULES))} (any number of stages per"
+                f" rank) or {', '.join(map(repr, V_SCHEDULES))} (two), or remove stages_per_rank."
+            )
+        if schedule in V_SCHEDULES and per_rank not in (None, 2):
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} places exactly two stages on each rank (a V), got"
+                f" `stages_per_rank={per_rank}`. Remove stages_per_rank (or set it to 2), or choose one of"
+                f" {', '.join(map(repr, LOOP_SCHEDULES))} for {per_rank} stages per rank."
             )
 
     def check_implemented(self) -> None:
@@ -80,18 +121,139 @@ class ParallelOptions:
                 " for what is available. Remove the argument(s) to train with data parallelism and ZeRO."
             )
 
-    def check_sizes(self, zero_stage: int, tensor_parallel_size: Any) -> None:
-        """Options that need a given ZeRO stage or tensor-parallel size."""
-        if self.loss_parallel and tensor_parallel_size == 1:
-            raise ValueError(
-                "`loss_parallel=True` keeps the LM head's logits sharded over the vocabulary across tensor-parallel"
-                " ranks and needs tensor_parallel_size > 1, got 1. Set tensor_parallel_size or drop loss_parallel."
-            )
+    def check_sizes(
+        self, zero_stage: int, tensor_parallel_size: Any, pipeline_parallel_size: Any, auto: tuple[str, ...] = ()
+    ) -> None:
+        """Options that need a given ZeRO stage or parallel size (see the module docstring for the rule).
+
+        Sizes still ``"auto"`` are skipped: the strategy calls this again with the resolved sizes, naming in
+        ``auto`` those that were resolved from ``"auto"``.
+        """
+        sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
+        defaults = {f.name: f.default for f in fields(self)}
+        for dimension, options in _DIMENSION_OPTIONS.items():
+            size = sizes[dimension]
+            if size != 1:
+                continue
+            for name, purpose in options.items():
+                value = getattr(self, name)
+                if value != defaults[name]:
+                    resolved = f" ({dimension}='auto' resolved to 1)" if dimension in auto else ""
+                    raise ValueError(
+                        f"`{name}={value!r}` {purpose} and needs {dimension} > 1, got 1{resolved}. Set {dimension}"
+                        f" > 1, or remove `{name}`."
+                    )
         if self.cpu_offload and zero_stage != 3:
             raise ValueError(
                 f"`cpu_offload=True` offloads sharded parameters, gradients and optimizer states (FSDP2's"
-                f" CPUOffloadPolicy) and needs zero_stage=3, got zero_stage={zero_stage}."
+                f" CPUOffloadPolicy) and needs zero_stage=3, got zero_stage={zero_stage}. Set zero_stage=3, or"
+                f" remove cpu_offload."
             )
+        if self.num_microbatches is not None and _positive_int(pipeline_parallel_size) and pipeline_parallel_size > 1:
+            self._check_microbatches(pipeline_parallel_size)
+
+    def _check_microbatches(self, pp_size: int) -> None:
+        """A ``num_microbatches`` the schedule can never run, whatever the batch size, is refused up front."""
+        schedule = self.pipeline_schedule
+        num_stages = pp_size * resolve_stages_per_rank(schedule, self.stages_per_rank)
+        why = microbatch_count_error(schedule, self.num_microbatches, pp_size, num_stages)  # type: ignore[arg-type]
+        if why is not None:
+            raise ValueError(
+                f"`num_microbatches={self.num_microbatches}` cannot run with pipeline_parallel_size={pp_size}: {why}."
+                f" Set num_microbatches={num_stages} (one per stage, the default when it is not given) or another"
+                f" count the schedule runs, or choose another pipeline_schedule."
+            )
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How the processes start and meet: checked here, since a bad value would fail in every worker at once."""
+
+    process_group_backend: Optional[str] = None
+    timeout: Optional[Union[timedelta, int, float]] = None
+    start_method: StartMethod = "auto"
+
+    def __post_init__(self) -> None:
+        _one_of("start_method", self.start_method, START_METHODS)
+        # torch's init_process_group takes a timedelta only; seconds as a number are accepted and converted.
+        object.__setattr__(self, "timeout", _timeout(self.timeout))
+        if self.process_group_backend is not None:
+            _check_backend(self.process_group_backend)
+
+    def check_device(self, device_type: str) -> None:
+        """A backend that has no collectives for the Trainer's devices (known when the Trainer is built)."""
+        for device, name in _backend_parts(self.process_group_backend or ""):
+            supported = _DEVICE_ONLY_BACKENDS.get(name)
+            if device is None and supported is not None and device_type != supported:
+                raise ValueError(
+                    f"`process_group_backend={self.process_group_backend!r}` runs collectives on {supported} devices"
+                    f" only, but the Trainer's devices are {device_type}. Use 'gloo' on CPU, or remove"
+                    " process_group_backend to get the devices' default."
+                )
+
+
+# Backends whose collectives exist for one device type only.
+_DEVICE_ONLY_BACKENDS = {"nccl": "cuda", "xccl": "xpu"}
+
+
+def _timeout(value: Any) -> Optional[timedelta]:
+    if value is None or isinstance(value, timedelta):
+        seconds = None if value is None else value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ValueError(
+            f"`timeout` must be a datetime.timedelta or a number of seconds, got {value!r}."
+            " Pass e.g. timeout=timedelta(minutes=30) (or timeout=1800)."
+        )
+    if seconds is not None and not 0 < seconds < timedelta.max.total_seconds():
+        raise ValueError(f"`timeout` must be positive and finite, got {value!r}. Pass e.g. timeout=timedelta(minutes=30).")
+    return value if isinstance(value, timedelta) or value is None else timedelta(seconds=seconds)  # type: ignore[arg-type]
+
+
+def _backend_parts(backend: str) -> list[tuple[Optional[str], str]]:
+    """``'gloo'`` -> ``[(None, 'gloo')]``; torch's per-device form ``'cpu:gloo,cuda:nccl'`` -> one pair per device."""
+    parts = []
+    for part in backend.split(","):
+        device, _, name = part.strip().rpartition(":")
+        parts.append((device or None, name.lower()))
+    return parts
+
+
+def _check_backend(backend: Any) -> None:
+    import torch.distributed as dist
+
+    known = [name for name in dist.Backend.backend_list if name != dist.Backend.UNDEFINED]
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"`process_group_backend` must be one of {known} or None (the devices' default), got {backend!r}.")
+    for _, name in _backend_parts(backend):
+        if name not in known:
+            raise ValueError(
+                f"`process_group_backend={backend!r}`: {name!r} is not a torch.distributed backend. Use one of"
+                f" {known}, or remove process_group_backend to get the devices' default."
+            )
+        if not dist.is_backend_available(name):
+            available = [b for b in known if dist.is_backend_available(b)]
+            raise ValueError(
+                f"`process_group_backend={backend!r}`: this torch build has no {name!r} backend. Use one of"
+                f" {available}, or remove process_group_backend to get the devices' default."
+            )
+
+
+# Options that act along one parallel dimension only, and what they do there (the refusal's message).
+_DIMENSION_OPTIONS = {
+    "tensor_parallel_size": {
+        "tp_plan": "says how modules are sharded across tensor-parallel ranks",
+        "sequence_parallel": "shards activations along the sequence across tensor-parallel ranks",
+        "loss_parallel": "keeps the LM head's logits sharded over the vocabulary across tensor-parallel ranks",
+    },
+    "pipeline_parallel_size": {
+        "pipeline_schedule": "orders the forward and backward passes of pipeline stages",
+        "num_microbatches": "cuts each batch into microbatches for the pipeline schedule",
+        "stages_per_rank": "places several pipeline stages on each rank",
+        "pipeline_split": "says where pipeline stages begin",
+    },
+}
 
 
 def _one_of(name: str, value: Any, allowed: tuple) -> None:
