@@ -163,7 +163,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help()
         return 0
-    return args.run(args)
+    from lightning_mgpu.checkpoint import CheckpointError
+
+    try:
+        return args.run(args)
+    except (CheckpointError, FileNotFoundError) as error:  # a damaged or missing checkpoint: the message says it all
+        print(f"lightning-mgpu: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

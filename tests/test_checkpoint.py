@@ -402,10 +402,10 @@ def test_async_save_errors_surface_at_the_next_save(tmp_path):
     ("damage", "message"),
     [
         (lambda d: (d / "__1_0.distcp").unlink(), r"missing or damaged: __1_0\.distcp \(a data shard\)"),
-        (lambda d: os.truncate(d / "__0_0.distcp", 100), r"__0_0\.distcp is truncated \(100 of at least \d+ bytes\)"),
+        (lambda d: os.truncate(d / "__0_0.distcp", 100), r"__0_0\.distcp is damaged: truncated \(100 of \d+ bytes\)"),
         (lambda d: (d / "meta.pt").unlink(), r"meta\.pt \(the trainer state"),
         (lambda d: (d / ".metadata").unlink(), r"\.metadata \(DCP's index of the shards"),
-        (lambda d: os.truncate(d / ".metadata", 10), r"\.metadata is unreadable"),
+        (lambda d: os.truncate(d / ".metadata", 10), r"\.metadata is damaged: truncated \(10 of"),
     ],
     ids=["shard-missing", "shard-truncated", "meta-missing", "index-missing", "index-truncated"],
 )

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.trainer.states import RunningStage
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.optim import Optimizer
 
 from lightning_mgpu.checkpoint import format as fmt
@@ -48,12 +48,12 @@ def _all_gather_object(obj: Any) -> list[Any]:
     return gathered
 
 
-def _gather_object(obj: Any) -> list[Any]:
+def _gather_object(obj: Any, group: Optional[Any] = None) -> list[Any]:
     """Every rank's ``obj`` on global rank 0 (``[]`` elsewhere)."""
     if not _distributed():
         return [obj]
     gathered: Optional[list[Any]] = [None] * dist.get_world_size() if _rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
+    dist.gather_object(obj, gathered, dst=0, group=group)
     return gathered or []
 
 
@@ -96,21 +96,63 @@ def hf_models(module: nn.Module) -> dict[str, dict[str, str]]:
     return found
 
 
-class _PendingSave:
-    """An asynchronous save: DCP writes in a thread, then global rank 0 publishes the directory."""
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer, remembering the files this rank wrote, to checksum them."""
 
-    def __init__(self, future: Any, staging: Path, path: Path, publishes: bool) -> None:
+    written: list[str] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        self.written = sorted({result.storage_data.relative_path for result in future.wait()})
+        return future
+
+
+def _checksum_written(staging: Path, writer: _RecordingWriter) -> Any:
+    """This rank's part of the manifest: the records of the shards it wrote (from the page cache), or why not."""
+    try:
+        return {name: fmt.checksum(staging / name) for name in writer.written}
+    except OSError as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def _manifest(parts: list[Any], staging: Path) -> None:
+    """On global rank 0, once every rank's part is in: add the files rank 0 wrote last and write the manifest."""
+    failed = [(rank, part) for rank, part in enumerate(parts) if isinstance(part, str)]
+    if failed:
+        raise CheckpointError(f"checksumming the shards of rank {failed[0][0]} failed: {failed[0][1]}")
+    records = {name: record for part in parts for name, record in part.items()}
+    for name in (fmt.DCP_INDEX, fmt.METADATA_FILE):
+        records[name] = fmt.checksum(staging / name)
+    fmt.write_manifest(staging, records)
+
+
+class _PendingSave:
+    """An asynchronous save: DCP writes in a thread, every rank checksums its shards, then global rank 0 writes
+    the manifest and publishes the directory."""
+
+    def __init__(self, future: Any, staging: Path, path: Path, writer: _RecordingWriter, group: Any) -> None:
         self.path = path
         self._staging = staging
-        self._publishes = publishes
+        self._writer = writer
+        self._group = group
         self._error: Optional[BaseException] = None
         self._done = threading.Event()
         future.add_done_callback(self._finish)
 
     def _finish(self, future: Any) -> None:
         try:
-            future.result()
-            if self._publishes:
+            failure = None
+            try:
+                future.result()
+            except BaseException as error:
+                failure = error
+            # Every rank gathers exactly once, failed or not, so that none waits for another.
+            part = f"{type(failure).__name__}: {failure}" if failure else _checksum_written(self._staging, self._writer)
+            parts = _gather_object(part, self._group)
+            if failure is not None:
+                raise failure
+            if _rank() == 0:
+                _manifest(parts, self._staging)
                 fmt.publish(self._staging, self.path)
         except BaseException as error:  # surfaced by `wait`
             self._error = error
@@ -182,17 +224,21 @@ class Checkpointer:
             fmt.remove(staging)  # what an earlier interrupted save left
             staging.mkdir()
         _barrier()
+        writer = _RecordingWriter(staging)
         if self.async_save:
             if _rank() == 0:
                 fmt.write_file(meta, staging / fmt.METADATA_FILE)
-            future = dcp.async_save(state, checkpoint_id=staging, process_group=self._checkpoint_group())
-            self._pending = _PendingSave(future, staging, path, publishes=_rank() == 0)
+            group = self._checkpoint_group()
+            future = dcp.async_save(state, storage_writer=writer, checkpoint_id=staging, process_group=group)
+            self._pending = _PendingSave(future, staging, path, writer, group)
             return
-        dcp.save(state, checkpoint_id=staging)
+        dcp.save(state, storage_writer=writer, checkpoint_id=staging)
+        sharded = self.checkpoint_format == "sharded"  # a full file carries its own checksums
+        parts = _gather_object(_checksum_written(staging, writer) if sharded else {})
         error = None
         if _rank() == 0:
             try:
-                self._finish_on_rank_zero(staging, path, meta)
+                self._finish_on_rank_zero(staging, path, meta, parts)
             except Exception as caught:
                 error = caught
         # Nobody goes on (to load, delete, or exit) before the checkpoint is in place, and all fail together.
@@ -200,9 +246,10 @@ class Checkpointer:
         if failure is not None:
             raise CheckpointError(f"Saving {path} failed on global rank 0: {failure}") from error
 
-    def _finish_on_rank_zero(self, staging: Path, path: Path, meta: dict[str, Any]) -> None:
+    def _finish_on_rank_zero(self, staging: Path, path: Path, meta: dict[str, Any], parts: list[Any]) -> None:
         if self.checkpoint_format == "sharded":
             fmt.write_file(meta, staging / fmt.METADATA_FILE)
+            _manifest(parts, staging)
             fmt.publish(staging, path)
             return
         from lightning_mgpu.checkpoint.convert import consolidate_directory
@@ -247,6 +294,7 @@ class Checkpointer:
         self.wait(agree=True)
         path = _broadcast_path(filepath)
         fmt.check_exists(path)
+        _check_intact(path)
         optimizers = optimizers if fitting else []
         if path.is_dir():
             fmt.check_sharded(path)
@@ -279,6 +327,15 @@ class Checkpointer:
         # Lightning warns that a plain loader cannot resume mid-epoch; this one does.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         return resume.FastForward(dataloader, skip, epoch)
+
+
+def _check_intact(path: Path) -> None:
+    """Every rank verifies its share of the checkpoint's files; all raise if any file is damaged. Collective."""
+    world_size = dist.get_world_size() if _distributed() else 1
+    reports = _all_gather_object(fmt.verify(path, _rank(), world_size))
+    problems = list(dict.fromkeys(problem for report in reports for problem in report))
+    if problems:
+        raise CheckpointError(fmt.damage_report(problems))
 
 
 def _flatten_full(checkpoint: dict[str, Any], model: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:

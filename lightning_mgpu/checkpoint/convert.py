@@ -50,6 +50,7 @@ def consolidate_directory(path: Path, meta: dict[str, Any], weights_only: bool =
 def consolidate(path: Path, weights_only: bool = False, load_weights_only: Optional[bool] = None) -> dict[str, Any]:
     """A sharded directory (or a full file) as one Lightning checkpoint dict with plain ``state_dict`` keys."""
     fmt.check_exists(path)
+    fmt.check_intact(path)
     if not path.is_dir():
         full = fmt.load_file(path, load_weights_only)
         if weights_only:
