@@ -10,6 +10,7 @@ differences.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -418,6 +419,89 @@ def test_a_damaged_checkpoint_fails_naming_what_is_missing(uninterrupted, tmp_pa
     damage(path)
     with pytest.raises(CheckpointError, match=message):
         Checkpointer().load(path, ResumeModule(), [], fitting=False)
+
+
+def _save_both_formats(directory: Path) -> None:
+    """One job: a sharded checkpoint saved asynchronously at step 2, and a full file saved after `fit`."""
+    _fit_worker(ResumeModule, _data(2), {"zero_stage": 1, "async_checkpoint": True}, 2, 3, 1234, {},
+                lambda: [SaveAt(directory, (2,))])
+    _fit_worker(ResumeModule, _data(2), {"zero_stage": 1, "checkpoint_format": "full"}, 2, 2, 1234, {}, None,
+                after_fit=lambda trainer: trainer.save_checkpoint(directory / "full.ckpt"))
+
+
+def _resume_each(paths: list[Path]) -> list[str]:
+    """Every rank's error for each checkpoint (an empty string where it resumed)."""
+    messages = []
+    for path in paths:
+        try:
+            _fit_worker(ResumeModule, _data(2), {"zero_stage": 1}, 2, 4, 1234, {}, None,
+                        fit_kwargs={"ckpt_path": str(path)})
+            messages.append("")
+        except CheckpointError as error:
+            messages.append(str(error))
+    return messages
+
+
+def _flip_a_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(data)
+
+
+def test_a_flipped_byte_in_any_file_is_refused_naming_the_file(tmp_path, capsys):
+    """Resume (every rank refuses, none hangs), `inspect` and `consolidate` detect one flipped byte in a shard,
+    DCP's index, meta.pt, the manifest, and a full file; checkpoints without a manifest load with a warning."""
+    import shutil
+
+    run_distributed(_save_both_formats, 2, tmp_path)
+    sharded, full = tmp_path / "step2.ckpt", tmp_path / "full.ckpt"
+    assert sorted(json.loads((sharded / "manifest.json").read_text())["files"]) == sorted(
+        p.name for p in sharded.iterdir() if p.name != "manifest.json")
+    damaged = {}
+    for name in ("__1_0.distcp", ".metadata", "meta.pt", "manifest.json"):
+        damaged[name] = tmp_path / f"damaged{len(damaged)}.ckpt"
+        shutil.copytree(sharded, damaged[name])
+        _flip_a_byte(damaged[name] / name)
+    damaged["full.ckpt"] = tmp_path / "damaged" / "full.ckpt"
+    damaged["full.ckpt"].parent.mkdir()
+    shutil.copy(full, damaged["full.ckpt"])
+    _flip_a_byte(damaged["full.ckpt"])
+
+    reports = run_distributed(_resume_each, 2, [sharded, full, *damaged.values()])
+    for name, messages in zip(["intact", "intact", *damaged], zip(*reports)):
+        assert messages[0] == messages[1], messages  # every rank raised the same error
+        if name == "intact":
+            assert messages[0] == ""
+            continue
+        pattern = rf"^checkpoint file \S*{re.escape(name)} is damaged: .*\. It was not loaded"
+        assert re.search(pattern, messages[0]), (name, messages[0])
+        for command in (["inspect"], ["consolidate", "--trust"]):
+            capsys.readouterr()
+            out = [str(tmp_path / "out.ckpt")] if command[0] == "consolidate" else []
+            assert cli([command[0], str(damaged[name]), *out, *command[1:]]) == 1
+            error = capsys.readouterr().err
+            assert re.search(rf"^lightning-mgpu: error: checkpoint file \S*{re.escape(name)} is damaged", error), error
+            assert len(error.splitlines()) == 1, error
+    assert not (tmp_path / "out.ckpt").exists()
+
+    # A manifest that still parses but was altered fails its own checksum.
+    manifest = damaged["manifest.json"] / "manifest.json"
+    shutil.copy(sharded / "manifest.json", manifest)
+    manifest.write_text(manifest.read_text().replace('"size": ', '"size": 1', 1))
+    with pytest.raises(CheckpointError, match=r"manifest\.json is damaged: crc32 mismatch of its own content"):
+        Checkpointer().load(damaged["manifest.json"], ResumeModule(), [], fitting=False)
+    # Without the manifest: an error for a checkpoint of this version, a warning for one saved before manifests.
+    (damaged["manifest.json"] / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"manifest\.json is missing"):
+        Checkpointer().load(damaged["manifest.json"], ResumeModule(), [], fitting=False)
+    old = tmp_path / "old.ckpt"
+    shutil.copytree(sharded, old)
+    (old / "manifest.json").unlink()
+    meta = torch.load(old / "meta.pt", weights_only=False)
+    meta["lightning_mgpu"]["format_version"] = 1
+    torch.save(meta, old / "meta.pt")
+    with pytest.warns(UserWarning, match=r"old\.ckpt has no manifest\.json \(saved by an earlier version\)"):
+        Checkpointer().load(old, ResumeModule(), [], fitting=False)
 
 
 def test_loading_names_missing_entries_and_respects_strict(uninterrupted, tmp_path):
