@@ -99,14 +99,21 @@ class ParallelOptions:
         if schedule in SINGLE_STAGE_SCHEDULES and per_rank not in (None, 1):
             raise ValueError(
                 f"`stages_per_rank={per_rank}` needs a multi-stage schedule, but pipeline_schedule={schedule!r} runs"
-                f" one stage per rank. Choose one of {', '.join(map(repr, LOOP_SCHEDULES))} (any number of stages per"
+                f" one stage per rank. Choose one of {', '.join(map(repr, LOOP_SCHEDULES))} (2 or more stages per"
                 f" rank) or {', '.join(map(repr, V_SCHEDULES))} (two), or remove stages_per_rank."
             )
+        if schedule in LOOP_SCHEDULES and per_rank == 1:
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} loops over several stages per rank and needs stages_per_rank >= 2,"
+                f" got `stages_per_rank=1`. Choose 'GPipe' or '1F1B' for one stage per rank, or remove stages_per_rank"
+                " (default 2)."
+            )
         if schedule in V_SCHEDULES and per_rank not in (None, 2):
+            peers = SINGLE_STAGE_SCHEDULES if per_rank == 1 else LOOP_SCHEDULES
             raise ValueError(
                 f"pipeline_schedule={schedule!r} places exactly two stages on each rank (a V), got"
                 f" `stages_per_rank={per_rank}`. Remove stages_per_rank (or set it to 2), or choose one of"
-                f" {', '.join(map(repr, LOOP_SCHEDULES))} for {per_rank} stages per rank."
+                f" {', '.join(map(repr, peers))} for {per_rank} stage(s) per rank."
             )
 
     def check_implemented(self) -> None:

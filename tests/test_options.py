@@ -126,6 +126,11 @@ CASES = [
      r" Remove stages_per_rank"),
     ("dualpipev-one-stage", dict(pipeline_schedule="DualPipeV", stages_per_rank=1, **PP2), {}, "construct",
      r"pipeline_schedule='DualPipeV' places exactly two stages.*got `stages_per_rank=1`"),
+    ("looped-one-stage", dict(pipeline_schedule="LoopedBFS", stages_per_rank=1, **PP2), {}, "construct",
+     r"pipeline_schedule='LoopedBFS' loops over several stages per rank and needs stages_per_rank >= 2, got"
+     r" `stages_per_rank=1`\. Choose 'GPipe' or '1F1B'"),
+    ("interleaved-one-stage", dict(pipeline_schedule="Interleaved1F1B", stages_per_rank=1, **PP2), {}, "construct",
+     r"pipeline_schedule='Interleaved1F1B' loops over several stages per rank and needs stages_per_rank >= 2"),
     ("1f1b-too-few-microbatches", dict(num_microbatches=1, **PP2), {}, "construct",
      r"`num_microbatches=1` cannot run with pipeline_parallel_size=2: 1F1B needs at least as many microbatches as"
      r" stages \(2\), got 1\. Set num_microbatches=2"),
