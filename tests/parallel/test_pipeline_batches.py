@@ -65,11 +65,12 @@ RAGGED = [  # (strategy, devices, dp, samples): 27 = 3 x 8 + 3; 26 = 2 ranks x (
     ({"pipeline_parallel_size": 2, "num_microbatches": 4}, 2, 1, 27),
     ({"pipeline_parallel_size": 2, "zero_stage": 1}, 4, 2, 26),
     ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4, 1, 27),
+    ({"tensor_parallel_size": 2, "zero_stage": 3}, 4, 2, 26),  # no pipeline: nothing to cut, still exact
 ]
 
 
 @pytest.mark.parametrize(("strategy", "devices", "dp", "samples"), RAGGED,
-                         ids=["pp2-m2", "pp2-m4", "pp2-dp2-zero1", "pp2-tp2"])
+                         ids=["pp2-m2", "pp2-m4", "pp2-dp2-zero1", "pp2-tp2", "dp2-tp2-zero3"])
 def test_ragged_last_batches_train_and_validate_like_one_process(strategy, devices, dp, samples):
     _check(strategy, devices, dp, samples)
 
@@ -136,3 +137,38 @@ def test_iterable_data_and_changing_sequence_lengths(kind):
                     trainer_kwargs=trainer_kwargs)
     assert len(reference.losses) == 8 if kind == "iterable" else 12
     assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
+
+
+class _Evaluated(GPTLightningModule):
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("test_loss", torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(-1)
+
+
+def _evaluate_worker(strategy_kwargs):
+    from lightning_mgpu import HybridStrategy
+
+    L.seed_everything(7)
+    module = _Evaluated(block_size=32, n_layer=4, n_head=4, n_embd=32)
+    strategy = HybridStrategy(**strategy_kwargs) if strategy_kwargs else "auto"
+    trainer = L.Trainer(accelerator="cpu", devices=2 if strategy_kwargs else 1, strategy=strategy, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    data = _tokens(27)(GLOBAL_BATCH)  # validation data of 27 samples: 8, 8, 8 and a ragged 3
+    tested = trainer.test(module, data.val_dataloader(), verbose=False)[0]["test_loss"]
+    validated = trainer.validate(module, data.val_dataloader(), verbose=False)[0]["val_loss"]
+    return tested, validated, trainer.predict(module, data.val_dataloader())
+
+
+def test_test_validate_and_predict_serve_ragged_batches_like_one_process():
+    from tests.helpers.distributed import run_distributed
+
+    reference = run_distributed(_evaluate_worker, 1, None)[0]
+    for tested, validated, predictions in run_distributed(_evaluate_worker, 2, {"pipeline_parallel_size": 2}):
+        assert tested == pytest.approx(reference[0], rel=1e-5) and validated == pytest.approx(reference[1], rel=1e-5)
+        assert [p.shape[0] for p in predictions] == [8, 8, 8, 3]
+        for got, expected in zip(predictions, reference[2]):
+            assert torch.equal(got, expected)
