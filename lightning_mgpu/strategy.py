@@ -194,6 +194,15 @@ class HybridStrategy(ParallelStrategy):
         assert self.parallel_devices is not None
         self._launch_options.check_device(self.parallel_devices[0].type)
         self.precision_plugin.check_layout(layout.tensor_parallel_size)
+        # Not refused like the options of a size-1 dimension: one config runs on machines of any size, and at dp=1
+        # the wrap still applies for cpu_offload or a param_dtype cast. Otherwise say that nothing is sharded.
+        if (layout.zero_stage and layout.data_parallel_size == 1 and not self.options.cpu_offload
+                and self.precision_plugin.param_dtype is None):
+            rank_zero_warn(
+                f"zero_stage={layout.zero_stage} shards over data-parallel ranks, but data_parallel_size=1"
+                f" ({layout.describe()}): nothing is sharded and training runs as with zero_stage=0. Give data"
+                " parallelism more devices, or set zero_stage=0."
+            )
         tp = layout.tensor_parallel_size
         if self.num_nodes > 1 and self.num_processes % tp:
             rank_zero_warn(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
+import warnings
 from datetime import timedelta
 
 import lightning as L
@@ -300,6 +301,17 @@ def test_tensor_parallel_groups_across_nodes_warn():
     strategy = HybridStrategy(tensor_parallel_size=4, data_parallel_size="auto")
     with pytest.warns(UserWarning, match=r"tensor_parallel_size=4 does not divide the 2 devices of a node"):
         _trainer(strategy, num_nodes=2)
+
+
+def test_zero_without_data_parallelism_warns_that_nothing_is_sharded():
+    with pytest.warns(UserWarning, match=r"zero_stage=3 shards over data-parallel ranks, but data_parallel_size=1"
+                                         r" \(dp=1 x tp=2 x pp=1 \(zero_stage=3\)\): nothing is sharded"):
+        _trainer(HybridStrategy(zero_stage=3, tensor_parallel_size=2))
+    with warnings.catch_warnings():  # offloading and casting still use the wrap at dp=1
+        warnings.filterwarnings("error", message=".*nothing is sharded")
+        _trainer(HybridStrategy(zero_stage=3, tensor_parallel_size=2, cpu_offload=True))
+        _trainer(HybridStrategy(zero_stage=2, tensor_parallel_size=2), plugins=[HybridPrecision("bf16-mixed",
+                                                                                               param_dtype="bf16")])
 
 
 def test_schedule_names_are_listed_once():
