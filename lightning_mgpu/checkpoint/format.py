@@ -131,9 +131,9 @@ def check_exists(path: Path) -> None:
 def checksum(path: Path) -> dict[str, Any]:
     """Size and CRC-32 of a file, read in chunks (a file just written comes from the page cache)."""
     crc, size = 0, 0
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
     with open(path, "rb", buffering=0) as file:
+        buffer = bytearray(max(1, min(_CHUNK, os.fstat(file.fileno()).st_size)))  # zero-filling costs too
+        view = memoryview(buffer)
         while count := file.readinto(buffer):
             crc = zlib.crc32(view[:count], crc)
             size += count
