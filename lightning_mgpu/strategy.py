@@ -194,6 +194,11 @@ class HybridStrategy(ParallelStrategy):
         assert self.parallel_devices is not None
         self._launch_options.check_device(self.parallel_devices[0].type)
         self.precision_plugin.check_layout(layout.tensor_parallel_size)
+        if self._layer_sync is not None:  # set from Trainer(sync_batchnorm=True) just before this call
+            raise NotImplementedError(
+                "HybridStrategy does not implement Trainer(sync_batchnorm=True) yet: BatchNorm statistics would stay"
+                " per rank. Remove sync_batchnorm=True (or use GroupNorm/LayerNorm, which need no synchronization)."
+            )
         # Not refused like the options of a size-1 dimension: one config runs on machines of any size, and at dp=1
         # the wrap still applies for cpu_offload or a param_dtype cast. Otherwise say that nothing is sharded.
         if (layout.zero_stage and layout.data_parallel_size == 1 and not self.options.cpu_offload

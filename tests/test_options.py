@@ -186,6 +186,8 @@ CASES = [
      r"`num_microbatches=2` cannot run with pipeline_parallel_size=2: DualPipeV needs .* \(4\), got 2"),
     ("auto-pp-1f1b", dict(pipeline_parallel_size="auto", data_parallel_size=1, num_microbatches=2), dict(devices=4),
      "trainer", r"`num_microbatches=2` cannot run with pipeline_parallel_size=4: 1F1B needs .*\(4\), got 2"),
+    ("sync-batchnorm", {}, dict(sync_batchnorm=True), "trainer",
+     r"HybridStrategy does not implement Trainer\(sync_batchnorm=True\) yet.*Remove sync_batchnorm=True"),
     ("precision-64", {}, dict(precision="64"), "trainer",
      r"HybridStrategy does not support the precision '64-true'\. Choose one of"),
     ("precision-64-true", {}, dict(precision="64-true"), "trainer", r"does not support the precision '64-true'"),
