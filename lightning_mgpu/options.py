@@ -19,8 +19,8 @@ from lightning_mgpu.parallel.pipeline import (
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
     microbatch_count_error,
+    stages_per_rank as resolve_stages_per_rank,
 )
-from lightning_mgpu.parallel.pipeline import stages_per_rank as resolve_stages_per_rank
 
 PIPELINE_SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOP_SCHEDULES + V_SCHEDULES
 StartMethod = Literal["auto", "popen", "fork", "spawn", "forkserver"]
@@ -182,7 +182,6 @@ class LaunchOptions:
 
     def __post_init__(self) -> None:
         _one_of("start_method", self.start_method, START_METHODS)
-        # torch's init_process_group takes a timedelta only; seconds as a number are accepted and converted.
         object.__setattr__(self, "timeout", _timeout(self.timeout))
         if self.process_group_backend is not None:
             _check_backend(self.process_group_backend)
@@ -194,8 +193,8 @@ class LaunchOptions:
             if device is None and supported is not None and device_type != supported:
                 raise ValueError(
                     f"`process_group_backend={self.process_group_backend!r}` runs collectives on {supported} devices"
-                    f" only, but the Trainer's devices are {device_type}. Use 'gloo' on CPU, or remove"
-                    " process_group_backend to get the devices' default."
+                    f" only, but the Trainer's devices are {device_type}. Remove process_group_backend to get the"
+                    " devices' default ('gloo' on CPU, 'nccl' on CUDA), or name one per device ('cpu:gloo,cuda:nccl')."
                 )
 
 
@@ -204,18 +203,20 @@ _DEVICE_ONLY_BACKENDS = {"nccl": "cuda", "xccl": "xpu"}
 
 
 def _timeout(value: Any) -> Optional[timedelta]:
-    if value is None or isinstance(value, timedelta):
-        seconds = None if value is None else value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
+    """torch's ``init_process_group`` takes a timedelta only; seconds given as a number are converted."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (timedelta, int, float)):
         raise ValueError(
             f"`timeout` must be a datetime.timedelta or a number of seconds, got {value!r}."
             " Pass e.g. timeout=timedelta(minutes=30) (or timeout=1800)."
         )
-    if seconds is not None and not 0 < seconds < timedelta.max.total_seconds():
-        raise ValueError(f"`timeout` must be positive and finite, got {value!r}. Pass e.g. timeout=timedelta(minutes=30).")
-    return value if isinstance(value, timedelta) or value is None else timedelta(seconds=seconds)  # type: ignore[arg-type]
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not 0 < seconds < timedelta.max.total_seconds():
+        raise ValueError(
+            f"`timeout` must be positive and finite, got {value!r}. Pass e.g. timeout=timedelta(minutes=30)."
+        )
+    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
 
 
 def _backend_parts(backend: str) -> list[tuple[Optional[str], str]]:
@@ -232,7 +233,9 @@ def _check_backend(backend: Any) -> None:
 
     known = [name for name in dist.Backend.backend_list if name != dist.Backend.UNDEFINED]
     if not isinstance(backend, str) or not backend:
-        raise ValueError(f"`process_group_backend` must be one of {known} or None (the devices' default), got {backend!r}.")
+        raise ValueError(
+            f"`process_group_backend` must be one of {known} or None (the devices' default), got {backend!r}."
+        )
     for _, name in _backend_parts(backend):
         if name not in known:
             raise ValueError(
