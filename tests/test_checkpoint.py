@@ -457,6 +457,10 @@ def test_a_flipped_byte_in_any_file_is_refused_naming_the_file(tmp_path, capsys)
     sharded, full = tmp_path / "step2.ckpt", tmp_path / "full.ckpt"
     assert sorted(json.loads((sharded / "manifest.json").read_text())["files"]) == sorted(
         p.name for p in sharded.iterdir() if p.name != "manifest.json")
+    for intact in (sharded, full):
+        capsys.readouterr()
+        assert cli(["inspect", str(intact)]) == 0
+        assert re.search(r"checksums: every (file|record) verified \(CRC-32\)", capsys.readouterr().out)
     damaged = {}
     for name in ("__1_0.distcp", ".metadata", "meta.pt", "manifest.json"):
         damaged[name] = tmp_path / f"damaged{len(damaged)}.ckpt"

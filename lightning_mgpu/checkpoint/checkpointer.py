@@ -111,7 +111,7 @@ def _checksum_written(staging: Path, writer: _RecordingWriter) -> Any:
     """This rank's part of the manifest: the records of the shards it wrote (from the page cache), or why not."""
     try:
         return {name: fmt.checksum(staging / name) for name in writer.written}
-    except OSError as error:
+    except Exception as error:  # reported through the gather that every rank joins
         return f"{type(error).__name__}: {error}"
 
 
@@ -332,7 +332,11 @@ class Checkpointer:
 def _check_intact(path: Path) -> None:
     """Every rank verifies its share of the checkpoint's files; all raise if any file is damaged. Collective."""
     world_size = dist.get_world_size() if _distributed() else 1
-    reports = _all_gather_object(fmt.verify(path, _rank(), world_size))
+    try:
+        problems = fmt.verify(path, _rank(), world_size)
+    except Exception as error:  # an unreadable file: reported through the gather that every rank joins
+        problems = [f"checkpoint {path} could not be verified on rank {_rank()}: {type(error).__name__}: {error}"]
+    reports = _all_gather_object(problems)
     problems = list(dict.fromkeys(problem for report in reports for problem in report))
     if problems:
         raise CheckpointError(fmt.damage_report(problems))

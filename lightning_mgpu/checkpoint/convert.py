@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -136,6 +137,8 @@ def describe(path: Path, show_optimizer: bool = False, load_weights_only: Option
                   for k, v in index.items() if isinstance(v, TensorStorageMetadata)}
         files = sorted(p.name for p in path.iterdir() if p.suffix == ".distcp")
         kind = f"sharded (DCP directory, {len(files)} shard files)"
+        manifest = (path / fmt.MANIFEST_FILE).is_file()
+        verified = "every file verified (CRC-32)" if manifest else "none (saved by an earlier version)"
     else:
         shapes = {f"{MODEL_KEY}.{k}": (tuple(v.shape), str(v.dtype).replace("torch.", ""))
                   for k, v in meta.get(MODEL_KEY, {}).items() if isinstance(v, torch.Tensor)}
@@ -146,12 +149,14 @@ def describe(path: Path, show_optimizer: bool = False, load_weights_only: Option
                         key = f"{OPTIMIZER_KEY}.{i}.state.{pid}.{name}"
                         shapes[key] = (tuple(v.shape), str(v.dtype).replace("torch.", ""))
         kind = "full (one file)" if info else "full (one file, plain Lightning)"
+        verified = "every record verified (CRC-32)" if zipfile.is_zipfile(path) else "none (torch's legacy format)"
     layout = meta.get(LAYOUT_KEY)
     lines = [
         f"{path}: {kind}, format version {info.get('format_version', '-')}",
         f"layout: {describe_layout(layout) if layout else 'unknown'}"
         + (f", {layout['world_size']} processes" if isinstance(layout, dict) else ""),
         f"progress: epoch {meta.get('epoch', '-')}, global step {meta.get('global_step', '-')}",
+        f"checksums: {verified}",
     ]
     model = {k[len(MODEL_KEY) + 1:]: v for k, v in shapes.items() if k.startswith(MODEL_KEY + ".")}
     numel = sum(int(torch.Size(s).numel()) for s, _ in model.values())
