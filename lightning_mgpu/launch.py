@@ -1,27 +1,220 @@
-"""Launching HybridStrategy's processes from a notebook or interactive session (fork)."""
+"""HybridStrategy's launchers: Lightning's, plus a clear report when a rank fails and no orphaned process.
+
+- ``python train.py`` (start method "popen"): :class:`HybridSubprocessScriptLauncher`, Lightning's script launcher.
+- notebooks and interactive Python (start method "fork", also "spawn"/"forkserver"):
+  :class:`HybridMultiProcessingLauncher`, Lightning's multiprocessing launcher.
+- torchrun, SLURM: no launcher; each rank reports for itself (``failures.py``).
+
+When a rank fails, the process that started the ranks prints ``failures.format_report`` (which rank, its
+coordinates, its error or signal, then its traceback once) and ends the job.
+"""
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
+import shutil
+import signal
+import sys
 import tempfile
-from typing import TYPE_CHECKING, Any, Optional
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 from typing_extensions import override
+
+from lightning_mgpu.failures import (
+    FAILURE_DIR_ENV,
+    RankFailedError,
+    coordinates,
+    format_report,
+    read_records,
+    record_failure,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.fabric.plugins import ClusterEnvironment
+
+_PARENT_PID_ENV = "LIGHTNING_MGPU_PARENT_PID"  # given to the script launcher's children only
+_GRACE_S = 10.0  # how long the ranks left after a failure get to notice it and end by themselves
 
 
+def _new_failure_dir() -> str:
+    directory = tempfile.mkdtemp(prefix="lightning-mgpu-failures-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
+def _describe_rank(strategy: Any) -> Callable[[int], str]:
+    def describe(rank: int) -> str:
+        try:
+            return coordinates(rank, strategy.layout.mesh_shape)
+        except Exception:  # a layout that failed to resolve: the rank number alone
+            return "no layout"
+
+    return describe
+
+
+# ----------------------------------------------------------------------------------------- python train.py (popen)
+class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher for ``python train.py`` that reports a failed rank first, once, and leaves no orphans.
+
+    Three changes to Lightning's: each child dies with this process (``PR_SET_PDEATHSIG``, so killing the main
+    process ends the job); ranks record their failures in a run directory (``failures.py``); Lightning's child
+    watcher is replaced by one that polls every second and prints the report before ending the job. The main
+    process (rank 0 of its node) prints the report itself when its own ``fit`` fails.
+    """
+
+    def __init__(
+        self,
+        cluster_environment: "ClusterEnvironment",
+        num_processes: int,
+        num_nodes: int,
+        strategy: Any,
+        timeout: timedelta,
+    ) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self._strategy = strategy
+        self._grace_s = min(_GRACE_S, timeout.total_seconds())
+        self.failure_dir: Optional[str] = None
+        self._lock = threading.Lock()
+        self._reported = False
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        # Lightning's `launch` with our watcher in place of `_launch_process_observer`.
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:  # False again after the first launch
+            self.failure_dir = _new_failure_dir()
+            os.environ[FAILURE_DIR_ENV] = self.failure_dir  # like Lightning's MASTER_PORT: for this process's ranks
+            os.environ[_PARENT_PID_ENV] = str(os.getpid())
+            try:
+                self._call_children_scripts()
+            finally:
+                del os.environ[_PARENT_PID_ENV]
+            _FailureObserver(self).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+    def report_failure(self, main_failed_first: bool = False) -> None:
+        """Print the report once: wait (bounded) for the children to end, stop the rest, read what the ranks left.
+
+        ``main_failed_first``: this process's own error is the cause, so the children wait for it in a collective
+        and will not end by themselves; they get a moment to record a simultaneous error of their own.
+        """
+        with self._lock:
+            if self._reported:
+                return
+            self._reported = True
+            first = self.cluster_environment.node_rank() * self.num_processes
+            deadline = time.monotonic() + (0.5 if main_failed_first else self._grace_s)
+            while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stopped = set()
+            for local_rank, proc in enumerate(self.procs, start=1):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                    stopped.add(first + local_rank)
+            exit_codes = {first + i: proc.returncode for i, proc in enumerate(self.procs, start=1)}
+            _, report = format_report(
+                self.num_processes * self.num_nodes,
+                read_records(self.failure_dir),
+                exit_codes,
+                _describe_rank(self._strategy),
+                frozenset(stopped),
+            )
+            sys.stdout.flush()
+            print(report, file=sys.stderr, flush=True)
+
+
+class _FailureObserver(_ChildProcessObserver):
+    """Lightning's watcher of the children, polling every second: on a failure it reports, then ends the job."""
+
+    def __init__(self, launcher: HybridSubprocessScriptLauncher) -> None:
+        super().__init__(main_pid=os.getpid(), child_processes=launcher.procs, sleep_period=1)
+        self._launcher = launcher
+
+    @override
+    def _run(self) -> bool:
+        codes = [proc.poll() for proc in self._child_processes]
+        if all(code == 0 for code in codes):
+            return True
+        if not any(codes):
+            return False
+        if self._launcher._reported:  # the main thread reports and exits
+            return True
+        self._launcher.report_failure()
+        os._exit(1)  # Lightning's watcher SIGKILLs the main process here; exit code 1 says the same more kindly
+
+
+def _die_with_launcher() -> None:
+    """In a child of the script launcher: die when the launcher dies (Linux), even if busy outside collectives.
+
+    Runs when ``lightning_mgpu`` is imported, the first of our code a child runs. The variable is removed so that
+    the child's own children (DataLoader workers) are unaffected.
+    """
+    parent = os.environ.pop(_PARENT_PID_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+_die_with_launcher()
+
+
+# ------------------------------------------------------------------------------------------ notebooks (fork, spawn)
 class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's fork/spawn launcher, returning the *unsharded* weights to the main process."""
+    """Lightning's fork/spawn launcher, returning the *unsharded* weights to the main process.
+
+    A failed rank raises :class:`RankFailedError` here after the report is printed to stderr (torch's own error
+    names whichever process exited first, often a rank that only lost its peer).
+    """
 
     @property
     @override
     def is_interactive_compatible(self) -> bool:
         return self._start_method == "fork"
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        failure_dir = _new_failure_dir()
+        previous = os.environ.get(FAILURE_DIR_ENV)
+        os.environ[FAILURE_DIR_ENV] = failure_dir  # read by the workers, which inherit or copy the environment
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except (ProcessRaisedException, ProcessExitedException):
+            # torch's join has ended every process by now (SIGTERM, SIGKILL after 30 s).
+            first = self._strategy.node_rank * self._strategy.num_processes
+            headline, report = format_report(
+                self._strategy.num_processes * self._strategy.num_nodes,
+                read_records(failure_dir),
+                {first + i: proc.exitcode for i, proc in enumerate(self.procs)},
+                _describe_rank(self._strategy),
+            )
+            print(report, file=sys.stderr, flush=True)
+            raise RankFailedError(headline) from None
+        finally:
+            if previous is None:
+                os.environ.pop(FAILURE_DIR_ENV, None)
+            else:
+                os.environ[FAILURE_DIR_ENV] = previous
+            shutil.rmtree(failure_dir, ignore_errors=True)
 
     @override
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
@@ -31,7 +224,22 @@ class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
             # share the machine's cores.
             os.environ["OMP_NUM_THREADS"] = "1"
             torch.set_num_threads(1)
-        super()._wrapping_function(process_idx, *args, **kwargs)
+        try:
+            super()._wrapping_function(process_idx, *args, **kwargs)
+        except BaseException as error:
+            if isinstance(error, SystemExit) and not error.code:
+                raise
+            # Recorded for the parent's report, then a quiet exit: the traceback is printed once, by the parent.
+            # (A rank stopped by torch's SIGTERM ends in Lightning's SIGTERMException: recorded as an echo.) From
+            # here on SIGTERM is ignored: Lightning's handler would run a collective with the failed ranks.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            rank = self._strategy.node_rank * self._strategy.num_processes + process_idx
+            record, written = record_failure(error, rank, os.environ.get(FAILURE_DIR_ENV))
+            if not written:
+                print(record.traceback, file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     @override
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:

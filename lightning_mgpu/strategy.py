@@ -26,7 +26,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -36,7 +35,8 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
-from lightning_mgpu.launch import HybridMultiProcessingLauncher
+from lightning_mgpu.failures import handle_rank_failure
+from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner, parallelize
@@ -245,9 +245,19 @@ class HybridStrategy(ParallelStrategy):
         if start_method == "auto":
             start_method = "fork" if _IS_INTERACTIVE else "popen"
         if start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = HybridSubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes, self, self._timeout
+            )
         else:
             self._launcher = HybridMultiProcessingLauncher(self, start_method=start_method)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Record which rank failed and why, for the one report printed when the job ends (failures.py). The script
+        # launcher's main process prints it for all its ranks.
+        mesh_shape = self._layout.mesh_shape if self._layout is not None else (1, self.world_size, 1)
+        report = getattr(self._launcher, "report_failure", None)
+        handle_rank_failure(exception, self.global_rank, self.world_size, mesh_shape, report)
 
     @override
     def setup_environment(self) -> None:

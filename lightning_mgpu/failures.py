@@ -1,0 +1,282 @@
+"""When one rank of a job fails: say which rank and why, first and once, then give its details.
+
+A rank that fails inside ``Trainer.fit``/``validate``/``test``/``predict`` records its error
+(``HybridStrategy.on_exception`` calls :func:`handle_rank_failure`) as a small JSON file in a directory of the run.
+An error that only echoes another rank's failure (a collective whose peer died: gloo's "Connection reset by peer",
+NCCL's abort, a timeout) is marked *secondary*. The process that watches the ranks (the main process of the script
+launcher, the parent of the fork launcher, see ``launch.py``) reads the records and the exit codes and prints
+:func:`format_report`: the failing rank, its mesh coordinates and its error's first line or its signal, then that
+rank's traceback once; the ranks under it stay quiet. Under torchrun or SLURM nobody watches the ranks from Python:
+a failing rank prints a one-line header and its traceback (once per node for an error every rank raises), a
+survivor one line naming the failed rank when a record on its node says so, and torchrun's own summary names the
+root cause (we fill its error file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+FAILURE_DIR_ENV = "LIGHTNING_MGPU_FAILURE_DIR"  # set by our launchers for the ranks they start
+_PREFIX = "lightning-mgpu:"
+_SOURCE_PREFIX = re.compile(r"^\[[^]]*:\d+\]\s*")  # "[/pytorch/third_party/gloo/.../pair.cc:537] "
+_STARTED = time.time()  # records older than this process are from an earlier run with the same name
+# Messages of errors that only say a peer is gone or late (gloo, NCCL, the TCP store).
+_PEER_LOST = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "remote worker",
+    "timed out",
+    "timeout",
+    "communicator was aborted",
+    "connection refused",
+)
+
+
+class RankFailedError(RuntimeError):
+    """A rank of the job failed; the message is the report's first line (the whole report went to stderr)."""
+
+
+@dataclass
+class FailureRecord:
+    rank: int
+    error: str  # "ValueError: boom": the type and the first line of the message
+    traceback: str
+    secondary: bool  # the error is a collective's report that a peer died or hung
+    time: float
+
+
+def is_secondary(exception: BaseException) -> bool:
+    """Whether the error (or one it was raised from) is a communication failure caused by another rank."""
+    import torch.distributed as dist
+
+    seen: set[int] = set()
+    error: Optional[BaseException] = exception
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, dist.DistError) or (
+            isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _PEER_LOST)
+        ):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def error_line(exception: BaseException) -> str:
+    """``"ValueError: boom"``: the type and the message's first line (less gloo's ``[.../pair.cc:537]`` prefix)."""
+    lines = str(exception).strip().splitlines()
+    if not lines:
+        return type(exception).__name__
+    return f"{type(exception).__name__}: {_SOURCE_PREFIX.sub('', lines[0])[:300]}"
+
+
+def coordinates(rank: int, mesh_shape: tuple[int, int, int]) -> str:
+    """The rank's place in the row-major ``(pp, dp, tp)`` mesh, e.g. ``"pp 0, dp 1, tp 0"``."""
+    _, dp, tp = mesh_shape
+    return f"pp {rank // (dp * tp)}, dp {rank // tp % dp}, tp {rank % tp}"
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code} without a recorded Python error (its own output above may say why)"
+
+
+# ------------------------------------------------------------------------------------------------------- records
+def write_record(directory: str, record: FailureRecord) -> None:
+    """Write ``rank<N>.json`` once (the first failure of a rank is the one that counts), atomically."""
+    path = Path(directory, f"rank{record.rank}.json")
+    if path.exists() and path.stat().st_mtime >= _STARTED:
+        return
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(record)))
+    os.replace(tmp, path)
+
+
+def read_records(directory: Optional[str]) -> dict[int, FailureRecord]:
+    records: dict[int, FailureRecord] = {}
+    for path in Path(directory).glob("rank*.json") if directory else ():
+        try:
+            record = FailureRecord(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        if record.time >= _STARTED:  # not left by an earlier run: every rank of a run starts before any fails
+            records[record.rank] = record
+    return records
+
+
+def format_report(
+    world_size: int,
+    records: dict[int, FailureRecord],
+    exit_codes: dict[int, Optional[int]],
+    describe_rank: Callable[[int], str],
+    stopped: frozenset[int] = frozenset(),
+) -> tuple[str, str]:
+    """The one-line headline and the full report: who failed first, how, the other ranks, then the traceback.
+
+    ``exit_codes`` maps ranks to their exit codes where known (None: still running or not a child); ``stopped``
+    are ranks the launcher killed after the failure, which are not causes.
+    """
+    primary = sorted((r for r in records.values() if not r.secondary), key=lambda r: r.time)
+    died = [rank for rank, code in sorted(exit_codes.items()) if code and rank not in records and rank not in stopped]
+    if not primary and not died:  # only echoes (e.g. every rank timed out): the earliest one is the best lead
+        primary = sorted(records.values(), key=lambda r: r.time)[:1]
+    lines: list[str] = []
+    by_error: dict[str, list[int]] = {}
+    for record in primary:
+        by_error.setdefault(record.error, []).append(record.rank)
+    for error, ranks in by_error.items():
+        lines.append(f"{_PREFIX} {_ranks(ranks, world_size, describe_rank)} failed: {error}")
+    for rank in died:
+        lines.append(f"{_PREFIX} {_ranks([rank], world_size, describe_rank)} {describe_exit(exit_codes[rank] or 0)}")
+    causes = {r.rank for r in primary} | set(died)
+    echoes = sorted(set(records) - causes)
+    others = sorted((set(exit_codes) | set(records) | set(stopped)) - causes)
+    if others:
+        notes = [f"{r} ({'lost its peers' if r in echoes else 'stopped'})" for r in others]
+        lines.append(f"{_PREFIX} the job ended; the other ranks: " + ", ".join(notes))
+    headline = lines[0] if lines else f"{_PREFIX} a rank failed"
+    if primary:
+        lines.append(f"{_PREFIX} traceback of rank {primary[0].rank}:")
+        lines.append(primary[0].traceback.rstrip())
+    return headline, "\n".join(lines)
+
+
+def _ranks(ranks: list[int], world_size: int, describe_rank: Callable[[int], str]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} of {world_size} ({describe_rank(ranks[0])})"
+    if len(ranks) == world_size:
+        return f"all {world_size} ranks"
+    return f"ranks {', '.join(map(str, ranks))} of {world_size}"
+
+
+# --------------------------------------------------------------------------------------------------- worker side
+def record_failure(exception: BaseException, rank: int, directory: Optional[str]) -> tuple[FailureRecord, bool]:
+    """Describe this rank's failure and write it to ``directory``; returns the record and whether it was written."""
+    record = FailureRecord(
+        rank=rank,
+        error=error_line(exception),
+        traceback="".join(traceback.format_exception(type(exception), exception, exception.__traceback__)),
+        secondary=is_secondary(exception) or not isinstance(exception, Exception),  # SIGTERMException: stopped
+        time=time.time(),
+    )
+    try:
+        os.makedirs(directory, exist_ok=True)  # type: ignore[arg-type]
+        write_record(directory, record)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return record, False
+    return record, True
+
+
+def handle_rank_failure(
+    exception: BaseException,
+    rank: int,
+    world_size: int,
+    mesh_shape: tuple[int, int, int],
+    report_from_main: Optional[Callable[[bool], None]] = None,
+) -> None:
+    """Record this rank's failure and decide what this process prints if the error ends it.
+
+    ``report_from_main``: this process is the script launcher's main process, which reports for all ranks; it is
+    called with whether this rank's own error is the cause (not an echo). Printing happens in a ``sys.excepthook``
+    that acts only on this very exception reaching the top level (a user who catches it sees nothing change) and
+    hands every other exception to the hook it found.
+    """
+    if not isinstance(exception, Exception) or isinstance(exception, RankFailedError):
+        return  # KeyboardInterrupt, SystemExit, or the fork launcher's report reaching its parent process
+    launched = os.environ.get(FAILURE_DIR_ENV)
+    directory = launched or _external_failure_dir()
+    record, written = record_failure(exception, rank, directory)
+    if report_from_main is not None:
+        _install_excepthook(exception, lambda: report_from_main(not record.secondary))
+    elif launched and written:
+        _install_excepthook(exception, lambda: None)  # the launcher prints the report with our traceback
+    else:
+        _install_excepthook(
+            exception, lambda: _print_own_failure(record, world_size, mesh_shape, directory if written else None)
+        )
+
+
+def _print_own_failure(
+    record: FailureRecord, world_size: int, mesh_shape: tuple[int, int, int], directory: Optional[str]
+) -> None:
+    """torchrun/SLURM: no launcher reports for us, so each rank says what it knows, briefly when it is an echo."""
+    me = f"rank {record.rank} of {world_size} ({coordinates(record.rank, mesh_shape)})"
+    if record.secondary:
+        causes = sorted((r for r in read_records(directory).values() if not r.secondary), key=lambda r: r.time)
+        if causes:
+            cause = f"rank {causes[0].rank} failed: {causes[0].error}"
+        else:
+            cause = f"another rank failed or stopped ({record.error[:200]}); see the other ranks' output"
+        print(f"{_PREFIX} {me} stopped: {cause}", file=sys.stderr, flush=True)
+        return
+    print(f"{_PREFIX} {me} failed: {record.error}", file=sys.stderr)
+    if _write_torchelastic_error_file(record):
+        print(f"{_PREFIX} the traceback is in torchrun's error summary", file=sys.stderr)
+    elif directory is None or _claim(directory, record.error):
+        print(record.traceback.rstrip(), file=sys.stderr)
+    else:
+        print(f"{_PREFIX} (the same error as another rank on this node; its traceback is printed once)", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _write_torchelastic_error_file(record: FailureRecord) -> bool:
+    """Fill torchrun's error file, so its summary names our error as the root cause with its traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    data = {"message": {"message": record.error, "extraInfo": {"py_callstack": record.traceback, "timestamp": str(int(record.time))}}}
+    try:
+        Path(path).write_text(json.dumps(data))
+    except OSError:
+        return False
+    return True
+
+
+def _claim(directory: str, key: str) -> bool:
+    """True for the first process on this node that claims ``key``."""
+    path = os.path.join(directory, f"printed-{hashlib.sha1(key.encode()).hexdigest()[:16]}")
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return os.stat(path).st_mtime < _STARTED  # an earlier run's claim does not count
+    except OSError:
+        return True
+    return True
+
+
+def _external_failure_dir() -> str:
+    """A directory shared by the ranks of one torchrun/SLURM job on one node."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun's fresh directory for this run and attempt: <run>/attempt_<n>/<local rank>/error.json
+        return str(Path(error_file).parent.parent / "lightning-mgpu-failures")
+    keys = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT")
+    job = "|".join(os.environ.get(k, "") for k in keys)
+    digest = hashlib.sha1(job.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"lightning-mgpu-failures-{os.getuid()}-{digest}")
+
+
+def _install_excepthook(exception: BaseException, handle: Callable[[], None]) -> None:
+    previous = sys.excepthook
+
+    def excepthook(exc_type: type, value: BaseException, tb: object) -> None:
+        if value is not exception:
+            return previous(exc_type, value, tb)  # type: ignore[arg-type]
+        sys.excepthook = previous  # used once: undo
+        handle()
+
+    sys.excepthook = excepthook

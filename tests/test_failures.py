@@ -1,0 +1,224 @@
+"""A failing rank ends the whole job, promptly, with its rank and error named first, and leaves no process behind.
+
+Each case runs a small training script as a user would (``python train.py``, the fork launcher, torchrun, an
+external launch as under SLURM) with two CPU processes, makes one rank SIGKILL itself or raise, and checks the exit
+code, the first lines of stderr, that the failing rank's traceback appears once, the time from the failure to the
+end of the job, and that no process of the job is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from lightning_mgpu.failures import FailureRecord, format_report, is_secondary
+from tests.helpers.distributed import free_port, torchrun_env
+
+DEADLINE_S = 120  # for a whole run; a hang fails here instead of blocking the suite
+MAX_EXIT_S = 20  # from the failure to the end of the job
+MARKER = "LIGHTNING_MGPU_FAILURE_TEST"
+
+SCRIPT = """
+import os, signal, time
+from datetime import timedelta
+import lightning as L, torch
+from lightning_mgpu import HybridStrategy
+
+FAIL_RANK, MODE = os.environ["FAIL_RANK"], os.environ["FAIL_MODE"]
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2 and FAIL_RANK in ("all", str(self.global_rank)):
+            with open(f"failed_at_{self.global_rank}", "w") as f:
+                f.write(repr(time.time()))
+            if MODE == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError("boom")
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+if __name__ == "__main__":
+    trainer = L.Trainer(
+        accelerator="cpu", devices=int(os.environ.get("DEVICES", "2")), max_steps=6, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=HybridStrategy(start_method=os.environ["START"], timeout=timedelta(seconds=60)),
+    )
+    trainer.fit(Model(), torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4))
+"""
+
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                     "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "LIGHTNING_MGPU_FAILURE_DIR")
+
+
+class Run:
+    def __init__(self, returncode: int, stderr: str, stdout: str, exit_after_failure_s: float) -> None:
+        self.returncode, self.stderr, self.stdout = returncode, stderr, stdout
+        self.exit_after_failure_s = exit_after_failure_s
+
+    def report_lines(self) -> list[str]:
+        """stderr from our report or the first traceback on, whichever comes first (warnings and logs before it)."""
+        lines = self.stderr.splitlines()
+        start = next(
+            (i for i, line in enumerate(lines) if line.startswith("lightning-mgpu:") or "Traceback" in line), len(lines)
+        )
+        return lines[start:]
+
+
+def _job_processes(marker: str) -> list[int]:
+    """Processes whose environment carries the marker: the job's, however they were started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if f"{MARKER}={marker}".encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def _run(tmp_path: Path, command: list[str], kill_main_at_failure: bool = False, **env: str) -> Run:
+    (tmp_path / "train.py").write_text(SCRIPT)
+    marker = uuid.uuid4().hex
+    environment = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+    environment.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{MARKER: marker}, **env)
+    with open(tmp_path / "stderr", "w") as err, open(tmp_path / "stdout", "w") as out:
+        proc = subprocess.Popen(command, cwd=tmp_path, env=environment, stdout=out, stderr=err, start_new_session=True)
+        try:
+            proc.wait(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"the job did not end within {DEADLINE_S} s:\n{(tmp_path / 'stderr').read_text()[-5000:]}")
+    ended = time.time()
+    deadline = time.monotonic() + 10  # children killed with their launcher take a moment to be reaped
+    while (left := _job_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the job were left running: {left}"
+    failed_at = [float(p.read_text()) for p in tmp_path.glob("failed_at_*")]
+    assert failed_at, "no rank reached the failure point:\n" + (tmp_path / "stderr").read_text()[-5000:]
+    return Run(proc.returncode, (tmp_path / "stderr").read_text(), (tmp_path / "stdout").read_text(), ended - min(failed_at))
+
+
+def _assert_reported(run: Run, first_line: str, traceback_once: bool = True) -> None:
+    report = run.report_lines()
+    context = "\n".join(report[:40])
+    assert run.returncode != 0
+    assert run.exit_after_failure_s < MAX_EXIT_S, f"ended {run.exit_after_failure_s:.1f} s after the failure"
+    assert report and first_line in report[0], f"expected {first_line!r} first in:\n{context}"
+    # No survivor's gloo traceback; the failing rank's traceback once (when it raised).
+    assert "Connection reset by peer" not in run.stderr and "Connection closed by peer" not in run.stderr, context
+    assert run.stderr.count('raise ValueError("boom")') == (1 if traceback_once else 0), context
+
+
+# ------------------------------------------------------------------------------------- python train.py (popen)
+def test_script_launcher_worker_killed(tmp_path):
+    run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="1", FAIL_MODE="kill")
+    _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) was killed by SIGKILL", traceback_once=False)
+    assert "Traceback" not in run.stderr
+
+
+def test_script_launcher_worker_raises(tmp_path):
+    run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="1", FAIL_MODE="raise")
+    _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) failed: ValueError: boom")
+    assert run.stderr.count("Traceback") == 1
+
+
+def test_script_launcher_every_rank_raises_the_same_error(tmp_path):
+    run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="all", FAIL_MODE="raise")
+    _assert_reported(run, "all 2 ranks failed: ValueError: boom")
+
+
+def test_script_launcher_main_process_killed_leaves_no_orphan(tmp_path):
+    # Rank 0 is the process the user started: its children die with it (no report is possible from a SIGKILL).
+    run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="0", FAIL_MODE="kill")
+    assert run.returncode == -signal.SIGKILL
+    assert run.exit_after_failure_s < MAX_EXIT_S
+
+
+# ------------------------------------------------------------------------------------------------ fork launcher
+def test_fork_launcher_worker_raises(tmp_path):
+    run = _run(tmp_path, [sys.executable, "train.py"], START="fork", FAIL_RANK="1", FAIL_MODE="raise")
+    _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) failed: ValueError: boom")
+    # Then the parent's RankFailedError, one line of message, ends the script (a notebook cell shows it).
+    assert "RankFailedError: lightning-mgpu: rank 1 of 2" in run.report_lines()[-1]
+
+
+def test_fork_launcher_worker_killed(tmp_path):
+    run = _run(tmp_path, [sys.executable, "train.py"], START="fork", FAIL_RANK="1", FAIL_MODE="kill")
+    _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) was killed by SIGKILL", traceback_once=False)
+
+
+# ------------------------------------------------------------------------------- torchrun, SLURM-style external
+def test_torchrun_worker_raises(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()), "train.py"]
+    run = _run(tmp_path, command, START="auto", FAIL_RANK="1", FAIL_MODE="raise")
+    _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) failed: ValueError: boom")
+    # The survivor says in one line why it stopped; torchrun's summary names rank 1 with our traceback (the once).
+    assert "lightning-mgpu: rank 0 of 2 (pp 0, dp 0, tp 0) stopped: rank 1 failed: ValueError: boom" in run.stderr
+    summary = run.stderr[run.stderr.index("Root Cause"):]
+    assert "rank      : 1" in summary and summary.count('raise ValueError("boom")') == 1
+    assert "Connection reset by peer" not in run.stderr and "Connection closed by peer" not in run.stderr
+
+
+def test_external_launch_worker_raises(tmp_path):
+    """As under SLURM: every rank started from outside with the rendezvous variables, and no torchrun."""
+    port = free_port()
+    command = [sys.executable, "-c", (
+        "import os, subprocess, sys\n"
+        f"env = {{r: {{**os.environ, **e}} for r, e in enumerate([{torchrun_env(0, 2, port)}, {torchrun_env(1, 2, port)}])}}\n"
+        "procs = [subprocess.Popen([sys.executable, 'train.py'], env=env[r]) for r in range(2)]\n"
+        "sys.exit(max(abs(p.wait()) for p in procs))\n"
+    )]
+    run = _run(tmp_path, command, START="auto", FAIL_RANK="1", FAIL_MODE="raise")
+    _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) failed: ValueError: boom")
+    assert "lightning-mgpu: rank 0 of 2 (pp 0, dp 0, tp 0) stopped: rank 1 failed: ValueError: boom" in run.stderr
+    assert run.stderr.count("Traceback") == 1
+
+
+# ------------------------------------------------------------------------------------------------------ pieces
+def test_report_names_the_cause_first_and_its_traceback_once():
+    def record(rank, error, secondary, t):
+        return FailureRecord(rank, error, f"Traceback ...\n{error}\n", secondary, t)
+
+    records = {0: record(0, "RuntimeError: Connection closed by peer", True, 2.0), 3: record(3, "ValueError: x", False, 1.0)}
+    headline, report = format_report(
+        4, records, {1: 0, 2: None, 3: 1}, lambda r: f"pp 0, dp {r // 2}, tp {r % 2}", frozenset({2})
+    )
+    assert headline == "lightning-mgpu: rank 3 of 4 (pp 0, dp 1, tp 1) failed: ValueError: x"
+    assert report.splitlines()[1] == "lightning-mgpu: the job ended; the other ranks: 0 (lost its peers), 1 (stopped), 2 (stopped)"
+    assert report.count("Traceback") == 1 and "Connection closed" not in report.split("\n", 2)[2]
+    # A death without a record is a cause, named with its signal.
+    _, report = format_report(2, {0: records[0]}, {1: -9}, str)
+    assert report.startswith("lightning-mgpu: rank 1 of 2 (1) was killed by SIGKILL (exit code -9)")
+
+
+def test_communication_errors_are_echoes():
+    import torch.distributed as dist
+
+    assert is_secondary(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"))
+    assert is_secondary(dist.DistBackendError("NCCL communicator was aborted"))
+    try:
+        try:
+            raise RuntimeError("Connection closed by peer")
+        except RuntimeError:
+            raise KeyError("while handling")
+    except KeyError as chained:
+        assert is_secondary(chained)
+    assert not is_secondary(ValueError("boom"))
