@@ -7,6 +7,8 @@ their own parts and any other layout can reassemble them.
 
 from __future__ import annotations
 
+import functools
+import operator
 import random
 from collections import defaultdict
 from contextlib import contextmanager
@@ -307,6 +309,7 @@ def check_model_fits(index: dict[str, Any], model_sd: dict[str, Any], strict: bo
     Shapes are global (a DTensor's ``shape``) on both sides, so every layout compares alike. A rank holds only
     its pipeline stage's entries: what the checkpoint has beyond the model is judged against the union of every
     rank's entries, and all ranks raise the same error if any rank finds a problem (none waits in a collective).
+    Which checkpoint entries a rank holds travels as one bit per entry, not as names.
     """
     saved = {key[len(MODEL_KEY) + 1:]: value for key, value in index.items() if key.startswith(MODEL_KEY + ".")}
     mismatched = [
@@ -315,11 +318,13 @@ def check_model_fits(index: dict[str, Any], model_sd: dict[str, Any], strict: bo
         if isinstance(value, torch.Tensor) and hasattr(saved.get(key), "size") and value.shape != saved[key].size
     ]
     missing = [key for key in model_sd if key not in saved] if strict else []
-    reports = _union_over_ranks({"keys": list(model_sd), "missing": missing, "mismatched": mismatched})
-    held = list(dict.fromkeys(key for report in reports for key in report["keys"]))
-    unexpected = [key for key in saved if key not in set(held)] if strict else []
+    bits = int("".join("1" if key in model_sd else "0" for key in saved) or "0", 2)  # same order on every rank
+    reports = _union_over_ranks({"held": bits, "missing": missing, "mismatched": mismatched})
+    union = format(functools.reduce(operator.or_, (report["held"] for report in reports)), f"0{len(saved)}b")
     missing = list(dict.fromkeys(key for report in reports for key in report["missing"]))
     mismatched = list(dict.fromkeys(line for report in reports for line in report["mismatched"]))
+    held = [key for key, bit in zip(saved, union) if bit == "1"] + missing
+    unexpected = [key for key, bit in zip(saved, union) if bit == "0"] if strict else []
     problems = []
     if missing:
         problems.append(f"it has no entry for {len(missing)} of the model's {len(held)} parameters and buffers:"
