@@ -197,24 +197,44 @@ def test_resume_from_pipeline_parallel_into_zero3(tmp_path):
     _assert_same_states(tmp_path / "step3.ckpt", tmp_path / "resaved.ckpt")
 
 
+class SaveAtEpochEnd(L.Callback):
+    """``trainer.save_checkpoint`` in ``on_train_epoch_end`` (where ``ModelCheckpoint`` saves without validation)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.directory / f"epoch{trainer.current_epoch}_end.ckpt")
+
+
+RESUME_POINTS = {  # checkpoint -> the step it continues after
+    "step3": 3,  # `on_train_batch_end`, mid-epoch
+    "step4": 4,  # `on_train_batch_end` of the epoch's last batch
+    "epoch0_end": 4,  # `on_train_epoch_end`
+    "after_fit3": 3,  # after `fit(max_steps=3)` returned, mid-epoch
+    "after_fit4": 4,  # after `fit(max_steps=4)` returned, at the epoch's end
+}
+
+
 def _resume_from_every_kind_of_save(directory: Path, module, data, strategy_kwargs: dict, devices: int):
-    """One job, several fits: the uninterrupted run saves mid-epoch (``on_train_batch_end`` of step 3) and at the
-    epoch boundary (step 4); a run stopped by ``max_steps=3`` saves after ``fit`` returned; each save resumes."""
+    """One job, several fits: the uninterrupted run saves at steps 3 and 4 and at the end of epoch 0; runs stopped
+    by ``max_steps`` save after ``fit`` returned; each checkpoint resumes to step 10."""
     def run(steps: int, **kwargs: Any) -> list[float]:
         return _fit_worker(module, data, strategy_kwargs, devices, steps, 1234, {}, kwargs.pop("callbacks", None),
                            **kwargs)["losses"]
 
-    losses = {"reference": run(STEPS, callbacks=lambda: [SaveAt(directory, (3, 4))])}
-    run(3, after_fit=lambda trainer: trainer.save_checkpoint(directory / "after_fit.ckpt"))
-    for name in ("step3", "step4", "after_fit"):
+    losses = {"reference": run(STEPS, callbacks=lambda: [SaveAt(directory, (3, 4)), SaveAtEpochEnd(directory)])}
+    for steps in (3, 4):
+        run(steps, after_fit=lambda trainer: trainer.save_checkpoint(directory / f"after_fit{steps}.ckpt"))
+    for name in RESUME_POINTS:
         losses[name] = run(STEPS, fit_kwargs={"ckpt_path": str(directory / f"{name}.ckpt")})
     return losses
 
 
 @pytest.mark.parametrize("layout", ["dp2-zero1", "pp2"])
 def test_every_kind_of_save_resumes_bit_identically(tmp_path, layout):
-    """After `fit(max_steps=3)` returned, from a callback mid-epoch, at an epoch boundary: same layout, same
-    batches, the uninterrupted run's losses bit for bit."""
+    """Mid-epoch or at an epoch's end, from a callback or after `fit` returned: in the same layout the resumed
+    run sees the same batches and gives the uninterrupted run's losses bit for bit."""
     if layout == "dp2-zero1":
         job = (ResumeModule, _data(2), {"zero_stage": 1}, 2)
     else:
@@ -223,9 +243,9 @@ def test_every_kind_of_save_resumes_bit_identically(tmp_path, layout):
     losses = run_distributed(_resume_from_every_kind_of_save, 2, tmp_path, *job)[0]
     reference = losses["reference"]
     assert len(reference) == STEPS
-    for name, step in (("step3", 3), ("step4", 4), ("after_fit", 3)):
+    for name, step in RESUME_POINTS.items():
         assert losses[name] == reference[step:], (name, losses[name], reference)
-    assert consolidate(tmp_path / "after_fit.ckpt")["epoch"] == 0  # where its data stopped, not the next epoch
+    assert consolidate(tmp_path / "after_fit3.ckpt")["epoch"] == 0  # where its data stopped, not the next epoch
 
 
 # ------------------------------------------------------------------------------------------------------ full format

@@ -209,7 +209,7 @@ class Checkpointer:
         meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZER_KEY, "loops")}
         if "loops" in checkpoint:
             meta["loops"] = copy.deepcopy(checkpoint["loops"])
-            resume.continue_cut_short_epoch(meta)  # saved after `fit` stopped mid-epoch: record where data stopped
+            resume.align_loops_with_data(meta)  # e.g. saved after `fit` stopped mid-epoch: where the data stopped
         meta[LAYOUT_KEY] = layout_record(layout)
         meta[INFO_KEY] = {
             "format_version": fmt.FORMAT_VERSION,
@@ -308,7 +308,7 @@ class Checkpointer:
             flat = _flatten_full(meta, model, optimizers)
             states.load_states(fmt.FlatReader(flat), model, optimizers, strict, str(path))
             meta = {k: v for k, v in meta.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
-        resume.continue_cut_short_epoch(meta)  # saved by an earlier version after `fit` stopped mid-epoch
+        resume.align_loops_with_data(meta)  # for checkpoints saved by an earlier version
         if fitting:
             rng_states = meta.get(INFO_KEY, {}).get("rng_states")
             if rng_states:

@@ -5,9 +5,9 @@ restarts the epoch's iterator from its first batch (with a warning), so the resu
 interrupted one had already seen. The strategy hands the training loader to :class:`FastForward`, which skips
 the batches the checkpoint's epoch had consumed, once, using the sampler's epoch of the checkpoint.
 
-When ``max_steps`` or ``trainer.should_stop`` ends ``fit`` mid-epoch, Lightning counts that epoch as finished, so a
-checkpoint saved after ``fit`` returned (or in ``on_train_end``) would resume at the start of the next epoch:
-:func:`continue_cut_short_epoch` puts such a checkpoint's loops back where its data stopped.
+Lightning's loop counters do not always resume where the data stopped: a checkpoint saved after ``fit(max_steps=k)``
+returned mid-epoch would resume at the next epoch, one saved in ``on_train_epoch_end`` an epoch too far. The
+checkpointer passes every checkpoint through :func:`align_loops_with_data` when saving and loading.
 """
 
 from __future__ import annotations
@@ -44,23 +44,25 @@ def batches_to_skip(trainer: "pl.Trainer") -> tuple[int, int]:
     return consumed, epoch
 
 
-def continue_cut_short_epoch(checkpoint: dict[str, Any]) -> None:
-    """Rewind the saved loops of an epoch that ended before its last batch to the state ``on_train_batch_end`` of
-    its last finished batch saves (the one :func:`batches_to_skip` continues from); a no-op for any other state.
+def align_loops_with_data(checkpoint: dict[str, Any]) -> None:
+    """Store a checkpoint saved once its epoch's end had begun as if saved in ``on_train_batch_end`` of the epoch's
+    last finished batch: the one state Lightning's loops (and :func:`batches_to_skip`) resume exactly from.
 
-    Lightning's fit loop runs its epoch end when ``max_steps`` or ``should_stop`` stops the epoch loop, marking the
-    epoch processed and completed although ``is_last_batch`` is false; restoring that starts the next epoch and
-    skips the rest of this one.
+    Lightning's fit loop marks an epoch processed before ``on_train_epoch_end`` and completed after it, also when
+    ``max_steps`` or ``should_stop`` ended the epoch before its last batch. Restored as they are, those counters
+    start the next epoch instead of finishing a cut-short one (a save after ``fit(max_steps=k)`` returned), and
+    after a finished epoch they run one empty epoch, so that the sampler order is the one of the epoch after
+    (a save in ``on_train_epoch_end``, or after ``fit`` returned). A save during an epoch is left as it is.
     """
     fit = checkpoint.get("loops", {}).get("fit_loop") or {}
     epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
-    if not epochs or not batches or batches.get("is_last_batch", True):
+    if not epochs or not batches:
         return
     last = batches["current"]
     if not last["ready"] == last["started"] == last["processed"] == last["completed"] > 0:
-        return  # saved inside a batch: Lightning's own restart logic applies
+        return  # saved inside a batch
     if epochs["total"]["processed"] != epochs["total"]["started"]:
-        return  # the epoch is still running (a save during the epoch)
+        return  # the epoch's end has not begun
     for counts in (epochs["total"], epochs["current"]):
         counts["processed"] -= 1
         counts["completed"] = min(counts["completed"], counts["processed"])
