@@ -21,6 +21,7 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -38,7 +39,6 @@ _PEER_LOST = (
     "broken pipe",
     "remote worker",
     "timed out",
-    "timeout",
     "communicator was aborted",
     "connection refused",
 )
@@ -196,8 +196,12 @@ def handle_rank_failure(
     that acts only on this very exception reaching the top level (a user who catches it sees nothing change) and
     hands every other exception to the hook it found.
     """
-    if not isinstance(exception, Exception) or isinstance(exception, RankFailedError):
-        return  # KeyboardInterrupt, SystemExit, or the fork launcher's report reaching its parent process
+    if not isinstance(exception, Exception) or isinstance(exception, RankFailedError) or world_size == 1:
+        return  # KeyboardInterrupt, SystemExit, the fork launcher's report reaching its parent, or no other rank
+    if threading.current_thread() is threading.main_thread():
+        # A launcher's SIGTERM now just ends this rank: Lightning's handler would run a collective with the failed
+        # rank. Lightning's teardown, which follows, puts back the handlers from before `fit`.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     launched = os.environ.get(FAILURE_DIR_ENV)
     directory = launched or _external_failure_dir()
     record, written = record_failure(exception, rank, directory)
@@ -230,7 +234,7 @@ def _print_own_failure(
     elif directory is None or _claim(directory, record.error):
         print(record.traceback.rstrip(), file=sys.stderr)
     else:
-        print(f"{_PREFIX} (the same error as another rank on this node; its traceback is printed once)", file=sys.stderr)
+        print(f"{_PREFIX} (the same error as another rank on this node, which printed the traceback)", file=sys.stderr)
     sys.stderr.flush()
 
 
@@ -239,7 +243,8 @@ def _write_torchelastic_error_file(record: FailureRecord) -> bool:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
-    data = {"message": {"message": record.error, "extraInfo": {"py_callstack": record.traceback, "timestamp": str(int(record.time))}}}
+    extra = {"py_callstack": record.traceback, "timestamp": str(int(record.time))}
+    data = {"message": {"message": record.error, "extraInfo": extra}}
     try:
         Path(path).write_text(json.dumps(data))
     except OSError:
@@ -270,13 +275,27 @@ def _external_failure_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"lightning-mgpu-failures-{os.getuid()}-{digest}")
 
 
+_hook_target: Optional[tuple[int, str, Callable[[], None]]] = None  # the failure's id, error line, and its printer
+
+
 def _install_excepthook(exception: BaseException, handle: Callable[[], None]) -> None:
+    """Run ``handle`` instead of the usual printing if ``exception`` ends the process; leave others alone.
+
+    One hook per process, aimed at the latest failure (by id and error line: exceptions cannot be weakly referenced,
+    and holding this one would keep its frames alive after a caller caught it); it puts the previous hook back when
+    it fires.
+    """
+    global _hook_target
+    _hook_target = (id(exception), error_line(exception), handle)
+    if getattr(sys.excepthook, "__name__", "") == "_lightning_mgpu_excepthook":
+        return
     previous = sys.excepthook
 
-    def excepthook(exc_type: type, value: BaseException, tb: object) -> None:
-        if value is not exception:
+    def _lightning_mgpu_excepthook(exc_type: type, value: BaseException, tb: object) -> None:
+        target = _hook_target
+        if target is None or id(value) != target[0] or error_line(value) != target[1]:
             return previous(exc_type, value, tb)  # type: ignore[arg-type]
-        sys.excepthook = previous  # used once: undo
-        handle()
+        sys.excepthook = previous
+        target[2]()
 
-    sys.excepthook = excepthook
+    sys.excepthook = _lightning_mgpu_excepthook

@@ -49,12 +49,6 @@ _PARENT_PID_ENV = "LIGHTNING_MGPU_PARENT_PID"  # given to the script launcher's 
 _GRACE_S = 10.0  # how long the ranks left after a failure get to notice it and end by themselves
 
 
-def _new_failure_dir() -> str:
-    directory = tempfile.mkdtemp(prefix="lightning-mgpu-failures-")
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    return directory
-
-
 def _describe_rank(strategy: Any) -> Callable[[int], str]:
     def describe(rank: int) -> str:
         try:
@@ -95,7 +89,8 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
         # Lightning's `launch` with our watcher in place of `_launch_process_observer`.
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:  # False again after the first launch
-            self.failure_dir = _new_failure_dir()
+            self.failure_dir = tempfile.mkdtemp(prefix="lightning-mgpu-failures-")
+            atexit.register(shutil.rmtree, self.failure_dir, ignore_errors=True)
             os.environ[FAILURE_DIR_ENV] = self.failure_dir  # like Lightning's MASTER_PORT: for this process's ranks
             os.environ[_PARENT_PID_ENV] = str(os.getpid())
             try:
@@ -103,6 +98,7 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
             finally:
                 del os.environ[_PARENT_PID_ENV]
             _FailureObserver(self).start()
+            atexit.register(self._report_if_a_child_failed)  # e.g. the script caught the error and exited
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
@@ -136,6 +132,11 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
             )
             sys.stdout.flush()
             print(report, file=sys.stderr, flush=True)
+
+
+    def _report_if_a_child_failed(self) -> None:
+        if not self._reported and any(proc.poll() for proc in self.procs):
+            self.report_failure()
 
 
 class _FailureObserver(_ChildProcessObserver):
@@ -193,7 +194,7 @@ class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
-        failure_dir = _new_failure_dir()
+        failure_dir = tempfile.mkdtemp(prefix="lightning-mgpu-failures-")
         previous = os.environ.get(FAILURE_DIR_ENV)
         os.environ[FAILURE_DIR_ENV] = failure_dir  # read by the workers, which inherit or copy the environment
         try:

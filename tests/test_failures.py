@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mgpu.failures import FailureRecord, format_report, is_secondary
-from tests.helpers.distributed import free_port, torchrun_env
+from lightning_mgpu.failures import FailureRecord, coordinates, format_report, is_secondary
+from tests.helpers.distributed import free_port
 
 DEADLINE_S = 120  # for a whole run; a hang fails here instead of blocking the suite
 MAX_EXIT_S = 20  # from the failure to the end of the job
@@ -57,6 +57,17 @@ if __name__ == "__main__":
         strategy=HybridStrategy(start_method=os.environ["START"], timeout=timedelta(seconds=60)),
     )
     trainer.fit(Model(), torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4))
+"""
+
+# What srun (or any scheduler) does: start every rank itself with the rendezvous variables set.
+START_RANKS = """
+import os, subprocess, sys
+procs = []
+for rank in range(2):
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               NODE_RANK="0", GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+    procs.append(subprocess.Popen([sys.executable, "train.py"], env=env))
+sys.exit(max(abs(p.wait()) for p in procs))
 """
 
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
@@ -107,12 +118,17 @@ def _run(tmp_path: Path, command: list[str], kill_main_at_failure: bool = False,
     deadline = time.monotonic() + 10  # children killed with their launcher take a moment to be reaped
     while (left := _job_processes(marker)) and time.monotonic() < deadline:
         time.sleep(0.2)
+    gone = time.time()
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes of the job were left running: {left}"
     failed_at = [float(p.read_text()) for p in tmp_path.glob("failed_at_*")]
     assert failed_at, "no rank reached the failure point:\n" + (tmp_path / "stderr").read_text()[-5000:]
-    return Run(proc.returncode, (tmp_path / "stderr").read_text(), (tmp_path / "stdout").read_text(), ended - min(failed_at))
+    failed = min(failed_at)
+    run = Run(proc.returncode, (tmp_path / "stderr").read_text(), (tmp_path / "stdout").read_text(), ended - failed)
+    print(f"\n{command[1:3]} {env}: exit code {proc.returncode} {ended - failed:.1f} s after the failure,"
+          f" last process gone after {gone - failed:.1f} s")
+    return run
 
 
 def _assert_reported(run: Run, first_line: str, traceback_once: bool = True) -> None:
@@ -179,14 +195,9 @@ def test_torchrun_worker_raises(tmp_path):
 
 def test_external_launch_worker_raises(tmp_path):
     """As under SLURM: every rank started from outside with the rendezvous variables, and no torchrun."""
-    port = free_port()
-    command = [sys.executable, "-c", (
-        "import os, subprocess, sys\n"
-        f"env = {{r: {{**os.environ, **e}} for r, e in enumerate([{torchrun_env(0, 2, port)}, {torchrun_env(1, 2, port)}])}}\n"
-        "procs = [subprocess.Popen([sys.executable, 'train.py'], env=env[r]) for r in range(2)]\n"
-        "sys.exit(max(abs(p.wait()) for p in procs))\n"
-    )]
-    run = _run(tmp_path, command, START="auto", FAIL_RANK="1", FAIL_MODE="raise")
+    (tmp_path / "start_ranks.py").write_text(START_RANKS)
+    command = [sys.executable, "start_ranks.py"]
+    run = _run(tmp_path, command, START="auto", FAIL_RANK="1", FAIL_MODE="raise", PORT=str(free_port()))
     _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) failed: ValueError: boom")
     assert "lightning-mgpu: rank 0 of 2 (pp 0, dp 0, tp 0) stopped: rank 1 failed: ValueError: boom" in run.stderr
     assert run.stderr.count("Traceback") == 1
@@ -197,16 +208,27 @@ def test_report_names_the_cause_first_and_its_traceback_once():
     def record(rank, error, secondary, t):
         return FailureRecord(rank, error, f"Traceback ...\n{error}\n", secondary, t)
 
-    records = {0: record(0, "RuntimeError: Connection closed by peer", True, 2.0), 3: record(3, "ValueError: x", False, 1.0)}
+    records = {
+        0: record(0, "RuntimeError: Connection closed by peer", True, 2.0),
+        3: record(3, "ValueError: x", False, 1.0),
+    }
     headline, report = format_report(
         4, records, {1: 0, 2: None, 3: 1}, lambda r: f"pp 0, dp {r // 2}, tp {r % 2}", frozenset({2})
     )
     assert headline == "lightning-mgpu: rank 3 of 4 (pp 0, dp 1, tp 1) failed: ValueError: x"
-    assert report.splitlines()[1] == "lightning-mgpu: the job ended; the other ranks: 0 (lost its peers), 1 (stopped), 2 (stopped)"
+    assert report.splitlines()[1] == (
+        "lightning-mgpu: the job ended; the other ranks: 0 (lost its peers), 1 (stopped), 2 (stopped)"
+    )
     assert report.count("Traceback") == 1 and "Connection closed" not in report.split("\n", 2)[2]
     # A death without a record is a cause, named with its signal.
     _, report = format_report(2, {0: records[0]}, {1: -9}, str)
     assert report.startswith("lightning-mgpu: rank 1 of 2 (1) was killed by SIGKILL (exit code -9)")
+
+
+def test_coordinates_follow_the_pp_dp_tp_mesh():
+    assert coordinates(3, (1, 2, 2)) == "pp 0, dp 1, tp 1"
+    assert coordinates(5, (2, 2, 2)) == "pp 1, dp 0, tp 1"
+    assert coordinates(1, (2, 1, 1)) == "pp 1, dp 0, tp 0"
 
 
 def test_communication_errors_are_echoes():
