@@ -162,7 +162,7 @@ def _read_manifest(path: Path) -> Optional[dict[str, dict[str, Any]]]:
     file = path / MANIFEST_FILE
     if not file.is_file():
         if _manifest_expected(path):
-            raise CheckpointError(f"checkpoint file {file} is missing: the checkpoint's files cannot be verified.")
+            raise CheckpointError(f"checkpoint file {file} is missing: the checkpoint's files cannot be verified")
         return None
     try:
         body = json.loads(file.read_bytes())
@@ -243,6 +243,7 @@ def check_intact(path: Path) -> None:
 
 
 def damage_report(problems: list[str]) -> str:
+    """One message for the damage found (the first problem in full), saying that nothing was loaded."""
     more = f" (and {len(problems) - 1} more: {', '.join(problems[1:3])})" if len(problems) > 1 else ""
     return f"{problems[0]}{more}. It was not loaded; use another checkpoint."
 
