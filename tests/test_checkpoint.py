@@ -575,7 +575,8 @@ def _resume_other_models(directory: Path, strategy_kwargs: dict, devices: int) -
     }
 
 
-@pytest.mark.parametrize("layout", [{"zero_stage": 3}, {"pipeline_parallel_size": 2}], ids=["dp2-zero3", "pp2"])
+@pytest.mark.parametrize("layout", [{"zero_stage": 3}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["dp2-zero3", "tp2", "pp2"])
 def test_a_checkpoint_that_does_not_fit_the_model_fails_early_naming_why(tmp_path, layout):
     """Checked from the checkpoint's index before any data is read; under pipeline parallelism the entries of
     other stages are not "unexpected"; every rank raises the same short message."""
