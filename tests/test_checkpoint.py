@@ -5,7 +5,8 @@ resume tests load one of those under another layout (and tensor/pipeline-paralle
 ZeRO-3) and must continue the uninterrupted run's losses. Each resumed job also saves again right after loading:
 consolidating that save and the original gives identical weights and optimizer states, which checks "equal after
 load" in every layout with the same code. One process per layout and job; run with ``-s`` to see the measured
-differences.
+differences. Smaller jobs of several fits each: resuming from every kind of save (callbacks, epoch ends, after
+`fit` returned) bit for bit, checkpoints that do not fit the model, and damaged files.
 """
 
 from __future__ import annotations

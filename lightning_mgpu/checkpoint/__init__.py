@@ -1,9 +1,10 @@
 """Checkpoints keyed by the plain module's FQNs: saved under any layout, loaded under any other.
 
-- ``format``: the on-disk formats (sharded DCP directory, full file), atomic publishing, completeness checks.
+- ``format``: the on-disk formats (sharded DCP directory, full file), atomic publishing, completeness checks,
+  checksums (a directory's ``manifest.json``, a full file's zip CRCs).
 - ``states``: model/optimizer/RNG states of the live objects, conversions between optimizer formats.
 - ``checkpointer``: ``Checkpointer``, what ``HybridStrategy``'s checkpoint hooks call (sync/async, sharded/full).
-- ``resume``: continuing the training data where a mid-epoch checkpoint stopped.
+- ``resume``: continuing the training data where a checkpoint stopped (mid-epoch, or after ``fit`` returned).
 - ``convert``: consolidation to one file (torch or safetensors) and ``inspect``, without a process group.
 """
 
