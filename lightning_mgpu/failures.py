@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -229,12 +230,12 @@ def _print_own_failure(
         print(f"{_PREFIX} {me} stopped: {cause}", file=sys.stderr, flush=True)
         return
     print(f"{_PREFIX} {me} failed: {record.error}", file=sys.stderr)
-    if _write_torchelastic_error_file(record):
+    if directory is not None and not _claim(directory, record.error):  # e.g. a configuration error on every rank
+        print(f"{_PREFIX} (the same error as another rank on this node, which shows the traceback)", file=sys.stderr)
+    elif _write_torchelastic_error_file(record):
         print(f"{_PREFIX} the traceback is in torchrun's error summary", file=sys.stderr)
-    elif directory is None or _claim(directory, record.error):
-        print(record.traceback.rstrip(), file=sys.stderr)
     else:
-        print(f"{_PREFIX} (the same error as another rank on this node, which printed the traceback)", file=sys.stderr)
+        print(record.traceback.rstrip(), file=sys.stderr)
     sys.stderr.flush()
 
 
@@ -271,8 +272,34 @@ def _external_failure_dir() -> str:
         return str(Path(error_file).parent.parent / "lightning-mgpu-failures")
     keys = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT")
     job = "|".join(os.environ.get(k, "") for k in keys)
-    digest = hashlib.sha1(job.encode()).hexdigest()[:12]
-    return os.path.join(tempfile.gettempdir(), f"lightning-mgpu-failures-{os.getuid()}-{digest}")
+    return str(_failures_root() / hashlib.sha1(job.encode()).hexdigest()[:12])
+
+
+def new_failure_dir() -> str:
+    """A fresh directory for the records of one launch (our launchers pass it to their ranks)."""
+    root = _failures_root()
+    root.mkdir(exist_ok=True)
+    return tempfile.mkdtemp(dir=root)
+
+
+def _failures_root() -> Path:
+    root = Path(tempfile.gettempdir(), f"lightning-mgpu-failures-{os.getuid()}")
+    _remove_stale(root)
+    return root
+
+
+def _remove_stale(root: Path, age_s: float = 3600) -> None:
+    """Records are read seconds after a failure: directories untouched for an hour belong to jobs long ended."""
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if time.time() - entry.stat().st_mtime > age_s:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            pass
 
 
 _hook_target: Optional[tuple[int, str, Callable[[], None]]] = None  # the failure's id, error line, and its printer

@@ -37,6 +37,7 @@ from lightning_mgpu.failures import (
     RankFailedError,
     coordinates,
     format_report,
+    new_failure_dir,
     read_records,
     record_failure,
 )
@@ -89,7 +90,7 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
         # Lightning's `launch` with our watcher in place of `_launch_process_observer`.
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:  # False again after the first launch
-            self.failure_dir = tempfile.mkdtemp(prefix="lightning-mgpu-failures-")
+            self.failure_dir = new_failure_dir()
             atexit.register(shutil.rmtree, self.failure_dir, ignore_errors=True)
             os.environ[FAILURE_DIR_ENV] = self.failure_dir  # like Lightning's MASTER_PORT: for this process's ranks
             os.environ[_PARENT_PID_ENV] = str(os.getpid())
@@ -156,6 +157,7 @@ class _FailureObserver(_ChildProcessObserver):
         if self._launcher._reported:  # the main thread reports and exits
             return True
         self._launcher.report_failure()
+        shutil.rmtree(self._launcher.failure_dir or "", ignore_errors=True)  # os._exit skips the atexit removal
         os._exit(1)  # Lightning's watcher SIGKILLs the main process here; exit code 1 says the same more kindly
 
 
@@ -194,7 +196,7 @@ class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
-        failure_dir = tempfile.mkdtemp(prefix="lightning-mgpu-failures-")
+        failure_dir = new_failure_dir()
         previous = os.environ.get(FAILURE_DIR_ENV)
         os.environ[FAILURE_DIR_ENV] = failure_dir  # read by the workers, which inherit or copy the environment
         try:
