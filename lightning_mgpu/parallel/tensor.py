@@ -6,8 +6,14 @@ extended to GPT-2's ``Conv1D`` (weight stored transposed) and to fused projectio
 the q, k and v of its own heads and the full tensor keeps its original layout.
 
 ``tp_plan="auto"`` (``tensor_plan.py``) takes Hugging Face's own plans (``config.base_model_tp_plan`` and the model class's
-``_tp_plan``) where present, and name rules for GPT-style blocks otherwise. After sharding, attention modules'
-head-count attributes are made local so their ``view(B, T, n_head, ...)`` sees this rank's heads.
+``_tp_plan``) where present, and name rules for GPT-style blocks otherwise.
+
+What the code between the projections sees (``_global_shape_parents``): modules of a Hugging Face model that
+declares a tensor-parallel plan get plain per-rank tensors, as Hugging Face's own tensor parallelism gives them
+(their code reshapes with ``-1`` and ``head_dim``, never with a global head count). Every other parent of
+column-parallel projections is a *global-shape region* (``tensor_region.py``): its projections hand back DTensors
+with the unsharded shapes, so code that reads ``C`` from its input or ``n_head``/``n_embd`` from its config works
+unchanged. No attribute of the user's modules is rewritten.
 """
 
 from __future__ import annotations
@@ -34,18 +40,20 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_mgpu.parallel.blocks import tied_parameters
 from lightning_mgpu.parallel.tensor_plan import (
+    _hugging_face_models,
     _is_projection,
     _match,
     _with_vocab_parallel_head,
     auto_plan,
 )
+from lightning_mgpu.parallel.tensor_region import install_global_shape_region
 
 Plan = Union[str, dict[str, str], Callable[[nn.Module, DeviceMesh], None]]
 
 SEQUENCE_DIM = 1
 
-# Attributes an attention module keeps about its global size; made local after sharding (head_dim stays).
-_LOCAL_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads",
+# Attributes an attention module keeps about its global size: checked against the degree before training.
+_HEAD_COUNT_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads",
                      "n_query_groups", "n_embd", "embed_dim", "split_size", "all_head_size")
 
 
@@ -61,9 +69,12 @@ class _Colwise(ColwiseParallel):
     sharding can cut it along dim 0 without stacking two strided layouts on one dimension.
     """
 
-    def __init__(self, chunks: int = 1, **kwargs: Any) -> None:
+    def __init__(self, chunks: int = 1, global_shapes: bool = False, **kwargs: Any) -> None:
+        if global_shapes:  # the output stays a DTensor with the global shape (see tensor_region.py)
+            kwargs.update(output_layouts=Shard(-1), use_local_output=False)
         super().__init__(**kwargs)
         self.chunks = chunks
+        self.global_shapes = global_shapes
         self.shared: Optional[_SharedInput] = None  # set when siblings read the same input (see _share_inputs)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -76,9 +87,10 @@ class _Colwise(ColwiseParallel):
             if fused
             else {"weight": Shard(dim), "bias": Shard(0)}
         )
-        output_fn = (
-            _local_output if fused else partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
-        )
+        if fused:  # _StridedShard output: to_local gives [q | k | v] of this rank's heads
+            output_fn = _keep_output if self.global_shapes else _local_output
+        else:
+            output_fn = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
         distribute_module(
             module,
             device_mesh,
@@ -196,9 +208,18 @@ class _Rowwise(RowwiseParallel):
             module,
             device_mesh,
             partial(_distribute_parameters, placements, self.src_data_rank),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            self._input_fn,
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
+
+    def _input_fn(self, module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> Any:
+        # From a global-shape region the input is already a DTensor, normally sharded on its last dimension; one in
+        # another layout (code in the region that replicated it) is brought to that layout (a local slice).
+        first = inputs[0]
+        if isinstance(first, DTensor):
+            wanted = (Shard(first.dim() - 1),)
+            return first if tuple(first.placements) == wanted else first.redistribute(placements=wanted)
+        return self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, module, inputs, device_mesh)
 
 
 def _distribute_parameters(placements: dict, src_data_rank: Optional[int], name: str, module: nn.Module,
@@ -215,13 +236,21 @@ def _local_output(module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) 
     return outputs.to_local()
 
 
-def style(name: str, sequence_parallel: bool) -> Optional[ParallelStyle]:
-    """The torch ParallelStyle for a plan's style name (``None`` for ``"replicate"``)."""
+def _keep_output(module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) -> Any:
+    return outputs
+
+
+def style(name: str, sequence_parallel: bool, global_shapes: bool = False) -> Optional[ParallelStyle]:
+    """The torch ParallelStyle for a plan's style name (``None`` for ``"replicate"``).
+
+    ``global_shapes``: a column-parallel projection inside a global-shape region returns a DTensor with the
+    unsharded shape instead of this rank's plain shard.
+    """
     sequence, replicated = Shard(SEQUENCE_DIM), Replicate()
     stream = sequence if sequence_parallel else replicated  # layout of the residual stream between blocks
     styles: dict[str, Callable[[], Optional[ParallelStyle]]] = {
-        "colwise": lambda: _Colwise(input_layouts=stream),
-        "colwise_qkv": lambda: _Colwise(chunks=3, input_layouts=stream),
+        "colwise": lambda: _Colwise(input_layouts=stream, global_shapes=global_shapes),
+        "colwise_qkv": lambda: _Colwise(chunks=3, input_layouts=stream, global_shapes=global_shapes),
         "colwise_gather_output": lambda: _Colwise(input_layouts=stream, output_layouts=replicated),
         # An LM head under loss_parallel: logits stay a DTensor sharded over the vocabulary inside steps.
         "colwise_loss_parallel": lambda: _LossParallelHead(input_layouts=stream),
@@ -272,11 +301,14 @@ def apply_tensor_parallel(
     matched = _match(module, plan)
     tp = tp_mesh.size()
     _check_divisible(module, matched, tp)
-    styles = {fqn: style(name, sequence_parallel) for fqn, name in matched.items()}
+    regions = _global_shape_parents(module, matched)
+    styles = {fqn: style(name, sequence_parallel, global_shapes=_parent(fqn) in regions)
+              for fqn, name in matched.items()}
     _share_inputs(module, matched, styles)
     tied = tied_parameters(module)
     parallelize_module(module, tp_mesh, {fqn: s for fqn, s in styles.items() if s is not None})
-    _localize_attention(module, matched, tp)
+    for name in sorted(regions):
+        install_global_shape_region(module.get_submodule(name))
     if sequence_parallel:
         _replicate_remaining(module, tp_mesh)
     _retie(module, tied)
@@ -331,7 +363,7 @@ def _check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> Non
             if size % tp:
                 problems.append(f"{name}: {size} {'vocabulary entries' if 'row' in style_name else 'channels'}")
     for name, attention in _attention_modules(module, matched):
-        for attribute in _LOCAL_ATTRIBUTES:
+        for attribute in _HEAD_COUNT_ATTRIBUTES:
             value = getattr(attention, attribute, None)
             if isinstance(value, int) and not isinstance(value, bool) and value % tp:
                 problems.append(f"{name}.{attribute} = {value}")
@@ -345,6 +377,49 @@ def _check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> Non
             f"tensor_parallel_size={tp} must divide every sharded size, but: {'; '.join(sorted(set(problems)))}."
             " Choose a tensor_parallel_size that divides them (heads, key/value heads, hidden and vocabulary sizes)."
         )
+    _check_fused_chunks(module, matched)
+
+
+_QUERY_HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
+_KEY_VALUE_HEADS = ("n_query_groups", "num_key_value_heads", "n_kv_heads", "num_kv_heads")
+
+
+def _head_count(attention: nn.Module, names: tuple[str, ...]) -> Optional[int]:
+    for holder in (attention, getattr(attention, "config", None)):
+        for name in names:
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def _check_fused_chunks(module: nn.Module, matched: dict[str, str]) -> None:
+    """'colwise_qkv' shards three equal chunks [q | k | v]; grouped-query attention fuses chunks of other sizes."""
+    for name, style_name in matched.items():
+        if style_name != "colwise_qkv" or "." not in name:
+            continue
+        attention_name = _parent(name)
+        attention = module.get_submodule(attention_name)
+        heads, groups = _head_count(attention, _QUERY_HEADS), _head_count(attention, _KEY_VALUE_HEADS)
+        if heads is not None and groups is not None and groups != heads:
+            raise ValueError(
+                f"{name} fuses q, k and v of grouped-query attention ({heads} query heads, {groups} key/value heads"
+                f" in {attention_name}): its chunks differ in size, and 'colwise_qkv' shards three equal chunks."
+                " Fused grouped-query projections cannot be tensor-parallel yet; keep that attention whole with"
+                f" tp_plan entries {{{_glob_hint(name)!r}: 'replicate', {_glob_hint(_sibling_rowwise(matched, name))!r}:"
+                " 'replicate'}} (the MLP stays sharded), or use separate q/k/v projections."
+            )
+
+
+def _sibling_rowwise(matched: dict[str, str], name: str) -> str:
+    parent = _parent(name)
+    return next((n for n, s in matched.items() if s == "rowwise" and _parent(n) == parent), parent + ".<out projection>")
+
+
+def _glob_hint(name: str) -> str:
+    """``model.transformer.h.3.attn.qkv`` -> ``model.transformer.h.*.attn.qkv`` (the glob for every block)."""
+    parts = name.split(".")
+    return ".".join("*" if part.isdigit() else part for part in parts)
 
 
 def _features(module: nn.Module) -> tuple[int, int]:
@@ -360,12 +435,25 @@ def _attention_modules(module: nn.Module, matched: dict[str, str]) -> list[tuple
     return [(p, module.get_submodule(p)) for p in sorted(parents)]
 
 
-def _localize_attention(module: nn.Module, matched: dict[str, str], tp: int) -> None:
-    for _, attention in _attention_modules(module, matched):
-        for attribute in _LOCAL_ATTRIBUTES:
-            value = getattr(attention, attribute, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                setattr(attention, attribute, value // tp)
+def _parent(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+def _global_shape_parents(module: nn.Module, matched: dict[str, str]) -> set[str]:
+    """Parents of column-parallel projections that run as global-shape regions: all but Hugging Face modules.
+
+    Decided from the model's structure, not by trying the module: only code known to be written for per-rank
+    shards gets them, i.e. the modules of a Hugging Face model that declares a tensor-parallel plan (Hugging Face
+    runs them on plain shards itself). A trial forward in local mode could only catch code that crashes, not code
+    that reshapes wrongly without an error (``view(B, T, self.nh, -1)`` with a global head count gives each rank
+    heads of the wrong size), and it would need the module's real call arguments (litgpt passes ``cos``, ``sin``,
+    a mask), which do not exist before training. Global shapes are right for any code that is right unsharded.
+    """
+    local_prefixes = [prefix for prefix, _ in _hugging_face_models(module)]
+    return {
+        name for name, _ in _attention_modules(module, matched)
+        if not any(prefix == "" or name.startswith(prefix + ".") for prefix in local_prefixes)
+    }
 
 
 @contextmanager

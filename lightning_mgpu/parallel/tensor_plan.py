@@ -15,7 +15,7 @@ from lightning_mgpu.parallel.blocks import find_block_container, tied_parameters
 # Leaf names of projections in GPT-style blocks (nanoGPT, litgpt, GPT-2, Llama-likes without a HF plan).
 _FUSED_QKV = ("c_attn", "qkv", "qkv_proj", "Wqkv")
 _COLWISE = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "c_fc", "fc1", "fc_in", "up_proj", "gate_proj",
-            "w1", "w3")
+            "w1", "w3", "fc", "fc_1", "fc_2")  # litgpt: GptNeoxMLP.fc, LLaMAMLP.fc_1/fc_2
 _ROWWISE = ("c_proj", "o_proj", "out_proj", "down_proj", "fc2", "fc_out", "w2", "proj")
 _TOKEN_EMBEDDINGS = ("wte", "embed_tokens", "tok_embeddings", "word_embeddings")
 _HEADS = ("lm_head", "output", "embed_out")

@@ -1,0 +1,170 @@
+"""Global-shape tensor-parallel regions: the modules between column- and row-parallel layers see unsharded shapes.
+
+Code such as nanoGPT's attention reads sizes from the (unsharded) input and from its config::
+
+    B, T, C = x.size()
+    q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+    q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+    ...
+    y = y.transpose(1, 2).contiguous().view(B, T, C)
+
+With plain per-rank shards every one of those numbers would have to be the local one. Instead, inside a region
+(the parent of column-parallel projections: an attention, an MLP) the projections hand back DTensors with the
+*global* shape, sharded over heads/features, so ``size()``, ``split``, ``view``, ``transpose`` and attention see
+exactly the shapes the author wrote, whatever names the numbers come from. DTensor propagates the sharding
+(``Shard`` on the merged ``C`` dimension becomes ``Shard`` on the heads dimension after ``view``), and the
+row-parallel projection at the end takes the DTensor as it is. Three things DTensor alone would do expensively or
+not at all are done here, all without communication, by a ``TorchFunctionMode`` active while the region's
+``forward`` runs:
+
+- ``split``/``chunk`` of a fused ``[q | k | v]`` output into its chunks. The fused projection is sharded chunk by
+  chunk (``_StridedShard``), so each rank already holds its heads' q, k and v; DTensor would all-gather the output
+  to split it. Here each chunk is cut from the local shard and becomes a DTensor sharded on the same dimension.
+- ``F.scaled_dot_product_attention`` on inputs sharded over heads (DTensor has no sharding rule for the CPU
+  kernel): attention is independent per head, so it runs on the local heads (a mask with a heads dimension is
+  cut to the local heads).
+- plain tensors mixed with DTensors (a causal-mask buffer, rotary ``cos``/``sin``, an unsharded parameter): every
+  tensor-parallel rank holds the same plain values, so they enter as replicated DTensors. Done at this level,
+  autograd records DTensor operations, so backward needs no context of its own.
+
+Everything else is DTensor's own semantics, which keep the global tensor exact: an operation the author wrote
+that DTensor can only do by redistributing is still correct, just slower (tests count the collectives).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+_SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes, torch.Tensor.chunk, torch.chunk)
+_SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class GlobalShapeMode(TorchFunctionMode):
+    """Active during a region's forward: local fused splits and attention, plain tensors entering as replicated."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        dtensor = next((a for a in flat if isinstance(a, DTensor)), None)
+        if dtensor is None:
+            return func(*args, **kwargs)
+        if func in _SPLITS:
+            parts = _split_fused(func, args, kwargs)
+            if parts is not None:
+                return parts
+        elif func is F.scaled_dot_product_attention:
+            return _attention_on_local_heads(args, kwargs)
+        if any(_is_plain(a) for a in flat):
+            mesh = dtensor.device_mesh
+            args, kwargs = tree_map(lambda a: _replicated(a, mesh) if _is_plain(a) else a, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _is_plain(value: Any) -> bool:
+    # 0-d tensors DTensor already treats as scalars.
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0
+
+
+def _replicated(tensor: torch.Tensor, mesh: Any) -> DTensor:
+    return DTensor.from_local(tensor, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+_warned: set = set()
+
+
+def _split_fused(func: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """``split``/``chunk`` of a chunk-wise sharded fused projection into its chunks: cut from the local shard."""
+    tensor = args[0]
+    if not isinstance(tensor, DTensor) or len(tensor.placements) != 1:
+        return None
+    placement = tensor.placements[0]
+    if not isinstance(placement, _StridedShard):
+        return None
+    chunked = func in (torch.Tensor.chunk, torch.chunk)
+    names = ("chunks",) if chunked else ("split_size", "split_size_or_sections", "split_sizes")
+    sizes = args[1] if len(args) > 1 else next((kwargs[n] for n in names if n in kwargs), None)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    dim %= tensor.dim()
+    factor, total = placement.split_factor, tensor.shape[dim]
+    if dim != placement.dim % tensor.dim():
+        return None
+    if chunked:
+        matches = sizes == factor
+    elif isinstance(sizes, int):
+        matches = sizes * factor == total
+    else:
+        matches = len(sizes) == factor and all(size * factor == total for size in sizes)
+    if not matches:
+        key = (tuple(tensor.shape), str(sizes))
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(
+                f"A fused projection sharded as {factor} equal chunks (tp_plan style 'colwise_qkv') is split into"
+                f" {sizes} along dim {dim} of {tuple(tensor.shape)}: DTensor gathers it to split it (correct, but one"
+                " all-gather per call). Give the parts their own projections or a plan that shards them as used.",
+                stacklevel=3,
+            )
+        return None
+    local = tensor.to_local()
+    return tuple(DTensor.from_local(part, tensor.device_mesh, [Shard(dim)], run_check=False)
+                 for part in local.chunk(factor, dim))
+
+
+def _attention_on_local_heads(args: tuple, kwargs: dict) -> Any:
+    """``F.scaled_dot_product_attention`` per head on this rank's heads (heads are independent)."""
+    bound = dict(zip(_SDPA_ARGUMENTS, args))
+    bound.update(kwargs)
+    query, key, value = bound.pop("query"), bound.pop("key"), bound.pop("value")
+    mesh = next(t for t in (query, key, value) if isinstance(t, DTensor)).device_mesh
+    heads_dim = query.dim() - 3
+    tp = mesh.size()
+    heads = [t.shape[heads_dim] for t in (query, key, value)]
+    # Sharded over heads when every head count divides (checked before training); replicated otherwise.
+    target = [Shard(heads_dim)] if mesh.ndim == 1 and all(h % tp == 0 for h in heads) else [Replicate()] * mesh.ndim
+    local = []
+    for tensor in (query, key, value):
+        if not isinstance(tensor, DTensor):
+            tensor = _replicated(tensor, mesh)
+        if tuple(tensor.placements) != tuple(target):
+            tensor = tensor.redistribute(placements=target)
+        local.append(tensor.to_local())
+    mask = bound.get("attn_mask")
+    if isinstance(mask, DTensor):
+        mask = mask.full_tensor()
+    if mask is not None and target[0] != Replicate() and mask.dim() >= 3 and mask.size(-3) > 1:
+        per_rank = mask.size(-3) // tp
+        mask = mask.narrow(mask.dim() - 3, mesh.get_local_rank() * per_rank, per_rank)
+    bound["attn_mask"] = mask
+    out = F.scaled_dot_product_attention(*local, **bound)
+    return DTensor.from_local(out, mesh, target, run_check=False)
+
+
+class GlobalShapeRegion:
+    """Enters :class:`GlobalShapeMode` around one module's forward (hooks; left also when forward raises)."""
+
+    def __init__(self) -> None:
+        self.modes: list[GlobalShapeMode] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        mode = GlobalShapeMode()
+        mode.__enter__()
+        self.modes.append(mode)
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.modes:
+            self.modes.pop().__exit__(None, None, None)
+
+
+def install_global_shape_region(module: nn.Module) -> None:
+    region = GlobalShapeRegion()
+    module.register_forward_pre_hook(region.enter)
+    module.register_forward_hook(region.exit, always_call=True)

@@ -1,0 +1,184 @@
+"""Tensor parallelism for code that reshapes with global sizes (issue 11, item 1).
+
+Karpathy's nanoGPT attention reads ``C`` from its unsharded input and splits/reshapes with ``self.n_embd`` and
+``self.n_head``; litgpt reshapes with ``config.n_head``, ``config.head_size`` and re-assembles with
+``head_size * n_head``. Both are run unchanged: inside their attention and MLP the projections hand back DTensors
+with the global shapes (``lightning_mgpu/parallel/tensor_region.py``), and nothing in the modules is rewritten.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from functools import partial
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+from tests.helpers.equivalence import assert_same_training, fit
+from tests.helpers.litgpt import LitGPTModule
+from tests.helpers.modules import RandomTokenDataModule
+from tests.helpers.nanogpt import NanoGPTModule
+
+GLOBAL_BATCH = 8
+STEPS = 10
+TP_WEIGHT_ATOL = 1e-4  # as in test_tensor.py: AdamW turns reduction-order noise on near-zero gradients into ~1e-5
+
+
+def _tokens(batch: int) -> RandomTokenDataModule:
+    return RandomTokenDataModule(batch_size=batch)
+
+
+def _nanogpt_without_flash() -> NanoGPTModule:
+    """nanoGPT's other attention path, as the published code takes it where ``F.scaled_dot_product_attention`` is
+    missing: explicit ``q @ k^T``, the registered causal ``bias`` buffer, ``masked_fill``, softmax, ``att @ v``."""
+    module = NanoGPTModule()
+    for block in module.model.transformer.h:
+        attention = block.attn
+        attention.flash = False
+        size = module.model.config.block_size
+        attention.register_buffer("bias", torch.tril(torch.ones(size, size)).view(1, 1, size, size))
+    return module
+
+
+_references: dict = {}
+
+
+def _reference(factory):
+    if factory not in _references:
+        _references[factory], _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
+    return _references[factory]
+
+
+CASES = [  # (name, module factory, devices, dp, strategy arguments)
+    ("nanogpt-tp2", NanoGPTModule, 2, 1, {"tensor_parallel_size": 2}),
+    ("nanogpt-dp2-tp2-z1", NanoGPTModule, 4, 2, {"tensor_parallel_size": 2, "zero_stage": 1}),
+    ("nanogpt-tp2-sp", NanoGPTModule, 2, 1, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    ("nanogpt-dp2-tp2-z1-sp", NanoGPTModule, 4, 2,
+     {"tensor_parallel_size": 2, "zero_stage": 1, "sequence_parallel": True}),
+    ("nanogpt-tp2-loss-parallel", NanoGPTModule, 2, 1, {"tensor_parallel_size": 2, "loss_parallel": True}),
+    ("nanogpt-without-flash-tp2", _nanogpt_without_flash, 2, 1, {"tensor_parallel_size": 2}),
+    ("litgpt-tp2", LitGPTModule, 2, 1, {"tensor_parallel_size": 2}),
+    ("litgpt-dp2-tp2-z1-sp", LitGPTModule, 4, 2,
+     {"tensor_parallel_size": 2, "zero_stage": 1, "sequence_parallel": True}),
+]
+
+
+@pytest.mark.parametrize(("name", "factory", "devices", "dp", "strategy"), CASES, ids=[c[0] for c in CASES])
+def test_global_shape_code_trains_like_one_process(name, factory, devices, dp, strategy):
+    result, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH // dp), strategy, devices, STEPS)
+    assert_same_training(_reference(factory), result, weight_atol=TP_WEIGHT_ATOL)
+
+
+def _step_worker(factory, sequence_parallel, timed_steps=0):
+    """One forward/backward of the sharded model against the unsharded one: collectives, loss and gradients."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from lightning_mgpu.parallel.tensor import apply_tensor_parallel, tensor_parallel_context
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    reference = factory()
+    module = copy.deepcopy(reference)
+    apply_tensor_parallel(module, mesh, "auto", sequence_parallel)
+    tokens = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def loss_of(model):
+        out = model.model(x, y)[1] if isinstance(model, NanoGPTModule) else None
+        if out is None:
+            logits = model.model(x)
+            out = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        return out
+
+    reference_loss = loss_of(reference)
+    reference_loss.backward()
+    with tensor_parallel_context(sequence_parallel):
+        with CommDebugMode() as forward:
+            loss = loss_of(module)
+        with CommDebugMode() as backward:
+            loss.backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in module.named_parameters()}
+    result = {
+        "fwd": {str(op).split(".")[-1]: n for op, n in forward.get_comm_counts().items()},
+        "bwd": {str(op).split(".")[-1]: n for op, n in backward.get_comm_counts().items()},
+        "loss_error": abs(float(loss) - float(reference_loss)) / float(reference_loss),
+        "grad_error": max(float((grads[n] - p.grad).abs().max()) for n, p in reference.named_parameters()),
+    }
+    if timed_steps:
+        with tensor_parallel_context(sequence_parallel):
+            for _ in range(2):
+                loss_of(module).backward()
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            for _ in range(timed_steps):
+                loss_of(module).backward()
+            torch.distributed.barrier()
+        result["seconds_per_step"] = (time.perf_counter() - start) / timed_steps
+    return result
+
+
+def test_collectives_per_step_are_the_local_paths():
+    """Per block without SP: 2 all-reduces forward, 2 backward, as with plain shards, and the one small gather of
+    the fused q|k|v bias gradient (which stays replicated so that FSDP can shard it) that the local path has too;
+    no gather of activations. The head is tied to the embedding and replicated, so nothing outside the blocks."""
+    layers = 4
+    result = run_distributed(_step_worker, 2, NanoGPTModule, False)[0]
+    assert result["fwd"] == {"all_reduce": 2 * layers}, result
+    assert result["bwd"] == {"all_reduce": 2 * layers, "all_gather_into_tensor": layers}, result
+    assert result["loss_error"] < 1e-6 and result["grad_error"] < 1e-6, result
+    # litgpt: no biases, so nothing but the 2 + 2 all-reduces per block.
+    litgpt = run_distributed(_step_worker, 2, LitGPTModule, False)[0]
+    assert litgpt["fwd"] == {"all_reduce": 4} and litgpt["bwd"] == {"all_reduce": 4}, litgpt
+    assert litgpt["loss_error"] < 1e-6 and litgpt["grad_error"] < 1e-6, litgpt
+
+
+def test_collectives_with_sequence_parallel():
+    """Each all-reduce of the stream becomes a reduce-scatter and an all-gather; the token embedding scatters and the
+    vocabulary-sharded head (tied to it) gathers its input and its logits; replicated norm weights and biases used
+    on sequence shards get their partial gradients all-reduced once (2 norms x (weight, bias) per block, plus
+    ln_f's 2 and the position embedding), and the fused q|k|v bias gradient is gathered as without SP."""
+    layers = 4
+    result = run_distributed(_step_worker, 2, NanoGPTModule, True)[0]
+    assert result["fwd"] == {"all_gather_into_tensor": 2 * layers + 2, "reduce_scatter_tensor": 2 * layers + 1}, result
+    assert result["bwd"] == {"all_gather_into_tensor": 3 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1,
+                             "all_reduce": 4 * layers + 3}, result
+    assert result["loss_error"] < 1e-6 and result["grad_error"] < 1e-6, result
+
+
+def _fused_grouped_query_worker():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_mgpu.parallel.tensor import apply_tensor_parallel
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    try:
+        apply_tensor_parallel(LitGPTModule(n_query_groups=2), mesh, "auto", False)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_fused_grouped_query_attention_fails_before_training():
+    message = run_distributed(_fused_grouped_query_worker, 2)[0]
+    assert re.search(r"model.transformer.h.0.attn.qkv fuses q, k and v of grouped-query attention \(4 query heads, 2"
+                     r" key/value heads", message), message
+    assert "{'model.transformer.h.*.attn.qkv': 'replicate', 'model.transformer.h.*.attn.proj': 'replicate'}" in message
+
+
+def test_fused_grouped_query_attention_kept_whole_trains_like_one_process():
+    """The way out the error names: attention replicated, MLP sharded (with global shapes too)."""
+    factory = partial(LitGPTModule, n_query_groups=2)
+    plan = {"model.transformer.h.*.attn.qkv": "replicate", "model.transformer.h.*.attn.proj": "replicate",
+            "model.transformer.h.*.mlp.fc_1": "colwise", "model.transformer.h.*.mlp.fc_2": "colwise",
+            "model.transformer.h.*.mlp.proj": "rowwise"}
+    reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
+    result, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": plan}, 2, STEPS)
+    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
