@@ -29,6 +29,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 from typing_extensions import override
 
@@ -134,7 +135,6 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
             sys.stdout.flush()
             print(report, file=sys.stderr, flush=True)
 
-
     def _report_if_a_child_failed(self) -> None:
         if not self._reported and any(proc.poll() for proc in self.procs):
             self.report_failure()
@@ -230,7 +230,7 @@ class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
         try:
             super()._wrapping_function(process_idx, *args, **kwargs)
         except BaseException as error:
-            if isinstance(error, SystemExit) and not error.code:
+            if isinstance(error, SystemExit) and not error.code and not isinstance(error, SIGTERMException):
                 raise
             # Recorded for the parent's report, then a quiet exit: the traceback is printed once, by the parent.
             # (A rank stopped by torch's SIGTERM ends in Lightning's SIGTERMException: recorded as an echo.) From

@@ -21,6 +21,11 @@ import pytest
 from lightning_mgpu.failures import FailureRecord, coordinates, format_report, is_secondary
 from tests.helpers.distributed import free_port
 
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="finds the job's processes in /proc; children follow their launcher"
+    " through Linux's PR_SET_PDEATHSIG"
+)
+
 DEADLINE_S = 120  # for a whole run; a hang fails here instead of blocking the suite
 MAX_EXIT_S = 20  # from the failure to the end of the job
 MARKER = "LIGHTNING_MGPU_FAILURE_TEST"
