@@ -443,9 +443,11 @@ def test_a_damaged_checkpoint_fails_naming_what_is_missing(uninterrupted, tmp_pa
 
 
 def _save_both_formats(directory: Path) -> None:
-    """One job: a sharded checkpoint saved asynchronously at step 2, and a full file saved after `fit`."""
+    """One job: a sharded checkpoint saved asynchronously at step 2 (and one after `fit`, which does not wait for a
+    background save), and a full file saved after `fit`."""
     _fit_worker(ResumeModule, _data(2), {"zero_stage": 1, "async_checkpoint": True}, 2, 3, 1234, {},
-                lambda: [SaveAt(directory, (2,))])
+                lambda: [SaveAt(directory, (2,))],
+                after_fit=lambda trainer: trainer.save_checkpoint(directory / "a.ckpt"))
     _fit_worker(ResumeModule, _data(2), {"zero_stage": 1, "checkpoint_format": "full"}, 2, 2, 1234, {}, None,
                 after_fit=lambda trainer: trainer.save_checkpoint(directory / "full.ckpt"))
 
@@ -476,8 +478,9 @@ def test_a_flipped_byte_in_any_file_is_refused_naming_the_file(tmp_path, capsys)
 
     run_distributed(_save_both_formats, 2, tmp_path)
     sharded, full = tmp_path / "step2.ckpt", tmp_path / "full.ckpt"
-    assert sorted(json.loads((sharded / "manifest.json").read_text())["files"]) == sorted(
-        p.name for p in sharded.iterdir() if p.name != "manifest.json")
+    for directory in (sharded, tmp_path / "a.ckpt"):
+        assert sorted(json.loads((directory / "manifest.json").read_text())["files"]) == sorted(
+            p.name for p in directory.iterdir() if p.name != "manifest.json")
     for intact in (sharded, full):
         capsys.readouterr()
         assert cli(["inspect", str(intact)]) == 0

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerStatus
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.optim import Optimizer
@@ -225,7 +225,7 @@ class Checkpointer:
             staging.mkdir()
         _barrier()
         writer = _RecordingWriter(staging)
-        if self.async_save:
+        if self.async_save and _fit_goes_on(model):
             if _rank() == 0:
                 fmt.write_file(meta, staging / fmt.METADATA_FILE)
             group = self._checkpoint_group()
@@ -327,6 +327,12 @@ class Checkpointer:
         # Lightning warns that a plain loader cannot resume mid-epoch; this one does.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         return resume.FastForward(dataloader, skip, epoch)
+
+
+def _fit_goes_on(model: nn.Module) -> bool:
+    """Whether training continues after this save: a background save after `fit` returned would never finish."""
+    trainer = getattr(model, "_trainer", None)
+    return trainer is not None and trainer.state.status == TrainerStatus.RUNNING
 
 
 def _check_intact(path: Path) -> None:
