@@ -18,9 +18,9 @@ from lightning_mgpu.parallel.pipeline import (
     LOOP_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
-    microbatch_count_error,
     stages_per_rank as resolve_stages_per_rank,
 )
+from lightning_mgpu.parallel.microbatches import microbatch_count_error
 
 PIPELINE_SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOP_SCHEDULES + V_SCHEDULES
 StartMethod = Literal["auto", "popen", "fork", "spawn", "forkserver"]

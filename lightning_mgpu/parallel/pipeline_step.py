@@ -26,18 +26,16 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_mgpu.parallel.pipeline_publish import MetricRelay, Publisher, StepLogs
-from lightning_mgpu.parallel.pipeline import (
-    V_SCHEDULES,
+from lightning_mgpu.parallel.microbatches import (
     MicrobatchPlan,
-    NetworkCall,
-    PipelineRuntime,
     batch_size_of,
     plan_microbatches,
     split_microbatches,
-    stage_owner,
     tensor_leaves,
 )
+from lightning_mgpu.parallel.pipeline import V_SCHEDULES, NetworkCall, PipelineRuntime, stage_owner
+from lightning_mgpu.parallel.pipeline_publish import MetricRelay, Publisher, StepLogs
+
 
 class _Captured(Exception):
     def __init__(self, call: NetworkCall) -> None:

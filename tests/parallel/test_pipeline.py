@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lightning_mgpu.demo import GPTLightningModule, TextDataModule
-from lightning_mgpu.parallel.pipeline import balance, split_microbatches, stage_indices, stages_per_rank
+from lightning_mgpu.parallel.microbatches import split_microbatches
+from lightning_mgpu.parallel.pipeline import balance, stage_indices, stages_per_rank
 from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import GPT2Module, LlamaModule, RandomTokenDataModule
 from tests.helpers.probes import MemoryProbe, MetricRecorder

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_mgpu.demo import GPTLightningModule
-from lightning_mgpu.parallel.pipeline import MicrobatchPlan, plan_microbatches
+from lightning_mgpu.parallel.microbatches import MicrobatchPlan, plan_microbatches
 from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import RandomTokenDataModule
 from tests.helpers.probes import MetricRecorder
