@@ -40,6 +40,7 @@ _PEER_LOST = (
     "broken pipe",
     "remote worker",
     "timed out",
+    "timing out",  # NCCL's watchdog
     "communicator was aborted",
     "connection refused",
 )
@@ -134,9 +135,14 @@ def format_report(
     """
     primary = sorted((r for r in records.values() if not r.secondary), key=lambda r: r.time)
     died = [rank for rank, code in sorted(exit_codes.items()) if code and rank not in records and rank not in stopped]
-    if not primary and not died:  # only echoes (e.g. every rank timed out): the earliest one is the best lead
+    silent: list[int] = []
+    if not primary and not died:  # only echoes, e.g. of a rank that hangs: name the silent ranks, then the echo
+        silent = sorted(stopped - set(records))
         primary = sorted(records.values(), key=lambda r: r.time)[:1]
-    lines: list[str] = []
+    lines = []
+    if silent:
+        lines.append(f"{_PREFIX} {_ranks(silent, world_size, describe_rank)} stopped responding and had to be"
+                     " stopped (the other ranks' collectives failed or timed out waiting for it)")
     by_error: dict[str, list[int]] = {}
     for record in primary:
         by_error.setdefault(record.error, []).append(record.rank)
@@ -144,11 +150,10 @@ def format_report(
         lines.append(f"{_PREFIX} {_ranks(ranks, world_size, describe_rank)} failed: {error}")
     for rank in died:
         lines.append(f"{_PREFIX} {_ranks([rank], world_size, describe_rank)} {describe_exit(exit_codes[rank] or 0)}")
-    causes = {r.rank for r in primary} | set(died)
-    echoes = sorted(set(records) - causes)
+    causes = {r.rank for r in primary} | set(died) | set(silent)
     others = sorted((set(exit_codes) | set(records) | set(stopped)) - causes)
     if others:
-        notes = [f"{r} ({'lost its peers' if r in echoes else 'stopped'})" for r in others]
+        notes = [f"{r} ({'lost its peers' if r in records else 'stopped'})" for r in others]
         lines.append(f"{_PREFIX} the job ended; the other ranks: " + ", ".join(notes))
     headline = lines[0] if lines else f"{_PREFIX} a rank failed"
     if primary:
