@@ -77,11 +77,11 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
         num_processes: int,
         num_nodes: int,
         strategy: Any,
-        timeout: timedelta,
+        timeout: Optional[timedelta],
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self._strategy = strategy
-        self._grace_s = min(_GRACE_S, timeout.total_seconds())
+        self._grace_s = _GRACE_S if timeout is None else min(_GRACE_S, timeout.total_seconds())
         self.failure_dir: Optional[str] = None
         self._lock = threading.Lock()
         self._reported = False
