@@ -104,6 +104,12 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
+    @override
+    def kill(self, signum: Any) -> None:
+        # Lightning ends the children this way after a KeyboardInterrupt (Ctrl-C): not a failure to report.
+        self._reported = True
+        super().kill(signum)
+
     def report_failure(self, main_failed_first: bool = False) -> None:
         """Print the report once: wait (bounded) for the children to end, stop the rest, read what the ranks left.
 
