@@ -236,8 +236,10 @@ class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
         try:
             super()._wrapping_function(process_idx, *args, **kwargs)
         except BaseException as error:
-            if isinstance(error, SystemExit) and not error.code and not isinstance(error, SIGTERMException):
-                raise
+            if isinstance(error, KeyboardInterrupt) or (
+                isinstance(error, SystemExit) and not error.code and not isinstance(error, SIGTERMException)
+            ):
+                raise  # Ctrl-C or the parent's death (torch's SIGINT), or a clean exit: torch's wrapper handles it
             # Recorded for the parent's report, then a quiet exit: the traceback is printed once, by the parent.
             # (A rank stopped by torch's SIGTERM ends in Lightning's SIGTERMException: recorded as an echo.) From
             # here on SIGTERM is ignored: Lightning's handler would run a collective with the failed ranks.
