@@ -57,7 +57,7 @@ class Model(L.LightningModule):
 
 if __name__ == "__main__":
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ.get("DEVICES", "2")), max_steps=6, logger=False,
+        accelerator="cpu", devices=2, max_steps=6, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         strategy=HybridStrategy(start_method=os.environ["START"], timeout=timedelta(seconds=60)),
     )
