@@ -100,7 +100,7 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
             finally:
                 del os.environ[_PARENT_PID_ENV]
             _FailureObserver(self).start()
-            atexit.register(self._report_if_a_child_failed)  # e.g. the script caught the error and exited
+            atexit.register(self._wait_for_children)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
@@ -141,8 +141,14 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
             sys.stdout.flush()
             print(report, file=sys.stderr, flush=True)
 
-    def _report_if_a_child_failed(self) -> None:
-        if not self._reported and any(proc.poll() for proc in self.procs):
+    def _wait_for_children(self) -> None:
+        """At this process's exit: let the children finish (they die with it), and report if one failed (e.g. the
+        script caught the error). The watcher thread still runs meanwhile; a hung child ends at the timeout."""
+        if self._reported:
+            return
+        for proc in self.procs:
+            proc.wait()
+        if any(proc.returncode for proc in self.procs):
             self.report_failure()
 
 

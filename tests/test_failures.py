@@ -62,6 +62,9 @@ if __name__ == "__main__":
         strategy=HybridStrategy(start_method=os.environ["START"], timeout=timedelta(seconds=60)),
     )
     trainer.fit(Model(), torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4))
+    if trainer.global_rank == 1 and os.environ.get("RANK_1_WORKS_AFTER_FIT"):
+        time.sleep(3)
+        open("rank_1_finished", "w").close()
 """
 
 # What srun (or any scheduler) does: start every rank itself with the rendezvous variables set.
@@ -128,8 +131,8 @@ def _run(tmp_path: Path, command: list[str], kill_main_at_failure: bool = False,
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes of the job were left running: {left}"
     failed_at = [float(p.read_text()) for p in tmp_path.glob("failed_at_*")]
-    assert failed_at, "no rank reached the failure point:\n" + (tmp_path / "stderr").read_text()[-5000:]
-    failed = min(failed_at)
+    assert failed_at or env["FAIL_RANK"] == "none", "no rank failed:\n" + (tmp_path / "stderr").read_text()[-5000:]
+    failed = min(failed_at, default=ended)
     run = Run(proc.returncode, (tmp_path / "stderr").read_text(), (tmp_path / "stdout").read_text(), ended - failed)
     print(f"\n{command[1:3]} {env}: exit code {proc.returncode} {ended - failed:.1f} s after the failure,"
           f" last process gone after {gone - failed:.1f} s")
@@ -170,6 +173,15 @@ def test_script_launcher_main_process_killed_leaves_no_orphan(tmp_path):
     run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="0", FAIL_MODE="kill")
     assert run.returncode == -signal.SIGKILL
     assert run.exit_after_failure_s < MAX_EXIT_S
+
+
+def test_script_launcher_lets_its_children_finish(tmp_path):
+    # Children die with the main process, so it waits for them at exit: a rank's work after `fit` is not cut short.
+    run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="none", FAIL_MODE="-",
+               RANK_1_WORKS_AFTER_FIT="1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "rank_1_finished").exists()
+    assert "lightning-mgpu:" not in run.stderr
 
 
 # ------------------------------------------------------------------------------------------------ fork launcher
