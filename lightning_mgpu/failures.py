@@ -133,6 +133,8 @@ def format_report(
     ``exit_codes`` maps ranks to their exit codes where known (None: still running or not a child); ``stopped``
     are ranks the launcher killed after the failure, which are not causes.
     """
+    if any(r.error == "KeyboardInterrupt" for r in records.values()):
+        return f"{_PREFIX} interrupted (KeyboardInterrupt)", f"{_PREFIX} interrupted (KeyboardInterrupt)"
     primary = sorted((r for r in records.values() if not r.secondary), key=lambda r: r.time)
     died = [rank for rank, code in sorted(exit_codes.items()) if code and rank not in records and rank not in stopped]
     silent: list[int] = []
@@ -202,8 +204,12 @@ def handle_rank_failure(
     that acts only on this very exception reaching the top level (a user who catches it sees nothing change) and
     hands every other exception to the hook it found.
     """
+    if isinstance(exception, KeyboardInterrupt) and os.environ.get(FAILURE_DIR_ENV):
+        # Ctrl-C reaches every process of a script launcher: its report must not blame the first rank to exit.
+        record_failure(exception, rank, os.environ[FAILURE_DIR_ENV])
+        return
     if not isinstance(exception, Exception) or isinstance(exception, RankFailedError) or world_size == 1:
-        return  # KeyboardInterrupt, SystemExit, the fork launcher's report reaching its parent, or no other rank
+        return  # SystemExit, the fork launcher's report reaching its parent, or no other rank
     if threading.current_thread() is threading.main_thread():
         # A launcher's SIGTERM now just ends this rank: Lightning's handler would run a collective with the failed
         # rank. Lightning's teardown, which follows, puts back the handlers from before `fit`.

@@ -110,15 +110,16 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
         self._reported = True
         super().kill(signum)
 
-    def report_failure(self, main_failed_first: bool = False) -> None:
+    def report_failure(self, main_failed_first: bool = False) -> bool:
         """Print the report once: wait (bounded) for the children to end, stop the rest, read what the ranks left.
 
         ``main_failed_first``: this process's own error is the cause, so the children wait for it in a collective
-        and will not end by themselves; they get a moment to record a simultaneous error of their own.
+        and will not end by themselves; they get a moment to record a simultaneous error of their own. Returns
+        whether this call printed it.
         """
         with self._lock:
             if self._reported:
-                return
+                return False
             self._reported = True
             first = self.cluster_environment.node_rank() * self.num_processes
             deadline = time.monotonic() + (0.5 if main_failed_first else self._grace_s)
@@ -140,6 +141,7 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
             )
             sys.stdout.flush()
             print(report, file=sys.stderr, flush=True)
+            return True
 
     def _wait_for_children(self) -> None:
         """At this process's exit: let the children finish (they die with it), and report if one failed (e.g. the
@@ -166,11 +168,10 @@ class _FailureObserver(_ChildProcessObserver):
             return True
         if not any(codes):
             return False
-        if self._launcher._reported:  # the main thread reports and exits
-            return True
-        self._launcher.report_failure()
-        shutil.rmtree(self._launcher.failure_dir or "", ignore_errors=True)  # os._exit skips the atexit removal
-        os._exit(1)  # Lightning's watcher SIGKILLs the main process here; exit code 1 says the same more kindly
+        if self._launcher.report_failure():  # False: the main thread reported (or Ctrl-C) and ends the process
+            shutil.rmtree(self._launcher.failure_dir or "", ignore_errors=True)  # os._exit skips the atexit removal
+            os._exit(1)  # Lightning's watcher SIGKILLs the main process here; exit code 1 says the same more kindly
+        return True
 
 
 def _die_with_launcher() -> None:

@@ -240,6 +240,9 @@ def test_report_names_the_cause_first_and_its_traceback_once():
     # A death without a record is a cause, named with its signal.
     _, report = format_report(2, {0: records[0]}, {1: -9}, str)
     assert report.startswith("lightning-mgpu: rank 1 of 2 (1) was killed by SIGKILL (exit code -9)")
+    # Ctrl-C reaches every rank: no rank is blamed.
+    interrupted = {1: record(1, "KeyboardInterrupt", True, 1.0)}
+    assert format_report(2, interrupted, {1: 1}, str)[1] == "lightning-mgpu: interrupted (KeyboardInterrupt)"
     # Only echoes (the others timed out): the rank that had to be stopped is named first.
     headline, _ = format_report(2, {0: records[0]}, {1: -9}, str, frozenset({1}))
     assert headline.startswith("lightning-mgpu: rank 1 of 2 (1) stopped responding and had to be stopped")
