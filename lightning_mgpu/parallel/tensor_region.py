@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 _SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes, torch.Tensor.chunk, torch.chunk)
 _SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -53,8 +53,7 @@ class GlobalShapeMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
-        dtensor = next((a for a in flat if isinstance(a, DTensor)), None)
+        dtensor, plain = _scan(args, kwargs)
         if dtensor is None:
             return func(*args, **kwargs)
         if func in _SPLITS:
@@ -63,10 +62,23 @@ class GlobalShapeMode(TorchFunctionMode):
                 return parts
         elif func is F.scaled_dot_product_attention:
             return _attention_on_local_heads(args, kwargs)
-        if any(_is_plain(a) for a in flat):
+        if plain:
             mesh = dtensor.device_mesh
             args, kwargs = tree_map(lambda a: _replicated(a, mesh) if _is_plain(a) else a, (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _scan(args: tuple, kwargs: dict) -> tuple[Optional[DTensor], bool]:
+    """The first DTensor among the arguments (and in lists of them, as ``torch.cat`` takes), and whether plain
+    tensors are mixed in. Runs on every operation in a region, hence no general tree flattening."""
+    dtensor, plain = None, False
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, DTensor):
+                dtensor = dtensor if dtensor is not None else item
+            elif _is_plain(item):
+                plain = True
+    return dtensor, plain
 
 
 def _is_plain(value: Any) -> bool:

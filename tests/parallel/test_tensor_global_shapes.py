@@ -59,6 +59,11 @@ CASES = [  # (name, module factory, devices, dp, strategy arguments)
      {"tensor_parallel_size": 2, "zero_stage": 1, "sequence_parallel": True}),
     ("nanogpt-tp2-loss-parallel", NanoGPTModule, 2, 1, {"tensor_parallel_size": 2, "loss_parallel": True}),
     ("nanogpt-without-flash-tp2", _nanogpt_without_flash, 2, 1, {"tensor_parallel_size": 2}),
+    ("nanogpt-tp4", NanoGPTModule, 4, 1, {"tensor_parallel_size": 4}),
+    ("nanogpt-tp2-checkpointing", NanoGPTModule, 2, 1, {"tensor_parallel_size": 2, "activation_checkpointing": True}),
+    ("nanogpt-tp2-selective-checkpointing", NanoGPTModule, 2, 1,
+     {"tensor_parallel_size": 2, "activation_checkpointing": "selective"}),
+    ("nanogpt-pp2-tp2", NanoGPTModule, 4, 1, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
     ("litgpt-tp2", LitGPTModule, 2, 1, {"tensor_parallel_size": 2}),
     ("litgpt-dp2-tp2-z1-sp", LitGPTModule, 4, 2,
      {"tensor_parallel_size": 2, "zero_stage": 1, "sequence_parallel": True}),
@@ -182,3 +187,53 @@ def test_fused_grouped_query_attention_kept_whole_trains_like_one_process():
     reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
     result, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": plan}, 2, STEPS)
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
+
+
+def _region_ops_worker():
+    """The region's own operations on a DTensor, against the same operations on the full tensors."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from lightning_mgpu.parallel.tensor_region import GlobalShapeMode
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    generator = torch.Generator().manual_seed(0)
+    fused = torch.randn(2, 8, 3 * 16, generator=generator)  # [q | k | v], 4 heads of 4
+    mask = torch.randn(1, 4, 8, 8, generator=generator)  # a bias per head: cut to the local heads
+    sharded = distribute_tensor(fused, mesh, [_StridedShard(2, split_factor=3)])
+    results = {}
+    with CommDebugMode() as comm, GlobalShapeMode():
+        q, k, v = sharded.split(16, dim=2)
+        chunks = sharded.chunk(3, dim=-1)
+        sizes = torch.split(sharded, [16, 16, 16], dim=2)
+        heads = [t.view(2, 8, 4, 4).transpose(1, 2) for t in (q, k, v)]
+        attention = torch.nn.functional.scaled_dot_product_attention(*heads, attn_mask=mask)
+        merged = attention.transpose(1, 2).contiguous().view(2, 8, 16)
+        shifted = merged + torch.arange(16.0)  # a plain tensor enters as replicated
+    results["local_comm"] = sum(comm.get_comm_counts().values())
+    results["placements"] = {str(t.placements) for t in (q, k, v, *chunks, *sizes, merged, shifted)}
+    full_heads = [t.view(2, 8, 4, 4).transpose(1, 2) for t in fused.split(16, dim=2)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*full_heads, attn_mask=mask)
+    expected = expected.transpose(1, 2).reshape(2, 8, 16) + torch.arange(16.0)
+    results["error"] = float((shifted.full_tensor() - expected).abs().max())
+    with warnings.catch_warnings(record=True) as caught, GlobalShapeMode():
+        warnings.simplefilter("always")
+        uneven = sharded.split([32, 8, 8], dim=2)  # not the three equal chunks it is sharded as: DTensor gathers
+    results["uneven_error"] = max(float((part.full_tensor() - ref).abs().max())
+                                  for part, ref in zip(uneven, fused.split([32, 8, 8], dim=2)))
+    results["warning"] = str(caught[0].message) if caught else ""
+    return results
+
+
+def test_region_splits_fused_outputs_and_runs_attention_without_communication():
+    results = run_distributed(_region_ops_worker, 2)[0]
+    assert results["local_comm"] == 0, results
+    assert results["placements"] == {"(Shard(dim=2),)"}, results
+    assert results["error"] < 1e-6, results
+    assert results["uneven_error"] == 0.0, results
+    assert "split into [32, 8, 8]" in results["warning"] and "all-gather" in results["warning"], results
