@@ -4,10 +4,11 @@ __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_mgpu.failures import RankFailedError
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.precision import HybridPrecision
 from lightning_mgpu.strategy import HybridStrategy
 
 HybridStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["HybridPrecision", "HybridStrategy", "ParallelLayout", "__version__"]
+__all__ = ["HybridPrecision", "HybridStrategy", "ParallelLayout", "RankFailedError", "__version__"]
