@@ -5,13 +5,13 @@ These are end-to-end runs with two CPU processes each (about 15-20 s apiece on t
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.processes import clean_env, run
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -19,30 +19,6 @@ NOTEBOOK = EXAMPLES / "notebook_hybrid_strategy.ipynb"
 CLI_SCRIPT = Path("examples") / "cli" / "train.py"
 CLI_CONFIG = Path("examples") / "cli" / "hybrid_zero2.yaml"
 TIMEOUT = 300
-
-# Set by torchrun, SLURM-less launchers or an enclosing Lightning run: inherited, they would make the examples
-# believe they were launched externally (or reuse a busy port) instead of starting their own processes.
-_LAUNCH_VARIABLES = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID",
-    "PL_GLOBAL_SEED",
-    "PL_SEED_WORKERS",
-)
-
-
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
-    env["OMP_NUM_THREADS"] = "1"  # two processes on a shared machine: no thread oversubscription
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
 
 # ------------------------------------------------------------------------------------------------------ notebook
 def _python_kernel_name() -> str:
@@ -80,7 +56,7 @@ def test_notebook_runs():
     )
     # Raises CellExecutionError (with the cell's source and traceback) on the first failing cell, which covers
     # the notebook's own assertions: finite losses below the untrained loss.
-    client.execute(env=_clean_env())
+    client.execute(env=clean_env())
     outputs = "".join(
         output.get("text", "") for cell in nb.cells if cell.cell_type == "code" for output in cell.outputs
     )
@@ -89,29 +65,21 @@ def test_notebook_runs():
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
-def _run_cli(*extra_args: str, root_dir: Path) -> subprocess.CompletedProcess:
+def _run_cli(*extra_args: str, root_dir: Path, script: Path = CLI_SCRIPT, config: Path = CLI_CONFIG) -> subprocess.CompletedProcess:
     # `default_root_dir` keeps the config.yaml that LightningCLI saves out of the repository.
-    cmd = [sys.executable, str(CLI_SCRIPT), "fit", "--config", str(CLI_CONFIG), f"--trainer.default_root_dir={root_dir}"]
+    cmd = [sys.executable, str(script), "fit", "--config", str(config), f"--trainer.default_root_dir={root_dir}"]
     cmd += extra_args
-    # A session of its own, so that a timeout can end the worker the launcher started as well.
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT} s. Output:\n{output[-5000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, output)
+    try:  # the launcher's workers are killed with the script on a timeout (a session of their own)
+        return run(cmd, timeout=TIMEOUT)
+    except TimeoutError as error:
+        pytest.fail(str(error))
 
 
-def _assert_trained(result: subprocess.CompletedProcess) -> None:
+def _assert_trained(result: subprocess.CompletedProcess, processes: int = 2, max_steps: int = 5) -> None:
     tail = result.stdout[-5000:]
     assert result.returncode == 0, f"exit code {result.returncode}. Output:\n{tail}"
-    assert "Starting with 2 processes" in result.stdout, tail
-    assert "`max_steps=5` reached" in result.stdout, tail
+    assert f"Starting with {processes} processes" in result.stdout, tail
+    assert f"`max_steps={max_steps}` reached" in result.stdout, tail
 
 
 def test_cli_config_resolves_the_strategy_class_path_and_registered_names():
