@@ -8,7 +8,7 @@ the q, k and v of its own heads and the full tensor keeps its original layout.
 ``tp_plan="auto"`` (``tensor_plan.py``) takes Hugging Face's own plans (``config.base_model_tp_plan`` and the model class's
 ``_tp_plan``) where present, and name rules for GPT-style blocks otherwise.
 
-What the code between the projections sees (``_global_shape_parents``): modules of a Hugging Face model that
+What the code between the projections sees (``_global_shape_regions``): modules of a Hugging Face model that
 declares a tensor-parallel plan get plain per-rank tensors, as Hugging Face's own tensor parallelism gives them
 (their code reshapes with ``-1`` and ``head_dim``, never with a global head count). Every other parent of
 column-parallel projections is a *global-shape region* (``tensor_region.py``): its projections hand back DTensors
@@ -53,8 +53,8 @@ Plan = Union[str, dict[str, str], Callable[[nn.Module, DeviceMesh], None]]
 SEQUENCE_DIM = 1
 
 # Attributes an attention module keeps about its global size: checked against the degree before training.
-_HEAD_COUNT_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads",
-                     "n_query_groups", "n_embd", "embed_dim", "split_size", "all_head_size")
+_HEAD_COUNT_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads",
+                          "n_kv_heads", "n_query_groups", "n_embd", "embed_dim", "split_size", "all_head_size")
 
 
 def _output_dim(module: nn.Module) -> int:
@@ -301,13 +301,12 @@ def apply_tensor_parallel(
     matched = _match(module, plan)
     tp = tp_mesh.size()
     _check_divisible(module, matched, tp)
-    regions = _global_shape_parents(module, matched)
-    styles = {fqn: style(name, sequence_parallel, global_shapes=_parent(fqn) in regions)
-              for fqn, name in matched.items()}
+    regions = _global_shape_regions(module, matched)
+    styles = {fqn: style(name, sequence_parallel, global_shapes=fqn in regions) for fqn, name in matched.items()}
     _share_inputs(module, matched, styles)
     tied = tied_parameters(module)
     parallelize_module(module, tp_mesh, {fqn: s for fqn, s in styles.items() if s is not None})
-    for name in sorted(regions):
+    for name in sorted(set(regions.values())):
         install_global_shape_region(module.get_submodule(name))
     if sequence_parallel:
         _replicate_remaining(module, tp_mesh)
@@ -439,8 +438,11 @@ def _parent(fqn: str) -> str:
     return fqn.rsplit(".", 1)[0] if "." in fqn else ""
 
 
-def _global_shape_parents(module: nn.Module, matched: dict[str, str]) -> set[str]:
-    """Parents of column-parallel projections that run as global-shape regions: all but Hugging Face modules.
+def _global_shape_regions(module: nn.Module, matched: dict[str, str]) -> dict[str, str]:
+    """``{column-parallel projection: module whose forward is its global-shape region}``, Hugging Face's excepted.
+
+    The region of a projection is its nearest ancestor that also holds a row-parallel projection (the attention or
+    MLP between the two), or its parent where none does.
 
     Decided from the model's structure, not by trying the module: only code known to be written for per-rank
     shards gets them, i.e. the modules of a Hugging Face model that declares a tensor-parallel plan (Hugging Face
@@ -450,10 +452,21 @@ def _global_shape_parents(module: nn.Module, matched: dict[str, str]) -> set[str
     a mask), which do not exist before training. Global shapes are right for any code that is right unsharded.
     """
     local_prefixes = [prefix for prefix, _ in _hugging_face_models(module)]
-    return {
-        name for name, _ in _attention_modules(module, matched)
-        if not any(prefix == "" or name.startswith(prefix + ".") for prefix in local_prefixes)
-    }
+    rowwise = [name for name, style_name in matched.items() if style_name == "rowwise"]
+    regions: dict[str, str] = {}
+    for name, style_name in matched.items():
+        if style_name not in ("colwise", "colwise_qkv") or "." not in name:
+            continue
+        if any(prefix == "" or name.startswith(prefix + ".") for prefix in local_prefixes):
+            continue
+        region = ancestor = _parent(name)
+        while ancestor:
+            if any(row.startswith(ancestor + ".") for row in rowwise):
+                region = ancestor
+                break
+            ancestor = _parent(ancestor)
+        regions[name] = region
+    return regions
 
 
 @contextmanager

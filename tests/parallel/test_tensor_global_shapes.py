@@ -237,3 +237,73 @@ def test_region_splits_fused_outputs_and_runs_attention_without_communication():
     assert results["error"] < 1e-6, results
     assert results["uneven_error"] == 0.0, results
     assert "split into [32, 8, 8]" in results["warning"] and "all-gather" in results["warning"], results
+
+
+class _FusedProjection(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.c_attn = torch.nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        return self.c_attn(x)
+
+
+class _NestedAttention(torch.nn.Module):
+    """nanoGPT's attention with its fused projection one module further down (``attn.inner.c_attn``)."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.inner = _FusedProjection(width)
+        self.c_proj = torch.nn.Linear(width, width)
+        self.n_head, self.n_embd = heads, width
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.inner(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def _nested_worker():
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from lightning_mgpu.parallel.tensor import apply_tensor_parallel
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    reference = torch.nn.ModuleDict({"h": torch.nn.ModuleList([_NestedAttention(), _NestedAttention()])})
+    module = copy.deepcopy(reference)
+    apply_tensor_parallel(module, mesh, {"h.*.inner.c_attn": "colwise_qkv", "h.*.c_proj": "rowwise"}, False)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+
+    def run(model):
+        out = x
+        for block in model["h"]:
+            out = out + block(out)
+        return out
+
+    expected = run(reference)
+    expected.square().mean().backward()
+    with CommDebugMode() as comm:
+        out = run(module)
+        out.square().mean().backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in module.named_parameters()}
+    return {"comm": {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()},
+            "error": float((out - expected).abs().max()),
+            "grad_error": max(float((grads[n] - p.grad).abs().max()) for n, p in reference.named_parameters())}
+
+
+def test_a_projection_nested_deeper_shares_the_region_of_its_row_parallel_partner():
+    """The region is the nearest ancestor holding the row-parallel projection too (here ``attn``, not ``inner``),
+    so the fused output is split and reshaped with global shapes where the author wrote it."""
+    result = run_distributed(_nested_worker, 2)[0]
+    assert result["error"] < 1e-6 and result["grad_error"] < 1e-6, result
+    # 2 blocks: an all-reduce forward and the fused-bias gather each; in backward the second block's input gradient
+    # (x itself needs none).
+    assert result["comm"] == {"all_reduce": 3, "all_gather_into_tensor": 2}, result
