@@ -307,3 +307,19 @@ def test_a_projection_nested_deeper_shares_the_region_of_its_row_parallel_partne
     # 2 blocks: an all-reduce forward and the fused-bias gather each; in backward the second block's input gradient
     # (x itself needs none).
     assert result["comm"] == {"all_reduce": 3, "all_gather_into_tensor": 2}, result
+
+
+def test_auto_picks_plain_shards_only_for_hugging_face_plans():
+    """Which modules run with global shapes is read from the model's structure, before training."""
+    from lightning_mgpu.parallel.tensor import _global_shape_regions
+    from lightning_mgpu.parallel.tensor_plan import _match, auto_plan
+    from tests.helpers.modules import GPT2Module, LlamaModule
+
+    def regions(module):
+        return set(_global_shape_regions(module, _match(module, auto_plan(module))).values())
+
+    blocks = {f"model.transformer.h.{i}.{part}" for i in range(4) for part in ("attn", "mlp")}
+    assert regions(NanoGPTModule()) == blocks
+    assert regions(LitGPTModule()) == {f"model.transformer.h.{i}.{part}" for i in range(2) for part in ("attn", "mlp")}
+    assert regions(GPT2Module()) == {f"model.transformer.h.{i}.{part}" for i in range(2) for part in ("attn", "mlp")}
+    assert regions(LlamaModule()) == set()  # Hugging Face's plan: its modules are written for plain shards
