@@ -68,6 +68,7 @@ class LayoutReport(L.Callback):
             "local_rank": trainer.local_rank,
             "node_rank": trainer.node_rank,
             "host": socket.gethostname(),
+            "cluster_environment": type(strategy.cluster_environment).__name__,  # how Lightning found the ranks
             "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "MASTER_ADDR")},
             "mesh_dim_names": list(mesh.mesh_dim_names),
             "mesh_shape": list(mesh.shape),
