@@ -1,6 +1,7 @@
-"""The examples run as a user would run them: the notebook in a Jupyter kernel, the CLI script as a subprocess.
+"""The examples run as a user would run them: the notebook in a Jupyter kernel, the CLI scripts as subprocesses.
 
-These are end-to-end runs with two CPU processes each (about 15-20 s apiece on two cores).
+These are end-to-end runs with two CPU processes each (about 10-20 s apiece on two cores), except the 3D config's
+eight (forked, about 10 s). The multi-node scripts are run by tests/test_multinode.py.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def test_notebook_runs():
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
-def _run_cli(*extra_args: str, root_dir: Path, script: Path = CLI_SCRIPT, config: Path = CLI_CONFIG) -> subprocess.CompletedProcess:
+def _run_cli(
+    *extra_args: str, root_dir: Path, script: Path = CLI_SCRIPT, config: Path = CLI_CONFIG
+) -> subprocess.CompletedProcess:
     # `default_root_dir` keeps the config.yaml that LightningCLI saves out of the repository.
     cmd = [sys.executable, str(script), "fit", "--config", str(config), f"--trainer.default_root_dir={root_dir}"]
     cmd += extra_args
