@@ -9,7 +9,6 @@ with the global shapes (``lightning_mgpu/parallel/tensor_region.py``), and nothi
 from __future__ import annotations
 
 import re
-import time
 from functools import partial
 
 import pytest
@@ -76,7 +75,7 @@ def test_global_shape_code_trains_like_one_process(name, factory, devices, dp, s
     assert_same_training(_reference(factory), result, weight_atol=TP_WEIGHT_ATOL)
 
 
-def _step_worker(factory, sequence_parallel, timed_steps=0):
+def _step_worker(factory, sequence_parallel):
     """One forward/backward of the sharded model against the unsharded one: collectives, loss and gradients."""
     import copy
 
@@ -116,16 +115,6 @@ def _step_worker(factory, sequence_parallel, timed_steps=0):
         "loss_error": abs(float(loss) - float(reference_loss)) / float(reference_loss),
         "grad_error": max(float((grads[n] - p.grad).abs().max()) for n, p in reference.named_parameters()),
     }
-    if timed_steps:
-        with tensor_parallel_context(sequence_parallel):
-            for _ in range(2):
-                loss_of(module).backward()
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            for _ in range(timed_steps):
-                loss_of(module).backward()
-            torch.distributed.barrier()
-        result["seconds_per_step"] = (time.perf_counter() - start) / timed_steps
     return result
 
 
