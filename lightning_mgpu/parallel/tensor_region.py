@@ -95,7 +95,7 @@ _warned: set = set()
 
 def _split_fused(func: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
     """``split``/``chunk`` of a chunk-wise sharded fused projection into its chunks: cut from the local shard."""
-    tensor = args[0]
+    tensor = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
     if not isinstance(tensor, DTensor) or len(tensor.placements) != 1:
         return None
     placement = tensor.placements[0]
