@@ -49,6 +49,7 @@ LAYOUTS = [  # (model, strategy, devices, dp)
     ("nanogpt", {"pipeline_parallel_size": 2, "pipeline_schedule": "GPipe"}, 2, 1),
     ("nanogpt", {"pipeline_parallel_size": 2, "zero_stage": 1}, 4, 2),
     ("nanogpt", {"pipeline_parallel_size": 2, "zero_stage": 3}, 4, 2),
+    ("nanogpt", {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4, 1),
     ("nanogpt", {"pipeline_parallel_size": 4, "num_microbatches": 4}, 4, 1),  # the tie spans ranks 0 and 3 only
     ("gpt2", {"pipeline_parallel_size": 2, "pipeline_schedule": "1F1B"}, 2, 1),
     ("gpt2", {"pipeline_parallel_size": 2, "pipeline_schedule": "GPipe"}, 2, 1),
