@@ -18,6 +18,7 @@ unchanged. No attribute of the user's modules is rewritten.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
 from functools import partial
@@ -222,6 +223,31 @@ class _Rowwise(RowwiseParallel):
         return self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, module, inputs, device_mesh)
 
 
+class _ReplicatedOnLocalHeads(ParallelStyle):
+    """A replicated module applied to this rank's heads only (Qwen3's per-head ``q_norm``/``k_norm`` between a
+    column- and a row-parallel projection): its parameters become replicated DTensors and its plain input this
+    rank's shard of the heads (dimension -2 of ``[..., heads, head_dim]``), so the parameter gradient is a partial
+    sum that is all-reduced into the replicated gradient (Hugging Face's ``replicated_with_grad_allreduce``).
+    The forward needs no communication; the module returns plain tensors, as it did.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        placements = {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
+        return distribute_module(module, device_mesh, partial(_distribute_parameters, placements, 0),
+                                 self._input_fn, self._output_fn)
+
+    @staticmethod
+    def _input_fn(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> Any:
+        first = inputs[0]
+        if isinstance(first, DTensor) or not torch.is_tensor(first) or first.dim() < 2:
+            return inputs
+        return (DTensor.from_local(first, device_mesh, [Shard(first.dim() - 2)], run_check=False), *inputs[1:])
+
+    @staticmethod
+    def _output_fn(module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
 def _distribute_parameters(placements: dict, src_data_rank: Optional[int], name: str, module: nn.Module,
                            mesh: DeviceMesh) -> None:
     for param_name, placement in placements.items():
@@ -255,6 +281,11 @@ def style(name: str, sequence_parallel: bool, global_shapes: bool = False) -> Op
         # An LM head under loss_parallel: logits stay a DTensor sharded over the vocabulary inside steps.
         "colwise_loss_parallel": lambda: _LossParallelHead(input_layouts=stream),
         "rowwise": lambda: _Rowwise(output_layouts=stream, use_local_output=not sequence_parallel),
+        # Its input is whole on every rank (Phi-3 gathers its fused q|k|v, gate|up to slice them): each rank
+        # multiplies its own slice of it, then the partial outputs are all-reduced.
+        "rowwise_split_input": lambda: _Rowwise(input_layouts=replicated, output_layouts=stream,
+                                                use_local_output=not sequence_parallel),
+        "replicated_with_grad_allreduce": lambda: _ReplicatedOnLocalHeads(),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=replicated, output_layouts=stream,
                                                      use_local_output=not sequence_parallel),
         "embedding_colwise": lambda: ColwiseParallel(input_layouts=replicated, output_layouts=stream,
@@ -348,33 +379,36 @@ def _already_parallelized(module: nn.Module) -> bool:
 
 
 def _check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None:
-    problems = []
+    sizes: dict[str, int] = {}  # what each sharded size is, by the words naming it
     for name, style_name in matched.items():
         child = module.get_submodule(name)
         if style_name.startswith("colwise") and _is_projection(child):
-            out = _features(child)[1] // (3 if style_name == "colwise_qkv" else 1)
-            if out % tp:
-                problems.append(f"{name}: {out} output features{' per q/k/v' if style_name == 'colwise_qkv' else ''}")
-        elif style_name == "rowwise" and _is_projection(child) and _features(child)[0] % tp:
-            problems.append(f"{name}: {_features(child)[0]} input features")
+            qkv = style_name == "colwise_qkv"
+            sizes[f"{name}: {{}} output features{' per q/k/v' if qkv else ''}"] = _features(child)[1] // (3 if qkv else 1)
+        elif style_name.startswith("rowwise") and _is_projection(child):
+            sizes[f"{name}: {{}} input features"] = _features(child)[0]
         elif style_name.startswith("embedding") and isinstance(child, nn.Embedding):
-            size = child.num_embeddings if style_name == "embedding_rowwise" else child.embedding_dim
-            if size % tp:
-                problems.append(f"{name}: {size} {'vocabulary entries' if 'row' in style_name else 'channels'}")
+            row = style_name == "embedding_rowwise"
+            sizes[f"{name}: {{}} {'vocabulary entries' if row else 'channels'}"] = (
+                child.num_embeddings if row else child.embedding_dim)
     for name, attention in _attention_modules(module, matched):
         for attribute in _HEAD_COUNT_ATTRIBUTES:
             value = getattr(attention, attribute, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value % tp:
-                problems.append(f"{name}.{attribute} = {value}")
+            if isinstance(value, int) and not isinstance(value, bool):
+                sizes[f"{name}.{attribute} = {{}}"] = value
         config = getattr(attention, "config", None)
         for attribute in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(config, attribute, None)
-            if isinstance(value, int) and value % tp:
-                problems.append(f"{name}: config.{attribute} = {value}")
+            if isinstance(value, int) and not isinstance(value, bool):
+                sizes[f"{name}: config.{attribute} = {{}}"] = value
+    problems = sorted({text.format(size) for text, size in sizes.items() if size % tp})
     if problems:
+        common = math.gcd(*sizes.values())
+        valid = [d for d in range(2, common + 1) if common % d == 0]
         raise ValueError(
-            f"tensor_parallel_size={tp} must divide every sharded size, but: {'; '.join(sorted(set(problems)))}."
-            " Choose a tensor_parallel_size that divides them (heads, key/value heads, hidden and vocabulary sizes)."
+            f"tensor_parallel_size={tp} must divide every sharded size, but: {'; '.join(problems)}."
+            f" Valid tensor_parallel_size values for this model and plan: {valid or 'none above 1'}"
+            " (the divisors of the heads, key/value heads, hidden and vocabulary sizes it shards)."
         )
     _check_fused_chunks(module, matched)
 

@@ -19,14 +19,34 @@ _COLWISE = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "c_fc", "fc1"
 _ROWWISE = ("c_proj", "o_proj", "out_proj", "down_proj", "fc2", "fc_out", "w2", "proj")
 _TOKEN_EMBEDDINGS = ("wte", "embed_tokens", "tok_embeddings", "word_embeddings")
 _HEADS = ("lm_head", "output", "embed_out")
-# Hugging Face plan vocabulary -> ours.
+# Hugging Face plan vocabulary (transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES) -> ours.
 _HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_gather_output",
-              "embedding_rowwise": "embedding_rowwise",
-              "colwise_gather_output": "colwise_gather_output", "rowwise_rep": "rowwise",
+              "embedding_rowwise": "embedding_rowwise", "embedding_colwise": "embedding_colwise",
+              "colwise_gather_output": "colwise_gather_output",
+              # Input replicated (a fused q|k|v or gate|up gathered whole before slicing): each rank takes its slice.
+              "rowwise_split_input": "rowwise_split_input", "rowwise_rep": "rowwise_split_input",
+              "replicated_with_grad_allreduce": "replicated_with_grad_allreduce",
               "sequence_parallel": "sequence_parallel", "replicate": "replicate"}
+# Hugging Face styles not served, and what an explicit plan does instead. Experts (MoE) stay replicated: every rank
+# runs them whole on the full hidden states; the rest of the block stays sharded.
+_HF_REFUSED = {
+    "packed_colwise": "fused expert gate|up weights sharded inside Hugging Face's MoE kernels",
+    "packed_rowwise": "fused expert weights sharded along their last dimension",
+    "moe_tp_experts": "experts run on local shards and all-reduced by Hugging Face's own forward hook",
+    "moe_identity_expert": "zero-experts pre-divided for Hugging Face's expert all-reduce",
+    "grouped_gemm": "expert parallelism (experts split across ranks), not tensor parallelism",
+    "ep_dispatch_experts": "expert parallelism (tokens dispatched to the ranks holding their experts)",
+    "mla_kv_a_proj": "DeepSeek-style MLA: part of a projection's output bypasses the sharded layers",
+    "all_reduce": "a module's partial output all-reduced by Hugging Face's own forward hook",
+    "local_params": "a bare parameter sharded and read as local tensors by Hugging Face's own kernels",
+}
+# Refused styles whose module alone is kept whole (experts); for the others the whole parent (the attention) is.
+_HF_REFUSED_KEEP_MODULE = ("packed_colwise", "packed_rowwise", "moe_tp_experts", "moe_identity_expert",
+                           "grouped_gemm", "ep_dispatch_experts")
 
-STYLE_NAMES = ("colwise", "colwise_qkv", "colwise_gather_output", "colwise_loss_parallel", "rowwise", "embedding_rowwise",
-               "embedding_colwise", "sequence_parallel", "replicate")
+STYLE_NAMES = ("colwise", "colwise_qkv", "colwise_gather_output", "colwise_loss_parallel", "rowwise",
+               "rowwise_split_input", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise",
+               "sequence_parallel", "replicate")
 
 
 def _is_projection(module: nn.Module) -> bool:
@@ -75,7 +95,46 @@ def _hugging_face_plan(prefix: str, hf_model: nn.Module, root: nn.Module) -> dic
         # A head tied to the input embedding cannot be sharded two ways: keep both replicated.
         plan = {glob: s for glob, s in plan.items() if s not in ("colwise_gather_output", "colwise_rep",
                                                                   "embedding_rowwise")}
-    return {f"{head}{glob}": _hf_style(s) for glob, s in plan.items()}
+    plan = {f"{head}{glob}": s for glob, s in plan.items()}
+    # Rules for layers this configuration does not build (Qwen3-MoE's dense MLPs when every layer is sparse) are
+    # unused, as in Hugging Face's own tensor parallelism.
+    names = [name for name, _ in root.named_modules() if name] + [name for name, _ in root.named_parameters()]
+    plan = {glob: s for glob, s in plan.items() if any(fnmatch.fnmatchcase(n, glob) for n in names)}
+    _refuse_unmapped_styles(plan, root)
+    return {glob: _hf_style(s) for glob, s in plan.items()}
+
+
+def _refuse_unmapped_styles(plan: dict[str, str], root: nn.Module) -> None:
+    """Before training: name each Hugging Face style not served (and plan entries naming parameters, which
+    transformers >= 5 shards one by one), with the explicit ``tp_plan`` that trains instead."""
+    modules = [name for name, _ in root.named_modules() if name]
+    names_module = {glob: any(fnmatch.fnmatchcase(n, glob) for n in modules) for glob in plan}
+    refused = {glob: s for glob, s in plan.items() if s in _HF_REFUSED or s not in _HF_STYLES}
+    on_parameters = {glob: s for glob, s in plan.items() if glob not in refused and not names_module[glob]}
+    if not refused and not on_parameters:
+        return
+    whole = []  # globs whose subtree stays replicated
+    for glob, s in refused.items():
+        if not names_module[glob]:
+            whole.append(glob.rsplit(".", 1)[0])  # a parameter: its module
+        elif s in _HF_REFUSED_KEEP_MODULE:
+            whole.append(glob)
+        else:
+            whole.append(glob.rsplit(".", 1)[0] if "." in glob else glob)
+    whole += [glob.rsplit(".", 1)[0] for glob in on_parameters]
+    explicit = {glob: _HF_STYLES[s] for glob, s in plan.items()
+                if glob not in refused and names_module[glob] and s in _HF_STYLES
+                and not any(glob == w or glob.startswith(w + ".") for w in whole)}
+    styles = sorted(set(refused.values()))
+    reasons = "; ".join(f"{s!r}: {_HF_REFUSED.get(s, 'not a style lightning-mgpu knows')}" for s in styles)
+    parameters = (f" Entries naming parameters rather than modules: {sorted(on_parameters)}." if on_parameters
+                  else "")
+    raise ValueError(
+        f"The model's Hugging Face tensor-parallel plan uses style{'s' if len(styles) > 1 else ''} {styles}, which"
+        f" lightning-mgpu does not map ({reasons}), at {sorted(refused)}.{parameters} Pass this explicit `tp_plan`,"
+        f" which keeps {sorted(set(whole))} replicated (whole on every rank) and shards the rest as Hugging Face"
+        f" does: tp_plan={explicit!r}"
+    )
 
 
 def _hf_style(name: str) -> str:
