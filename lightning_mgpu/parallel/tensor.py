@@ -277,6 +277,8 @@ def style(name: str, sequence_parallel: bool, global_shapes: bool = False) -> Op
     styles: dict[str, Callable[[], Optional[ParallelStyle]]] = {
         "colwise": lambda: _Colwise(input_layouts=stream, global_shapes=global_shapes),
         "colwise_qkv": lambda: _Colwise(chunks=3, input_layouts=stream, global_shapes=global_shapes),
+        # A packed [gate | up] (Phi-3's gate_up_proj, split with chunk(2)): each rank holds its halves of both.
+        "colwise_gate_up": lambda: _Colwise(chunks=2, input_layouts=stream, global_shapes=global_shapes),
         "colwise_gather_output": lambda: _Colwise(input_layouts=stream, output_layouts=replicated),
         # An LM head under loss_parallel: logits stay a DTensor sharded over the vocabulary inside steps.
         "colwise_loss_parallel": lambda: _LossParallelHead(input_layouts=stream),
@@ -383,8 +385,9 @@ def _check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> Non
     for name, style_name in matched.items():
         child = module.get_submodule(name)
         if style_name.startswith("colwise") and _is_projection(child):
-            qkv = style_name == "colwise_qkv"
-            sizes[f"{name}: {{}} output features{' per q/k/v' if qkv else ''}"] = _features(child)[1] // (3 if qkv else 1)
+            chunks = {"colwise_qkv": 3, "colwise_gate_up": 2}.get(style_name, 1)
+            per = {3: " per q/k/v", 2: " per gate/up"}.get(chunks, "")
+            sizes[f"{name}: {{}} output features{per}"] = _features(child)[1] // chunks
         elif style_name.startswith("rowwise") and _is_projection(child):
             sizes[f"{name}: {{}} input features"] = _features(child)[0]
         elif style_name.startswith("embedding") and isinstance(child, nn.Embedding):
@@ -489,9 +492,11 @@ def _global_shape_regions(module: nn.Module, matched: dict[str, str]) -> dict[st
     rowwise = [name for name, style_name in matched.items() if style_name == "rowwise"]
     regions: dict[str, str] = {}
     for name, style_name in matched.items():
-        if style_name not in ("colwise", "colwise_qkv") or "." not in name:
+        if style_name not in ("colwise", "colwise_qkv", "colwise_gate_up") or "." not in name:
             continue
-        if any(prefix == "" or name.startswith(prefix + ".") for prefix in local_prefixes):
+        # A packed gate|up is split by chunk(2), which only a region serves without gathering: Hugging Face's too.
+        if style_name != "colwise_gate_up" and any(prefix == "" or name.startswith(prefix + ".")
+                                                   for prefix in local_prefixes):
             continue
         region = ancestor = _parent(name)
         while ancestor:

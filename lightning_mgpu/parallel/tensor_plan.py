@@ -40,11 +40,11 @@ _HF_REFUSED = {
     "all_reduce": "a module's partial output all-reduced by Hugging Face's own forward hook",
     "local_params": "a bare parameter sharded and read as local tensors by Hugging Face's own kernels",
 }
-# Refused styles whose module alone is kept whole (experts); for the others the whole parent (the attention) is.
+# Refused styles whose module alone is kept whole (experts, an attention with sinks); for the others its parent.
 _HF_REFUSED_KEEP_MODULE = ("packed_colwise", "packed_rowwise", "moe_tp_experts", "moe_identity_expert",
-                           "grouped_gemm", "ep_dispatch_experts")
+                           "grouped_gemm", "ep_dispatch_experts", "local_params")
 
-STYLE_NAMES = ("colwise", "colwise_qkv", "colwise_gather_output", "colwise_loss_parallel", "rowwise",
+STYLE_NAMES = ("colwise", "colwise_qkv", "colwise_gate_up", "colwise_gather_output", "colwise_loss_parallel", "rowwise",
                "rowwise_split_input", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise",
                "sequence_parallel", "replicate")
 
@@ -101,7 +101,21 @@ def _hugging_face_plan(prefix: str, hf_model: nn.Module, root: nn.Module) -> dic
     names = [name for name, _ in root.named_modules() if name] + [name for name, _ in root.named_parameters()]
     plan = {glob: s for glob, s in plan.items() if any(fnmatch.fnmatchcase(n, glob) for n in names)}
     _refuse_unmapped_styles(plan, root)
-    return {glob: _hf_style(s) for glob, s in plan.items()}
+    return _shard_packed_gate_up({glob: _hf_style(s) for glob, s in plan.items()})
+
+
+def _shard_packed_gate_up(plan: dict[str, str]) -> dict[str, str]:
+    """Phi-3's plan gathers its packed ``gate_up_proj`` output whole (``colwise_gather_output``) so that the MLP can
+    ``chunk(2)`` it, and slices it again for ``down_proj`` (``rowwise_split_input``). Sharded as two chunks instead
+    (``colwise_gate_up``), each rank holds its halves of gate and up, the MLP runs on them and ``down_proj`` is
+    plainly row-parallel: one all-reduce per MLP, as for separate gate and up projections."""
+    plan = dict(plan)
+    for glob, s in list(plan.items()):
+        parent, _, leaf = glob.rpartition(".")
+        partners = [g for g, t in plan.items() if t == "rowwise_split_input" and g.rpartition(".")[0] == parent]
+        if s == "colwise_gather_output" and leaf == "gate_up_proj" and len(partners) == 1:
+            plan[glob], plan[partners[0]] = "colwise_gate_up", "rowwise"
+    return plan
 
 
 def _refuse_unmapped_styles(plan: dict[str, str], root: nn.Module) -> None:
@@ -129,9 +143,12 @@ def _refuse_unmapped_styles(plan: dict[str, str], root: nn.Module) -> None:
     reasons = "; ".join(f"{s!r}: {_HF_REFUSED.get(s, 'not a style lightning-mgpu knows')}" for s in styles)
     parameters = (f" Entries naming parameters rather than modules: {sorted(on_parameters)}." if on_parameters
                   else "")
+    lead = (f"The model's Hugging Face tensor-parallel plan uses style{'s' if len(styles) > 1 else ''} {styles},"
+            f" which lightning-mgpu does not map ({reasons}), at {sorted(refused)}." if styles
+            else "The model's Hugging Face tensor-parallel plan shards parameters one by one; lightning-mgpu shards"
+                 " modules.")
     raise ValueError(
-        f"The model's Hugging Face tensor-parallel plan uses style{'s' if len(styles) > 1 else ''} {styles}, which"
-        f" lightning-mgpu does not map ({reasons}), at {sorted(refused)}.{parameters} Pass this explicit `tp_plan`,"
+        f"{lead}{parameters} Pass this explicit `tp_plan`,"
         f" which keeps {sorted(set(whole))} replicated (whole on every rank) and shards the rest as Hugging Face"
         f" does: tp_plan={explicit!r}"
     )
