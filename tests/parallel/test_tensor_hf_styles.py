@@ -292,3 +292,18 @@ def test_phi3_packed_gate_up_is_sharded_as_two_chunks_without_gathering():
     assert auto["counts"].get("all_gather_into_tensor", 0) + 4 == gathered["counts"].get("all_gather_into_tensor"), (
         auto, gathered)
     assert auto["loss"] == pytest.approx(gathered["loss"], rel=1e-6)
+
+
+# Further architectures trained under tp=2 with their own plans, each exercising a mapping: Mistral and Qwen2 plain
+# colwise/rowwise; OLMo-2 q/k/v gathered for its full-width q/k norms, o_proj 'rowwise_split_input'; GLM-4 a packed
+# gate_up_proj ('colwise_gate_up'); Gemma-2 soft-capping and sandwich norms.
+TRAINED = {"mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+           "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+           "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
+
+
+@pytest.mark.parametrize("model_type", sorted(TRAINED))
+def test_architecture_trains_under_tp2_with_its_own_plan(model_type):
+    assert model_type in SERVED
+    config_name, model_name = TRAINED[model_type]
+    _tp2(lambda: HFModule(config_name, model_name))
