@@ -307,3 +307,18 @@ def test_architecture_trains_under_tp2_with_its_own_plan(model_type):
     assert model_type in SERVED
     config_name, model_name = TRAINED[model_type]
     _tp2(lambda: HFModule(config_name, model_name))
+
+
+COMPOSED = [  # (name, model, strategy extras, devices, dp)
+    ("phi3-tp2-sp", phi3, {"sequence_parallel": True}, 2, 1),
+    ("qwen3-tp2-sp", qwen3, {"sequence_parallel": True}, 2, 1),
+    ("phi3-dp2-tp2-zero1", phi3, {"zero_stage": 1}, 4, 2),
+    ("qwen3-dp2-tp2-zero3", qwen3, {"zero_stage": 3}, 4, 2),
+]
+
+
+@pytest.mark.parametrize(("name", "factory", "extra", "devices", "dp"), COMPOSED, ids=[c[0] for c in COMPOSED])
+def test_new_styles_compose_with_sequence_parallel_and_zero(name, factory, extra, devices, dp):
+    reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
+    result, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH // dp), {"tensor_parallel_size": 2, **extra}, devices, STEPS)
+    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
