@@ -296,10 +296,13 @@ def test_phi3_packed_gate_up_is_sharded_as_two_chunks_without_gathering():
 
 # Further architectures trained under tp=2 with their own plans, each exercising a mapping: Mistral and Qwen2 plain
 # colwise/rowwise; OLMo-2 q/k/v gathered for its full-width q/k norms, o_proj 'rowwise_split_input'; GLM-4 a packed
-# gate_up_proj ('colwise_gate_up'); Gemma-2 soft-capping and sandwich norms.
+# gate_up_proj ('colwise_gate_up'); Gemma-2 soft-capping and sandwich norms; StarCoder2 biases and LayerNorm;
+# GPT-NeoX a fused query_key_value laid out per head (plain 'colwise' keeps each head's q, k, v together).
 TRAINED = {"mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "glm4": ("Glm4Config", "Glm4ForCausalLM"),
-           "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
+           "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+           "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
+           "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM")}
 
 
 @pytest.mark.parametrize("model_type", sorted(TRAINED))
