@@ -18,7 +18,6 @@ unchanged. No attribute of the user's modules is rewritten.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
 from functools import partial
@@ -40,9 +39,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 
 from lightning_mgpu.parallel.blocks import tied_parameters
+from lightning_mgpu.parallel.tensor_checks import check_divisible, parent_name
 from lightning_mgpu.parallel.tensor_plan import (
     _hugging_face_models,
-    _is_projection,
     _match,
     _with_vocab_parallel_head,
     auto_plan,
@@ -52,10 +51,6 @@ from lightning_mgpu.parallel.tensor_region import install_global_shape_region
 Plan = Union[str, dict[str, str], Callable[[nn.Module, DeviceMesh], None]]
 
 SEQUENCE_DIM = 1
-
-# Attributes an attention module keeps about its global size: checked against the degree before training.
-_HEAD_COUNT_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads",
-                          "n_kv_heads", "n_query_groups", "n_embd", "embed_dim", "split_size", "all_head_size")
 
 
 def _output_dim(module: nn.Module) -> int:
@@ -333,7 +328,7 @@ def apply_tensor_parallel(
         plan = _with_vocab_parallel_head(module, plan)
     matched = _match(module, plan)
     tp = tp_mesh.size()
-    _check_divisible(module, matched, tp)
+    check_divisible(module, matched, tp)
     regions = _global_shape_regions(module, matched)
     styles = {fqn: style(name, sequence_parallel, global_shapes=fqn in regions) for fqn, name in matched.items()}
     _share_inputs(module, matched, styles)
@@ -356,11 +351,11 @@ def _share_inputs(module: nn.Module, matched: dict[str, str], styles: dict[str, 
     for fqn, name in matched.items():
         if name in ("colwise", "colwise_qkv") and "." in fqn and isinstance(styles[fqn], _Colwise):
             children.setdefault(fqn.rsplit(".", 1)[0], []).append(styles[fqn])  # type: ignore[arg-type]
-    for parent_name, colwise in children.items():
+    for holder, colwise in children.items():
         if len(colwise) < 2:
             continue
         shared = _SharedInput()
-        parent = module.get_submodule(parent_name)
+        parent = module.get_submodule(holder)
         parent.register_forward_pre_hook(shared.open)
         parent.register_forward_hook(shared.close, always_call=True)
         for child_style in colwise:
@@ -378,101 +373,6 @@ def _replicate_remaining(module: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def _already_parallelized(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
-
-
-def _check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None:
-    sizes: dict[str, int] = {}  # what each sharded size is, by the words naming it
-    for name, style_name in matched.items():
-        child = module.get_submodule(name)
-        if style_name.startswith("colwise") and _is_projection(child):
-            chunks = {"colwise_qkv": 3, "colwise_gate_up": 2}.get(style_name, 1)
-            per = {3: " per q/k/v", 2: " per gate/up"}.get(chunks, "")
-            sizes[f"{name}: {{}} output features{per}"] = _features(child)[1] // chunks
-        elif style_name.startswith("rowwise") and _is_projection(child):
-            sizes[f"{name}: {{}} input features"] = _features(child)[0]
-        elif style_name.startswith("embedding") and isinstance(child, nn.Embedding):
-            row = style_name == "embedding_rowwise"
-            sizes[f"{name}: {{}} {'vocabulary entries' if row else 'channels'}"] = (
-                child.num_embeddings if row else child.embedding_dim)
-    for name, attention in _attention_modules(module, matched):
-        for attribute in _HEAD_COUNT_ATTRIBUTES:
-            value = getattr(attention, attribute, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                sizes[f"{name}.{attribute} = {{}}"] = value
-        config = getattr(attention, "config", None)
-        for attribute in ("num_attention_heads", "num_key_value_heads"):
-            value = getattr(config, attribute, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                sizes[f"{name}: config.{attribute} = {{}}"] = value
-    problems = sorted({text.format(size) for text, size in sizes.items() if size % tp})
-    if problems:
-        common = math.gcd(*sizes.values())
-        valid = [d for d in range(2, common + 1) if common % d == 0]
-        raise ValueError(
-            f"tensor_parallel_size={tp} must divide every sharded size, but: {'; '.join(problems)}."
-            f" Valid tensor_parallel_size values for this model and plan: {valid or 'none above 1'}"
-            " (the divisors of the heads, key/value heads, hidden and vocabulary sizes it shards)."
-        )
-    _check_fused_chunks(module, matched)
-
-
-_QUERY_HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
-_KEY_VALUE_HEADS = ("n_query_groups", "num_key_value_heads", "n_kv_heads", "num_kv_heads")
-
-
-def _head_count(attention: nn.Module, names: tuple[str, ...]) -> Optional[int]:
-    for holder in (attention, getattr(attention, "config", None)):
-        for name in names:
-            value = getattr(holder, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    return None
-
-
-def _check_fused_chunks(module: nn.Module, matched: dict[str, str]) -> None:
-    """'colwise_qkv' shards three equal chunks [q | k | v]; grouped-query attention fuses chunks of other sizes."""
-    for name, style_name in matched.items():
-        if style_name != "colwise_qkv" or "." not in name:
-            continue
-        attention_name = _parent(name)
-        attention = module.get_submodule(attention_name)
-        heads, groups = _head_count(attention, _QUERY_HEADS), _head_count(attention, _KEY_VALUE_HEADS)
-        if heads is not None and groups is not None and groups != heads:
-            raise ValueError(
-                f"{name} fuses q, k and v of grouped-query attention ({heads} query heads, {groups} key/value heads"
-                f" in {attention_name}): its chunks differ in size, and 'colwise_qkv' shards three equal chunks."
-                " Fused grouped-query projections cannot be tensor-parallel yet; keep that attention whole with"
-                f" tp_plan entries {{{_glob_hint(name)!r}: 'replicate', {_glob_hint(_sibling_rowwise(matched, name))!r}:"
-                " 'replicate'}} (the MLP stays sharded), or use separate q/k/v projections."
-            )
-
-
-def _sibling_rowwise(matched: dict[str, str], name: str) -> str:
-    parent = _parent(name)
-    return next((n for n, s in matched.items() if s == "rowwise" and _parent(n) == parent), parent + ".<out projection>")
-
-
-def _glob_hint(name: str) -> str:
-    """``model.transformer.h.3.attn.qkv`` -> ``model.transformer.h.*.attn.qkv`` (the glob for every block)."""
-    parts = name.split(".")
-    return ".".join("*" if part.isdigit() else part for part in parts)
-
-
-def _features(module: nn.Module) -> tuple[int, int]:
-    """(in_features, out_features) of a Linear or a Conv1D."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features
-    return module.weight.shape[0], module.weight.shape[1]
-
-
-def _attention_modules(module: nn.Module, matched: dict[str, str]) -> list[tuple[str, nn.Module]]:
-    """Parents of column-sharded projections inside blocks: the modules that split outputs into heads."""
-    parents = {name.rsplit(".", 1)[0] for name, s in matched.items() if s in ("colwise", "colwise_qkv") and "." in name}
-    return [(p, module.get_submodule(p)) for p in sorted(parents)]
-
-
-def _parent(fqn: str) -> str:
-    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
 
 
 def _global_shape_regions(module: nn.Module, matched: dict[str, str]) -> dict[str, str]:
@@ -498,12 +398,12 @@ def _global_shape_regions(module: nn.Module, matched: dict[str, str]) -> dict[st
         if style_name != "colwise_gate_up" and any(prefix == "" or name.startswith(prefix + ".")
                                                    for prefix in local_prefixes):
             continue
-        region = ancestor = _parent(name)
+        region = ancestor = parent_name(name)
         while ancestor:
             if any(row.startswith(ancestor + ".") for row in rowwise):
                 region = ancestor
                 break
-            ancestor = _parent(ancestor)
+            ancestor = parent_name(ancestor)
         regions[name] = region
     return regions
 
