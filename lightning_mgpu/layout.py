@@ -122,6 +122,28 @@ class ParallelLayout:
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
 
 
+def warn_about_layout(layout: ParallelLayout, devices_per_node: int, num_nodes: int, wrapped: bool) -> None:
+    """Valid layouts that waste something, said once (not refused: one config runs on machines of any size).
+
+    ``wrapped``: the data-parallel wrap applies at dp=1 anyway (CPU offload, a parameter-dtype cast).
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    if layout.zero_stage and layout.data_parallel_size == 1 and not wrapped:
+        rank_zero_warn(
+            f"zero_stage={layout.zero_stage} shards over data-parallel ranks, but data_parallel_size=1"
+            f" ({layout.describe()}): nothing is sharded and training runs as with zero_stage=0. Give data"
+            " parallelism more devices, or set zero_stage=0."
+        )
+    tp = layout.tensor_parallel_size
+    if num_nodes > 1 and devices_per_node % tp:
+        rank_zero_warn(
+            f"tensor_parallel_size={tp} does not divide the {devices_per_node} devices of a node, so some"
+            " tensor-parallel groups span nodes and their per-layer collectives cross the network. Choose a"
+            f" tensor_parallel_size that divides {devices_per_node} to keep them within a node."
+        )
+
+
 def _check_zero_stage(zero_stage: object) -> None:
     if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
         raise ValueError(

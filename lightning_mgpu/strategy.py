@@ -29,7 +29,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
@@ -37,7 +37,7 @@ from typing_extensions import override
 from lightning_mgpu import checkpoint as sharded_checkpoint
 from lightning_mgpu.failures import handle_rank_failure
 from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
-from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
+from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size, warn_about_layout
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
@@ -199,22 +199,9 @@ class HybridStrategy(ParallelStrategy):
                 "HybridStrategy does not implement Trainer(sync_batchnorm=True) yet: BatchNorm statistics would stay"
                 " per rank. Remove sync_batchnorm=True (or use GroupNorm/LayerNorm, which need no synchronization)."
             )
-        # Not refused like the options of a size-1 dimension: one config runs on machines of any size, and at dp=1
-        # the wrap still applies for cpu_offload or a param_dtype cast. Otherwise say that nothing is sharded.
-        if (layout.zero_stage and layout.data_parallel_size == 1 and not self.options.cpu_offload
-                and self.precision_plugin.param_dtype is None):
-            rank_zero_warn(
-                f"zero_stage={layout.zero_stage} shards over data-parallel ranks, but data_parallel_size=1"
-                f" ({layout.describe()}): nothing is sharded and training runs as with zero_stage=0. Give data"
-                " parallelism more devices, or set zero_stage=0."
-            )
-        tp = layout.tensor_parallel_size
-        if self.num_nodes > 1 and self.num_processes % tp:
-            rank_zero_warn(
-                f"tensor_parallel_size={tp} does not divide the {self.num_processes} devices of a node, so some"
-                " tensor-parallel groups span nodes and their per-layer collectives cross the network. Choose a"
-                f" tensor_parallel_size that divides {self.num_processes} to keep them within a node."
-            )
+        # At dp=1 the data-parallel wrap still serves cpu_offload or a param_dtype cast.
+        wrapped = self.options.cpu_offload or self.precision_plugin.param_dtype is not None
+        warn_about_layout(layout, self.num_processes, self.num_nodes, wrapped)
 
     @property  # type: ignore[override]
     @override
@@ -314,11 +301,7 @@ class HybridStrategy(ParallelStrategy):
                 self.lightning_module, pipeline, self.options.pipeline_schedule, self.options.num_microbatches,
                 pp_mesh.get_group(), self.root_device,
             )
-            # Stages hold disjoint parameters (tied copies aside): gradient norms add up over the pipeline group.
-            self.precision_plugin.grad_norm_group = pp_mesh.get_group()
-            self.precision_plugin.grads_counted_elsewhere = self._pipeline.grads_counted_elsewhere
-            # 16-mixed: the schedule runs backward, so it scales each microbatch's loss with the job's scaler.
-            self._pipeline.grad_scaler = self.precision_plugin.scaler
+            self._pipeline.share_with(self.precision_plugin)
         return runner
 
     @property

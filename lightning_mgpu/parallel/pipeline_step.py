@@ -278,6 +278,14 @@ class PipelineEngine:
             self.module.log(name, self.relay.metrics[metric_name], **kwargs)
         return result
 
+    def share_with(self, precision_plugin: Any) -> None:
+        """What the precision plugin needs of the pipeline, and the other way round."""
+        # Stages hold disjoint parameters (tied copies aside): gradient norms add up over the pipeline group.
+        precision_plugin.grad_norm_group = self.group
+        precision_plugin.grads_counted_elsewhere = self.grads_counted_elsewhere
+        # 16-mixed: the schedule runs backward, so it scales each microbatch's loss with the job's scaler.
+        self.grad_scaler = precision_plugin.scaler
+
     def grads_counted_elsewhere(self) -> set[int]:
         """This rank's tied copies whose gradients another stage counts in norms (see ``pipeline_ties``)."""
         ties = self.runtime.tied_gradients
