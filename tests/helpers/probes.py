@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -74,6 +75,48 @@ class CollectiveCounter(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for name, original in self._originals.items():
             setattr(dist, name, original)
+
+
+# c10d op -> kind; the ring bytes a rank sends for a B-byte (unsharded) tensor, as a fraction f=(w-1)/w of B.
+_C10D_KINDS = {
+    "allreduce": ("AR", 2.0),
+    "reduce_scatter": ("RS", 1.0),
+    "allgather": ("AG", 1.0),
+    "broadcast": ("BC", 1.0),
+    "reduce_": ("RD", 1.0),
+    "alltoall": ("A2A", 1.0),
+    "barrier": ("BAR", 0.0),
+}
+
+
+def collectives_of(profiler: Any, world_size: int, dtype_bytes: int = 4) -> dict[str, Any]:
+    """The collectives a ``torch.profiler`` run saw this rank issue (Python or C++ callers, e.g. DDP's reducer).
+
+    Each ``c10d::`` op is paired in order with the backend work item that ran it, whose input shape gives the size
+    (``dtype_bytes`` per element). Returns ``counts`` (ops per kind with more than one element: the model's
+    traffic), ``small`` (one-element ops: logging syncs), and ``bytes``: the ring-algorithm bytes this rank sends
+    for them: all-reduce 2(w-1)/w x B, reduce-scatter / all-gather (w-1)/w x B of the unsharded tensor, broadcast
+    and reduce (w-1)/w x B. gloo runs reduce-scatter as an all-reduce, so its work item is the unsharded input.
+    """
+    events = sorted(profiler.events(), key=lambda e: e.time_range.start)
+    ops = [e for e in events if e.name.startswith("c10d::")]
+    work = [e for e in events if e.name.startswith(("gloo:", "nccl:"))]
+    counts: Counter = Counter()
+    small: Counter = Counter()
+    sent = 0.0
+    f = (world_size - 1) / world_size if world_size > 1 else 0.0
+    for op, item in zip(ops, work):
+        kind, factor = next((v for k, v in _C10D_KINDS.items() if k in op.name), ("OTHER", 0.0))
+        shapes = [s for s in (item.input_shapes or []) if s and all(isinstance(d, int) for d in s)]
+        numel = sum(math.prod(s) for s in shapes)
+        if "allgather" in op.name and "gloo" in item.name:
+            numel *= world_size  # the work item holds this rank's input; the unsharded tensor is w times larger
+        if numel <= 1:
+            small[kind] += 1
+            continue
+        counts[kind] += 1
+        sent += factor * f * numel * dtype_bytes
+    return {"counts": dict(counts), "small": dict(small), "bytes": sent}
 
 
 class MetricRecorder(L.Callback):
