@@ -159,6 +159,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_demo(subparsers)
     _add_checkpoint_commands(subparsers)
+    from lightning_mgpu.planner.command import add_plan_parser
+
+    add_plan_parser(subparsers)
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()

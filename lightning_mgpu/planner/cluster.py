@@ -1,0 +1,100 @@
+"""What the planner needs to know about the machines: GPUs, memory, peak FLOP/s, link bandwidths, and how much of
+each peak real kernels reach (:class:`Efficiency`, from defaults or from ``plan --calibrate``).
+
+Bandwidths are GB/s (gigabytes) per GPU in one direction: what one GPU can push to its peers inside a node
+(NVLink/NVSwitch) and to other nodes (its share of the node's network adapters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    gpus: int
+    gpus_per_node: int
+    memory_gb: float
+    peak_tflops: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    hbm_gbps: float = 2000.0
+    reserved_gb: float = 1.5  # CUDA context, NCCL buffers, allocator slack that training cannot use
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "gpus_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`--{name.replace('_', '-')}` must be a positive integer, got {value!r}.")
+        for name in ("memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "hbm_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"`--{name.replace('_', '-')}` must be positive, got {getattr(self, name)!r}.")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(f"--gpus {self.gpus} is not a whole number of nodes of {self.gpus_per_node} GPUs:"
+                             f" use a multiple of {self.gpus_per_node}.")
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.memory_gb - self.reserved_gb) * GB
+
+    def one_node(self) -> "ClusterSpec":
+        return replace(self, gpus=min(self.gpus, self.gpus_per_node))
+
+    def describe(self) -> str:
+        return (f"{self.gpus} x {self.name} ({self.nodes} node{'s' if self.nodes > 1 else ''} of {self.gpus_per_node},"
+                f" {self.memory_gb:g} GB, {self.peak_tflops:g} TFLOP/s, {self.intra_node_gbps:g} GB/s in a node,"
+                f" {self.inter_node_gbps:g} GB/s across nodes per GPU)")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the peaks that training reaches; one set for every model and layout (no per-model fits).
+
+    ``gemm``: matrix multiplies (cuBLAS on large bf16 GEMMs). ``memory_passes``: how many times forward (backward:
+    twice as many) reads or writes each activation byte of the Korthikanti et al. (2022) count at HBM speed: the
+    elementwise work (norms, softmax, GELU, dropout, residuals) whose share grows as the hidden size per GPU shrinks.
+    ``comm``: bus bandwidth reached by collectives. ``dp_overlap``: part of the data-parallel traffic hidden behind
+    backward compute. ``latency_s``: fixed cost of one collective or send.
+    """
+
+    gemm: float = 0.70
+    memory_passes: float = 2.0
+    comm: float = 0.75
+    dp_overlap: float = 0.7
+    latency_s: float = 20e-6
+    source: str = "defaults"
+
+
+# name: (memory GB, dense bf16 TFLOP/s, NVLink GB/s per direction, network GB/s per GPU, HBM GB/s, GPUs per node)
+PRESETS: dict[str, tuple[float, float, float, float, float, int]] = {
+    "a100-40gb": (40, 312, 300, 25, 1555, 8),
+    "a100-80gb": (80, 312, 300, 25, 2039, 8),
+    "h100-sxm": (80, 989, 450, 50, 3350, 8),
+    "h100-pcie": (80, 756, 64, 50, 2000, 8),
+    "h200": (141, 989, 450, 50, 4800, 8),
+    "b200": (180, 2250, 900, 50, 8000, 8),
+    "v100-32gb": (32, 125, 150, 12.5, 900, 8),
+    "l40s": (48, 362, 32, 25, 864, 8),
+    "mi300x": (192, 1307, 448, 50, 5300, 8),
+}
+
+
+def preset(name: str, gpus: Optional[int] = None, **overrides: float) -> ClusterSpec:
+    """A cluster of ``gpus`` (default: one node) of a known GPU; ``overrides`` replace single numbers."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise ValueError(f"Unknown --gpu {name!r}; known: {', '.join(PRESETS)}. Or give --gpu-memory-gb,"
+                         " --peak-tflops, --intra-node-gbps and --inter-node-gbps.")
+    memory, tflops, intra, inter, hbm, per_node = PRESETS[key]
+    values = dict(memory_gb=memory, peak_tflops=tflops, intra_node_gbps=intra, inter_node_gbps=inter, hbm_gbps=hbm,
+                  gpus_per_node=per_node)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return ClusterSpec(gpus=gpus or int(values["gpus_per_node"]), name=key, **values)  # type: ignore[arg-type]

@@ -1,0 +1,272 @@
+"""The cost model: memory per GPU and step time of one layout, from a model, a cluster and the training setup.
+
+Memory follows Korthikanti et al. (2022) for activations (per layer, by checkpointing, tensor and sequence
+parallelism, and the microbatches a pipeline schedule keeps in flight) and the ZeRO paper for parameters,
+gradients and optimizer states. Time follows Narayanan et al. (2021): the transformer's FLOPs at an achieved
+fraction of peak, plus the elementwise work at HBM speed, tensor-parallel collectives on the links the group
+spans, pipeline sends and bubble per schedule, data-parallel gradient traffic (partly hidden behind backward)
+and ZeRO-3's parameter gathers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
+from lightning_mgpu.planner.model_spec import ModelSpec
+
+# precision: (parameter, gradient, optimizer-state bytes per parameter (Adam: 2 states), activation bytes)
+PRECISIONS: dict[str, tuple[int, int, int, int]] = {
+    "32-true": (4, 4, 8, 4),
+    "bf16-mixed": (4, 4, 8, 2),
+    "16-mixed": (4, 4, 8, 2),
+    "bf16-true": (2, 2, 4, 2),
+    "16-true": (2, 2, 4, 2),
+}
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+CHECKPOINTING = ("none", "selective", "full")
+DP_BUCKET_BYTES = 25 * 2**20  # one all-reduce bucket (DDP's default size); two are in flight
+
+
+@dataclass(frozen=True)
+class Training:
+    global_batch: int
+    precision: str = "bf16-mixed"
+    flash_attention: bool = True
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}.")
+        if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
+            raise ValueError(f"--global-batch must be a positive number of sequences, got {self.global_batch!r}.")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job: degrees, ZeRO stage, schedule, microbatching and checkpointing."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero_stage: int = 0
+    schedule: str = "none"
+    microbatch_size: int = 1
+    num_microbatches: int = 1
+    checkpointing: str = "none"
+    sequence_parallel: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.schedule == "Interleaved1F1B" else 1
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}"]
+        if self.pp > 1:
+            parts.append(self.schedule)
+        parts += [f"mbs={self.microbatch_size}x{self.num_microbatches}", f"ckpt={self.checkpointing}"]
+        return " ".join(parts)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: dict[str, float]  # bytes per GPU on the fullest stage, by kind, and "total"
+    time: dict[str, float]  # seconds per step, by kind, and "step"
+    tokens_per_s: float
+    tflops_per_gpu: float  # FLOPs run (recomputation included, as Megatron-LM's Table 1 counts) per second per GPU
+    mfu: float  # model FLOPs (3x forward, no recomputation) over peak
+    bubble: float
+    fits: bool
+    problems: list[str] = field(default_factory=list)
+    scaling_efficiency: float = float("nan")
+
+    def as_dict(self) -> dict[str, Any]:
+        result = asdict(self)
+        result["layout"] = asdict(self.layout)
+        return result
+
+
+def _ring(size: int, nbytes: float, bandwidth: float, eff: Efficiency) -> float:
+    """Seconds for an all-reduce of ``nbytes`` over ``size`` ranks (ring: 2(n-1)/n of the data per link)."""
+    if size <= 1:
+        return 0.0
+    return 2 * (size - 1) / size * nbytes / (bandwidth * GB * eff.comm) + 2 * eff.latency_s * math.log2(size)
+
+
+def _spans_nodes(inner: int, size: int, cluster: ClusterSpec) -> bool:
+    """Whether a group of ``size`` ranks ``inner`` apart (mesh (pp, dp, tp), tp innermost) leaves a node."""
+    return size > 1 and inner * size > cluster.gpus_per_node
+
+
+def _bandwidth(inner: int, size: int, cluster: ClusterSpec) -> float:
+    return cluster.inter_node_gbps if _spans_nodes(inner, size, cluster) else cluster.intra_node_gbps
+
+
+def activation_bytes_per_layer(model: ModelSpec, training: Training, layout: Layout, checkpointing: str) -> float:
+    """Korthikanti et al. (2022), eq. 1-6, for one block and one microbatch, generalised to GQA, any FFN width,
+    gated MLPs and 32-bit activations. With flash attention the ``5 a s^2 b`` score terms vanish."""
+    s, b, h, t = model.seq_len, layout.microbatch_size, model.hidden, layout.tp
+    scale = PRECISIONS[training.precision][3] / 2
+    sp = layout.sequence_parallel and t > 1
+    if checkpointing == "full":
+        return scale * 2 * s * b * h / (t if sp else 1)
+    replicated = 10 * s * b * h  # norm inputs, the q/k/v and MLP inputs, two dropout masks
+    mlp = (8 if model.gated_mlp else 4) * s * b * model.ffn
+    split = (4 * h + 4 * model.kv_dim) * s * b + mlp  # q, k, v, attention output, MLP inner activations
+    scores = 0.0 if training.flash_attention or checkpointing == "selective" else 5 * model.heads * s * s * b
+    return scale * (replicated / (t if sp else 1) + (split + scores) / t)
+
+
+def in_flight(layout: Layout) -> float:
+    """Microbatches whose activations the first (fullest) stage holds at once, in units of its layers."""
+    p, m, v = layout.pp, layout.num_microbatches, layout.stages_per_rank
+    if p == 1:
+        return 1.0
+    if layout.schedule == "GPipe":
+        return float(m)
+    if layout.schedule == "Interleaved1F1B":
+        return min(float(m), p + (p - 1) / v)
+    return float(min(m, p))
+
+
+def bubble_fraction(layout: Layout) -> float:
+    if layout.pp == 1:
+        return 0.0
+    idle = (layout.pp - 1) / layout.stages_per_rank
+    return idle / (layout.num_microbatches + idle)
+
+
+def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout) -> dict[str, float]:
+    """Bytes per GPU on the fullest pipeline stage (the first or the last), by kind."""
+    p_bytes, g_bytes, o_bytes, a_bytes = PRECISIONS[training.precision]
+    t, d, z = layout.tp, layout.dp, layout.zero_stage
+    layers = math.ceil(model.layers / layout.pp)
+    stage_params = {
+        "first": layers * model.params_per_layer + model.first_stage_params,
+        "last": layers * model.params_per_layer + model.last_stage_params,
+    }
+    if layout.pp == 1:
+        stage_params = {"only": model.total_params}
+    s, b, h = model.seq_len, layout.microbatch_size, model.hidden
+    per_layer = activation_bytes_per_layer(model, training, layout, layout.checkpointing)
+    worst: dict[str, float] = {}
+    for stage, count in stage_params.items():
+        local = count / t
+        params = local * p_bytes / (d if z >= 2 else 1)  # ZeRO-2 here is FSDP2: parameters sharded between steps
+        grads = local * g_bytes / (d if z >= 2 else 1)
+        optimizer = local * o_bytes / (d if z >= 1 else 1)
+        inflight = in_flight(layout) if stage != "last" else 1.0
+        activations = per_layer * layers * inflight
+        if stage in ("first", "only"):
+            activations += inflight * a_bytes * s * b * h / (t if layout.sequence_parallel else 1)  # embedding output
+        temporary = 0.0
+        if stage in ("last", "only"):
+            temporary += 2 * 4 * s * b * model.vocab / t  # fp32 logits and their gradient in the loss
+        if layout.checkpointing == "full":  # the block being recomputed holds its full activations
+            temporary += activation_bytes_per_layer(model, training, layout, "none")
+        elif layout.checkpointing == "selective" and not training.flash_attention:  # one block's scores, recomputed
+            temporary += (activation_bytes_per_layer(model, training, layout, "none")
+                          - activation_bytes_per_layer(model, training, layout, "selective"))
+        if z == 2 and d > 1:  # FSDP2 keeps the stage's parameters gathered from forward to backward
+            temporary += local * p_bytes * (1 - 1 / d)
+        if z == 3 and d > 1:  # one block gathered, the next prefetched, and one block's unsharded gradients
+            temporary += model.params_per_layer / t * (2 * p_bytes + g_bytes)
+        if z <= 1 and d > 1:
+            temporary += 2 * DP_BUCKET_BYTES
+        step_temp = local * 4 / (d if z >= 1 else 1)  # foreach Adam's intermediate of the local states
+        total = params + grads + optimizer + max(activations + temporary, step_temp)
+        if not worst or total > worst["total"]:
+            worst = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
+                     "temporary": max(temporary, step_temp - activations), "total": total}
+    return worst
+
+
+def step_time(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout,
+              eff: Efficiency) -> dict[str, float]:
+    """Seconds per optimizer step, by kind; ``step`` is the total the GPUs wait for."""
+    t, p, d, m, v = layout.tp, layout.pp, layout.dp, layout.num_microbatches, layout.stages_per_rank
+    p_bytes, g_bytes, _, a_bytes = PRECISIONS[training.precision]
+    s, b, h = model.seq_len, layout.microbatch_size, model.hidden
+    tokens = s * b
+    block_flops, head_flops = model.forward_flops_per_token()
+    ckpt = layout.checkpointing
+    passes = 4 if ckpt == "full" else 3  # forward, backward = 2 forwards, and the forward again when recomputing
+    peak = cluster.peak_tflops * 1e12 * eff.gemm
+    hbm = cluster.hbm_gbps * GB
+    # One block, one microbatch, on one GPU of the tensor-parallel group.
+    flops = passes * block_flops * tokens / t
+    if ckpt == "selective" and not training.flash_attention:
+        flops += 4.0 * s * h * tokens / t  # the attention scores, recomputed
+    moved = activation_bytes_per_layer(model, training, layout, "none") * eff.memory_passes * passes
+    block_compute = flops / peak + moved / hbm
+    collectives = {"none": 4, "selective": 4, "full": 6}[ckpt]  # 2 all-reduces forward (+2 recompute), 2 backward
+    tp_bw = _bandwidth(1, t, cluster)
+    block_tp = collectives * _ring(t, a_bytes * tokens * h, tp_bw, eff)
+    layers = math.ceil(model.layers / p)
+    head = 3 * head_flops * tokens / t / peak + eff.memory_passes * 3 * 4 * tokens * model.vocab / t / hbm
+    # ZeRO-3 gathers each block's parameters in forward and backward and reduce-scatters its gradients per microbatch.
+    dp_bw = _bandwidth(t, d, cluster)
+    zero3 = 0.0
+    if layout.zero_stage == 3 and d > 1:
+        block_bytes = model.params_per_layer / t
+        zero3 = (2 * block_bytes * p_bytes + block_bytes * g_bytes) * (d - 1) / d / (dp_bw * GB * eff.comm)
+        zero3 = max(zero3 - eff.dp_overlap * block_compute, (1 - eff.dp_overlap) * zero3)
+    stage = layers * (block_compute + block_tp + zero3) + head  # the last stage, which runs the head too
+    p2p = 0.0
+    if p > 1:
+        pp_bw = _bandwidth(t * d, p, cluster)
+        send = a_bytes * tokens * h / t / (pp_bw * GB * eff.comm) + eff.latency_s
+        p2p = 2 * v * send  # one activation forward, one gradient backward, per virtual stage
+    per_microbatch = stage + p2p
+    pipeline = (m + (p - 1) / v) * per_microbatch
+    # Data-parallel gradient traffic, hidden behind the last microbatch's backward as far as it overlaps.
+    stage_params = (layers * model.params_per_layer + max(model.first_stage_params, model.last_stage_params)
+                    if p > 1 else model.total_params) / t
+    dp = 0.0
+    if d > 1 and layout.zero_stage < 3:
+        nbytes = stage_params * g_bytes if layout.zero_stage == 0 else stage_params * (g_bytes + p_bytes) / 2
+        dp = _ring(d, nbytes, dp_bw, eff)
+        if layout.zero_stage == 2:  # FSDP2 gathers the parameters once more at the start of the step
+            dp += stage_params * p_bytes * (d - 1) / d / (dp_bw * GB * eff.comm)
+        window = stage * 2 / passes
+        dp = dp - eff.dp_overlap * min(dp, window)
+    shards = d if layout.zero_stage >= 1 else 1
+    optimizer = stage_params / shards * (p_bytes + g_bytes + 16 + 4 + 8) / hbm  # read p, g, m, v; write p, m, v
+    compute_only = m * layers * block_compute + m * head
+    total = pipeline + dp + optimizer
+    return {"compute": compute_only, "tensor_parallel": m * layers * block_tp, "zero3_gather": m * layers * zero3,
+            "pipeline_p2p": (m + (p - 1) / v) * p2p, "bubble": pipeline - m * per_microbatch,
+            "data_parallel": dp, "optimizer": optimizer, "step": total}
+
+
+def paper_flops_per_step(model: ModelSpec, global_batch: int, checkpointing: str = "full") -> float:
+    """FLOPs per step as Narayanan et al. (2021) count them: 3 passes (4 with full recomputation) of every block
+    and 3 of the head. For their GPT shapes this is ``96 B s l h^2 (1 + s/6h + V/16lh)`` with recomputation."""
+    block, head = model.forward_flops_per_token()
+    passes = 4 if checkpointing == "full" else 3
+    return global_batch * model.seq_len * (passes * block * model.layers + 3 * head)
+
+
+def estimate(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout,
+             eff: Efficiency) -> Estimate:
+    mem = memory(model, cluster, training, layout)
+    times = step_time(model, cluster, training, layout, eff)
+    step = times["step"]
+    tokens = training.global_batch * model.seq_len
+    run_flops = paper_flops_per_step(model, training.global_batch, layout.checkpointing)
+    model_flops = paper_flops_per_step(model, training.global_batch, "none")
+    problems = []
+    if mem["total"] > cluster.usable_bytes:
+        kinds = ", ".join(f"{k} {v / GB:.1f}" for k, v in mem.items() if k != "total")
+        problems.append(f"needs {mem['total'] / GB:.1f} GB per GPU, {cluster.usable_bytes / GB:.1f} GB usable of"
+                        f" {cluster.memory_gb:g} ({kinds})")
+    return Estimate(layout=layout, memory=mem, time=times, tokens_per_s=tokens / step,
+                    tflops_per_gpu=run_flops / step / layout.gpus / 1e12,
+                    mfu=model_flops / step / layout.gpus / (cluster.peak_tflops * 1e12),
+                    bubble=bubble_fraction(layout), fits=not problems, problems=problems)

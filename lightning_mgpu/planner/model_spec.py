@@ -1,0 +1,222 @@
+"""What the planner needs to know about a model: its shapes, parameter counts and FLOPs per token.
+
+A :class:`ModelSpec` comes from flags (``--layers --hidden ...``) or from a real module built on the meta device
+(:func:`spec_from_module`), so no weights are allocated however large the model is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer: ``layers`` blocks of attention + MLP, token embedding and an output head.
+
+    Parameter counts default to the usual formulas; :func:`spec_from_module` fills them from a real module.
+    ``block_params`` counts one block; ``embed_params`` what lives on the first pipeline stage besides blocks;
+    ``head_params`` what lives on the last (the head; 0 extra storage when tied, but it still runs).
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    kv_heads: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    gated_mlp: bool = False
+    tied_embeddings: bool = False
+    learned_positions: bool = False
+    block_params: Optional[int] = None
+    embed_params: Optional[int] = None
+    head_params: Optional[int] = None
+    name: str = "model"
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "vocab", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"The model's `{name}` must be a positive integer, got {value!r}.")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}: fix --hidden or --heads.")
+        if self.heads % self.num_kv_heads:
+            raise ValueError(f"heads={self.heads} is not divisible by kv_heads={self.num_kv_heads}: fix --kv-heads.")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * (self.hidden // self.heads)
+
+    @property
+    def matmul_params_per_layer(self) -> int:
+        """Weights that take part in a matrix multiply (q, k, v, o and the MLP); norms and biases left out."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_dim + (3 if self.gated_mlp else 2) * h * self.ffn
+
+    @property
+    def params_per_layer(self) -> int:
+        return self.block_params if self.block_params is not None else self.matmul_params_per_layer + 4 * self.hidden
+
+    @property
+    def first_stage_params(self) -> int:
+        if self.embed_params is not None:
+            return self.embed_params
+        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
+
+    @property
+    def last_stage_params(self) -> int:
+        if self.head_params is not None:
+            return self.head_params
+        return (0 if self.tied_embeddings else self.vocab * self.hidden) + 2 * self.hidden
+
+    @property
+    def total_params(self) -> int:
+        return self.layers * self.params_per_layer + self.first_stage_params + self.last_stage_params
+
+    def forward_flops_per_token(self) -> tuple[float, float]:
+        """Forward FLOPs per token of one block and of the output head (Narayanan et al. 2021 count).
+
+        A block: 2 FLOPs per matmul weight plus ``4 * seq * hidden`` for the attention scores and their product with
+        the values (the full square, as the paper counts). The head: ``2 * hidden * vocab``.
+        """
+        block = 2.0 * self.matmul_params_per_layer + 4.0 * self.seq_len * self.hidden
+        return block, 2.0 * self.hidden * self.vocab
+
+    def describe(self) -> str:
+        kv = f" kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.heads else ""
+        return (f"{self.name}: {self.total_params / 1e9:.2f}B params, layers={self.layers} hidden={self.hidden}"
+                f" heads={self.heads}{kv} ffn={self.ffn} vocab={self.vocab} seq={self.seq_len}")
+
+
+# Config attribute names, most specific first: Hugging Face, nanoGPT / litgpt, Megatron-style.
+_FIELDS = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
+    "heads": ("num_attention_heads", "n_head", "n_heads", "num_heads"),
+    "kv_heads": ("num_key_value_heads", "n_query_groups", "n_kv_heads", "num_kv_heads"),
+    "ffn_hidden": ("intermediate_size", "ffn_hidden_size", "intermediate_dim", "n_inner"),
+    "vocab": ("vocab_size", "padded_vocab_size", "n_vocab"),
+    "seq_len": ("max_position_embeddings", "block_size", "n_positions", "max_seq_len", "seq_len"),
+}
+
+
+def load_class(path: str) -> type:
+    """``pkg.mod:Class`` (or ``pkg.mod.Class``) to the class, with an error that names what was not found."""
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"--module {path!r} must look like 'package.module:ClassName'.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"--module {path!r}: cannot import {module_name!r} ({error}).") from error
+    if not hasattr(module, attr):
+        raise ValueError(f"--module {path!r}: {module_name!r} has no attribute {attr!r}.")
+    return getattr(module, attr)
+
+
+def build_on_meta(cls: type, init_args: Optional[dict[str, Any]] = None) -> nn.Module:
+    """Instantiate ``cls(**init_args)`` on the meta device (no memory), running ``configure_model`` if it has one."""
+    import torch
+
+    with torch.device("meta"):
+        module = cls(**(init_args or {}))
+        if hasattr(module, "configure_model"):
+            module.configure_model()
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"{cls.__name__}(...) built a {type(module).__name__}, not a torch.nn.Module.")
+    return module
+
+
+def spec_from_module(module: nn.Module, seq_len: Optional[int] = None, **overrides: Any) -> ModelSpec:
+    """Read a module's shapes from its config attributes and its parameter counts from its blocks.
+
+    ``overrides`` (e.g. ``heads=...``) win over what is read; a shape neither read nor given is an error that names
+    the flag to pass.
+    """
+    from lightning_mgpu.parallel.blocks import find_block_container, tied_parameters
+
+    found = find_block_container(module)
+    if found is None:
+        raise ValueError(f"{type(module).__name__} has no list of repeated blocks: the planner models transformers."
+                         " Describe it with --layers/--hidden/--heads/--vocab instead.")
+    container_name, blocks = found
+    values: dict[str, Any] = {"layers": len(blocks)}
+    for config in _configs(module):
+        for key, names in _FIELDS.items():
+            if key not in values:
+                value = next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+                if value is not None and not isinstance(value, bool):
+                    values[key] = value
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    if "hidden" not in values and embeddings:
+        values["hidden"] = max(embeddings, key=lambda m: m.num_embeddings).embedding_dim
+    if "vocab" not in values and embeddings:
+        values["vocab"] = max(m.num_embeddings for m in embeddings)
+    if seq_len is not None:
+        values["seq_len"] = seq_len
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    missing = [k for k in ("hidden", "heads", "vocab", "seq_len") if k not in values]
+    if missing:
+        flags = " ".join(f"--{k.replace('_', '-')} N" for k in missing)
+        raise ValueError(f"Could not read {', '.join(missing)} from {type(module).__name__}: pass {flags}.")
+    block_params = sum(p.numel() for p in blocks[0].parameters())
+    in_blocks = {id(p) for p in blocks.parameters()}
+    embed_ids = {id(p) for m in embeddings for p in m.parameters()}
+    seen: set[int] = set()
+    first = last = 0
+    for param in module.parameters():  # unique parameters: a tied weight is counted once
+        if id(param) in in_blocks or id(param) in seen:
+            continue
+        seen.add(id(param))
+        if id(param) in embed_ids:
+            first += param.numel()
+        else:
+            last += param.numel()
+    tied = bool(tied_parameters(module))
+    if tied:  # the tied head lives on the last stage too: it holds a copy of the embedding
+        last += max((m.weight.numel() for m in embeddings), default=0)
+    gated = any(hasattr(m, name) for m in blocks[0].modules() for name in ("gate_proj", "w3", "fc_1"))
+    notes = (f"blocks: {container_name} ({len(blocks)} x {block_params:,} params)",)
+    return ModelSpec(name=type(module).__name__, tied_embeddings=tied, gated_mlp=gated, block_params=block_params,
+                     embed_params=first, head_params=last, notes=notes, **values)
+
+
+def spec_from_path(path: str, init_args: Optional[str] = None, **overrides: Any) -> ModelSpec:
+    """``--module pkg.mod:Class [--init-args JSON]`` to a :class:`ModelSpec`, built on the meta device."""
+    try:
+        kwargs = json.loads(init_args) if init_args else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--init-args is not valid JSON ({error}): give e.g. '{{\"n_layer\": 12}}'.") from error
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--init-args must be a JSON object of keyword arguments, got {init_args!r}.")
+    module = build_on_meta(load_class(path), kwargs)
+    seq_len = overrides.pop("seq_len", None)
+    return spec_from_module(module, seq_len=seq_len, **overrides)
+
+
+def _configs(module: nn.Module) -> list[Any]:
+    """Objects that may hold the shapes: the module and its submodules, their ``config``, ``hparams``."""
+    found: list[Any] = []
+    for sub in module.modules():
+        for candidate in (getattr(sub, "config", None), sub, getattr(sub, "hparams", None)):
+            if candidate is not None and all(candidate is not f for f in found):
+                found.append(candidate)
+    return found
+
+
+def with_seq_len(spec: ModelSpec, seq_len: int) -> ModelSpec:
+    return replace(spec, seq_len=seq_len)

@@ -1,0 +1,202 @@
+"""Enumerate the layouts a model can run with on a cluster, estimate each, and rank them by throughput."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Optional
+
+from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
+from lightning_mgpu.planner.cost import CHECKPOINTING, SCHEDULES, Estimate, Layout, Training, estimate
+from lightning_mgpu.planner.model_spec import ModelSpec
+
+_FIX_KEYS = {"tp": int, "pp": int, "dp": int, "zero": int, "zero_stage": int, "mbs": int, "microbatch_size": int,
+             "schedule": str, "ckpt": str, "checkpointing": str, "sp": int}
+_ALIASES = {"zero": "zero_stage", "mbs": "microbatch_size", "ckpt": "checkpointing", "sp": "sequence_parallel"}
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: Training
+    efficiency: Efficiency
+    ranked: list[Estimate]  # feasible, best first
+    infeasible: list[Estimate] = field(default_factory=list)  # best-throughput ones that do not fit, with reasons
+    rejected: list[str] = field(default_factory=list)  # fixed choices that are invalid, with reasons
+
+    @property
+    def best(self) -> Optional[Estimate]:
+        return self.ranked[0] if self.ranked else None
+
+
+def parse_fix(text: Optional[str]) -> dict[str, object]:
+    """``tp=8,pp=64,ckpt=full`` to ``{"tp": 8, "pp": 64, "checkpointing": "full"}``."""
+    fixed: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip().lower().replace("-", "_")
+        if not sep or key not in _FIX_KEYS:
+            raise ValueError(f"--fix {item!r}: expected key=value with key in {', '.join(sorted(_FIX_KEYS))}.")
+        try:
+            converted = _FIX_KEYS[key](value.strip())
+        except ValueError:
+            raise ValueError(f"--fix {item!r}: {value!r} is not a valid {_FIX_KEYS[key].__name__}.") from None
+        name = _ALIASES.get(key, key)
+        fixed[name] = bool(converted) if name == "sequence_parallel" else converted
+    if "checkpointing" in fixed and fixed["checkpointing"] not in CHECKPOINTING:
+        raise ValueError(f"--fix ckpt={fixed['checkpointing']}: choose one of {', '.join(CHECKPOINTING)}.")
+    if "schedule" in fixed and fixed["schedule"] not in SCHEDULES + ("none",):
+        raise ValueError(f"--fix schedule={fixed['schedule']}: choose one of {', '.join(SCHEDULES)}.")
+    if "zero_stage" in fixed and fixed["zero_stage"] not in (0, 1, 2, 3):
+        raise ValueError(f"--fix zero={fixed['zero_stage']}: ZeRO stages are 0, 1, 2, 3.")
+    return fixed
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _structural_problem(model: ModelSpec, cluster: ClusterSpec, training: Training, tp: int, pp: int,
+                        dp: int) -> Optional[str]:
+    if model.heads % tp or model.num_kv_heads % tp and tp % model.num_kv_heads:
+        return f"tp={tp} does not divide the {model.heads} attention heads ({model.num_kv_heads} key/value heads)"
+    if pp > model.layers:
+        return f"pp={pp} exceeds the {model.layers} layers"
+    if training.global_batch % dp:
+        return f"dp={dp} does not divide the global batch {training.global_batch}"
+    return None
+
+
+def candidates(model: ModelSpec, cluster: ClusterSpec, training: Training,
+               fixed: Optional[dict[str, object]] = None) -> Iterator[Layout | str]:
+    """Every layout worth estimating; a string says why a fixed choice cannot run at all."""
+    fixed = fixed or {}
+    n = cluster.gpus
+    for tp in _divisors(n):
+        if "tp" in fixed and tp != fixed["tp"]:
+            continue
+        for pp in _divisors(n // tp):
+            if "pp" in fixed and pp != fixed["pp"]:
+                continue
+            dp = n // (tp * pp)
+            if "dp" in fixed and dp != fixed["dp"]:
+                continue
+            problem = _structural_problem(model, cluster, training, tp, pp, dp)
+            if problem:
+                if fixed.keys() & {"tp", "pp", "dp"}:
+                    yield problem
+                continue
+            yield from _variants(model, training, tp, pp, dp, fixed)
+    if "tp" in fixed and "pp" in fixed and n % (int(fixed["tp"]) * int(fixed["pp"])):  # type: ignore[call-overload]
+        yield f"tp={fixed['tp']} x pp={fixed['pp']} does not divide the {n} GPUs"
+
+
+def _variants(model: ModelSpec, training: Training, tp: int, pp: int, dp: int,
+              fixed: dict[str, object]) -> Iterator[Layout]:
+    per_rank = training.global_batch // dp
+    for mbs in _divisors(per_rank):
+        if mbs > 64 or fixed.get("microbatch_size", mbs) != mbs:
+            continue
+        m = per_rank // mbs
+        schedules = SCHEDULES if pp > 1 else ("none",)
+        for schedule in schedules:
+            if fixed.get("schedule", schedule) != schedule:
+                continue
+            if pp > 1 and m < pp:
+                continue  # torch's schedules need at least one microbatch per stage
+            if schedule == "Interleaved1F1B" and (model.layers % (2 * pp) or m % pp):
+                continue
+            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                if fixed.get("zero_stage", zero) != zero or (zero >= 2 and pp > 1 and "zero_stage" not in fixed):
+                    continue  # sharded parameters under a pipeline regather per microbatch: not worth ranking
+                for ckpt in CHECKPOINTING:
+                    if fixed.get("checkpointing", ckpt) != ckpt:
+                        continue
+                    if ckpt == "selective" and training.flash_attention and "checkpointing" not in fixed:
+                        continue  # flash attention keeps no scores: selective recomputation would change nothing
+                        continue
+                    yield Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero, schedule=schedule, microbatch_size=mbs,
+                                 num_microbatches=m, checkpointing=ckpt,
+                                 sequence_parallel=bool(fixed.get("sequence_parallel", tp > 1)))
+
+
+def search(model: ModelSpec, cluster: ClusterSpec, training: Training, efficiency: Optional[Efficiency] = None,
+           fixed: Optional[dict[str, object]] = None, scaling: bool = True) -> Plan:
+    """Estimate every candidate; rank those that fit by tokens/s (ties: less memory)."""
+    efficiency = efficiency or Efficiency()
+    feasible: list[Estimate] = []
+    infeasible: list[Estimate] = []
+    rejected: list[str] = []
+    for candidate in candidates(model, cluster, training, fixed):
+        if isinstance(candidate, str):
+            rejected.append(candidate)
+            continue
+        result = estimate(model, cluster, training, candidate, efficiency)
+        (feasible if result.fits else infeasible).append(result)
+    key = lambda e: (-e.tokens_per_s, e.memory["total"])  # noqa: E731
+    feasible.sort(key=key)
+    infeasible.sort(key=key)
+    plan = Plan(model, cluster, training, efficiency, _distinct(feasible), _distinct(infeasible)[:5], rejected)
+    if scaling and plan.ranked:
+        reference = _one_node_reference(model, cluster, training, efficiency)
+        for result in plan.ranked[:50]:
+            result.scaling_efficiency = result.tokens_per_s / result.layout.gpus / reference
+    return plan
+
+
+def _distinct(results: list[Estimate]) -> list[Estimate]:
+    """Keep the best variant per (tp, pp, dp, zero, checkpointing), so the table shows different layouts."""
+    seen: set[tuple] = set()
+    kept = []
+    for result in results:
+        lay = result.layout
+        key = (lay.tp, lay.pp, lay.dp, lay.zero_stage, lay.checkpointing)
+        if key not in seen:
+            seen.add(key)
+            kept.append(result)
+    return kept
+
+
+def _one_node_reference(model: ModelSpec, cluster: ClusterSpec, training: Training, efficiency: Efficiency) -> float:
+    """Tokens/s per GPU of the best layout on one node with the same batch per GPU, memory limits ignored
+    (a model too large for one node still gets a reference: the speed one node would reach if it fit)."""
+    node = cluster.one_node()
+    batch = max(1, training.global_batch * node.gpus // cluster.gpus)
+    unbounded = replace(node, memory_gb=1e9)
+    plan = search(model, unbounded, replace(training, global_batch=batch), efficiency, scaling=False)
+    return plan.ranked[0].tokens_per_s / node.gpus if plan.ranked else float("nan")
+
+
+def explain(plan: Plan) -> str:
+    """One sentence on why the top layout wins."""
+    best = plan.best
+    if best is None:
+        return "No layout fits: " + (plan.infeasible[0].problems[0] if plan.infeasible else "; ".join(plan.rejected))
+    lay = best.layout
+    runner = next((e for e in plan.ranked[1:] if (e.layout.tp, e.layout.pp) != (lay.tp, lay.pp)), None)
+    time = best.time
+    losses = {k: v for k, v in time.items() if k not in ("compute", "step")}
+    worst = max(losses, key=losses.get) if losses else "none"  # type: ignore[arg-type]
+    within = "inside a node" if lay.tp <= plan.cluster.gpus_per_node else "across nodes"
+    text = (f"{lay.describe()} wins with {best.tokens_per_s:,.0f} tokens/s: tensor parallelism stays {within},"
+            f" compute is {time['compute'] / time['step']:.0%} of the step (largest overhead: {worst.replace('_', ' ')}"
+            f" {losses.get(worst, 0) / time['step']:.0%}), and it fits in {best.memory['total'] / GB:.1f} GB")
+    if runner is not None:
+        text += (f"; the best layout with other tp/pp ({runner.layout.describe()}) is"
+                 f" {1 - runner.tokens_per_s / best.tokens_per_s:.0%} slower")
+    return text + "."
+
+
+def scale_of(n: float) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def check_fit_hint(plan: Plan) -> str:
+    if plan.best is not None or not plan.infeasible:
+        return ""
+    smallest = min(plan.infeasible, key=lambda e: e.memory["total"])
+    need = smallest.memory["total"] / GB
+    return (f" The smallest footprint is {need:.1f} GB per GPU ({smallest.layout.describe()}); try more GPUs"
+            f" (about {math.ceil(plan.cluster.gpus * need / (plan.cluster.usable_bytes / GB))}), ZeRO-3 or full"
+            " checkpointing.")
