@@ -46,6 +46,7 @@ class ParallelOptions:
     cpu_offload: bool = False
     checkpoint_format: str = "sharded"
     async_checkpoint: bool = False
+    deepspeed_config: Any = None  # None, a dict or a JSON file's path (zero_backend="deepspeed")
 
     def __post_init__(self) -> None:
         _one_of("zero_backend", self.zero_backend, ZERO_BACKENDS)
@@ -118,9 +119,7 @@ class ParallelOptions:
 
     def check_implemented(self) -> None:
         """Refuse, loudly, options this version accepts in its signature but does not implement yet."""
-        pending = {
-            "zero_backend='deepspeed'": self.zero_backend == "deepspeed",
-        }
+        pending: dict[str, bool] = {}
         missing = [name for name, requested in pending.items() if requested]
         if missing:
             raise NotImplementedError(
@@ -158,6 +157,30 @@ class ParallelOptions:
             )
         if self.num_microbatches is not None and _positive_int(pipeline_parallel_size) and pipeline_parallel_size > 1:
             self._check_microbatches(pipeline_parallel_size)
+        self._check_deepspeed(zero_stage, tensor_parallel_size, pipeline_parallel_size)
+
+    def _check_deepspeed(self, zero_stage: int, tensor_parallel_size: Any, pipeline_parallel_size: Any) -> None:
+        """The DeepSpeed engine's layouts and config, judged before launch (see ``deepspeed_config``)."""
+        if self.zero_backend != "deepspeed":
+            if self.deepspeed_config is not None:
+                raise ValueError(
+                    f"`deepspeed_config` configures the DeepSpeed engine and needs zero_backend='deepspeed', got"
+                    f" zero_backend={self.zero_backend!r}. Set zero_backend='deepspeed', or remove deepspeed_config."
+                )
+            return
+        from lightning_mgpu.deepspeed_config import check_config
+        from lightning_mgpu.parallel.deepspeed_engine import composition_error
+
+        why = composition_error(tensor_parallel_size, pipeline_parallel_size)
+        if why is not None:
+            raise ValueError(why)
+        if self.cpu_offload:
+            raise ValueError(
+                "`cpu_offload=True` is the torch backend's offload; with zero_backend='deepspeed' put"
+                " {'zero_optimization': {'offload_optimizer': {'device': 'cpu'}, 'offload_param': {'device': 'cpu'}}}"
+                " in deepspeed_config instead, and remove cpu_offload."
+            )
+        check_config(self.deepspeed_config, zero_stage)
 
     def _check_microbatches(self, pp_size: int) -> None:
         """A ``num_microbatches`` the schedule can never run, whatever the batch size, is refused up front."""

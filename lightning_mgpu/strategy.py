@@ -41,6 +41,7 @@ from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimu
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
+from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
 from lightning_mgpu.precision import HybridPrecision
@@ -68,6 +69,7 @@ class HybridStrategy(ParallelStrategy):
         data_parallel_size: Size = "auto",
         zero_stage: int = 0,
         zero_backend: str = "torch",
+        deepspeed_config: Optional[Union[dict, str]] = None,
         tp_plan: Union[str, dict[str, str], Callable[..., None]] = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
@@ -112,6 +114,7 @@ class HybridStrategy(ParallelStrategy):
             cpu_offload=cpu_offload,
             checkpoint_format=checkpoint_format,
             async_checkpoint=async_checkpoint,
+            deepspeed_config=deepspeed_config,
         )
         self.options.check_implemented()
         self.options.check_sizes(zero_stage, tensor_parallel_size, pipeline_parallel_size)
@@ -124,7 +127,10 @@ class HybridStrategy(ParallelStrategy):
         self._optimizer_sharding: list[OptimizerStateSharding] = []
         self._runner: Optional[StepRunner] = None
         self._pipeline: Optional[PipelineEngine] = None
-        self._checkpointer = sharded_checkpoint.Checkpointer(checkpoint_format, async_checkpoint)
+        # zero_backend="deepspeed": the data-parallel dimension runs through a DeepSpeed engine (built in `setup`).
+        self._deepspeed = DeepSpeedEngineRunner(deepspeed_config) if zero_backend == "deepspeed" else None
+        state_access = sharded_checkpoint.DeepSpeedStates(self._deepspeed) if self._deepspeed is not None else None
+        self._checkpointer = sharded_checkpoint.Checkpointer(checkpoint_format, async_checkpoint, state_access)
         self.num_nodes = 1
 
     # ----------------------------------------------------------------------------------------------- layout / mesh
@@ -281,6 +287,10 @@ class HybridStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+        if self._deepspeed is not None:
+            self.model = self._deepspeed.initialize(
+                self._runner, self.optimizers, trainer, self.layout, str(self.precision_plugin.precision), self._dp_group
+            )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -320,7 +330,7 @@ class HybridStrategy(ParallelStrategy):
         if self._pipeline is not None:
             for optimizer in self.optimizers:
                 self._pipeline.guard_zero_grad(optimizer)
-        if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1:
+        if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1 and self._deepspeed is None:
             dp_mesh = self.device_mesh[DP_AXIS]
             self._optimizer_sharding = [OptimizerStateSharding(optimizer, dp_mesh) for optimizer in self.optimizers]
 
@@ -341,7 +351,7 @@ class HybridStrategy(ParallelStrategy):
     def _redirect(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         # Run the step through the root wrapper's __call__ so the data-parallel hooks fire even when the step calls
         # a submodule directly (`self.model(input_ids=x)`).
-        assert isinstance(self.model, StepRunner)
+        assert self.model is not None  # the StepRunner, or the DeepSpeed engine around it
         with self._tensor_parallel_context(method_name):
             return self.model(method_name, *args, **kwargs)
 
@@ -384,8 +394,18 @@ class HybridStrategy(ParallelStrategy):
         if self._pipeline is not None:
             # The schedule already ran backward inside `training_step`; callbacks still get on_after_backward.
             return Precision.post_backward(self.precision_plugin, closure_loss, self.lightning_module)
+        if self._deepspeed is not None:
+            assert self.lightning_module is not None
+            return self._deepspeed.backward(closure_loss, self.lightning_module, self.precision_plugin)
         with self._tensor_parallel_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._deepspeed is not None:
+            assert self.lightning_module is not None
+            return self._deepspeed.optimizer_step(optimizer, closure, self.lightning_module)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _tensor_parallel_context(self, method_name: str = "training_step") -> Any:
         # Predictions keep whole logits: loss parallelism serves steps that compute a loss, and their backward.
@@ -503,6 +523,8 @@ class HybridStrategy(ParallelStrategy):
     def full_state_dict(self) -> dict[str, Tensor]:
         """The unsharded model weights on CPU on global rank 0 (``{}`` elsewhere). Call on every rank."""
         assert self.lightning_module is not None
+        if self._deepspeed is not None:
+            return self.checkpointer.states.full_model_state_dict(self.lightning_module)
         pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
         return sharded_checkpoint.full_model_state_dict(self.lightning_module, pp_group)
 

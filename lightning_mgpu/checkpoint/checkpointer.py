@@ -178,9 +178,12 @@ class _PendingSave:
 class Checkpointer:
     """Save and load a LightningModule and its optimizers whatever the layout; owned by ``HybridStrategy``."""
 
-    def __init__(self, checkpoint_format: str = "sharded", async_save: bool = False) -> None:
+    def __init__(self, checkpoint_format: str = "sharded", async_save: bool = False, state_access: Any = None) -> None:
         if async_save and checkpoint_format != "sharded":
             raise ValueError("`async_checkpoint=True` needs `checkpoint_format='sharded'`.")
+        # How the live states are read and written: the `states` module, or an object with the same functions
+        # for an engine that keeps its own partitions (`deepspeed_states.DeepSpeedStates`).
+        self.states = state_access if state_access is not None else states
         self.checkpoint_format = checkpoint_format
         self.async_save = async_save
         self._pending: Optional[_PendingSave] = None
@@ -200,11 +203,11 @@ class Checkpointer:
         path = _broadcast_path(filepath)
         self.wait(agree=True)
         with_optimizers = OPTIMIZER_KEY in checkpoint  # Lightning leaves it out for `save_weights_only`
-        state: dict[str, Any] = {MODEL_KEY: states.model_state(model)}
+        state: dict[str, Any] = {MODEL_KEY: self.states.model_state(model)}
         groups: list[list[list[str]]] = []
         if with_optimizers:
-            state[OPTIMIZER_KEY] = [states.optimizer_state(model, optimizer) for optimizer in optimizers]
-            groups = [states.group_fqns(model, o, s) for o, s in zip(optimizers, state[OPTIMIZER_KEY])]
+            state[OPTIMIZER_KEY] = [self.states.optimizer_state(model, optimizer) for optimizer in optimizers]
+            groups = [self.states.group_fqns(model, o, s) for o, s in zip(optimizers, state[OPTIMIZER_KEY])]
         gathered = _gather_object({"rng": states.collect_rng_states(), "groups": groups})
         meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZER_KEY, "loops")}
         if "loops" in checkpoint:
@@ -300,13 +303,13 @@ class Checkpointer:
             fmt.check_sharded(path)
             meta = fmt.load_file(path / fmt.METADATA_FILE, weights_only)
             reader: Any = FileSystemReader(path)
-            states.load_states(reader, model, optimizers, strict, str(path), checkpoint_id=path)
+            self.states.load_states(reader, model, optimizers, strict, str(path), checkpoint_id=path)
         else:
             meta = fmt.load_file(path, weights_only)
             if MODEL_KEY not in meta:
                 raise CheckpointError(f"{path} has no `{MODEL_KEY}`: it is not a Lightning checkpoint.")
             flat = _flatten_full(meta, model, optimizers)
-            states.load_states(fmt.FlatReader(flat), model, optimizers, strict, str(path))
+            self.states.load_states(fmt.FlatReader(flat), model, optimizers, strict, str(path))
             meta = {k: v for k, v in meta.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
         resume.align_loops_with_data(meta)  # for checkpoints saved by an earlier version
         if fitting:

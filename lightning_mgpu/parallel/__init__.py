@@ -54,7 +54,9 @@ def parallelize(
         offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     # The wrap also does the casting (param_dtype) and the offloading, so it applies at dp=1 when either is asked.
     casts = mp_policy is not None and getattr(mp_policy, "param_dtype", None) is not None
-    if layout.data_parallel_size > 1 or offload_policy is not None or casts:
+    # Under zero_backend="deepspeed" the DeepSpeed engine is the data-parallel wrap (built by the strategy).
+    torch_data_parallel = options.zero_backend == "torch"
+    if torch_data_parallel and (layout.data_parallel_size > 1 or offload_policy is not None or casts):
         # With pipelining each stage is a root of its own: the schedule drives each stage's gradient sync
         # (no-sync on all but the last backward of a step), also when a rank holds several stages.
         roots = [(stage, stage.blocks) for stage in runtime.stages] if runtime is not None else [(root, None)]

@@ -1,0 +1,235 @@
+"""Model and optimizer states of a DeepSpeed engine in the checkpoint format of the torch backend.
+
+DeepSpeed keeps fp32 master weights and optimizer states as flat partitions of its own. Here they are gathered
+per parameter with DeepSpeed's ``safe_get_full_*`` APIs and written under the same plain FQN keys as the torch
+backend (``state_dict.<fqn>``, ``optimizer_states.<i>.state.<fqn>.<name>``, ``...param_groups.<fqn>.<hparam>``),
+as whole tensors (DCP writes each once); loading reads whole tensors and scatters them back with
+``safe_set_full_*``. So a DeepSpeed run resumes under the torch backend, any layout, and the other way round, and
+``lightning-mgpu inspect/consolidate`` read it like any other checkpoint.
+
+An object of :class:`DeepSpeedStates` stands in for the ``states`` module in ``Checkpointer`` (same functions).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.optim import Optimizer
+
+from lightning_mgpu.checkpoint import states
+from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, CheckpointError
+
+if TYPE_CHECKING:
+    from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
+
+_STATE = "state."
+_GROUPS = "param_groups."
+
+
+def _partitioned(param: nn.Parameter) -> bool:
+    """Whether DeepSpeed holds this parameter's fp32 master (and optimizer states) in its flat partitions."""
+    return hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None
+
+
+def _full_param(param: nn.Parameter) -> torch.Tensor:
+    """The whole fp32 master value (every rank together), or the module's own tensor where DeepSpeed has none."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    full = safe_get_full_fp32_param(param) if param.requires_grad else None
+    if full is None and hasattr(param, "ds_id"):  # a frozen ZeRO-3 parameter: gather the module's copy
+        from deepspeed.zero import GatheredParameters
+
+        with GatheredParameters([param]):
+            full = param.data.clone()
+    if full is None:
+        full = param.detach()
+    return full.detach().reshape(_shape(param)).clone()
+
+
+def _shape(param: nn.Parameter) -> torch.Size:
+    return param.ds_shape if hasattr(param, "ds_id") else param.shape
+
+
+def _is_scalar(value: Any) -> bool:
+    return not torch.is_tensor(value) or value.dim() == 0
+
+
+class DeepSpeedStates:
+    """``Checkpointer``'s state access for a model trained through :class:`DeepSpeedEngineRunner`."""
+
+    def __init__(self, runner: "DeepSpeedEngineRunner") -> None:
+        self.runner = runner
+
+    # ------------------------------------------------------------------------------------------------------ save
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """Every entry of ``model.state_dict()``, parameters as whole fp32 masters. Collective."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        gathered: dict[nn.Parameter, torch.Tensor] = {}
+        state = {}
+        for key, value in model.state_dict().items():
+            param = params.get(key)
+            if param is None:
+                state[key] = value.detach()
+                continue
+            if param not in gathered:
+                gathered[param] = _full_param(param)
+            state[key] = gathered[param]
+        return state
+
+    def optimizer_state(self, model: nn.Module, optimizer: Optimizer, initialize: bool = False) -> dict[str, Any]:
+        """The torch backend's flattened optimizer state, per parameter FQN. Collective."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        names = self._fqns(model)
+        tensor_keys, scalars = self._state_layout(optimizer)
+        flat: dict[str, Any] = {}
+        for group, params in zip(optimizer.param_groups, self.runner.param_groups):
+            hparams = {k: v for k, v in group.items() if k != "params"}
+            for param in params:
+                fqn = names[param]
+                flat.update({f"{_GROUPS}{fqn}.{name}": value for name, value in hparams.items()})
+                if _partitioned(param):
+                    if not tensor_keys:
+                        continue
+                    for key in tensor_keys:
+                        flat[f"{_STATE}{fqn}.{key}"] = safe_get_full_optimizer_state(param, key).reshape(_shape(param))
+                    flat.update({f"{_STATE}{fqn}.{key}": value for key, value in scalars.items()})
+                else:
+                    flat.update({f"{_STATE}{fqn}.{key}": value for key, value in optimizer.state.get(param, {}).items()})
+        return flat
+
+    def group_fqns(self, model: nn.Module, optimizer: Optimizer, flat_state: dict[str, Any]) -> list[list[str]]:
+        names = self._fqns(model)
+        return [[names[param] for param in params] for params in self.runner.param_groups]
+
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model on CPU on global rank 0 (``{}`` elsewhere). Collective."""
+        state = {key: value.cpu() for key, value in self.model_state(model).items()}
+        return state if dist.get_rank() == 0 else {}
+
+    # ------------------------------------------------------------------------------------------------------ load
+    def load_states(
+        self,
+        reader: StorageReader,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        strict: bool,
+        where: str,
+        checkpoint_id: Optional[Any] = None,
+    ) -> None:
+        """Read whole tensors (any layout saved them) and scatter them into DeepSpeed's partitions. Collective."""
+        index = reader.read_metadata().state_dict_metadata
+        params = dict(model.named_parameters(remove_duplicate=False))
+        template = {
+            key: torch.empty(_shape(params[key]), dtype=torch.float32) if key in params else value
+            for key, value in model.state_dict().items()
+        }
+        states.check_model_fits(index, template, strict, where)
+        wanted = [f"{MODEL_KEY}.{key}" for key in template]
+        for i in range(len(optimizers)):
+            prefix = f"{OPTIMIZER_KEY}.{i}."
+            found = [key for key in index if key.startswith(prefix)]
+            if not found:
+                raise CheckpointError(
+                    f"{where} has no state for optimizer {i} (it was saved with `save_weights_only=True` or with"
+                    " fewer optimizers): it can initialize weights but not resume training."
+                )
+            wanted += found
+        request = {key: _empty(index[key]) for key in wanted if key in index}
+        try:
+            dcp.load(request, checkpoint_id=checkpoint_id, storage_reader=reader)
+        except Exception as error:
+            raise CheckpointError(f"Loading {where} failed: {error}") from error
+        self._load_model(model, params, request)
+        for i, optimizer in enumerate(optimizers):
+            prefix = f"{OPTIMIZER_KEY}.{i}."
+            self._load_optimizer(model, optimizer, {k[len(prefix):]: v for k, v in request.items() if k.startswith(prefix)})
+
+    def _load_model(self, model: nn.Module, params: dict[str, nn.Parameter], request: dict[str, Any]) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        buffers = dict(model.named_buffers())
+        done: set[nn.Parameter] = set()
+        for key, value in request.items():
+            if not key.startswith(MODEL_KEY + "."):
+                continue
+            name = key[len(MODEL_KEY) + 1:]
+            if name in buffers:
+                buffers[name].data.copy_(value)
+            param = params.get(name)
+            if param is None or param in done:
+                continue
+            done.add(param)
+            if _partitioned(param) and param.requires_grad:
+                safe_set_full_fp32_param(param, value.to(torch.float32))
+            if hasattr(param, "ds_id"):
+                continue  # the low-precision partitions are refreshed from the fp32 ones below
+            param.data.copy_(value.reshape(param.shape))
+        _refresh_zero3_partitions(self.runner.engine)
+
+    def _load_optimizer(self, model: nn.Module, optimizer: Optimizer, flat: dict[str, Any]) -> None:
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        names = self._fqns(model)
+        tensor_keys, scalars = self._state_layout(optimizer)
+        for group, params in zip(optimizer.param_groups, self.runner.param_groups):
+            saved = {k[len(_GROUPS) + len(names[params[0]]) + 1:]: v for k, v in flat.items()
+                     if k.startswith(f"{_GROUPS}{names[params[0]]}.")} if params else {}
+            group.update({name: value for name, value in saved.items() if name != "params"})
+            for param in params:
+                prefix = f"{_STATE}{names[param]}."
+                entries = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+                if not _partitioned(param):
+                    if entries:
+                        optimizer.state[param] = entries
+                    continue
+                for key, value in entries.items():
+                    if key in tensor_keys:
+                        safe_set_full_optimizer_state(param, value.to(torch.float32), key)
+                    elif key in scalars:
+                        for state in optimizer.state.values():
+                            state[key] = value.clone() if torch.is_tensor(value) else value
+
+    # --------------------------------------------------------------------------------------------------- helpers
+    def _fqns(self, model: nn.Module) -> dict[nn.Parameter, str]:
+        names: dict[nn.Parameter, str] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(param, name)
+        return names
+
+    def _state_layout(self, optimizer: Optimizer) -> tuple[list[str], dict[str, Any]]:
+        """The per-element state names (``exp_avg``, ...) of DeepSpeed's flat partitions, and the scalar states
+        (``step``), which every partition of a step shares."""
+        flats = [state for key, state in optimizer.state.items() if not _is_module_param(key, self.runner)]
+        tensor_keys = sorted({k for state in flats for k, v in state.items() if not _is_scalar(v)})
+        scalars = {k: v for state in flats for k, v in state.items() if _is_scalar(v)}
+        return tensor_keys, scalars
+
+
+def _is_module_param(tensor: torch.Tensor, runner: "DeepSpeedEngineRunner") -> bool:
+    return any(tensor is param for params in runner.param_groups for param in params)
+
+
+def _empty(entry: Any) -> Any:
+    if isinstance(entry, TensorStorageMetadata):
+        return torch.empty(entry.size, dtype=entry.properties.dtype)
+    return None  # bytes: DCP replaces the placeholder with the saved object
+
+
+def _refresh_zero3_partitions(engine: Any) -> None:
+    """ZeRO-3 copies its fp32 partitions into the module's partitions after each step; do the same after a load."""
+    optimizer = getattr(engine, "optimizer", None)
+    low = getattr(optimizer, "fp16_partitioned_groups_flat", None)
+    high = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    if low is None or high is None:
+        return
+    with torch.no_grad():
+        for lp, hp in zip(low, high):
+            if lp is not None and hp is not None:
+                lp.copy_(hp)

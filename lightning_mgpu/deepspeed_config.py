@@ -1,0 +1,175 @@
+"""The DeepSpeed config of ``zero_backend="deepspeed"``: the user's, completed from the Trainer, checked early.
+
+The Trainer's arguments are the single source of truth for what both backends share: precision, gradient
+clipping, gradient accumulation and the micro-batch size (and ``zero_stage`` for the ZeRO stage). They are
+written into the config; a ``deepspeed_config`` that says otherwise is refused, naming both values, instead of
+one silently winning. Everything else in the config (offloading, bucket sizes, ZeRO++ options, ...) passes
+through to ``deepspeed.initialize`` untouched.
+
+Checks that need only the config and the strategy's arguments run when the strategy is built, before any
+process starts (:func:`check_config`); those that need the Trainer run in :func:`build_config`, before
+``deepspeed.initialize``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Optional, Union
+
+DeepSpeedConfig = Union[None, dict, str, Path]
+
+# Sections the strategy owns: the optimizer and scheduler come from `configure_optimizers`.
+_REFUSED_SECTIONS = {
+    "optimizer": "the optimizer comes from the LightningModule's `configure_optimizers`",
+    "scheduler": "the LR scheduler comes from the LightningModule's `configure_optimizers` (Lightning steps it)",
+}
+# Trainer precision -> the DeepSpeed section that is enabled for it.
+_PRECISION_SECTIONS = {
+    "32-true": None,
+    "32": None,
+    "bf16-mixed": "bf16",
+    "bf16-true": "bf16",
+    "16-mixed": "fp16",
+    "16-true": "fp16",
+}
+
+
+def load_config(config: DeepSpeedConfig) -> dict[str, Any]:
+    """``None``, a dict or the path of a JSON file -> a fresh dict (the user's object is never modified)."""
+    if config is None:
+        return {}
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if not path.is_file():
+            raise FileNotFoundError(f"`deepspeed_config={str(config)!r}` is not a file. Pass a dict or a JSON file.")
+        try:
+            loaded = json.loads(path.read_text())
+        except ValueError as error:
+            raise ValueError(f"`deepspeed_config={str(config)!r}` is not valid JSON: {error}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"`deepspeed_config={str(config)!r}` must hold a JSON object, got {type(loaded).__name__}.")
+        return loaded
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    raise ValueError(
+        f"`deepspeed_config` must be None, a dict or the path of a JSON file, got {type(config).__name__}."
+    )
+
+
+def check_config(config: DeepSpeedConfig, zero_stage: int) -> None:
+    """What can be judged from the strategy's arguments alone; raised when the strategy is built."""
+    user = load_config(config)
+    for section, why in _REFUSED_SECTIONS.items():
+        if section in user:
+            raise ValueError(
+                f"`deepspeed_config` has an {section!r} section, but {why}. Remove {section!r} from deepspeed_config."
+            )
+    zero = user.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ValueError(f"`deepspeed_config['zero_optimization']` must be a dict, got {zero!r}.")
+    if "stage" in zero and zero["stage"] != zero_stage:
+        raise ValueError(
+            f"`deepspeed_config` sets zero_optimization.stage={zero['stage']!r} but HybridStrategy has"
+            f" zero_stage={zero_stage}. Set HybridStrategy(zero_stage={zero['stage']!r}) and remove the stage from"
+            " deepspeed_config (zero_stage is the one place the stage is chosen)."
+        )
+    for kind in ("offload_optimizer", "offload_param"):
+        offload = zero.get(kind) or {}
+        if not isinstance(offload, dict):
+            raise ValueError(f"`deepspeed_config['zero_optimization'][{kind!r}]` must be a dict, got {offload!r}.")
+        device = offload.get("device", "none")
+        if device not in ("none", "cpu", "nvme"):
+            raise ValueError(
+                f"`deepspeed_config` zero_optimization.{kind}.device={device!r}: use 'cpu', 'nvme' or 'none'."
+            )
+        if device == "nvme" and not offload.get("nvme_path"):
+            raise ValueError(
+                f"`deepspeed_config` offloads to NVMe (zero_optimization.{kind}.device='nvme') without a path. Add"
+                f" zero_optimization.{kind}.nvme_path='/local_nvme' (a directory on a fast local disk), or use"
+                " device='cpu'."
+            )
+        if kind == "offload_param" and device != "none" and zero_stage != 3:
+            raise ValueError(
+                f"`deepspeed_config` offloads parameters (zero_optimization.offload_param.device={device!r}), which"
+                f" DeepSpeed does at ZeRO stage 3 only; HybridStrategy has zero_stage={zero_stage}. Set zero_stage=3"
+                " or remove offload_param."
+            )
+
+
+def build_config(
+    config: DeepSpeedConfig,
+    zero_stage: int,
+    precision: str,
+    gradient_clip_val: Optional[float],
+    gradient_clip_algorithm: Optional[str],
+    accumulate_grad_batches: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+) -> dict[str, Any]:
+    """The config for ``deepspeed.initialize``: the user's, with the Trainer's values filled in.
+
+    Gradient accumulation is driven by Lightning's loop (``managed_gradient_accumulation=False``: backward
+    accumulates, the optimizer step is the boundary), so ``accumulate_grad_batches`` of any value, and an epoch
+    that ends mid-window, step exactly where the torch backend steps.
+    """
+    check_config(config, zero_stage)
+    user = load_config(config)
+    filled: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulate_grad_batches,
+        "train_batch_size": micro_batch_size * accumulate_grad_batches * data_parallel_size,
+        "gradient_clipping": _clip_value(gradient_clip_val, gradient_clip_algorithm),
+        "managed_gradient_accumulation": False,
+    }
+    trainer_args = {
+        "train_micro_batch_size_per_gpu": "the train dataloader's batch_size",
+        "gradient_accumulation_steps": "Trainer(accumulate_grad_batches)",
+        "train_batch_size": "batch_size x accumulate_grad_batches x data_parallel_size",
+        "gradient_clipping": "Trainer(gradient_clip_val)",
+        "managed_gradient_accumulation": "Lightning's loop (accumulation is driven by Lightning)",
+    }
+    for key, value in filled.items():
+        if key in user and user[key] != value:
+            raise ValueError(
+                f"`deepspeed_config` sets {key}={user[key]!r} but {trainer_args[key]} gives {value!r}. Remove {key!r}"
+                f" from deepspeed_config; it is filled from the Trainer."
+            )
+        user[key] = value
+    _fill_precision(user, precision)
+    user.setdefault("zero_optimization", {})["stage"] = zero_stage
+    user.setdefault("steps_per_print", 2**31 - 1)  # Lightning logs; DeepSpeed's own prints would interleave
+    return user
+
+
+def _clip_value(value: Optional[float], algorithm: Optional[str]) -> float:
+    if value is None or value == 0:
+        return 0.0
+    if algorithm not in (None, "norm"):
+        raise ValueError(
+            f"Trainer(gradient_clip_algorithm={algorithm!r}) is not available with zero_backend='deepspeed':"
+            " DeepSpeed clips by the global norm only. Use gradient_clip_algorithm='norm' or zero_backend='torch'."
+        )
+    return float(value)
+
+
+def _fill_precision(config: dict[str, Any], precision: str) -> None:
+    if precision not in _PRECISION_SECTIONS:
+        raise ValueError(
+            f"Trainer(precision={precision!r}) is not available with zero_backend='deepspeed'. Use one of"
+            f" {', '.join(map(repr, _PRECISION_SECTIONS))}, or zero_backend='torch'."
+        )
+    wanted = _PRECISION_SECTIONS[precision]
+    for section in ("bf16", "fp16"):
+        enabled = section == wanted
+        given = config.get(section, {})
+        if not isinstance(given, dict):
+            raise ValueError(f"`deepspeed_config[{section!r}]` must be a dict, got {given!r}.")
+        if "enabled" in given and bool(given["enabled"]) != enabled:
+            raise ValueError(
+                f"`deepspeed_config` sets {section}.enabled={given['enabled']!r} but Trainer(precision={precision!r})"
+                f" means {section}.enabled={enabled}. Remove {section}.enabled from deepspeed_config and choose the"
+                " precision with Trainer(precision=...)."
+            )
+        config[section] = {**given, "enabled": enabled}

@@ -1,0 +1,160 @@
+"""``zero_backend="deepspeed"``: the data-parallel dimension runs through a DeepSpeed engine.
+
+``deepspeed.initialize`` gets the step runner (so a step that calls ``self.model(...)`` directly still runs inside
+the engine's forward), the user's own optimizer from ``configure_optimizers`` and a config completed from the
+Trainer (``deepspeed_config.build_config``). Lightning keeps driving the loop and steps the LR schedulers itself;
+the strategy hands backward and the optimizer step to this engine:
+
+- backward: ``engine.backward(loss, scale_wrt_gas=False)`` (Lightning already divided the loss by
+  ``accumulate_grad_batches``); ZeRO-2/3 reduce-scatter the gradients during it.
+- optimizer step: the closure (forward + backward) runs, the ``on_before_optimizer_step`` hooks run, then
+  ``engine.step()`` reduces (ZeRO-0/1), clips by the global norm (``gradient_clipping``) and steps. DeepSpeed
+  runs with ``managed_gradient_accumulation=False``, so the step Lightning takes is the accumulation boundary.
+
+The CPU path uses DeepSpeed's CPU accelerator and the job's gloo group; on GPUs DeepSpeed picks CUDA and the
+job's NCCL group. The first use on CPU compiles DeepSpeed's ``deepspeed_shm_comm`` op once (~30 s, cached in
+``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer import call
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+
+from lightning_mgpu.deepspeed_config import DeepSpeedConfig, build_config
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_mgpu.layout import ParallelLayout
+
+
+def composition_error(tensor_parallel_size: Any, pipeline_parallel_size: Any) -> Optional[str]:
+    """Why a layout cannot run with the DeepSpeed engine (``None`` when it can); checked before launch."""
+    if pipeline_parallel_size != 1 and pipeline_parallel_size != "auto":
+        return (
+            f"zero_backend='deepspeed' runs data parallelism only; pipeline_parallel_size={pipeline_parallel_size}"
+            " would need DeepSpeed's own PipelineEngine (ZeRO <= 1, its PipelineModule) instead of torch's"
+            " pipelining, which the strategy uses. Use zero_backend='torch' with pipelines (ZeRO 0-3 work there),"
+            " or pipeline_parallel_size=1."
+        )
+    if tensor_parallel_size != 1 and tensor_parallel_size != "auto":
+        return (
+            f"zero_backend='deepspeed' runs data parallelism only; tensor_parallel_size={tensor_parallel_size}"
+            " shards parameters as DTensors, which DeepSpeed's ZeRO partitioning does not handle (it flattens"
+            " local tensors). Use zero_backend='torch' with tensor parallelism (ZeRO 0-3 work there), or"
+            " tensor_parallel_size=1."
+        )
+    return None
+
+
+class DeepSpeedEngineRunner:
+    """Builds the DeepSpeed engine for a fit and runs backward and the optimizer step through it."""
+
+    def __init__(self, config: DeepSpeedConfig) -> None:
+        self.config = config
+        self.engine: Optional[Any] = None
+        self.param_groups: list[list[nn.Parameter]] = []  # the user's groups, before DeepSpeed flattens them
+        self.zero_stage = 0
+
+    def initialize(
+        self, runner: nn.Module, optimizers: list[Optimizer], trainer: "pl.Trainer", layout: "ParallelLayout",
+        precision: str, dp_group: Any,
+    ) -> nn.Module:
+        """Wrap ``runner`` (and the single optimizer, when fitting) in a DeepSpeed engine; return the engine."""
+        import deepspeed
+
+        if len(optimizers) > 1:
+            raise ValueError(
+                f"zero_backend='deepspeed' trains with one optimizer, but configure_optimizers returned"
+                f" {len(optimizers)}. Return one optimizer (param groups can differ in hyperparameters), or use"
+                " zero_backend='torch'."
+            )
+        if optimizers and isinstance(optimizers[0], LBFGS):
+            raise ValueError("zero_backend='deepspeed' cannot step LBFGS (it re-evaluates the closure). Use AdamW/SGD.")
+        config = build_config(
+            self.config,
+            layout.zero_stage,
+            precision,
+            trainer.gradient_clip_val,
+            trainer.gradient_clip_algorithm,
+            trainer.accumulate_grad_batches,
+            _micro_batch_size(trainer),
+            layout.data_parallel_size,
+        )
+        self.zero_stage = layout.zero_stage
+        optimizer = optimizers[0] if optimizers else None
+        self.param_groups = [list(group["params"]) for group in optimizer.param_groups] if optimizer else []
+        self.optimizer = optimizer
+        self.engine, *_ = deepspeed.initialize(
+            model=runner, optimizer=optimizer, config=config, mpu=_DataParallelGroups(dp_group),
+            dist_init_required=False,
+        )
+        return self.engine
+
+    def backward(self, loss: Tensor, module: "pl.LightningModule", precision: Precision) -> Tensor:
+        """Callbacks' ``on_before/after_backward`` around the engine's backward (which owns loss scaling)."""
+        assert self.engine is not None
+        loss = Precision.pre_backward(precision, loss, module)
+        self.engine.backward(loss, scale_wrt_gas=False)
+        return Precision.post_backward(precision, loss, module)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], module: "pl.LightningModule") -> Any:
+        assert self.engine is not None
+        result = closure()
+        trainer = module.trainer
+        # Lightning's clipping is skipped: the gradients are DeepSpeed's partitions, which it clips itself.
+        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        if result is None and module.automatic_optimization:
+            return result  # training_step returned None: no backward ran, nothing to step
+        self.engine.step()
+        return result
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.destroy()
+        self.engine = None
+
+
+class _DataParallelGroups:
+    """DeepSpeed's ``mpu`` interface: the engine reduces and partitions over the job's data-parallel group."""
+
+    def __init__(self, dp_group: Any) -> None:
+        import torch.distributed as dist
+
+        self._group = dp_group
+        self._rank = dist.get_rank(dp_group)
+        self._size = dist.get_world_size(dp_group)
+
+    def get_data_parallel_group(self) -> Any:
+        return self._group
+
+    def get_data_parallel_rank(self) -> int:
+        return self._rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._size
+
+    def get_model_parallel_group(self) -> Any:
+        return None
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+
+def _micro_batch_size(trainer: "pl.Trainer") -> int:
+    """The train dataloader's batch size (as Lightning's DeepSpeedStrategy reads it); 1 when it has none."""
+    source = trainer.fit_loop._data_source
+    if not source.is_defined():
+        return 1
+    loader = source.dataloader()
+    batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return batch_size if isinstance(batch_size, int) and batch_size > 0 else 1
