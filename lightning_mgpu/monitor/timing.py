@@ -1,0 +1,383 @@
+"""Where one training step's time goes, measured with timers around what blocks the training thread.
+
+A step is cut by Lightning's hooks into *phases* (``forward_backward``: ``on_train_batch_start`` to
+``on_before_optimizer_step``; ``optimizer``: from there to ``on_train_batch_end``; ``other``: the rest of the
+interval between two step ends: the data fetch, Lightning's loop, logging). Inside the phases, *intervals* are
+timed where the thread waits on something else: the data fetch, every collective of ``torch.distributed`` and of
+its functional collectives (DTensor's tensor-parallel traffic), and every ``Work.wait()``. Each collective is
+attributed to a mesh axis by its process group. A phase's own category (compute, optimizer, other) is its
+duration minus the intervals inside it, so the parts of a step add up to its wall time.
+
+Pipeline traffic (``batch_isend_irecv`` on the ``pp`` group) is split in two: waiting for a receive is the
+*bubble* (the peer stage has not produced its activation or gradient yet), issuing the transfers and waiting for
+sends is ``pp`` communication.
+
+*Exposed* communication is the time the training thread is blocked in a collective or its ``wait()``; an
+asynchronous collective's *span* runs from its issue to the end of its wait, and the difference is the part
+hidden behind compute.
+
+Timers are CUDA events on the current stream on GPU (resolved once per measured step, after one synchronize) and
+``time.perf_counter`` elsewhere; nothing adds a barrier. Every patch is undone by :meth:`CollectiveTimer.remove`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+FORWARD_BACKWARD = "forward_backward"
+OPTIMIZER = "optimizer"
+OTHER = "other"
+DATA_WAIT = "data_wait"
+BUBBLE = "bubble"
+COMPUTE = "compute"
+# What a phase's unclaimed time is called in the split.
+_PHASE_CATEGORY = {FORWARD_BACKWARD: COMPUTE, OPTIMIZER: OPTIMIZER, OTHER: OTHER}
+
+# Collectives of torch.distributed timed as blocking calls (isend/irecv are left alone: P2POp checks identity).
+_DIST_CALLS = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all", "all_to_all_single",
+    "gather", "scatter", "send", "recv", "barrier", "broadcast_object_list", "all_gather_object",
+    "batch_isend_irecv",
+)
+# Functional collectives (DTensor redistributions): issued asynchronously, waited in `wait_tensor`.
+_FUNCOL_CALLS = (
+    "all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+    "all_to_all_single", "broadcast", "all_reduce_coalesced", "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced",
+)
+
+
+class Clock:
+    """Marks on the host clock, or CUDA events on the current stream (read after one synchronize per step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+class StepRecorder:
+    """Phase marks and timed intervals of the step being measured; :meth:`finish` turns them into seconds."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.active = False
+        self.phase = OTHER
+        self._depth = 0
+        self._marks: list[tuple[str, Any]] = []
+        self._intervals: list[tuple[str, str, Any, Any]] = []
+        self._spans: list[tuple[str, Any, Any]] = []
+
+    def begin(self, start: Any) -> None:
+        """Measure the step that started at ``start`` (a mark taken when the previous step ended)."""
+        self.active, self.phase, self._depth = True, OTHER, 0
+        self._marks, self._intervals, self._spans = [(OTHER, start)], [], []
+
+    def enter(self, phase: str) -> None:
+        self.phase = phase
+        if self.active:
+            self._marks.append((phase, self.clock.mark()))
+
+    def open(self) -> Optional[Any]:
+        """Start an interval; nested ones (a collective calling another, or its own ``wait``) count once."""
+        self._depth += 1
+        if self._depth > 1 or not self.active:
+            return None
+        return self.clock.mark()
+
+    def close(self, start: Optional[Any], category: str) -> Optional[Any]:
+        self._depth -= 1
+        if start is None:
+            return None
+        end = self.clock.mark()
+        self._intervals.append((self.phase, category, start, end))
+        return end
+
+    def span(self, axis: str, start: Any, end: Any) -> None:
+        """An asynchronous collective ran from ``start`` (its issue) to ``end`` (its wait returned)."""
+        if self.active:
+            self._spans.append((axis, start, end))
+
+    def finish(self, end: Any) -> dict[str, Any]:
+        """The step's wall time, its parts (seconds, adding up to the wall) and asynchronous spans per axis."""
+        self.active = False
+        self.clock.synchronize()
+        seconds = self.clock.seconds
+        parts: dict[str, float] = {}
+        marks = self._marks + [(OTHER, end)]
+        for (phase, start), (_, stop) in zip(marks, marks[1:]):
+            category = _PHASE_CATEGORY[phase]
+            parts[category] = parts.get(category, 0.0) + seconds(start, stop)
+        for phase, category, start, stop in self._intervals:
+            elapsed = seconds(start, stop)
+            parts[category] = parts.get(category, 0.0) + elapsed
+            owner = _PHASE_CATEGORY[phase]
+            parts[owner] = parts[owner] - elapsed
+        spans: dict[str, float] = {}
+        for axis, start, stop in self._spans:
+            spans[axis] = spans.get(axis, 0.0) + seconds(start, stop)
+        return {"wall_s": seconds(self._marks[0][1], end), "parts_s": parts, "span_s": spans}
+
+
+class CollectiveTimer:
+    """Reversible timers around ``torch.distributed`` collectives, functional collectives and ``Work.wait``."""
+
+    def __init__(self, recorder: StepRecorder, axes: dict[str, str], world_axis: str) -> None:
+        self.recorder = recorder
+        self._axes = axes  # process group name -> axis name
+        self._world_axis = world_axis
+        self._by_group: dict[int, str] = {}
+        self._works: dict[int, tuple[str, bool, Any]] = {}  # id(work) -> (axis, is a receive, issue mark)
+        self._pending: dict[int, tuple[str, Any]] = {}  # id(funcol output) -> (axis, issue mark)
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    # ------------------------------------------------------------------------------------------ install / remove
+    def install(self) -> None:
+        import torch.distributed._functional_collectives as funcol
+
+        for name in _DIST_CALLS:
+            if hasattr(dist, name):
+                self._patch(dist, name, self._wrap_dist(getattr(dist, name), name == "batch_isend_irecv"))
+        for name in _FUNCOL_CALLS:
+            if hasattr(funcol, name):
+                self._patch(funcol, name, self._wrap_funcol(getattr(funcol, name)))
+        self._patch(funcol, "wait_tensor", self._wrap_wait_tensor(funcol.wait_tensor))
+        from torch.distributed.pipelining import schedules
+
+        if hasattr(schedules, "_batch_p2p"):  # torch's pipelining sends and receives through it
+            self._patch(schedules, "_batch_p2p", self._wrap_dist(schedules._batch_p2p, p2p=True))
+        work = torch._C._distributed_c10d.Work
+        self._patch(work, "wait", self._wrap_work_wait(work.wait))
+
+    def remove(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo = []
+        self._works.clear()
+        self._pending.clear()
+
+    def _patch(self, owner: Any, name: str, wrapper: Callable) -> None:
+        self._undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, wrapper)
+
+    # ----------------------------------------------------------------------------------------------- attribution
+    def axis_of(self, group: Any) -> str:
+        if group is None:
+            return self._world_axis
+        key = id(group)
+        axis = self._by_group.get(key)
+        if axis is None:
+            try:
+                name = group.group_name if isinstance(group, dist.ProcessGroup) else _funcol_group_name(group)
+            except Exception:
+                name = None
+            axis = self._axes.get(name, "other") if name is not None else "other"
+            if isinstance(group, (dist.ProcessGroup, str)):
+                self._by_group[key] = axis  # long-lived objects only: ids of temporary tuples get reused
+        return axis
+
+    # -------------------------------------------------------------------------------------------------- wrappers
+    def _wrap_dist(self, original: Callable, p2p: bool) -> Callable:
+        recorder = self.recorder
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not recorder.active or torch.compiler.is_compiling():
+                return original(*args, **kwargs)
+            if p2p:
+                ops = args[0] if args else next(iter(kwargs.values()))
+                axis = self.axis_of(ops[0].group) if ops else self._world_axis
+            else:
+                axis = self.axis_of(_group_argument(args, kwargs))
+            start = recorder.open()
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                recorder.close(start, f"comm_{axis}")
+            if start is not None and result is not None:
+                if p2p:
+                    self._remember_p2p(ops, result, axis, start)
+                elif isinstance(result, dist.Work):
+                    self._works[id(result)] = (axis, False, start)
+            return result
+
+        return timed
+
+    def _remember_p2p(self, ops: list, works: Any, axis: str, start: Any) -> None:
+        works = list(works) if isinstance(works, (list, tuple)) else [works]
+        receives = [op.op.__name__ == "irecv" for op in ops]
+        for k, work in enumerate(works):
+            receive = receives[k] if len(works) == len(ops) else any(receives)
+            self._works[id(work)] = (axis, receive, start)
+
+    def _wrap_funcol(self, original: Callable) -> Callable:
+        recorder = self.recorder
+        names = list(inspect.signature(original).parameters)
+        index = names.index("group") if "group" in names else None
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not recorder.active or torch.compiler.is_compiling():
+                return original(*args, **kwargs)
+            group = kwargs.get("group", args[index] if index is not None and len(args) > index else None)
+            axis = self.axis_of(group)
+            start = recorder.open()
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                recorder.close(start, f"comm_{axis}")
+            if start is not None:
+                for tensor in result if isinstance(result, (list, tuple)) else [result]:
+                    self._pending[id(getattr(tensor, "elem", tensor))] = (axis, start)
+            return result
+
+        return timed
+
+    def _wrap_wait_tensor(self, original: Callable) -> Callable:
+        recorder = self.recorder
+
+        @functools.wraps(original)
+        def timed(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if not recorder.active or torch.compiler.is_compiling():
+                return original(tensor, *args, **kwargs)
+            axis, issued = self._issued_before(tensor)
+            start = recorder.open()
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                end = recorder.close(start, f"comm_{axis}")
+                if end is not None and issued is not None:
+                    recorder.span(axis, issued, end)
+
+        return timed
+
+    def _issued_before(self, tensor: Any) -> tuple[str, Any]:
+        """The issue of the functional collective ``tensor`` waits for; the oldest one in flight when autograd
+        wrapped its output in another tensor object."""
+        found = self._pending.pop(id(tensor), None)
+        if found is None and self._pending:
+            found = self._pending.pop(next(iter(self._pending)))
+        return found or ("other", None)
+
+    def forget(self) -> None:
+        """Drop what earlier steps issued and never waited for through Python."""
+        self._works.clear()
+        self._pending.clear()
+
+    def _wrap_work_wait(self, original: Callable) -> Callable:
+        recorder = self.recorder
+
+        @functools.wraps(original)
+        def timed(work: Any, *args: Any, **kwargs: Any) -> Any:
+            if not recorder.active:
+                return original(work, *args, **kwargs)
+            axis, receive, issued = self._works.pop(id(work), ("other", False, None))
+            start = recorder.open()
+            try:
+                return original(work, *args, **kwargs)
+            finally:
+                end = recorder.close(start, BUBBLE if receive else f"comm_{axis}")
+                if end is not None and issued is not None:
+                    recorder.span(axis, issued, end)
+
+        return timed
+
+
+class DataFetchTimer:
+    """Times the training data fetch through the hooks Lightning's fetcher calls around ``next(iterator)``.
+
+    The epoch loop sets the fetcher's ``_start_profiler``/``_stop_profiler`` at each epoch's start, so
+    :meth:`install` is called before every step and wraps them again when they were replaced.
+    """
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        self.recorder = recorder
+        self._fetcher: Optional[Any] = None
+        self._originals: tuple[Callable, Callable] = (_nothing, _nothing)
+        self._wrappers: tuple[Callable, Callable] = (_nothing, _nothing)
+
+    def install(self, fetcher: Any) -> None:
+        if fetcher is None or not hasattr(fetcher, "_start_profiler"):
+            return
+        if fetcher is self._fetcher and fetcher._start_profiler is self._wrappers[0]:
+            return
+        self.remove()
+        recorder = self.recorder
+        before, after = fetcher._start_profiler, fetcher._stop_profiler
+        token: list[Any] = [None]
+
+        def start() -> None:
+            before()
+            token[0] = recorder.open()
+
+        def stop() -> None:
+            recorder.close(token[0], DATA_WAIT)
+            after()
+
+        fetcher._start_profiler, fetcher._stop_profiler = start, stop
+        self._fetcher, self._originals, self._wrappers = fetcher, (before, after), (start, stop)
+
+    def remove(self) -> None:
+        fetcher = self._fetcher
+        if fetcher is not None and fetcher._start_profiler is self._wrappers[0]:
+            fetcher._start_profiler, fetcher._stop_profiler = self._originals
+        self._fetcher = None
+
+
+def _nothing() -> None:
+    pass
+
+
+def mesh_axes(mesh: Any) -> dict[str, str]:
+    """Process group name -> short axis name (``tp``, ``pp``, ``dp``, ...) for every split dimension of ``mesh``."""
+    axes: dict[str, str] = {}
+    if mesh is None or not mesh.mesh_dim_names:
+        return axes
+    for dim, name in enumerate(mesh.mesh_dim_names):
+        if mesh.size(dim) > 1:
+            axes[mesh.get_group(dim).group_name] = _short_axis(name)
+    return axes
+
+
+def _short_axis(name: str) -> str:
+    lowered = name.lower()
+    for short, words in (("tp", ("tensor", "tp")), ("pp", ("pipe", "pp")), ("dp", ("data", "dp", "shard", "replicate")),
+                         ("ep", ("expert", "ep")), ("cp", ("context", "cp"))):
+        if any(word in lowered for word in words):
+            return short
+    return lowered
+
+
+def _group_argument(args: tuple, kwargs: dict) -> Any:
+    group = kwargs.get("group")
+    if group is not None:
+        return group
+    for value in args:
+        if isinstance(value, dist.ProcessGroup):
+            return value
+    return None
+
+
+def _funcol_group_name(group: Any) -> Optional[str]:
+    import torch.distributed._functional_collectives as funcol
+
+    return str(funcol._resolve_group_name(group))
