@@ -73,6 +73,11 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, training: Training,
     """Every layout worth estimating; a string says why a fixed choice cannot run at all."""
     fixed = fixed or {}
     n = cluster.gpus
+    degrees = {k: int(v) for k, v in fixed.items() if k in ("tp", "pp", "dp")}  # type: ignore[call-overload]
+    if n % math.prod(degrees.values()) or "dp" in degrees and len(degrees) == 3 and math.prod(degrees.values()) != n:
+        fixed_text = " x ".join(f"{k}={v}" for k, v in degrees.items())
+        yield f"{fixed_text} does not match the {n} GPUs: the product must divide {n} (and equal it with dp fixed)"
+        return
     for tp in _divisors(n):
         if "tp" in fixed and tp != fixed["tp"]:
             continue
@@ -88,13 +93,15 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, training: Training,
                     yield problem
                 continue
             yield from _variants(model, training, tp, pp, dp, fixed)
-    if "tp" in fixed and "pp" in fixed and n % (int(fixed["tp"]) * int(fixed["pp"])):  # type: ignore[call-overload]
-        yield f"tp={fixed['tp']} x pp={fixed['pp']} does not divide the {n} GPUs"
 
 
 def _variants(model: ModelSpec, training: Training, tp: int, pp: int, dp: int,
-              fixed: dict[str, object]) -> Iterator[Layout]:
+              fixed: dict[str, object]) -> Iterator[Layout | str]:
     per_rank = training.global_batch // dp
+    mbs_fixed = fixed.get("microbatch_size")
+    if isinstance(mbs_fixed, int) and per_rank % mbs_fixed:
+        yield f"mbs={mbs_fixed} does not divide the {per_rank} sequences per data-parallel rank at dp={dp}"
+        return
     for mbs in _divisors(per_rank):
         if mbs > 64 or fixed.get("microbatch_size", mbs) != mbs:
             continue
@@ -158,21 +165,30 @@ def _distinct(results: list[Estimate]) -> list[Estimate]:
     return kept
 
 
+def reference_tokens_per_gpu(model: ModelSpec, cluster: ClusterSpec, training: Training, efficiency: Efficiency,
+                             gpus: int) -> float:
+    """Tokens/s per GPU of the best layout on ``gpus`` GPUs with the same batch per GPU. When nothing fits there,
+    memory limits are ignored: a model too large for one node still gets the speed one node would reach."""
+    small = replace(cluster, gpus=gpus)
+    batch = max(1, training.global_batch * gpus // cluster.gpus)
+    for bounded in (small, replace(small, memory_gb=1e9)):
+        plan = search(model, bounded, replace(training, global_batch=batch), efficiency, scaling=False)
+        if plan.ranked:
+            return plan.ranked[0].tokens_per_s / gpus
+    return float("nan")
+
+
 def _one_node_reference(model: ModelSpec, cluster: ClusterSpec, training: Training, efficiency: Efficiency) -> float:
-    """Tokens/s per GPU of the best layout on one node with the same batch per GPU, memory limits ignored
-    (a model too large for one node still gets a reference: the speed one node would reach if it fit)."""
-    node = cluster.one_node()
-    batch = max(1, training.global_batch * node.gpus // cluster.gpus)
-    unbounded = replace(node, memory_gb=1e9)
-    plan = search(model, unbounded, replace(training, global_batch=batch), efficiency, scaling=False)
-    return plan.ranked[0].tokens_per_s / node.gpus if plan.ranked else float("nan")
+    return reference_tokens_per_gpu(model, cluster, training, efficiency, min(cluster.gpus, cluster.gpus_per_node))
 
 
 def explain(plan: Plan) -> str:
     """One sentence on why the top layout wins."""
     best = plan.best
     if best is None:
-        return "No layout fits: " + (plan.infeasible[0].problems[0] if plan.infeasible else "; ".join(plan.rejected))
+        if plan.infeasible:
+            return f"No layout fits: {plan.infeasible[0].layout.describe()} {plan.infeasible[0].problems[0]}"
+        return "No layout is valid: " + ("; ".join(sorted(set(plan.rejected))) or "no candidate matches --fix")
     lay = best.layout
     runner = next((e for e in plan.ranked[1:] if (e.layout.tp, e.layout.pp) != (lay.tp, lay.pp)), None)
     time = best.time

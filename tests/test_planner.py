@@ -1,0 +1,169 @@
+"""The planner: its formulas against the papers they come from, Megatron-LM's Table 1, the module reader and the
+`lightning-mgpu plan` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_mgpu.cli import main
+from lightning_mgpu.planner import Efficiency, Layout, ModelSpec, Training, build_on_meta, estimate, preset, search
+from lightning_mgpu.planner.cost import activation_bytes_per_layer, bubble_fraction, memory, paper_flops_per_step
+from lightning_mgpu.planner.model_spec import spec_from_module
+from lightning_mgpu.planner.search import parse_fix, reference_tokens_per_gpu
+
+# Narayanan et al. (2021), Table 1: (params, hidden, heads, layers, GPUs, batch, tp, pp, published TFLOP/s per GPU).
+TABLE_1 = [
+    ("1.7B", 2304, 24, 24, 32, 512, 1, 1, 137),
+    ("18.4B", 6144, 48, 40, 256, 1024, 8, 2, 135),
+    ("145.6B", 12288, 96, 80, 1536, 2304, 8, 8, 148),
+    ("1008B", 25600, 160, 128, 3072, 3072, 8, 64, 163),
+]
+
+
+def _megatron_gpt(hidden: int, heads: int, layers: int) -> ModelSpec:
+    """The paper's GPT: vocabulary 51200, sequence 2048, learned positions, head tied to the embedding."""
+    return ModelSpec(layers=layers, hidden=hidden, heads=heads, vocab=51200, seq_len=2048, tied_embeddings=True,
+                     learned_positions=True, name="megatron-gpt")
+
+
+@pytest.mark.parametrize("row", TABLE_1, ids=[row[0] for row in TABLE_1])
+def test_megatron_table_1(row):
+    """`--fix` with the paper's (tp, pp) and full recomputation predicts the published TFLOP/s per GPU within 15%;
+    the planner's own top choice is at least as fast, fits in 80 GB and keeps tensor parallelism inside a node."""
+    name, hidden, heads, layers, gpus, batch, tp, pp, published = row
+    model = _megatron_gpt(hidden, heads, layers)
+    assert model.total_params / 1e9 == pytest.approx(float(name[:-1]), rel=0.03)
+    cluster = preset("a100-80gb", gpus=gpus)
+    assert (cluster.memory_gb, cluster.peak_tflops, cluster.gpus_per_node) == (80, 312, 8)
+    training = Training(global_batch=batch, precision="bf16-mixed", flash_attention=False)  # 2021: no flash attention
+    fixed = search(model, cluster, training, fixed=parse_fix(f"tp={tp},pp={pp},ckpt=full"), scaling=False).best
+    assert fixed is not None and fixed.fits
+    assert (fixed.layout.tp, fixed.layout.pp, fixed.layout.checkpointing) == (tp, pp, "full")
+    paper_flops = paper_flops_per_step(model, batch, "full")
+    assert fixed.tflops_per_gpu == pytest.approx(paper_flops / fixed.time["step"] / gpus / 1e12)
+    assert fixed.tflops_per_gpu == pytest.approx(published, rel=0.15), fixed.layout.describe()
+
+    top = search(model, cluster, training, scaling=False).best
+    assert top is not None
+    # "As much" in the paper's own count: its FLOPs per step (with recomputation) over the top layout's step time.
+    assert paper_flops / top.time["step"] / gpus / 1e12 >= fixed.tflops_per_gpu
+    assert top.tokens_per_s >= fixed.tokens_per_s
+    assert top.memory["total"] <= 80e9 and top.fits
+    assert cluster.gpus_per_node % top.layout.tp == 0
+
+
+def test_paper_flops_formula():
+    """Our FLOP count reproduces Narayanan et al.'s closed form, 96 B s l h^2 (1 + s/6h + V/16lh)."""
+    B, s, l, h, V = 512, 2048, 24, 2304, 51200
+    model = _megatron_gpt(h, 24, l)
+    closed = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    assert paper_flops_per_step(model, B, "full") == pytest.approx(closed, rel=1e-12)
+    assert paper_flops_per_step(model, B, "none") == pytest.approx(72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h)))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_activation_memory_is_korthikanti(sp):
+    """Korthikanti et al. (2022) Table 2, 16-bit activations, per layer and microbatch."""
+    s, b, h, a, t = 2048, 2, 4096, 32, 8
+    model = ModelSpec(layers=4, hidden=h, heads=a, vocab=1000, seq_len=s)
+    eager = Training(global_batch=8, precision="bf16-mixed", flash_attention=False)
+    layout = Layout(tp=t, microbatch_size=b, sequence_parallel=sp)
+    got = {c: activation_bytes_per_layer(model, eager, layout, c) for c in ("none", "selective", "full")}
+    if sp:
+        assert got["none"] == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+        assert got["selective"] == pytest.approx(s * b * h * 34 / t)
+        assert got["full"] == pytest.approx(2 * s * b * h / t)
+    else:
+        assert got["none"] == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+        assert got["selective"] == pytest.approx(s * b * h * (10 + 24 / t))
+        assert got["full"] == pytest.approx(2 * s * b * h)
+    one = activation_bytes_per_layer(model, eager, Layout(microbatch_size=b), "none")
+    assert one == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+
+
+def test_memory_by_zero_stage_and_schedule():
+    """Mixed precision with Adam: 4 + 4 + 8 bytes per parameter, sharded over dp by stage; 1F1B holds pp
+    microbatches on the first stage, GPipe all of them; interleaving shrinks the bubble."""
+    model = ModelSpec(layers=8, hidden=1024, heads=16, vocab=32000, seq_len=1024)
+    cluster, training = preset("h100-sxm", gpus=8), Training(global_batch=64)
+    n = model.total_params
+    for zero, (p, g, o) in {0: (4, 4, 8), 1: (4, 4, 8 / 4), 2: (1, 1, 2), 3: (1, 1, 2)}.items():
+        mem = memory(model, cluster, training, Layout(dp=4, tp=2, zero_stage=zero))
+        assert (mem["params"], mem["grads"], mem["optimizer"]) == pytest.approx((p * n / 2, g * n / 2, o * n / 2))
+    base = dict(pp=4, dp=2, microbatch_size=1, num_microbatches=16)
+    small_vocab = ModelSpec(layers=8, hidden=1024, heads=16, vocab=1000, seq_len=1024)  # the first stage is fullest
+    act = {s: memory(small_vocab, cluster, training, Layout(schedule=s, **base))["activations"] for s in ("GPipe", "1F1B")}
+    assert act["GPipe"] / act["1F1B"] == pytest.approx(16 / 4, rel=0.01)
+    assert bubble_fraction(Layout(schedule="1F1B", **base)) == pytest.approx(3 / 19)
+    assert bubble_fraction(Layout(schedule="Interleaved1F1B", **base)) == pytest.approx(1.5 / 17.5)
+
+
+def test_spec_from_a_real_module_on_meta():
+    """The demo GPT built on the meta device: shapes read from its config, parameter counts exact, no memory used."""
+    from lightning_mgpu.demo import GPTLightningModule
+
+    args = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    module = build_on_meta(GPTLightningModule, args)
+    assert all(p.device.type == "meta" for p in module.parameters())
+    spec = spec_from_module(module)
+    assert (spec.layers, spec.hidden, spec.heads, spec.vocab, spec.seq_len) == (12, 768, 12, 50304, 1024)
+    assert spec.total_params == sum(p.numel() for p in module.parameters())
+    assert spec.total_params == GPTLightningModule(**{**args, "n_layer": 1}).model.num_params() + 11 * spec.params_per_layer
+
+
+def test_scaling_efficiency_is_against_one_node():
+    model = ModelSpec(layers=32, hidden=4096, heads=32, ffn_hidden=11008, gated_mlp=True, vocab=32000, seq_len=4096)
+    node = search(model, preset("h100-sxm", gpus=8), Training(global_batch=32)).best
+    assert node is not None and node.scaling_efficiency == pytest.approx(1.0)
+    cluster, training = preset("h100-sxm", gpus=64), Training(global_batch=256)
+    big = search(model, cluster, training).best
+    reference = reference_tokens_per_gpu(model, cluster, training, Efficiency(), 8)
+    assert big.scaling_efficiency == pytest.approx(big.tokens_per_s / 64 / reference)
+    assert 0.5 < big.scaling_efficiency < 1.0  # crossing nodes costs something, and not everything
+
+
+def test_plan_command_table_json_and_fix(capsys):
+    flags = ["plan", "--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab", "32000", "--seq-len", "2048",
+             "--gpu", "a100-80gb", "--gpus", "16", "--global-batch", "64"]
+    assert main(flags + ["--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "GB/GPU" in out and "Why: tp=" in out
+    assert main(flags + ["--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    best = plan["ranked"][0]
+    assert best["fits"] and best["layout"]["tp"] * best["layout"]["pp"] * best["layout"]["dp"] == 16
+    assert {"params", "grads", "optimizer", "activations", "total"} <= best["memory"].keys()
+    ranked = [r["tokens_per_s"] for r in plan["ranked"]]
+    assert ranked == sorted(ranked, reverse=True)
+    # A layout that does not fit says what does not fit.
+    assert main(flags + ["--fix", "tp=1,pp=1,zero=0,mbs=4", "--gpu-memory-gb", "24"]) == 2
+    out = capsys.readouterr().out
+    assert "No layout fits: tp=1 pp=1 dp=16 zero=0" in out and "needs" in out and "GB per GPU" in out and "activations" in out
+    assert main(flags + ["--fix", "tp=3"]) == 2
+    assert "tp=3 does not match the 16 GPUs" in capsys.readouterr().out
+    assert main(flags + ["--fix", "tp=2,pp=1,mbs=3"]) == 2
+    assert "mbs=3 does not divide the 8 sequences per data-parallel rank at dp=8" in capsys.readouterr().out
+
+
+def test_plan_command_reads_a_module(capsys):
+    assert main(["plan", "--module", "lightning_mgpu.demo:GPTLightningModule", "--init-args",
+                 '{"n_layer": 6, "n_embd": 256, "n_head": 8}', "--gpus", "8", "--top", "2"]) == 0
+    assert "GPTLightningModule:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layers", "4"], "give --hidden --heads --vocab --seq-len"),
+    (["--module", "lightning_mgpu.demo:Nope"], "has no attribute 'Nope'"),
+    (["--module", "lightning_mgpu.demo:GPTLightningModule", "--init-args", "{bad"], "--init-args is not valid JSON"),
+    (["--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "9", "--seq-len", "8", "--gpu", "tpu"],
+     "Unknown --gpu 'tpu'"),
+    (["--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "9", "--seq-len", "8", "--fix", "tp"],
+     "expected key=value"),
+    (["--layers", "4", "--hidden", "64", "--heads", "5", "--vocab", "9", "--seq-len", "8"], "not divisible by heads"),
+])
+def test_plan_command_bad_input(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["plan", *argv])
