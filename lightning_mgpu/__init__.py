@@ -6,9 +6,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mgpu.failures import RankFailedError
 from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.monitor import ScalingMonitor
 from lightning_mgpu.precision import HybridPrecision
 from lightning_mgpu.strategy import HybridStrategy
 
 HybridStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["HybridPrecision", "HybridStrategy", "ParallelLayout", "RankFailedError", "__version__"]
+__all__ = ["HybridPrecision", "HybridStrategy", "ParallelLayout", "RankFailedError", "ScalingMonitor", "__version__"]
