@@ -2,7 +2,9 @@
 
 One mechanism serves every stage, so gradient accumulation, mixed precision and checkpoints behave alike:
 
-- stage 0: ``replicate`` (FSDP2's DDP): parameters replicated, gradients all-reduced.
+- stage 0: parameters replicated, gradients all-reduced. Where nothing needs FSDP2 (plain parameters, no pipeline,
+  no casting or offloading) this is torch's ``DistributedDataParallel`` (composable ``replicate``: in place), whose
+  C++ reducer all-reduces gradients in buckets while backward still runs; otherwise FSDP2's ``replicate``.
 - stage 1: stage 0 plus optimizer states sharded: each data-parallel rank steps only the parameters it owns
   and broadcasts them to its peers afterwards (the ZeroRedundancyOptimizer scheme, applied to the user's own
   optimizer object so that param groups and LR schedulers keep working).
@@ -60,6 +62,10 @@ def apply_data_parallel(
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": offload_policy or OffloadPolicy(),
     }
+    root = module if root is None else root
+    if zero_stage <= 1 and _plain_data_parallel(root, blocks, mp_policy, offload_policy):
+        _replicate_with_ddp(root, dp_mesh)
+        return
     if zero_stage <= 1:
         wrap = replicate
     else:
@@ -71,7 +77,24 @@ def apply_data_parallel(
     if zero_stage >= 2:
         # The root's parameters (embeddings, head, norms) are needed first in backward: keep them gathered.
         kwargs["reshard_after_forward"] = False
-    wrap(module if root is None else root, **kwargs)
+    wrap(root, **kwargs)
+
+
+def _plain_data_parallel(root: nn.Module, blocks: Optional[list[nn.Module]], mp_policy: Any, offload_policy: Any) -> bool:
+    """Whether DDP can replicate ``root``: no pipeline stage, no cast or offload, no tensor-parallel (DTensor) weight."""
+    if blocks is not None or offload_policy is not None or getattr(mp_policy, "param_dtype", None) is not None:
+        return False
+    return not any(isinstance(p, DTensor) for p in root.parameters())
+
+
+def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh) -> None:
+    """Torch's DDP applied in place: bucketed all-reduces that start while backward still runs.
+
+    Gradients are views into the buckets (no copy). DDP builds its reducer on the first forward.
+    """
+    from torch.distributed._composable.replicate import replicate as ddp_replicate
+
+    ddp_replicate(root, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True)
 
 
 def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Optional[Any]:
@@ -86,10 +109,13 @@ def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Optional[Any]:
 
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     """Turn gradient reduction on or off, e.g. off on the non-final micro-steps of gradient accumulation."""
+    from torch.distributed._composable.replicate import DDP
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled, recurse=True)
+    elif isinstance(module, DDP):
+        module.set_requires_gradient_sync(enabled)
 
 
 class OptimizerStateSharding:

@@ -8,7 +8,6 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -42,39 +41,29 @@ class MemoryProbe(L.Callback):
 
 
 class CollectiveCounter(L.Callback):
-    """Counts tensor collectives (more than one element, i.e. not logging syncs) per training batch."""
+    """Counts the collectives each training batch issues, by kind (``AR``, ``RS``, ``AG``, ``BC``, ``RD``).
 
-    _NAMES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast", "reduce_scatter_tensor")
+    Read from ``torch.profiler`` (``collectives_of``), so collectives issued from C++ (DDP's reducer) count too.
+    ``per_batch``: ops with more than one element (logging syncs left out); ``bytes_per_batch``: the ring bytes
+    this rank sent for them.
+    """
 
     def __init__(self) -> None:
-        self.results: dict[str, Any] = {"per_batch": []}
-        self._current: Counter = Counter()
-        self._originals: dict[str, Any] = {}
+        self.results: dict[str, Any] = {"per_batch": [], "bytes_per_batch": []}
+        self._profiler: Any = None
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        for name in self._NAMES:
-            original = getattr(dist, name)
-            self._originals[name] = original
-            setattr(dist, name, self._counting(name, original))
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        from torch.profiler import ProfilerActivity, profile
 
-    def _counting(self, name: str, original: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
-            if any(t.numel() > 1 for t in tensors):
-                self._current[name] += 1
-            return original(*args, **kwargs)
+        self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        self._profiler.__enter__()
 
-        return counted
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._current = Counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.results["per_batch"].append(dict(self._current))
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._profiler.__exit__(None, None, None)
+        comm = collectives_of(self._profiler, trainer.world_size)
+        self.results["per_batch"].append(comm["counts"])
+        self.results["bytes_per_batch"].append(comm["bytes"])
+        self._profiler = None
 
 
 # c10d op -> kind; the ring bytes a rank sends for a B-byte (unsharded) tensor, as a fraction f=(w-1)/w of B.

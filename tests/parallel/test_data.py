@@ -88,7 +88,7 @@ def test_gradient_accumulation_communicates_only_on_the_final_micro_step(zero_st
                          callbacks_factory=lambda: [CollectiveCounter()])
     assert_same_training(reference("llama", trainer_kwargs), result)
     per_batch = extras[0]["per_batch"]
-    reductions = [b.get("all_reduce", 0) + b.get("reduce_scatter_single", 0) for b in per_batch]
+    reductions = [b.get("AR", 0) + b.get("RS", 0) + b.get("RD", 0) for b in per_batch]
     assert all(r == 0 for r in reductions[0::accumulate]), reductions
     assert all(r > 0 for r in reductions[accumulate - 1::accumulate]), reductions
 
@@ -114,5 +114,5 @@ def test_parameters_are_gathered_once_per_unit_and_pass(zero_stage, gathers):
     _, extras = fit(module, lambda: data(GLOBAL_BATCH // dp), {"zero_stage": zero_stage}, dp, 3,
                     callbacks_factory=lambda: [CollectiveCounter()])
     blocks = 2  # _gpt() has n_layer=2
-    per_batch = [b.get("all_gather_single", 0) for b in extras[0]["per_batch"]]
+    per_batch = [b.get("AG", 0) for b in extras[0]["per_batch"]]
     assert per_batch == [gathers(blocks)] * 3, per_batch
