@@ -34,9 +34,8 @@ def check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None
             value = getattr(attention, attribute, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 sizes[f"{name}.{attribute} = {{}}"] = value
-        config = getattr(attention, "config", None)
         for attribute in ("num_attention_heads", "num_key_value_heads"):
-            value = getattr(config, attribute, None)
+            value = _config_value(attention, attribute)
             if isinstance(value, int) and not isinstance(value, bool):
                 sizes[f"{name}: config.{attribute} = {{}}"] = value
     problems = sorted({text.format(size) for text, size in sizes.items() if size % tp})
@@ -56,12 +55,27 @@ _KEY_VALUE_HEADS = ("n_query_groups", "num_key_value_heads", "n_kv_heads", "num_
 
 
 def _head_count(attention: nn.Module, names: tuple[str, ...]) -> Optional[int]:
-    for holder in (attention, getattr(attention, "config", None)):
-        for name in names:
-            value = getattr(holder, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
+    for name in names:
+        value = getattr(attention, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    for name in names:
+        value = _config_value(attention, name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
     return None
+
+
+def _config_value(attention: nn.Module, name: str) -> object:
+    """``attention.config.<name>``; for a configuration whose layers differ (transformers' per-layer configs refuse
+    a global read of such a value), the value of this attention's own layer."""
+    config = getattr(attention, "config", None)
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        layer = getattr(attention, "layer_idx", None)
+        per_layer = getattr(config, "per_layer_config", None)
+        return getattr(per_layer[layer], name, None) if per_layer is not None and isinstance(layer, int) else None
 
 
 def _check_fused_chunks(module: nn.Module, matched: dict[str, str]) -> None:
