@@ -179,12 +179,10 @@ def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
             plan[glob] = "rowwise"
         else:
             unplaced.append(name)
-    if unplaced:
-        example = {_block_glob(n, blocks_fqn): "colwise | rowwise | colwise_qkv | replicate" for n in unplaced}
-        raise ValueError(
-            f"tp_plan='auto' cannot tell how to shard these layers of the blocks in {blocks_fqn!r}: {unplaced}."
-            f" Pass `tp_plan` as a dict, e.g. {{**placed, **{example}}}, with styles from {list(STYLE_NAMES)}."
-        )
+    if unplaced:  # names alone do not place every layer (BERT's `dense`): derive the plan from the data flow
+        from lightning_mgpu.parallel.tensor_derive import derive_block_plan
+
+        return derive_block_plan(module, blocks_fqn)
     if not plan:
         raise ValueError(
             f"tp_plan='auto' found no Linear layers to shard in the blocks {blocks_fqn!r}. Pass `tp_plan` as a dict"

@@ -1,0 +1,211 @@
+"""``tp_plan="auto"`` for models without a plan (issue 11, item 3): BERT and ViT shard from their blocks' data flow.
+
+The models are Hugging Face's classes as shipped, built from tiny configurations with random weights, inside
+LightningModules written the way a user writes them (the loss from the model's own ``labels=``).
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import re
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_mgpu.parallel.tensor_derive import derive_block_plan
+from lightning_mgpu.parallel.tensor_plan import _block_rules, _match, auto_plan
+from tests.helpers.distributed import run_distributed
+from tests.helpers.equivalence import assert_same_training, fit
+from tests.helpers.modules import RandomImageDataModule, RandomTokenDataModule
+from tests.helpers.nanogpt import NanoGPTModule
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 10
+GLOBAL_BATCH = 8
+TP_WEIGHT_ATOL = 1e-4  # as in test_tensor.py: AdamW turns reduction-order noise on near-zero gradients into ~1e-5
+VOCAB, CLASSES = 128, 10
+
+
+def _bert_config(**overrides: Any) -> Any:
+    settings = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                    max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                    num_labels=CLASSES)
+    return transformers.BertConfig(**{**settings, **overrides})
+
+
+class BertMaskedLM(L.LightningModule):
+    """BERT pre-training's masked-LM objective (the decoder tied to the word embeddings, as BERT ships)."""
+
+    def __init__(self, **config: Any) -> None:
+        super().__init__()
+        self.model = transformers.BertForMaskedLM(_bert_config(**config))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        labels = targets.masked_fill(targets % 4 != 0, -100)  # predict a quarter of the positions
+        loss = self.model(input_ids=tokens, labels=labels).loss
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class BertClassifier(L.LightningModule):
+    """Sequence classification from BERT's pooled ``[CLS]`` (the label: a function of the first target token)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = transformers.BertForSequenceClassification(_bert_config())
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        loss = self.model(input_ids=tokens, labels=targets[:, 0] % CLASSES).loss
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class ViTClassifier(L.LightningModule):
+    """ViT image classification on 16x16 images in 4x4 patches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
+                                        num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=CLASSES)
+        self.model = transformers.ViTForImageClassification(config)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        loss = self.model(pixel_values=images, labels=labels).loss
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _tokens(batch: int) -> RandomTokenDataModule:
+    return RandomTokenDataModule(vocab_size=VOCAB, batch_size=batch)
+
+
+def _images(batch: int) -> RandomImageDataModule:
+    return RandomImageDataModule(num_classes=CLASSES, batch_size=batch)
+
+
+BERT_PLAN = {
+    "model.bert.encoder.layer.*.attention.self.query": "colwise",
+    "model.bert.encoder.layer.*.attention.self.key": "colwise",
+    "model.bert.encoder.layer.*.attention.self.value": "colwise",
+    "model.bert.encoder.layer.*.attention.output.dense": "rowwise",
+    "model.bert.encoder.layer.*.intermediate.dense": "colwise",
+    "model.bert.encoder.layer.*.output.dense": "rowwise",
+}
+
+
+# ------------------------------------------------------------------------------------------------ derivation
+def test_bert_plan_is_derived_from_the_data_flow_and_logged(caplog):
+    module = BertMaskedLM()
+    state = torch.random.get_rng_state()
+    with caplog.at_level(logging.INFO, logger="lightning_mgpu.parallel.tensor_derive"):
+        plan = auto_plan(module)
+    assert plan == BERT_PLAN
+    assert torch.equal(state, torch.random.get_rng_state())  # the trace draws no random numbers
+    logged = re.search(r"pin it: (\{.*\})", caplog.text)
+    assert logged and ast.literal_eval(logged.group(1)) == BERT_PLAN  # copyable as an explicit tp_plan
+    assert auto_plan(BertClassifier()) == BERT_PLAN
+
+
+@pytest.mark.parametrize(
+    ("factory", "blocks"),
+    [(ViTClassifier, "model.vit.layers"), (NanoGPTModule, "model.transformer.h"),
+     (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB,
+                                                                   bos_token_id=0, eos_token_id=0)), "transformer.h")],
+    ids=["vit", "nanogpt", "gpt2-conv1d"],
+)
+def test_derivation_agrees_with_the_gpt_block_name_rules(factory, blocks):
+    """Where the name rules know every layer, the data flow gives the same plan (fused q|k|v included), without
+    reading a name: ViT's q/k/v/o_proj and fc1/fc2, nanoGPT's split c_attn, GPT-2's transposed Conv1D."""
+    module = factory()
+    assert derive_block_plan(module, blocks) == _block_rules(module, blocks)
+
+
+class _Bottleneck(nn.Module):
+    """A residual MLP with a projection between two others: no column/row pair can split it."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.widen = nn.Linear(width, 4 * width)
+        self.mix = nn.Linear(4 * width, 4 * width)
+        self.narrow = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.narrow(torch.relu(self.mix(torch.relu(self.widen(self.norm(x))))))
+
+
+class _BottleneckModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList([_Bottleneck(), _Bottleneck()])
+
+
+def test_an_underivable_block_fails_with_the_plan_to_pass():
+    model = _BottleneckModel()
+    with pytest.raises(ValueError, match=r"blocks\.0\.mix: sits between other projections") as error:
+        auto_plan(model)
+    explicit = ast.literal_eval(re.search(r"tp_plan=(\{.*\})", str(error.value)).group(1))
+    # No column/row pair is left around `mix`: the plan offered keeps the block whole, which always trains.
+    assert explicit == {"blocks.*.widen": "replicate", "blocks.*.mix": "replicate", "blocks.*.narrow": "replicate"}
+    assert "blocks.0.narrow: writes into the residual stream, but reads more than column-parallel" in str(error.value)
+    assert set(_match(model, explicit)) == {f"blocks.{i}.{n}" for i in (0, 1) for n in ("widen", "mix", "narrow")}
+
+
+class _NeedsRotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(16, 64)
+        self.outer = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(self.inner(x) * cos)
+
+
+def test_a_block_that_cannot_be_traced_fails_with_a_plan_by_shapes():
+    model = nn.Module()
+    model.blocks = nn.ModuleList([_NeedsRotary(), _NeedsRotary()])
+    with pytest.raises(ValueError, match=r"on hidden states of width 16 alone failed.*Pass `tp_plan` as a dict") as e:
+        auto_plan(model)
+    assert "tp_plan={'blocks.*.inner': 'colwise', 'blocks.*.outer': 'rowwise'}" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------ training
+_references: dict = {}
+
+
+def _reference(factory: Any, data: Any) -> Any:
+    if factory not in _references:
+        _references[factory], _ = fit(factory, lambda: data(GLOBAL_BATCH), None, 1, STEPS)
+    return _references[factory]
+
+
+CASES = [  # (name, module factory, data, devices, dp, strategy arguments)
+    ("bert-mlm-tp2", BertMaskedLM, _tokens, 2, 1, {"tensor_parallel_size": 2}),
+    ("vit-tp2", ViTClassifier, _images, 2, 1, {"tensor_parallel_size": 2}),
+    ("bert-classifier-dp2-tp2-z1", BertClassifier, _tokens, 4, 2, {"tensor_parallel_size": 2, "zero_stage": 1}),
+]
+
+
+@pytest.mark.parametrize(("name", "factory", "data", "devices", "dp", "strategy"), CASES, ids=[c[0] for c in CASES])
+def test_derived_plans_train_like_one_process(name, factory, data, devices, dp, strategy):
+    result, _ = fit(factory, lambda: data(GLOBAL_BATCH // dp), {**strategy, "tp_plan": "auto"}, devices, STEPS)
+    assert_same_training(_reference(factory, data), result, weight_atol=TP_WEIGHT_ATOL)
