@@ -1,0 +1,266 @@
+"""zero_backend="deepspeed": ZeRO 1-3 through DeepSpeed's engine train like one process, memory follows the ZeRO
+formulas, checkpoints cross to and from the torch backend, bad configs fail before training.
+
+Several fits share one spawn (each spawn pays DeepSpeed's import and engine set-up once). The first use of
+DeepSpeed on a machine compiles its CPU communication op (``deepspeed_shm_comm``, ~30 s, cached in
+``~/.cache/torch_extensions``); the session fixture below does it once, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Optional
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_mgpu import HybridStrategy
+from tests.helpers.distributed import run_distributed
+from tests.helpers.equivalence import RunResult, _fit_worker, assert_same_training
+from tests.helpers.modules import GPT2Module, LlamaModule, RandomTokenDataModule
+from tests.helpers.nanogpt import NanoGPTModule
+
+pytest.importorskip("deepspeed")
+
+GLOBAL_BATCH = 8
+STEPS = 10
+DP = 2
+BF16_RTOL = 2e-2
+
+
+def _nanogpt() -> L.LightningModule:
+    return NanoGPTModule(n_layer=2, n_head=2, n_embd=32)
+
+
+MODELS: dict[str, Callable[[], L.LightningModule]] = {"nanogpt": _nanogpt, "llama": LlamaModule, "gpt2": GPT2Module}
+
+
+def _data(batch_size: int) -> Callable[[], L.LightningDataModule]:
+    return lambda: RandomTokenDataModule(batch_size=batch_size)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_ops_compiled() -> None:
+    """Compile (first use on a machine, ~30 s) or load DeepSpeed's CPU comm op here, not in racing workers."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        builder.load(verbose=False)
+
+
+def _fits(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several fits one after another in this rank (the process group and DeepSpeed's set-up are reused)."""
+    results = []
+    for run in runs:
+        after_fit = run.get("after_fit")
+        results.append(_fit_worker(
+            MODELS[run["model"]], _data(GLOBAL_BATCH // run["devices"]), run.get("strategy"), run["devices"],
+            run.get("steps", STEPS), 1234, run.get("trainer", {}), run.get("callbacks"), run.get("fit"), after_fit,
+        ))
+    return results
+
+
+def _run(devices: int, runs: list[dict[str, Any]]) -> list[RunResult]:
+    for run in runs:
+        run["devices"] = devices
+    outputs = run_distributed(_fits, devices, runs, timeout=600)
+    return [RunResult(o["losses"], o["state_dict"], o["extra"]) for o in outputs[0]]
+
+
+def _ds(stage: int, **kwargs: Any) -> dict[str, Any]:
+    return {"zero_backend": "deepspeed", "zero_stage": stage, **kwargs}
+
+
+# ------------------------------------------------------------------------------------------------ equivalence
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_stages_train_like_one_process(model):
+    reference, = _run(1, [{"model": model}])
+    results = _run(DP, [{"model": model, "strategy": _ds(stage)} for stage in (1, 2, 3)])
+    for stage, result in zip((1, 2, 3), results):
+        try:
+            assert_same_training(reference, result)
+        except AssertionError as error:
+            raise AssertionError(f"{model} at DeepSpeed ZeRO-{stage}: {error}") from None
+
+
+def test_bf16_mixed_accumulation_and_clipping_follow_the_trainer():
+    """bf16-mixed (DeepSpeed bf16 with fp32 masters) within 2e-2; accumulate_grad_batches and gradient_clip_val
+    from the Trainer act exactly as on one process (fp32)."""
+    bf16 = {"precision": "bf16-mixed"}
+    knobs = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+    references = _run(1, [{"model": "llama", "trainer": bf16}, {"model": "llama", "trainer": knobs},
+                          {"model": "llama"}])
+    assert references[1].losses != references[2].losses  # accumulation and the clip change the run
+    results = _run(DP, [{"model": "llama", "strategy": _ds(2), "trainer": bf16},
+                        {"model": "llama", "strategy": _ds(3), "trainer": knobs}])
+    torch.testing.assert_close(torch.tensor(results[0].losses), torch.tensor(references[0].losses), rtol=BF16_RTOL,
+                               atol=0.0)
+    assert_same_training(references[1], results[1])
+
+
+# ------------------------------------------------------------------------------------------------------ memory
+class DeepSpeedMemoryProbe(L.Callback):
+    """Bytes one rank holds right after backward at step 1: module parameters (its ZeRO-3 partition), gradients
+    (whole, or DeepSpeed's reduced partitions), optimizer (states and DeepSpeed's fp32 master partitions)."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step != 1:
+            return
+        zero = trainer.strategy.model.optimizer
+        params = list(pl_module.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        grads += _tensors(getattr(zero, "averaged_gradients", None))
+        grads += _tensors(getattr(zero, "grad_partitions_flat_buffer", None))
+        masters = _tensors(getattr(zero, "single_partition_of_fp32_groups", None))
+        masters += _tensors(getattr(zero, "fp32_partitioned_groups_flat", None))
+        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        self.results = {
+            "numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            "param_bytes": sum(_bytes(getattr(p, "ds_tensor", p)) for p in params),
+            "grad_bytes": sum(_bytes(g) for g in grads),
+            "optim_bytes": sum(_bytes(t) for t in state + masters),
+        }
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# fp32 AdamW, bytes per parameter on each of `dp` ranks after backward (Rajbhandari et al.'s formulas with K = 12:
+# DeepSpeed keeps an fp32 master partition beside the fp32 module even in fp32 training).
+DEEPSPEED_FORMULAS = {
+    1: {"param_bytes": lambda dp: 4, "grad_bytes": lambda dp: 4, "optim_bytes": lambda dp: 12 / dp},
+    2: {"param_bytes": lambda dp: 4, "grad_bytes": lambda dp: 4 / dp, "optim_bytes": lambda dp: 12 / dp},
+    3: {"param_bytes": lambda dp: 4 / dp, "grad_bytes": lambda dp: 4 / dp, "optim_bytes": lambda dp: 12 / dp},
+}
+# The torch backend at the same point (tests/parallel/test_data.py): no master copy, FSDP2 reshards after backward.
+TORCH_FORMULAS = {1: "8 + 8/dp", 2: "16/dp", 3: "16/dp"}
+PADDING = 0.02  # DeepSpeed pads partitions to an alignment
+
+
+def test_memory_per_rank_follows_zero_formulas(capsys):
+    runs = [{"model": "nanogpt", "strategy": _ds(stage), "steps": 2,
+             "callbacks": lambda: [DeepSpeedMemoryProbe()]} for stage in (1, 2, 3)]
+    results = _run(DP, runs)
+    lines = []
+    for stage, result in zip((1, 2, 3), results):
+        measured = result.extra
+        numel = measured["numel"]
+        for kind, formula in DEEPSPEED_FORMULAS[stage].items():
+            assert measured[kind] == pytest.approx(formula(DP) * numel, rel=PADDING), (stage, kind, measured)
+        held = sum(measured[k] for k in DEEPSPEED_FORMULAS[stage]) / numel
+        lines.append(f"ZeRO-{stage} dp={DP}: deepspeed {held:.2f} B/param (formula"
+                     f" {sum(f(DP) for f in DEEPSPEED_FORMULAS[stage].values()):.2f}), torch backend"
+                     f" {TORCH_FORMULAS[stage]} = {eval(TORCH_FORMULAS[stage].replace('dp', str(DP))):.2f}")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------------- checkpoints
+def _save_to(path: str) -> Callable[[L.Trainer], None]:
+    return lambda trainer: trainer.save_checkpoint(path)
+
+
+def test_checkpoints_cross_backends_and_resume_exactly(tmp_path):
+    """DeepSpeed ZeRO-2 -> torch ZeRO-3 and torch ZeRO-1 -> DeepSpeed ZeRO-3 continue the uninterrupted run;
+    DeepSpeed -> DeepSpeed continues it exactly; `consolidate`/`inspect` read a DeepSpeed checkpoint."""
+    half = STEPS // 2
+    ds_ckpt, torch_ckpt = str(tmp_path / "ds2.ckpt"), str(tmp_path / "torch1.ckpt")
+    model = "gpt2"
+    reference, = _run(1, [{"model": model}])
+    results = _run(DP, [
+        {"model": model, "strategy": _ds(2), "steps": half, "after_fit": _save_to(ds_ckpt)},
+        {"model": model, "strategy": {"zero_stage": 3}, "fit": {"ckpt_path": ds_ckpt}},
+        {"model": model, "strategy": {"zero_stage": 1}, "steps": half, "after_fit": _save_to(torch_ckpt)},
+        {"model": model, "strategy": _ds(3), "fit": {"ckpt_path": torch_ckpt}},
+        {"model": model, "strategy": _ds(2)},
+        {"model": model, "strategy": _ds(2), "fit": {"ckpt_path": ds_ckpt}},
+    ])
+    ds_first, torch_after_ds, torch_first, ds_after_torch, ds_whole, ds_after_ds = results
+    for first, second in ((ds_first, torch_after_ds), (torch_first, ds_after_torch)):
+        assert_same_training(reference, RunResult(first.losses + second.losses, second.state_dict))
+    assert ds_after_ds.losses == ds_whole.losses[half:]  # bit for bit within the backend
+    for key, value in ds_whole.state_dict.items():
+        assert torch.equal(ds_after_ds.state_dict[key], value), key
+
+    from lightning_mgpu.checkpoint import consolidate, describe
+
+    full = consolidate(tmp_path / "ds2.ckpt")
+    assert set(full["state_dict"]) == set(reference.state_dict)
+    assert "state.model.transformer.h.0.attn.c_attn.weight.exp_avg" in json.dumps(list(_flat_keys(full)))
+    assert "model.transformer.wte.weight" in describe(tmp_path / "ds2.ckpt")
+
+
+def _flat_keys(full: dict[str, Any]) -> list[str]:
+    from lightning_mgpu.checkpoint.states import native_to_flat
+
+    groups = full["lightning_mgpu"]["optimizer_param_groups"][0]
+    return list(native_to_flat(full["optimizer_states"][0], groups))
+
+
+# ------------------------------------------------------------------------------------------ refused before launch
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(zero_stage=3, deepspeed_config={"zero_optimization": {"stage": 2}}),
+     r"zero_optimization.stage=2 but HybridStrategy has zero_stage=3"),
+    (dict(zero_stage=3, deepspeed_config={"zero_optimization": {"offload_param": {"device": "nvme"}}}),
+     r"offloads to NVMe .* without a path. Add zero_optimization.offload_param.nvme_path"),
+    (dict(zero_stage=2, deepspeed_config={"zero_optimization": {"offload_param": {"device": "cpu"}}}),
+     r"offloads parameters .* at ZeRO stage 3 only"),
+    (dict(deepspeed_config={"optimizer": {"type": "Adam"}}), r"optimizer comes from the LightningModule"),
+    (dict(tensor_parallel_size=2), r"tensor_parallel_size=2 shards parameters as DTensors"),
+    (dict(pipeline_parallel_size=2, zero_stage=3), r"pipeline_parallel_size=2 would need DeepSpeed's own"),
+    (dict(cpu_offload=True, zero_stage=3), r"put .*offload_optimizer.* in deepspeed_config"),
+    (dict(deepspeed_config="/nonexistent/ds.json"), r"is not a file"),
+])
+def test_invalid_configs_are_refused_when_the_strategy_is_built(kwargs, match):
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        HybridStrategy(zero_backend="deepspeed", **kwargs)
+
+
+def test_deepspeed_config_needs_the_deepspeed_backend():
+    with pytest.raises(ValueError, match=r"needs zero_backend='deepspeed', got zero_backend='torch'"):
+        HybridStrategy(deepspeed_config={})
+
+
+@pytest.mark.parametrize(("config", "trainer", "match"), [
+    ({"gradient_accumulation_steps": 4}, {"accumulate_grad_batches": 2},
+     r"gradient_accumulation_steps=4 but Trainer\(accumulate_grad_batches\) gives 2"),
+    ({"gradient_clipping": 1.0}, {}, r"gradient_clipping=1.0 but Trainer\(gradient_clip_val\) gives 0.0"),
+    ({"bf16": {"enabled": True}}, {"precision": "32-true"},
+     r"bf16.enabled=True but Trainer\(precision='32-true'\) means bf16.enabled=False"),
+    ({}, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, r"clips by the global norm only"),
+    ({"train_micro_batch_size_per_gpu": 16}, {}, r"train_micro_batch_size_per_gpu=16 but the train dataloader"),
+])
+def test_configs_contradicting_the_trainer_fail_before_training(config, trainer, match):
+    run = {"model": "llama", "strategy": _ds(1, deepspeed_config=config), "trainer": trainer}
+    with pytest.raises(RuntimeError, match=match) as error:
+        _run(1, [run])
+    assert "training_step" not in str(error.value)
+
+
+def test_config_file_passes_through(tmp_path):
+    from lightning_mgpu.deepspeed_config import build_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000, "offload_optimizer":
+                                                      {"device": "cpu"}}}))
+    config = build_config(str(path), 2, "bf16-mixed", None, None, 1, 4, 2)
+    assert config["zero_optimization"] == {"reduce_bucket_size": 1000, "offload_optimizer": {"device": "cpu"},
+                                           "stage": 2}
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    assert config["train_batch_size"] == 8 and config["gradient_clipping"] == 0.0
