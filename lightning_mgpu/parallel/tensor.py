@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_mgpu.parallel.blocks import tied_parameters
 from lightning_mgpu.parallel.tensor_checks import check_divisible, parent_name
+from lightning_mgpu.parallel.tensor_experts import ExpertsParallel, IdentityExpertParallel, place_experts
 from lightning_mgpu.parallel.tensor_plan import (
     _hugging_face_models,
     _match,
@@ -289,7 +290,13 @@ def style(name: str, sequence_parallel: bool, global_shapes: bool = False) -> Op
                                                      use_local_output=not sequence_parallel),
         "sequence_parallel": lambda: SequenceParallel(use_local_output=False) if sequence_parallel else None,
         "replicate": lambda: None,
+        # Experts on local shards of their 3-D parameters (tensor_experts.py); placements set by place_experts.
+        "moe_tp_experts": lambda: ExpertsParallel(),
+        "moe_identity_expert": lambda: IdentityExpertParallel(),
     }
+    if name in ("packed_colwise", "packed_rowwise"):
+        raise ValueError(f"{name!r} places a parameter of a 'moe_tp_experts' module (e.g. '<experts>.gate_up_proj'),"
+                         " not a module: give it to that parameter in `tp_plan`.")
     if name not in styles:
         raise ValueError(f"Unknown tensor-parallel style {name!r} in `tp_plan`. Known styles: {sorted(styles)}.")
     return styles[name]()
@@ -331,6 +338,7 @@ def apply_tensor_parallel(
     check_divisible(module, matched, tp)
     regions = _global_shape_regions(module, matched)
     styles = {fqn: style(name, sequence_parallel, global_shapes=fqn in regions) for fqn, name in matched.items()}
+    place_experts(module, plan, matched, styles, tp)
     _share_inputs(module, matched, styles)
     tied = tied_parameters(module)
     parallelize_module(module, tp_mesh, {fqn: s for fqn, s in styles.items() if s is not None})

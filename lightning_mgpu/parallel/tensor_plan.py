@@ -11,6 +11,7 @@ import fnmatch
 from torch import nn
 
 from lightning_mgpu.parallel.blocks import find_block_container, tied_parameters
+from lightning_mgpu.parallel.tensor_experts import PARAMETER_STYLES, names_parameters_only, owned_by_experts
 
 # Leaf names of projections in GPT-style blocks (nanoGPT, litgpt, GPT-2, Llama-likes without a HF plan).
 _FUSED_QKV = ("c_attn", "qkv", "qkv_proj", "Wqkv")
@@ -26,14 +27,14 @@ _HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwis
               # Input replicated (a fused q|k|v or gate|up gathered whole before slicing): each rank takes its slice.
               "rowwise_split_input": "rowwise_split_input", "rowwise_rep": "rowwise_split_input",
               "replicated_with_grad_allreduce": "replicated_with_grad_allreduce",
-              "sequence_parallel": "sequence_parallel", "replicate": "replicate"}
-# Hugging Face styles not served, and what an explicit plan does instead. Experts (MoE) stay replicated: every rank
-# runs them whole on the full hidden states; the rest of the block stays sharded.
+              "sequence_parallel": "sequence_parallel", "replicate": "replicate",
+              # Experts (tensor_experts.py): the module runs on local shards of its 3-D parameters, which the
+              # parameter entries place ('colwise'/'rowwise' there mean the weight's out/in dimension).
+              "moe_tp_experts": "moe_tp_experts", "moe_identity_expert": "moe_identity_expert",
+              "packed_colwise": "packed_colwise", "packed_rowwise": "packed_rowwise"}
+# Hugging Face styles not served, and what an explicit plan does instead: the module stays replicated (whole on
+# every rank); the rest of the block stays sharded.
 _HF_REFUSED = {
-    "packed_colwise": "fused expert gate|up weights sharded inside Hugging Face's MoE kernels",
-    "packed_rowwise": "fused expert weights sharded along their last dimension",
-    "moe_tp_experts": "experts run on local shards and all-reduced by Hugging Face's own forward hook",
-    "moe_identity_expert": "zero-experts pre-divided for Hugging Face's expert all-reduce",
     "grouped_gemm": "expert parallelism (experts split across ranks), not tensor parallelism",
     "ep_dispatch_experts": "expert parallelism (tokens dispatched to the ranks holding their experts)",
     "mla_kv_a_proj": "DeepSeek-style MLA: part of a projection's output bypasses the sharded layers",
@@ -41,12 +42,12 @@ _HF_REFUSED = {
     "local_params": "a bare parameter sharded and read as local tensors by Hugging Face's own kernels",
 }
 # Refused styles whose module alone is kept whole (experts, an attention with sinks); for the others its parent.
-_HF_REFUSED_KEEP_MODULE = ("packed_colwise", "packed_rowwise", "moe_tp_experts", "moe_identity_expert",
-                           "grouped_gemm", "ep_dispatch_experts", "local_params")
+_HF_REFUSED_KEEP_MODULE = ("grouped_gemm", "ep_dispatch_experts", "local_params")
 
 STYLE_NAMES = ("colwise", "colwise_qkv", "colwise_gate_up", "colwise_gather_output", "colwise_loss_parallel", "rowwise",
                "rowwise_split_input", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise",
-               "sequence_parallel", "replicate")
+               "sequence_parallel", "replicate", "moe_tp_experts", "moe_identity_expert", "packed_colwise",
+               "packed_rowwise")
 
 
 def _is_projection(module: nn.Module) -> bool:
@@ -124,7 +125,8 @@ def _refuse_unmapped_styles(plan: dict[str, str], root: nn.Module) -> None:
     modules = [name for name, _ in root.named_modules() if name]
     names_module = {glob: any(fnmatch.fnmatchcase(n, glob) for n in modules) for glob in plan}
     refused = {glob: s for glob, s in plan.items() if s in _HF_REFUSED or s not in _HF_STYLES}
-    on_parameters = {glob: s for glob, s in plan.items() if glob not in refused and not names_module[glob]}
+    on_parameters = {glob: s for glob, s in plan.items() if glob not in refused and not names_module[glob]
+                     and not owned_by_experts(glob, plan)}
     if not refused and not on_parameters:
         return
     whole = []  # globs whose subtree stays replicated
@@ -137,7 +139,7 @@ def _refuse_unmapped_styles(plan: dict[str, str], root: nn.Module) -> None:
             whole.append(glob.rsplit(".", 1)[0] if "." in glob else glob)
     whole += [glob.rsplit(".", 1)[0] for glob in on_parameters]
     explicit = {glob: _HF_STYLES[s] for glob, s in plan.items()
-                if glob not in refused and names_module[glob] and s in _HF_STYLES
+                if glob not in refused and (names_module[glob] or owned_by_experts(glob, plan)) and s in _HF_STYLES
                 and not any(glob == w or glob.startswith(w + ".") for w in whole)}
     styles = sorted(set(refused.values()))
     reasons = "; ".join(f"{s!r}: {_HF_REFUSED.get(s, 'not a style lightning-mgpu knows')}" for s in styles)
@@ -252,6 +254,8 @@ def _match(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         if style_name not in STYLE_NAMES:
             raise ValueError(f"Unknown tensor-parallel style {style_name!r} for {glob!r}. Known: {list(STYLE_NAMES)}.")
         hits = [n for n in names if fnmatch.fnmatchcase(n, glob)]
+        if not hits and style_name in PARAMETER_STYLES and names_parameters_only(module, glob):
+            continue  # a parameter's placement, read by its experts module's style (tensor_experts.py)
         if not hits:
             raise ValueError(
                 f"`tp_plan` entry {glob!r} matches no module. Module names look like: {names[:8]} ..."

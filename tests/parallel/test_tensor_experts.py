@@ -1,0 +1,158 @@
+"""Mixture-of-experts under tensor parallelism with the models' own Hugging Face plans (``tensor_experts.py``).
+
+Mixtral and Qwen3-MoE as shipped (tiny configurations, random weights), trained with Hugging Face's own loss and
+``output_router_logits=True`` (the load-balancing loss is part of the loss): tp=2 with ``tp_plan="auto"`` trains like
+one process, each rank holds half of every expert weight, and the tp=2 checkpoint loads strictly into one process.
+Mixtral also under dp2 x tp2 with ZeRO-1 and ZeRO-3, and with sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_mgpu.parallel.tensor_experts import ExpertsParallel, place_experts
+from lightning_mgpu.parallel.tensor_plan import _match, auto_plan
+from tests.helpers.equivalence import assert_same_training, fit
+from tests.parallel.test_tensor_hf_styles import GLOBAL_BATCH, STEPS, TP_WEIGHT_ATOL, HFModule, _tokens
+
+transformers = pytest.importorskip("transformers")
+
+EXPERTS = ("gate_up_proj", "down_proj")
+
+
+class MoEModule(HFModule):
+    """A Hugging Face MoE causal LM trained on its own loss, router load-balancing loss included."""
+
+    def __init__(self, config_name: str, model_name: str, **overrides: Any) -> None:
+        super().__init__(config_name, model_name, output_router_logits=True, **overrides)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        out = self.model(input_ids=x, labels=x)
+        self.log("train_loss", out.loss, sync_dist=True)
+        return out.loss
+
+
+def mixtral() -> MoEModule:
+    return MoEModule("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2)
+
+
+def qwen3_moe(**kw: Any) -> MoEModule:
+    sizes = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **kw}
+    return MoEModule("Qwen3MoeConfig", "Qwen3MoeForCausalLM", decoder_sparse_step=1, **sizes)
+
+
+class ExpertShards(L.Callback):
+    """Records, per rank, the local and global element counts of the expert weights once sharded; saves at the end."""
+
+    def __init__(self, path: Any = None) -> None:
+        self.path = path
+        self.results: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.tensor import DTensor
+
+        local = global_ = 0
+        for name, param in pl_module.named_parameters():
+            if name.rsplit(".", 1)[-1] in EXPERTS and ".experts." in name:
+                global_ += param.numel()
+                local += param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+        self.results[f"experts_rank{trainer.global_rank}"] = (local, global_)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.path is not None:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.fixture(scope="module")
+def mixtral_reference():
+    return fit(mixtral, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)[0]
+
+
+def _experts_sharded(extras: list[dict[str, Any]], ranks: int, parts: int) -> None:
+    """Every rank holds ``1/parts`` of the expert weights (tp, times dp where ZeRO-3 shards them further)."""
+    counts = {k: v for extra in extras for k, v in extra.items() if k.startswith("experts_rank")}
+    assert len(counts) == ranks, counts
+    assert all(global_ > 0 and local * parts == global_ for local, global_ in counts.values()), counts
+
+
+@pytest.mark.parametrize("factory", [mixtral, qwen3_moe], ids=["mixtral", "qwen3_moe"])
+def test_moe_trains_under_tp2_with_its_own_plan_and_loads_into_one_process(factory, tmp_path):
+    plan = auto_plan(factory())
+    assert plan["model.model.layers.*.mlp.experts"] == "moe_tp_experts"
+    assert plan["model.model.layers.*.mlp.experts.gate_up_proj"] == "packed_colwise"
+    assert plan["model.model.layers.*.mlp.experts.down_proj"] == "rowwise"
+    assert "model.model.layers.*.mlp.gate" not in plan  # the router stays replicated
+    reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
+    ckpt = tmp_path / "tp2.ckpt"
+    result, extras = fit(factory, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": "auto"}, 2,
+                         STEPS, callbacks_factory=lambda: [ExpertShards(ckpt)])
+    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
+    _experts_sharded(extras, ranks=2, parts=2)
+
+    from lightning_mgpu.checkpoint import consolidate
+
+    state = consolidate(ckpt)["state_dict"]
+    single = factory()
+    single.load_state_dict(state, strict=True)  # plain FQNs, full shapes
+    for name, value in single.state_dict().items():
+        torch.testing.assert_close(value, result.state_dict[name], rtol=0, atol=0, msg=name)
+
+
+COMPOSED = [  # (name, strategy extras, devices, dp, parts of the expert weights per rank)
+    ("dp2-tp2-zero1", {"zero_stage": 1}, 4, 2, 2),
+    ("dp2-tp2-zero3", {"zero_stage": 3}, 4, 2, 4),
+    ("tp2-sp", {"sequence_parallel": True}, 2, 1, 2),
+]
+
+
+@pytest.mark.parametrize(("name", "extra", "devices", "dp", "parts"), COMPOSED, ids=[c[0] for c in COMPOSED])
+def test_mixtral_experts_compose_with_zero_and_sequence_parallel(mixtral_reference, name, extra, devices, dp, parts):
+    result, extras = fit(mixtral, lambda: _tokens(GLOBAL_BATCH // dp), {"tensor_parallel_size": 2, **extra}, devices,
+                         STEPS, callbacks_factory=lambda: [ExpertShards()])
+    assert_same_training(mixtral_reference, result, weight_atol=TP_WEIGHT_ATOL)
+    _experts_sharded(extras, ranks=devices, parts=parts)
+
+
+# ------------------------------------------------------------------------------------------- before training
+def _placements(module: torch.nn.Module, plan: dict[str, str], tp: int = 2) -> dict[str, Any]:
+    matched = _match(module, plan)
+    styles = {fqn: ExpertsParallel() for fqn, s in matched.items() if s == "moe_tp_experts"}
+    place_experts(module, plan, matched, styles, tp)
+    return {fqn: s.placements for fqn, s in styles.items()}
+
+
+def test_expert_placements_follow_hugging_face_parameter_styles():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    module = mixtral()
+    placed = _placements(module, auto_plan(module))
+    assert placed["model.model.layers.1.mlp.experts"] == {"gate_up_proj": _StridedShard(1, split_factor=2),
+                                                         "down_proj": Shard(2)}
+    # Llama-4 layout (transposed: [E, H, 2I] and [E, I, H]): its plan says 'packed_rowwise' and 'colwise'.
+    transposed = {"model.model.layers.*.mlp.experts": "moe_tp_experts",
+                  "model.model.layers.*.mlp.experts.gate_up_proj": "packed_rowwise",
+                  "model.model.layers.*.mlp.experts.down_proj": "colwise"}
+    assert _placements(module, transposed)["model.model.layers.0.mlp.experts"] == {
+        "gate_up_proj": _StridedShard(2, split_factor=2), "down_proj": Shard(1)}
+
+
+def test_expert_plans_that_cannot_work_fail_naming_the_fix():
+    module = mixtral()
+    plan = auto_plan(module)
+    orphan = {k: v for k, v in plan.items() if not k.endswith("mlp.experts")}
+    with pytest.raises(ValueError, match=r"module 'model.model.layers.0.mlp.experts' is not 'moe_tp_experts'.*Add"):
+        _placements(module, orphan)
+    unplaced = {k: v for k, v in plan.items() if not k.endswith("down_proj")}
+    with pytest.raises(ValueError, match=r"places none of its parameters \['down_proj'\].*'packed_colwise'"):
+        _placements(module, unplaced)
+    odd = qwen3_moe(moe_intermediate_size=30)  # divisible by 2, not by 4
+    _placements(odd, auto_plan(odd), tp=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide.*gate_up_proj: 30 features in each"
+                                         r" of its 2 packed chunks.*Valid tensor_parallel_size values.*\[2, 3, 5"):
+        _placements(odd, auto_plan(odd), tp=4)
