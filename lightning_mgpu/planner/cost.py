@@ -142,22 +142,39 @@ def bubble_fraction(layout: Layout) -> float:
     return idle / (layout.num_microbatches + idle)
 
 
+def local_params(model: ModelSpec, layout: Layout) -> dict[str, float]:
+    """Parameters one GPU holds before ZeRO, per pipeline stage kind (``first``/``last``, or ``only`` at pp=1).
+
+    Tensor parallelism shards the blocks' matmul weights; norms and row-wise biases stay whole. The token
+    embedding and the head are sharded over the vocabulary with sequence parallelism (as this library's plans do;
+    without it they stay replicated).
+    """
+    t = layout.tp
+    vocab_t = t if layout.sequence_parallel else 1
+    matmul = min(model.matmul_params_per_layer, model.params_per_layer)
+    block = matmul / t + (model.params_per_layer - matmul)
+    token = model.vocab * model.hidden
+    first = min(token, model.first_stage_params) / vocab_t + max(0, model.first_stage_params - token)
+    if model.tied_embeddings:  # the head is the embedding: a second copy only on a separate last stage
+        head, copy = 0, (token if layout.pp > 1 else 0)
+    else:
+        head, copy = min(token, model.last_stage_params), 0
+    last = (head + copy) / vocab_t + (model.last_stage_params - head)
+    layers = math.ceil(model.layers / layout.pp)
+    if layout.pp == 1:
+        return {"only": model.layers * block + first + last}
+    return {"first": layers * block + first, "last": layers * block + last}
+
+
 def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout) -> dict[str, float]:
     """Bytes per GPU on the fullest pipeline stage (the first or the last), by kind."""
     p_bytes, g_bytes, o_bytes, a_bytes = PRECISIONS[training.precision]
     t, d, z = layout.tp, layout.dp, layout.zero_stage
     layers = math.ceil(model.layers / layout.pp)
-    stage_params = {
-        "first": layers * model.params_per_layer + model.first_stage_params,
-        "last": layers * model.params_per_layer + model.last_stage_params,
-    }
-    if layout.pp == 1:
-        stage_params = {"only": model.total_params}
     s, b, h = model.seq_len, layout.microbatch_size, model.hidden
     per_layer = activation_bytes_per_layer(model, training, layout, layout.checkpointing)
     worst: dict[str, float] = {}
-    for stage, count in stage_params.items():
-        local = count / t
+    for stage, local in local_params(model, layout).items():
         params = local * p_bytes / (d if z >= 2 else 1)  # ZeRO-2 here is FSDP2: parameters sharded between steps
         grads = local * g_bytes / (d if z >= 2 else 1)
         optimizer = local * o_bytes / (d if z >= 1 else 1)
@@ -226,8 +243,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: Training, layout
     per_microbatch = stage + p2p
     pipeline = (m + (p - 1) / v) * per_microbatch
     # Data-parallel gradient traffic, hidden behind the last microbatch's backward as far as it overlaps.
-    stage_params = (layers * model.params_per_layer + max(model.first_stage_params, model.last_stage_params)
-                    if p > 1 else model.total_params) / t
+    stage_params = max(local_params(model, layout).values())
     dp = 0.0
     if d > 1 and layout.zero_stage < 3:
         nbytes = stage_params * g_bytes if layout.zero_stage == 0 else stage_params * (g_bytes + p_bytes) / 2

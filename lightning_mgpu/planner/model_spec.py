@@ -20,7 +20,7 @@ class ModelSpec:
 
     Parameter counts default to the usual formulas; :func:`spec_from_module` fills them from a real module.
     ``block_params`` counts one block; ``embed_params`` what lives on the first pipeline stage besides blocks;
-    ``head_params`` what lives on the last (the head; 0 extra storage when tied, but it still runs).
+    ``head_params`` what lives on the last (final norm and an untied head; a tied head is the embedding).
     """
 
     layers: int
@@ -186,9 +186,7 @@ def spec_from_module(module: nn.Module, seq_len: Optional[int] = None, **overrid
             first += param.numel()
         else:
             last += param.numel()
-    tied = bool(tied_parameters(module))
-    if tied:  # the tied head lives on the last stage too: it holds a copy of the embedding
-        last += max((m.weight.numel() for m in embeddings), default=0)
+    tied = bool(tied_parameters(module))  # a tied head's copy on the last stage is added per layout (cost.py)
     gated = any(hasattr(m, name) for m in blocks[0].modules() for name in ("gate_proj", "w3", "fc_1"))
     notes = (f"blocks: {container_name} ({len(blocks)} x {block_params:,} params)",)
     return ModelSpec(name=type(module).__name__, tied_embeddings=tied, gated_mlp=gated, block_params=block_params,
