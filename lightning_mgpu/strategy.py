@@ -332,7 +332,10 @@ class HybridStrategy(ParallelStrategy):
                 self._pipeline.guard_zero_grad(optimizer)
         if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1 and self._deepspeed is None:
             dp_mesh = self.device_mesh[DP_AXIS]
-            self._optimizer_sharding = [OptimizerStateSharding(optimizer, dp_mesh) for optimizer in self.optimizers]
+            self._optimizer_sharding = [
+                OptimizerStateSharding(optimizer, dp_mesh, self._data_parallel_roots, self.precision_plugin)
+                for optimizer in self.optimizers
+            ]
 
     @override
     def model_to_device(self) -> None:
