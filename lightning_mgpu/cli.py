@@ -162,6 +162,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lightning_mgpu.planner.command import add_plan_parser
 
     add_plan_parser(subparsers)
+    from lightning_mgpu.sweep import add_bench
+
+    add_bench(subparsers)
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()

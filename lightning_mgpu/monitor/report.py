@@ -216,6 +216,7 @@ def write_plot(report: dict[str, Any], path: Path) -> Optional[Path]:
         bottom = [b + h for b, h in zip(bottom, heights)]
     right.plot([r["rank"] for r in ranks], [r.get("peak", 0) / MIB for r in ranks], "kv",
                label=f"peak ({ranks[0].get('peak_kind', '')})" if ranks else "peak")
+    right.set_xticks([r["rank"] for r in ranks])
     right.set(xlabel="rank", ylabel="MiB", title="Memory per rank")
     right.legend(fontsize=7)
     fig.tight_layout()

@@ -1,0 +1,293 @@
+"""``lightning-mgpu bench``: measure every valid layout of a model on this machine, rank them, and show how the
+best one scales from 1 to N devices.
+
+Each layout trains a few steps under :class:`~lightning_mgpu.HybridStrategy` with a
+:class:`~lightning_mgpu.ScalingMonitor`, whose ``scaling_report.json`` gives its throughput and time split. The
+batch per data-parallel rank is fixed (``--batch-size``), so more data-parallel ranks process more samples per step
+(weak scaling); the scaling efficiency at ``n`` devices is ``tokens/s(n) / (n x tokens/s(1))``. Where the planner
+(``lightning_mgpu.planner``) is present, its prediction stands beside each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+_SHARE_COLUMNS = ("compute", "comm", "bubble", "data_wait", "optimizer", "other")
+
+
+def add_bench(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser(
+        "bench",
+        help="measure every valid layout of a model on this machine and rank them by throughput",
+        description="Train a few steps of every valid (dp, tp, pp) layout for 1..N devices on this machine, rank the"
+        " layouts by measured tokens/s with their time split, and show the scaling efficiency of the best layout at"
+        " each device count. Writes bench.json and bench.png to --out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bench.add_argument("--module", required=True, help="the LightningModule, 'package.module:Class'")
+    bench.add_argument("--init-args", default=None, help="JSON keyword arguments for the module")
+    bench.add_argument("--datamodule", default=None, help="a LightningDataModule, 'package.module:Class'")
+    bench.add_argument("--datamodule-args", default=None, help="JSON keyword arguments for the datamodule")
+    bench.add_argument("--devices", type=int, required=True, help="the most processes (CPU) or GPUs to use")
+    bench.add_argument("--device-counts", default="all",
+                       help="comma-separated device counts to sweep ('all' = 1..N; the largest is always N)")
+    bench.add_argument("--accelerator", default="cpu")
+    bench.add_argument("--batch-size", type=int, default=8,
+                       help="samples per data-parallel rank (given to the datamodule's `batch_size`)")
+    bench.add_argument("--steps", type=int, default=5, help="training steps per layout, warm-up included")
+    bench.add_argument("--warmup-steps", type=int, default=2, help="steps not measured at the start of each run")
+    bench.add_argument("--zero-stage", type=int, default=0)
+    bench.add_argument("--pipeline-schedule", default="1F1B")
+    bench.add_argument("--precision", default="32-true")
+    bench.add_argument("--out", default="bench_results", help="directory for bench.json, bench.png and each run")
+    bench.set_defaults(run=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from lightning_mgpu.planner.model_spec import load_class  # also serves without the rest of the planner
+
+    counts = _device_counts(args.devices, args.device_counts)
+    for name in ("steps", "batch_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
+    if args.warmup_steps >= args.steps:
+        raise SystemExit(f"--warmup-steps {args.warmup_steps} leaves no measured step of --steps {args.steps}.")
+    try:
+        module_cls = load_class(args.module)
+        datamodule_cls = load_class(args.datamodule) if args.datamodule else None
+    except ValueError as error:
+        raise SystemExit(f"lightning-mgpu bench: {error}") from None
+    module_args, datamodule_args = _json_object(args.init_args, "--init-args"), _json_object(
+        args.datamodule_args, "--datamodule-args")
+    shapes = _shapes(module_cls, module_args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+    started = time.perf_counter()
+    results = []
+    for n in counts:
+        for dp, tp, pp in _layouts(n, shapes):
+            name = f"dp{dp}_tp{tp}_pp{pp}"
+            print(f"bench: {name} on {n} device{'s' if n > 1 else ''} ...", flush=True)
+            run = {"devices": n, "dp": dp, "tp": tp, "pp": pp, "name": name}
+            try:
+                report = _measure(args, module_cls, module_args, datamodule_cls, datamodule_args, dp, tp, pp,
+                                  out / name)
+                run.update(_summary(report))
+            except Exception as error:  # one layout failing (memory, a model constraint) does not stop the sweep
+                run["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error) else ''}"
+            results.append(run)
+    _add_predictions(args, results)
+    scaling = _scaling(results)
+    print(format_results(results, scaling))
+    summary = {"args": vars(args) | {"run": None}, "runs": results, "scaling": scaling,
+               "elapsed_s": time.perf_counter() - started}
+    (out / "bench.json").write_text(json.dumps(summary, indent=2, default=str))
+    plot = _plot(results, scaling, out / "bench.png")
+    print(f"bench: {len(results)} runs in {summary['elapsed_s']:.0f} s; wrote {out / 'bench.json'}"
+          + (f" and {plot}" if plot else ""))
+    return 0 if any("tokens_per_s" in r for r in results) else 1
+
+
+# ------------------------------------------------------------------------------------------------ the sweep
+def _device_counts(devices: int, text: str) -> list[int]:
+    if isinstance(devices, bool) or devices < 1:
+        raise SystemExit(f"--devices must be a positive integer, got {devices}.")
+    if text == "all":
+        return list(range(1, devices + 1))
+    try:
+        counts = sorted({int(c) for c in text.split(",") if c.strip()} | {devices})
+    except ValueError:
+        raise SystemExit(f"--device-counts must be 'all' or comma-separated integers, got {text!r}.") from None
+    if counts[0] < 1 or counts[-1] > devices:
+        raise SystemExit(f"--device-counts {text!r} must lie in 1..{devices} (--devices).")
+    return counts
+
+
+def _json_object(text: Optional[str], flag: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"{flag} is not valid JSON ({error}): give e.g. '{{\"n_layer\": 4}}'.") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"{flag} must be a JSON object of keyword arguments, got {text!r}.")
+    return value
+
+
+def _shapes(module_cls: type, module_args: dict[str, Any]) -> dict[str, int]:
+    """Heads and blocks of the model (built on the meta device), to skip layouts it cannot run."""
+    try:
+        from lightning_mgpu.planner.model_spec import build_on_meta, spec_from_module
+
+        spec = spec_from_module(build_on_meta(module_cls, module_args))
+        return {"heads": spec.heads, "layers": spec.layers}
+    except Exception:  # no planner, or a model it cannot read: every layout is tried and failures are reported
+        return {}
+
+
+def _layouts(n: int, shapes: dict[str, int]) -> list[tuple[int, int, int]]:
+    layouts = []
+    for tp in (d for d in range(1, n + 1) if n % d == 0):
+        for pp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0):
+            if shapes.get("heads") and shapes["heads"] % tp or shapes.get("layers") and pp > shapes["layers"]:
+                continue
+            layouts.append((n // (tp * pp), tp, pp))
+    return layouts
+
+
+def _measure(args: argparse.Namespace, module_cls: type, module_args: dict[str, Any], datamodule_cls: Optional[type],
+             datamodule_args: dict[str, Any], dp: int, tp: int, pp: int, out: Path) -> dict[str, Any]:
+    import lightning as L
+
+    from lightning_mgpu import HybridStrategy, ScalingMonitor
+
+    L.seed_everything(1234, verbose=False)
+    strategy = HybridStrategy(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                              zero_stage=args.zero_stage if dp > 1 else 0, pipeline_schedule=args.pipeline_schedule,
+                              start_method="fork")
+    monitor = ScalingMonitor(warmup_steps=args.warmup_steps, dirpath=out, verbose=False)
+    trainer = L.Trainer(
+        accelerator=args.accelerator, devices=dp * tp * pp, strategy=strategy, precision=args.precision,
+        max_steps=args.steps, callbacks=[monitor], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )
+    model = module_cls(**module_args)
+    datamodule = None
+    if datamodule_cls is not None:
+        kwargs = dict(datamodule_args)
+        if "batch_size" in inspect.signature(datamodule_cls).parameters:
+            kwargs.setdefault("batch_size", args.batch_size)
+        datamodule = datamodule_cls(**kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=datamodule)
+    return json.loads((out / "scaling_report.json").read_text())
+
+
+def _summary(report: dict[str, Any]) -> dict[str, Any]:
+    fractions = report["time_split"]["fractions"]
+    shares = {name: 0.0 for name in _SHARE_COLUMNS}
+    for name, share in fractions.items():
+        shares["comm" if name.startswith("comm_") else name if name in shares else "other"] += share
+    return {
+        "tokens_per_s": report["throughput"]["tokens_per_s"],
+        "samples_per_s": report["throughput"]["samples_per_s"],
+        "mfu": report["throughput"]["mfu"],
+        "step_s": report["time_split"]["step_s"],
+        "shares": shares,
+        "comm_by_axis": {k[len("comm_"):]: v for k, v in fractions.items() if k.startswith("comm_")},
+        "bubble": (report["pipeline"] or {}).get("measured_bubble"),
+        "analytic_bubble": (report["pipeline"] or {}).get("analytic_bubble"),
+        "diagnoses": [d["kind"] for d in report["diagnoses"]],
+    }
+
+
+def _add_predictions(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    """The planner's tokens/s for each layout on this machine, where the planner can read the model."""
+    try:
+        from lightning_mgpu.planner import ClusterSpec, Efficiency, Layout, Training, estimate, spec_from_path
+        from lightning_mgpu.monitor.measures import device_peak_flops
+
+        import torch
+
+        spec = spec_from_path(args.module, args.init_args)
+        peak, _ = device_peak_flops(torch.device(args.accelerator), args.precision)
+    except Exception:
+        return
+    for run in results:
+        n, dp, tp, pp = run["devices"], run["dp"], run["tp"], run["pp"]
+        try:
+            cluster = ClusterSpec(gpus=n, gpus_per_node=n, memory_gb=64, peak_tflops=peak / 1e12,
+                                  intra_node_gbps=2.0, inter_node_gbps=2.0, hbm_gbps=10.0, reserved_gb=0.0,
+                                  name=args.accelerator)
+            layout = Layout(tp=tp, pp=pp, dp=dp, zero_stage=args.zero_stage if dp > 1 else 0,
+                            schedule=args.pipeline_schedule if pp > 1 else "none",
+                            microbatch_size=max(1, args.batch_size // pp), num_microbatches=pp if pp > 1 else 1)
+            predicted = estimate(spec, cluster, Training(global_batch=args.batch_size * dp, precision=args.precision),
+                                 layout, Efficiency())
+            run["predicted_tokens_per_s"] = predicted.tokens_per_s
+            run["predicted_bubble"] = predicted.bubble
+        except Exception:
+            continue
+
+
+def _scaling(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    best: dict[int, dict[str, Any]] = {}
+    for run in results:
+        if "tokens_per_s" in run and run["tokens_per_s"] > best.get(run["devices"], {}).get("tokens_per_s", -1):
+            best[run["devices"]] = run
+    base = best.get(1, {}).get("tokens_per_s")
+    return [{"devices": n, "layout": run["name"], "tokens_per_s": run["tokens_per_s"],
+             "efficiency": run["tokens_per_s"] / (n * base) if base else None} for n, run in sorted(best.items())]
+
+
+# ---------------------------------------------------------------------------------------------------- output
+def format_results(results: list[dict[str, Any]], scaling: list[dict[str, Any]]) -> str:
+    ranked = sorted(results, key=lambda r: (-r["devices"], -r.get("tokens_per_s", -math.inf)))
+    predicted = any("predicted_tokens_per_s" in r for r in results)
+    head = (f"{'#':>2} {'layout':<14}{'dev':>4}{'tokens/s':>11}{'step ms':>9}" + "".join(
+        f"{c[:7]:>8}" for c in _SHARE_COLUMNS) + (f"{'planner':>11}" if predicted else "") + "  notes")
+    lines = ["bench: layouts ranked by measured throughput (shares of a step)", head]
+    rank, devices = 0, None
+    for run in ranked:
+        rank = rank + 1 if run["devices"] == devices else 1
+        devices = run["devices"]
+        if "tokens_per_s" not in run:
+            lines.append(f"{'-':>2} {run['name']:<14}{run['devices']:>4}  failed: {run['error']}")
+            continue
+        shares = "".join(f"{run['shares'][c]:>8.1%}" for c in _SHARE_COLUMNS)
+        plan = f"{run['predicted_tokens_per_s']:>11,.0f}" if "predicted_tokens_per_s" in run else (
+            f"{'':>11}" if predicted else "")
+        notes = []
+        if run["bubble"] is not None:
+            notes.append(f"bubble {run['bubble']:.0%} (theory {run['analytic_bubble']:.0%})")
+        notes += run["diagnoses"]
+        lines.append(f"{rank:>2} {run['name']:<14}{run['devices']:>4}{run['tokens_per_s']:>11,.0f}"
+                     f"{run['step_s'] * 1e3:>9.1f}{shares}{plan}  {', '.join(notes)}")
+    lines.append("scaling of the best layout per device count (efficiency = tokens/s(n) / (n x tokens/s(1))):")
+    for row in scaling:
+        eff = f"{row['efficiency']:.0%}" if row["efficiency"] is not None else "n/a"
+        lines.append(f"   {row['devices']:>3} devices  {row['layout']:<14}{row['tokens_per_s']:>11,.0f} tokens/s"
+                     f"  efficiency {eff}")
+    return "\n".join(lines)
+
+
+def _plot(results: list[dict[str, Any]], scaling: list[dict[str, Any]], path: Path) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    done = [r for r in results if "tokens_per_s" in r]
+    left.scatter([r["devices"] for r in done], [r["tokens_per_s"] for r in done], c="0.6", label="every layout")
+    left.plot([s["devices"] for s in scaling], [s["tokens_per_s"] for s in scaling], "o-", label="best layout")
+    for s in scaling:
+        left.annotate(s["layout"], (s["devices"], s["tokens_per_s"]), fontsize=7)
+    predicted = [r for r in done if "predicted_tokens_per_s" in r]
+    if predicted:
+        left.scatter([r["devices"] for r in predicted], [r["predicted_tokens_per_s"] for r in predicted],
+                     marker="x", c="C3", label="planner prediction")
+    left.set(xlabel="devices", ylabel="tokens/s", title="Throughput")
+    left.legend(fontsize=7)
+    with_eff = [s for s in scaling if s["efficiency"] is not None]
+    right.plot([s["devices"] for s in with_eff], [100 * s["efficiency"] for s in with_eff], "o-")
+    right.axhline(100, color="0.7", linestyle="--")
+    right.set(xlabel="devices", ylabel="% of linear", title="Scaling efficiency of the best layout")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
