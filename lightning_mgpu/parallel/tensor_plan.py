@@ -214,6 +214,14 @@ def _sequence_parallel_rules(module: nn.Module, plan: dict[str, str]) -> dict[st
             rules[name] = "embedding_rowwise"
         elif _is_projection(child) and leaf in _HEADS and not any(fnmatch.fnmatchcase(name, g) for g in plan):
             rules[name] = "colwise_gather_output"
+    if not any(s.startswith("embedding") for s in (*plan.values(), *rules.values())):
+        raise ValueError(  # its norms would take every rank's whole sequence for a shard of it
+            "sequence_parallel=True splits the residual stream over the sequence where it enters the blocks, which"
+            f" tp_plan='auto' does at the token embedding (an nn.Embedding named one of {list(_TOKEN_EMBEDDINGS)}),"
+            " and this model has none (a vision encoder's patch embedding is a convolution, which DTensor cannot"
+            " differentiate when sharded). Use tensor parallelism without sequence_parallel for it, or pass a"
+            " callable `tp_plan` (module, tp_mesh) that shards the stream where it enters the blocks."
+        )
     return rules
 
 

@@ -198,14 +198,76 @@ def _reference(factory: Any, data: Any) -> Any:
     return _references[factory]
 
 
-CASES = [  # (name, module factory, data, devices, dp, strategy arguments)
-    ("bert-mlm-tp2", BertMaskedLM, _tokens, 2, 1, {"tensor_parallel_size": 2}),
-    ("vit-tp2", ViTClassifier, _images, 2, 1, {"tensor_parallel_size": 2}),
-    ("bert-classifier-dp2-tp2-z1", BertClassifier, _tokens, 4, 2, {"tensor_parallel_size": 2, "zero_stage": 1}),
+class _ShardedParameters(L.Callback):
+    """Which parameters tensor parallelism split (a DTensor placed other than replicated), as training starts."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.results["sharded"] = sorted(
+            name for name, p in pl_module.named_parameters()
+            if isinstance(p, DTensor) and not all(placement.is_replicate() for placement in p.placements))
+
+
+def _split_by_plan(prefix: str, colwise: tuple[str, ...], rowwise: tuple[str, ...]) -> list[str]:
+    """Megatron's split: column-parallel weights and biases, row-parallel weights (their bias stays whole)."""
+    names = [f"{prefix}.{i}.{n}.{p}" for i in (0, 1) for n in colwise for p in ("weight", "bias")]
+    return sorted(names + [f"{prefix}.{i}.{n}.weight" for i in (0, 1) for n in rowwise])
+
+
+BERT_SPLIT = _split_by_plan("model.bert.encoder.layer", ("attention.self.query", "attention.self.key",
+                                                         "attention.self.value", "intermediate.dense"),
+                            ("attention.output.dense", "output.dense"))
+VIT_SPLIT = _split_by_plan("model.vit.layers", ("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1"),
+                           ("attention.o_proj", "mlp.fc2"))
+
+CASES = [  # (name, module factory, data, devices, dp, strategy arguments, parameters split over tp or None)
+    ("bert-mlm-tp2", BertMaskedLM, _tokens, 2, 1, {"tensor_parallel_size": 2}, BERT_SPLIT),
+    ("vit-tp2", ViTClassifier, _images, 2, 1, {"tensor_parallel_size": 2}, VIT_SPLIT),
+    ("bert-classifier-dp2-tp2-z1", BertClassifier, _tokens, 4, 2, {"tensor_parallel_size": 2, "zero_stage": 1}, None),
+    ("bert-classifier-tp2-sp", BertClassifier, _tokens, 2, 1, {"tensor_parallel_size": 2, "sequence_parallel": True},
+     None),
 ]
 
 
-@pytest.mark.parametrize(("name", "factory", "data", "devices", "dp", "strategy"), CASES, ids=[c[0] for c in CASES])
-def test_derived_plans_train_like_one_process(name, factory, data, devices, dp, strategy):
-    result, _ = fit(factory, lambda: data(GLOBAL_BATCH // dp), {**strategy, "tp_plan": "auto"}, devices, STEPS)
+@pytest.mark.parametrize(("name", "factory", "data", "devices", "dp", "strategy", "split"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_derived_plans_train_like_one_process(name, factory, data, devices, dp, strategy, split):
+    result, _ = fit(factory, lambda: data(GLOBAL_BATCH // dp), {**strategy, "tp_plan": "auto"}, devices, STEPS,
+                    callbacks_factory=lambda: [_ShardedParameters()])
     assert_same_training(_reference(factory, data), result, weight_atol=TP_WEIGHT_ATOL)
+    if split is not None:
+        assert result.extra["sharded"] == split
+
+
+def test_sequence_parallel_without_a_token_embedding_fails_before_training():
+    """ViT's stream starts at a patch convolution: nothing splits it over the sequence, so sequence parallelism
+    is refused by name (tensor parallelism alone trains it, above)."""
+    with pytest.raises(ValueError, match=r"sequence_parallel=True .* this model has none .* without sequence_parallel"):
+        auto_plan(ViTClassifier(), sequence_parallel=True)
+
+
+def _apply_worker(factory: Any, tp: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_mgpu.parallel.tensor import apply_tensor_parallel
+
+    torch.distributed.init_process_group("gloo")
+    try:
+        apply_tensor_parallel(factory(), init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)), "auto", False)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _three_heads() -> L.LightningModule:
+    return BertMaskedLM(hidden_size=24, num_attention_heads=3, intermediate_size=48)
+
+
+def test_heads_not_divisible_by_the_degree_fail_before_training_naming_valid_degrees():
+    message = run_distributed(_apply_worker, 2, _three_heads, 2, timeout=120)[0]
+    assert re.search(r"tensor_parallel_size=2 must divide.*attention.self.num_attention_heads = 3", message), message
+    assert "Valid tensor_parallel_size values for this model and plan: [3]" in message, message
