@@ -1,0 +1,125 @@
+"""Tensor parallelism: the global-shape (DTensor region) path against the local-tensor path, on the same model.
+
+``tp_plan="auto"`` runs the attention and MLP of a model that is not a Hugging Face one as *global-shape regions*
+(``lightning_mgpu/parallel/tensor_region.py``): the column-parallel projections hand back DTensors with the
+unsharded shapes, so code that reshapes with global sizes works unchanged. The local path hands each rank its plain
+shard instead, which only code written for shards survives. Both run here on the demo GPT
+(``lightning_mgpu.demo``), whose attention reads its width from the projection's output and so runs either way:
+
+==========  ======================================================================================================
+``global``  ``HybridStrategy(tensor_parallel_size=tp)``, ``tp_plan="auto"``: global-shape regions
+``local``   the same strategy with a callable ``tp_plan`` applying the same plan with the same style objects
+            (``benchmarks/bench_tensor.parallelize_by_hand``: plain shards, head counts localized)
+==========  ======================================================================================================
+
+Each size (``--sizes tp x n_embd``) runs both configurations in ``tp`` forked gloo processes, interleaved over
+``--repeats`` (``benchmarks/harness.py``): step time (slowest rank, median after warm-up), CPU time, and the
+collectives of one extra untimed step (profiler count).
+
+    python benchmarks/bench_tensor_regions.py                 # tp2 x n_embd 64, tp4 x n_embd 256
+    python benchmarks/bench_tensor_regions.py --sizes 4x512 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import QUIET_TRAINER, SEED  # noqa: E402
+
+PATHS = ("global", "local")
+
+
+def _local_plan(module: Any, tp_mesh: Any) -> None:
+    """The auto plan's styles applied to the demo GPT without regions: the local-tensor path."""
+    from benchmarks.bench_tensor import parallelize_by_hand
+
+    parallelize_by_hand(module.model, tp_mesh, sequence_parallel=False)
+
+
+def trainer_job(path: str, tp: int, n_embd: int, args: dict[str, Any]) -> dict[str, Any]:
+    """One Trainer fit of the demo GPT under tp=``tp`` on the ``path`` path, in this rank."""
+    harness.quiet_worker(args["verbose"])
+    import lightning as L
+
+    from lightning_mgpu import HybridStrategy
+    from lightning_mgpu.demo import GPTLightningModule, TextDataModule
+
+    L.seed_everything(SEED, verbose=False)
+    module = GPTLightningModule(block_size=args["block_size"], n_layer=args["n_layer"], n_head=args["n_head"],
+                                n_embd=n_embd, seed=SEED)
+    plan = "auto" if path == "global" else _local_plan
+    probe = harness.make_step_probe(mem_step=1, profile_step=args["steps"], verbose=args["verbose"])
+    trainer = L.Trainer(accelerator="cpu", devices=tp, max_steps=args["steps"] + 1, callbacks=[probe],
+                        strategy=HybridStrategy(tensor_parallel_size=tp, tp_plan=plan), **QUIET_TRAINER)
+    trainer.fit(module, TextDataModule(batch_size=args["batch_size"], block_size=args["block_size"]))
+    return {**probe.result(), "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
+
+
+def _name(path: str, tp: int, n_embd: int) -> str:
+    return f"tp{tp}x{n_embd}-{path}"
+
+
+def print_report(runs: dict[str, list], sizes: list[tuple[int, int]], args: dict[str, Any]) -> list[dict[str, Any]]:
+    results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}
+    print(f"\ndemo GPT n_layer={args['n_layer']} n_head={args['n_head']} block={args['block_size']} batch"
+          f" {args['batch_size']}, gloo; {args['repeats']} interleaved repeats x {args['steps'] - args['warmup']}"
+          f" timed steps; load {harness.load_average()}")
+    pairs = [(_name("global", tp, e), _name("local", tp, e), None) for tp, e in sizes]
+    rows = harness.ratio_table(results, pairs)
+    print(f"\n{'configuration':<18} {'step ms':>8} {'cpu ms':>7} {'final loss':>10}  collectives/step (rank 0)")
+    for name in results:
+        first = runs[name][0][0]
+        print(f"{name:<18} {results[name]['median'] * 1e3:8.1f} {results[name]['cpu'] * 1e3:7.1f}"
+              f" {first['loss']:10.4f}  {harness.fmt_comm(first['comm'])}")
+    print("\nstep ratio / cpu ratio: global-shape path / local path in the same repeat, median [min-max].")
+    print("collectives: AR all-reduce, AG all-gather, RS reduce-scatter (the logging all-reduce of the loss included).")
+    return rows
+
+
+def _sizes(text: str) -> list[tuple[int, int]]:
+    sizes = []
+    for item in text.split(","):
+        tp, _, n_embd = item.strip().partition("x")
+        sizes.append((int(tp), int(n_embd)))
+    return sizes
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="2x64,4x256", help="comma-separated TPxN_EMBD (processes x width)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per configuration")
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--verbose", action="store_true")
+    ns = parser.parse_args(argv)
+    sizes = _sizes(ns.sizes)
+    bad = [f"{tp}x{e}" for tp, e in sizes if tp < 2 or ns.n_head % tp or e % ns.n_head]
+    if bad:
+        parser.error(f"--sizes {bad}: tp must be >= 2 and divide --n-head={ns.n_head}, which must divide n_embd")
+    if not 0 <= ns.warmup < ns.steps:
+        parser.error("need 0 <= --warmup < --steps")
+    args = vars(ns)
+    import lightning  # noqa: F401  (imported before forking: each job starts in ~1 s)
+    import lightning_mgpu  # noqa: F401
+
+    jobs = {_name(path, tp, e): (trainer_job, tp, (path, tp, e, args)) for tp, e in sizes for path in PATHS}
+    runs = harness.run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose,
+                                   report=lambda n, o: f"{harness.summarize([o], ns.warmup)['median'] * 1e3:.1f} ms/step")
+    return print_report(runs, sizes, args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
