@@ -78,8 +78,9 @@ def derive_block_plan(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
 
 
 def _stream_width(block: nn.Module, projections: dict[str, nn.Module]) -> int:
-    """The residual stream's width: what the block's norms normalize, else the most common projection input."""
-    for child in block.modules():
+    """The residual stream's width: what the block's own norms normalize (not a per-head q/k norm deeper down),
+    else the most common projection input."""
+    for child in block.children():
         shape = getattr(child, "normalized_shape", None)
         if isinstance(shape, (tuple, list)) and len(shape) == 1:
             return int(shape[0])

@@ -124,12 +124,22 @@ def test_bert_plan_is_derived_from_the_data_flow_and_logged(caplog):
     assert auto_plan(BertClassifier()) == BERT_PLAN
 
 
+def test_roberta_is_derived_like_bert():
+    config = transformers.RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, max_position_embeddings=64)
+    plan = auto_plan(transformers.RobertaForMaskedLM(config))
+    assert plan == {glob.replace("model.bert.", "roberta."): s for glob, s in BERT_PLAN.items()}
+
+
 @pytest.mark.parametrize(
     ("factory", "blocks"),
     [(ViTClassifier, "model.vit.layers"), (NanoGPTModule, "model.transformer.h"),
+     (lambda: transformers.DeiTForImageClassification(transformers.DeiTConfig(
+         image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+         intermediate_size=64)), "deit.layers"),
      (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB,
                                                                    bos_token_id=0, eos_token_id=0)), "transformer.h")],
-    ids=["vit", "nanogpt", "gpt2-conv1d"],
+    ids=["vit", "nanogpt", "deit", "gpt2-conv1d"],
 )
 def test_derivation_agrees_with_the_gpt_block_name_rules(factory, blocks):
     """Where the name rules know every layer, the data flow gives the same plan (fused q|k|v included), without
@@ -224,6 +234,36 @@ BERT_SPLIT = _split_by_plan("model.bert.encoder.layer", ("attention.self.query",
 VIT_SPLIT = _split_by_plan("model.vit.layers", ("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1"),
                            ("attention.o_proj", "mlp.fc2"))
 
+class _SaveAtTheEnd(L.Callback):
+    def __init__(self, path: Any) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def _check_consolidation(ckpt: Any, reference: Any, directory: Any) -> None:
+    """The tp=2 checkpoint, consolidated by `lightning-mgpu consolidate`, loads strictly into the unmodified module
+    in this one process with the reference's weights, and as safetensors under Hugging Face's names."""
+    from safetensors.torch import load_file
+
+    from lightning_mgpu.cli import main as cli
+
+    assert cli(["consolidate", str(ckpt), str(directory / "full.ckpt")]) == 0
+    module = BertMaskedLM()
+    module.load_state_dict(torch.load(directory / "full.ckpt", weights_only=True)["state_dict"], strict=True)
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict[name], rtol=1e-4, atol=TP_WEIGHT_ATOL, msg=name)
+    hf_dir = directory / "hf"
+    assert cli(["consolidate", str(ckpt), str(hf_dir / "model.safetensors"), "--format", "safetensors"]) == 0
+    names = set(load_file(hf_dir / "model.safetensors"))
+    assert "bert.encoder.layer.0.attention.self.query.weight" in names and names <= set(module.model.state_dict())
+    loaded = transformers.BertForMaskedLM.from_pretrained(hf_dir)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, module.model(input_ids=tokens).logits)
+
+
 CASES = [  # (name, module factory, data, devices, dp, strategy arguments, parameters split over tp or None)
     ("bert-mlm-tp2", BertMaskedLM, _tokens, 2, 1, {"tensor_parallel_size": 2}, BERT_SPLIT),
     ("vit-tp2", ViTClassifier, _images, 2, 1, {"tensor_parallel_size": 2}, VIT_SPLIT),
@@ -235,12 +275,16 @@ CASES = [  # (name, module factory, data, devices, dp, strategy arguments, param
 
 @pytest.mark.parametrize(("name", "factory", "data", "devices", "dp", "strategy", "split"), CASES,
                          ids=[c[0] for c in CASES])
-def test_derived_plans_train_like_one_process(name, factory, data, devices, dp, strategy, split):
+def test_derived_plans_train_like_one_process(name, factory, data, devices, dp, strategy, split, tmp_path):
+    ckpt = tmp_path / "end.ckpt"
     result, _ = fit(factory, lambda: data(GLOBAL_BATCH // dp), {**strategy, "tp_plan": "auto"}, devices, STEPS,
-                    callbacks_factory=lambda: [_ShardedParameters()])
-    assert_same_training(_reference(factory, data), result, weight_atol=TP_WEIGHT_ATOL)
+                    callbacks_factory=lambda: [_ShardedParameters(), _SaveAtTheEnd(ckpt)])
+    reference = _reference(factory, data)
+    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
     if split is not None:
         assert result.extra["sharded"] == split
+    if factory is BertMaskedLM:
+        _check_consolidation(ckpt, reference, tmp_path)
 
 
 def test_sequence_parallel_without_a_token_embedding_fails_before_training():
