@@ -52,8 +52,8 @@ CASES = [
     # --- option values
     ("zero-backend", dict(zero_backend="megatron"), {}, "construct",
      r"`zero_backend` must be one of 'torch', 'deepspeed', got 'megatron'"),
-    ("zero-backend-deepspeed", dict(zero_backend="deepspeed"), {}, "construct",
-     r"does not implement zero_backend='deepspeed' yet.*Remove the argument"),
+    ("zero-backend-deepspeed-tp", dict(zero_backend="deepspeed", tensor_parallel_size=2), {}, "construct",
+     r"zero_backend='deepspeed' runs data parallelism only; tensor_parallel_size=2"),
     ("schedule-unknown", dict(pipeline_schedule="ZeroBubble", **PP2), {}, "construct",
      r"`pipeline_schedule` must be one of 'GPipe', '1F1B'.*got 'ZeroBubble'"),
     ("schedule-case", dict(pipeline_schedule="1f1b", **PP2), {}, "construct",
