@@ -226,6 +226,10 @@ def print_report(runs: dict[str, list], args: dict[str, Any]) -> dict[str, Any]:
         mems = " ".join(f"{mem[k] / MB:6.2f}" for k in ("params", "grads", "optim")) if mem else f"{'?':>20}"
         print(f"{name:<16} {results[name]['median'] * 1e3:8.1f} {results[name]['cpu'] * 1e3:7.1f} {mems} {sent}"
               f" {minimum / MB:8.2f}  {harness.fmt_comm(comm)}")
+    print("\nphases, ms (median over steps of the ranks' mean), wall then CPU: forward / backward / optimizer step")
+    for name, r in results.items():
+        ph = [f"{x * 1e3:.1f}" for x in r["phases"]]
+        print(f"  {name:<16} wall {'/'.join(ph[:3]):<18} cpu {'/'.join(ph[3:])}")
     print("\nstep ratio / cpu ratio: median over repeats of (time / peer's time in the same repeat) [min-max].")
     print("param/grad/optim: MB per rank after backward (most loaded rank); MB/step: bytes rank 0 sends per step")
     print("  for the collectives it issued (ring algorithms, profiler count); minimum: " + "; ".join(
