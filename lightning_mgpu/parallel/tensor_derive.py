@@ -22,21 +22,19 @@ logged so that it can be pinned as an explicit ``tp_plan``.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-log = logging.getLogger(__name__)
-
 _INPUT = "<block input>"
-_TRACE_SHAPE = (2, 4)
+_TRACE_SHAPE = (2, 4)  # (batch, sequence) of the fake hidden states
 # A column-parallel projection whose output is split into equal parts: each part sharded alike (see tensor.py).
-_FUSED_STYLES = {3: "colwise_qkv", 2: "colwise_gate_up"}  # (batch, sequence) of the fake hidden states
+_FUSED_STYLES = {3: "colwise_qkv", 2: "colwise_gate_up"}
 
 
 def derive_block_plan(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
@@ -72,7 +70,7 @@ def derive_block_plan(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
             f" as derived: tp_plan={explicit!r}"
         )
     plan = {glob[n]: s for n, s in styles.items()}
-    log.info("tp_plan='auto' derived this plan for the blocks in %r (%s) from their structure; pass it as"
+    rank_zero_info("tp_plan='auto' derived this plan for the blocks in %r (%s) from their structure; pass it as"
              " `tp_plan` to pin it: %r", blocks_fqn, type(block).__name__, plan)
     return plan
 
@@ -160,7 +158,8 @@ def _equal_parts_of_last_dim(tensor: Any, result: Any) -> bool:
     return all(part == (*shape[:-1], shape[-1] // len(parts)) for part in parts) and shape[-1] % len(parts) == 0
 
 
-def _trace(block: nn.Module, projections: dict[str, nn.Module], width: int) -> tuple[dict[str, set], frozenset, dict[str, int]]:
+def _trace(block: nn.Module, projections: dict[str, nn.Module],
+           width: int) -> tuple[dict[str, set], frozenset, dict[str, int]]:
     """Run ``block`` on fake hidden states: each projection's input sources, the output's sources, and the fused
     projections with their number of parts."""
     from torch._subclasses.fake_tensor import FakeTensorMode

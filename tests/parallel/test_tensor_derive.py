@@ -115,8 +115,12 @@ BERT_PLAN = {
 def test_bert_plan_is_derived_from_the_data_flow_and_logged(caplog):
     module = BertMaskedLM()
     state = torch.random.get_rng_state()
-    with caplog.at_level(logging.INFO, logger="lightning_mgpu.parallel.tensor_derive"):
+    lightning_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # printed like Lightning's own info
+    lightning_log.addHandler(caplog.handler)
+    try:
         plan = auto_plan(module)
+    finally:
+        lightning_log.removeHandler(caplog.handler)
     assert plan == BERT_PLAN
     assert torch.equal(state, torch.random.get_rng_state())  # the trace draws no random numbers
     logged = re.search(r"pin it: (\{.*\})", caplog.text)
@@ -294,24 +298,32 @@ def test_sequence_parallel_without_a_token_embedding_fails_before_training():
         auto_plan(ViTClassifier(), sequence_parallel=True)
 
 
-def _apply_worker(factory: Any, tp: int) -> str:
+def _apply_worker(cases: list[tuple[Any, bool]], tp: int) -> list[str]:
+    """``apply_tensor_parallel(factory(), tp_plan="auto", sequence_parallel)`` for each case: its error or none."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 
     torch.distributed.init_process_group("gloo")
-    try:
-        apply_tensor_parallel(factory(), init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)), "auto", False)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    messages = []
+    for factory, sequence_parallel in cases:
+        try:
+            apply_tensor_parallel(factory(), mesh, "auto", sequence_parallel)
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
 
 
 def _three_heads() -> L.LightningModule:
     return BertMaskedLM(hidden_size=24, num_attention_heads=3, intermediate_size=48)
 
 
-def test_heads_not_divisible_by_the_degree_fail_before_training_naming_valid_degrees():
-    message = run_distributed(_apply_worker, 2, _three_heads, 2, timeout=120)[0]
-    assert re.search(r"tensor_parallel_size=2 must divide.*attention.self.num_attention_heads = 3", message), message
-    assert "Valid tensor_parallel_size values for this model and plan: [3]" in message, message
+def test_encoders_that_cannot_be_sharded_fail_before_training_saying_why():
+    """Heads not divisible by the degree name the valid degrees. BERT's masked-LM decoder is tied to the word
+    embedding, which sequence parallelism shards over the vocabulary to split the stream: refused naming both."""
+    heads, tied = run_distributed(_apply_worker, 2, [(_three_heads, False), (BertMaskedLM, True)], 2, timeout=120)[0]
+    assert re.search(r"tensor_parallel_size=2 must divide.*attention.self.num_attention_heads = 3", heads), heads
+    assert "Valid tensor_parallel_size values for this model and plan: [3]" in heads, heads
+    assert re.search(r"word_embeddings.weight and model.cls.predictions.decoder.weight are one tied weight", tied), tied
