@@ -36,9 +36,13 @@ MAPPED = {
     "replicated_with_grad_allreduce": "replicated_with_grad_allreduce",
     "sequence_parallel": "sequence_parallel",
     "replicate": "replicate",
+    # Experts: the module on local shards of its 3-D parameters, placed by the parameter entries (tensor_experts.py).
+    "moe_tp_experts": "moe_tp_experts",
+    "moe_identity_expert": "moe_identity_expert",
+    "packed_colwise": "packed_colwise",
+    "packed_rowwise": "packed_rowwise",
 }
-REFUSED = {"packed_colwise", "packed_rowwise", "moe_tp_experts", "moe_identity_expert", "grouped_gemm",
-           "ep_dispatch_experts", "mla_kv_a_proj", "all_reduce", "local_params"}
+REFUSED = {"grouped_gemm", "ep_dispatch_experts", "mla_kv_a_proj", "all_reduce", "local_params"}
 
 
 def _registered_styles() -> set[str]:
@@ -91,28 +95,30 @@ def test_every_style_in_every_model_plan_is_mapped_or_refused():
 # by what tp_plan='auto' does with it. UNBUILT: the default configuration does not build a model on its own
 # (a sub-configuration of a composite model, or an optional dependency); their styles are still checked above.
 SERVED = {
-    'apertus', 'arcee', 'cohere', 'cohere2', 'cosmos3_edge', 'cosmos3_edge_text', 'cwm', 'doge', 'embedding_gemma2',
-    'embedding_gemma2_text', 'ernie4_5', 'esmc', 'eurobert', 'exaone4', 'gemma', 'gemma2', 'gemma3', 'gemma3_text',
-    'gemma3n_text', 'gemma4', 'gemma4_text', 'gemma4_unified', 'gemma4_unified_text', 'gemma4_vision', 'glm',
-    'glm4', 'glm4v', 'glm4v_text', 'glm_image', 'glm_image_text', 'glm_ocr', 'glm_ocr_text', 'gpt_neox', 'granite',
-    'granite_docling', 'granite_docling_text', 'helium', 'higgs_audio_v2', 'hrm_text', 'hyperclovax', 'internlm3',
-    'iquestcoder', 'jais2', 'llama', 'ministral3', 'mistral', 'muse_glimmer', 'muse_glimmer_assistant',
-    'muse_glimmer_text', 'muse_glimmer_vision', 'muse_spark', 'muse_spark_text', 'nanochat', 'neomme', 'olmo',
-    'olmo2', 'olmo3', 'olmo_hybrid', 'paddleocr_vl', 'phi', 'phi3', 'phi4_multimodal', 'qwen2',
-    'qwen2_5_omni_thinker', 'qwen2_5_vl', 'qwen2_5_vl_text', 'qwen2_vl', 'qwen2_vl_text', 'qwen3', 'qwen3_5_text',
-    'seed_oss', 'smollm3', 'starcoder2', 't5gemma', 't5gemma2', 'ultrabert', 'vaultgemma', 'youtu',
+    'afmoe', 'apertus', 'arcee', 'aria', 'aria_text', 'axk1', 'bailing_hybrid', 'cohere', 'cohere2', 'cohere2_moe',
+    'cosmos3_edge', 'cosmos3_edge_text', 'cwm', 'deepseek_v3', 'deepseek_v4', 'doge', 'embedding_gemma2',
+    'embedding_gemma2_text', 'ernie4_5', 'ernie4_5_moe', 'ernie4_5_vl_moe', 'esmc', 'eurobert', 'exaone4',
+    'exaone_moe', 'flex_olmo', 'flint', 'gemma', 'gemma2', 'gemma3', 'gemma3_text', 'gemma3n_text', 'gemma4',
+    'gemma4_text', 'gemma4_unified', 'gemma4_unified_text', 'gemma4_vision', 'glm', 'glm4', 'glm4_moe', 'glm4v',
+    'glm4v_moe', 'glm4v_moe_text', 'glm4v_text', 'glm_image', 'glm_image_text', 'glm_ocr', 'glm_ocr_text', 'gpt_neox',
+    'granite', 'granite_docling', 'granite_docling_text', 'granitemoe', 'granitemoehybrid', 'granitemoeshared',
+    'helium', 'higgs_audio_v2', 'hrm_text', 'hy_v3', 'hyperclovax', 'inkling2', 'inkling2_text', 'internlm3',
+    'iquestcoder', 'jais2', 'jamba', 'kimi_linear', 'kolibri1', 'laguna', 'llama', 'llama4_text', 'mellum', 'minimax',
+    'minimax_m2', 'minimax_m3_vl', 'minimax_m3_vl_text', 'ministral3', 'mistral', 'mistral4', 'mistral_large4',
+    'mistral_large4_text', 'mixtral', 'muse_glimmer', 'muse_glimmer_assistant', 'muse_glimmer_text',
+    'muse_glimmer_vision', 'muse_spark', 'muse_spark_text', 'nanochat', 'nemotron_h', 'neomme', 'olmo', 'olmo2',
+    'olmo3', 'olmo_hybrid', 'olmoe', 'paddleocr_vl', 'phi', 'phi3', 'phi4_multimodal', 'phimoe', 'qwen2',
+    'qwen2_5_omni_thinker', 'qwen2_5_vl', 'qwen2_5_vl_text', 'qwen2_moe', 'qwen2_vl', 'qwen2_vl_text', 'qwen3',
+    'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next', 'qwen3_omni_moe_thinker', 'qwen3_vl_moe',
+    'qwen3_vl_moe_text', 'seed_oss', 'smollm3', 'solar_open', 'starcoder2', 'step3p7', 't5gemma', 't5gemma2',
+    'ultrabert', 'unlimited_ocr', 'vaultgemma', 'youtu',
 }
+# Refused by name (each plan also shards its experts, 'moe_tp_experts'): DeepSeek-style MLA ('mla_kv_a_proj'),
+# attention sinks ('local_params'), a shared expert all-reduced by a hook ('all_reduce').
 REFUSED_MODELS = {
-    'afmoe', 'aria', 'aria_text', 'axk1', 'axk2', 'bailing_hybrid', 'beam', 'cohere2_moe', 'deepseek_v2',
-    'deepseek_v3', 'deepseek_v32', 'deepseek_v4', 'dots3_note_text', 'ernie4_5_moe', 'ernie4_5_vl_moe',
-    'exaone_moe', 'flex_olmo', 'flint', 'glm4_moe', 'glm4_moe_lite', 'glm4v_moe', 'glm4v_moe_text', 'glm5_next',
-    'glm5_next_text', 'glm_moe_dsa', 'granite_swa', 'granitemoe', 'granitemoe_swa', 'granitemoehybrid',
-    'granitemoeshared', 'hy_v3', 'hy_v4', 'inkling2', 'inkling2_text', 'inkling_mm_model', 'inkling_text', 'jamba',
-    'kimi_linear', 'kolibri1', 'laguna', 'llama4_text', 'longcat_flash', 'mellum', 'mimo_v2_flash', 'minicpm3',
-    'minimax', 'minimax_m2', 'minimax_m3_vl', 'minimax_m3_vl_text', 'mistral4', 'mistral_large4',
-    'mistral_large4_text', 'mixtral', 'nemotron_h', 'olmoe', 'phimoe', 'qwen2_moe', 'qwen3_5_moe_text', 'qwen3_moe',
-    'qwen3_next', 'qwen3_omni_moe_thinker', 'qwen3_vl_moe', 'qwen3_vl_moe_text', 'solar_open', 'step3p7',
-    'unlimited_ocr',
+    'axk2', 'beam', 'deepseek_v2', 'deepseek_v32', 'dots3_note_text', 'glm4_moe_lite', 'glm5_next', 'glm5_next_text',
+    'glm_moe_dsa', 'granite_swa', 'granitemoe_swa', 'hy_v4', 'inkling_mm_model', 'inkling_text', 'longcat_flash',
+    'mimo_v2_flash', 'minicpm3',
 }
 UNBUILT = {
     'cohere_compass', 'cohere_compass_text', 'deepseek_ocr2', 'deepseek_ocr2_encoder', 'deepseek_ocr2_text',
@@ -142,6 +148,7 @@ def _model_on_meta(model_type: str):
 
 
 def test_auto_plan_of_every_architecture_maps_every_style_or_refuses_by_name():
+    from lightning_mgpu.parallel.tensor_experts import expert_placements
     from lightning_mgpu.parallel.tensor_plan import _match
 
     outcomes = {}
@@ -157,7 +164,9 @@ def test_auto_plan_of_every_architecture_maps_every_style_or_refuses_by_name():
             assert set(explicit.values()) <= set(STYLE_NAMES) and _match(module, explicit), (model_type, message)
             outcomes[model_type] = "refused"
         else:
-            assert set(plan.values()) <= set(STYLE_NAMES) and _match(module, plan), (model_type, plan)
+            matched = _match(module, plan)
+            assert set(plan.values()) <= set(STYLE_NAMES) and matched, (model_type, plan)
+            expert_placements(module, plan, matched)  # every expert weight placed by the plan's parameter entries
             outcomes[model_type] = "served"
     assert {t for t, o in outcomes.items() if o == "served"} == SERVED, outcomes
 
@@ -183,15 +192,6 @@ def phi3(**kw):
 
 def qwen3(**kw):
     return HFModule("Qwen3Config", "Qwen3ForCausalLM", head_dim=16, **kw)
-
-
-def mixtral(**kw):
-    return HFModule("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2, **kw)
-
-
-def qwen3_moe(**kw):
-    return HFModule("Qwen3MoeConfig", "Qwen3MoeForCausalLM", head_dim=16, num_experts=4, num_experts_per_tok=2,
-                    moe_intermediate_size=32, decoder_sparse_step=1, **kw)
 
 
 def _tokens(batch):
@@ -234,14 +234,24 @@ def _explicit_plan(message: str) -> dict[str, str]:
     return ast.literal_eval(message.split("tp_plan=", 1)[1])
 
 
-@pytest.mark.parametrize("factory", [mixtral, qwen3_moe], ids=["mixtral", "qwen3_moe"])
-def test_moe_is_refused_naming_the_style_and_the_explicit_plan_trains(factory):
-    message = _refusal(factory)
-    assert re.search(r"uses styles \['moe_tp_experts', 'packed_colwise'\]", message), message
-    assert "keeps ['model.model.layers.*.mlp.experts'] replicated" in message, message
+def deepseek_v2(**kw):
+    return HFModule("DeepseekV2Config", "DeepseekV2ForCausalLM", n_routed_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=32, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None,
+                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+                    num_key_value_heads=4, **kw)
+
+
+def test_a_refused_style_is_named_and_the_explicit_plan_trains_with_its_experts_sharded():
+    """DeepSeek-V2: MLA ('mla_kv_a_proj') is refused; the plan offered keeps that attention whole and still shards
+    the routed experts (tensor_experts.py), the shared experts and the dense MLP."""
+    message = _refusal(deepseek_v2)
+    assert re.search(r"uses style \['mla_kv_a_proj'\]", message), message
+    assert "keeps ['model.model.layers.*.self_attn'] replicated" in message, message
     plan = _explicit_plan(message)
-    assert plan["model.model.layers.*.self_attn.q_proj"] == "colwise" and not any("experts" in g for g in plan)
-    _tp2(factory, plan)
+    assert plan["model.model.layers.*.mlp.experts"] == "moe_tp_experts"
+    assert plan["model.model.layers.*.mlp.experts.gate_up_proj"] == "packed_colwise"
+    assert not any("self_attn" in g for g in plan)
+    _tp2(deepseek_v2, plan)
 
 
 def _apply_worker(factory, tp):
