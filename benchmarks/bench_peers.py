@@ -1,4 +1,4 @@
-"""Data parallelism: HybridStrategy's ZeRO stages 0-3 against their peers, side by side in one interleaved run.
+"""Every layout against its peer, side by side in one interleaved run: ZeRO 0-3, tensor and pipeline parallelism.
 
 =====================  =======================================================================  ====================
 configuration          what                                                                     peer (target ratio)
@@ -11,6 +11,14 @@ configuration          what                                                     
 ``fsdp2``              Lightning ``ModelParallelStrategy``, ``fully_shard`` per block then the   -
                        root by hand in ``configure_model`` (FSDP2's defaults)
 ``zero3``              ``HybridStrategy(zero_stage=3)``                                          ``fsdp2`` (<= 1.00)
+``mp-tp2``             Lightning ``ModelParallelStrategy``, the tp plan by hand in               -
+                       ``configure_model`` (``bench_tensor.parallelize_by_hand``; FSDP2 over dp
+                       if ``--devices`` > 2)
+``tp2``                ``HybridStrategy(tensor_parallel_size=2)`` (ZeRO-3 over dp if > 1)        ``mp-tp2`` (<= 1.00)
+``pp-hand``            1F1B by hand: ``PipelineStage`` + ``Schedule1F1B`` over stages cut like   -
+                       HybridStrategy's (``bench_pipeline._run_hand``), pp = ``--devices``
+``pp-1f1b``            ``HybridStrategy(pipeline_parallel_size=devices, pipeline_schedule=       ``pp-hand`` (<= 1.05)
+                       "1F1B", num_microbatches=2*pp)``
 =====================  =======================================================================  ====================
 
 Every configuration fits the demo GPT on the same data with the same per-rank batch in ``--devices`` forked gloo
@@ -43,12 +51,18 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], Optional[str], Optional[float]]] =
     "zero2": ("hybrid", {"zero_stage": 2}, "deepspeed-zero2", 0.97),
     "fsdp2": ("fsdp2", {"zero_stage": 3}, None, None),
     "zero3": ("hybrid", {"zero_stage": 3}, "fsdp2", 1.00),
+    "mp-tp2": ("mp-tp", {}, None, None),
+    "tp2": ("hybrid-tp", {}, "mp-tp2", 1.00),
+    "pp-hand": ("pp-hand", {}, None, None),
+    "pp-1f1b": ("pp", {}, "pp-hand", 1.05),
 }
 
 
 def analytic_comm(name: str, dp: int, n_params: int, n_root: int) -> tuple[float, str]:
     """The fewest bytes a rank must send per step for gradients and parameters (fp32, ring collectives)."""
     kind, options, _, _ = CONFIGS[name]
+    if kind.startswith(("mp-tp", "hybrid-tp", "pp")):
+        return 0.0, "(see bench_tensor.py / bench_pipeline.py)"
     f, full = (dp - 1) / dp, 4 * n_params
     stage = options.get("zero_stage", options.get("stage", 0))
     if kind == "ddp" or stage == 0:
@@ -65,6 +79,8 @@ def _module(kind: str, args: dict[str, Any]) -> Any:
 
     kwargs = dict(block_size=args["block_size"], n_layer=args["n_layer"], n_head=args["n_head"], n_embd=args["n_embd"],
                   seed=SEED)
+    if kind == "mp-tp":
+        return _tensor_parallel_by_hand(kwargs)
     if kind != "fsdp2":
         return GPTLightningModule(**kwargs)
 
@@ -82,6 +98,26 @@ def _module(kind: str, args: dict[str, Any]) -> Any:
     return FSDP2ByHand(**kwargs)
 
 
+def _tensor_parallel_by_hand(kwargs: dict[str, Any]) -> Any:
+    from benchmarks.bench_tensor import parallelize_by_hand
+    from lightning_mgpu.demo import GPTLightningModule
+
+    class TensorParallelByHand(GPTLightningModule):
+        """The demo module with the tp plan (and FSDP2 over dp) applied by hand, as Lightning's docs do it."""
+
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            parallelize_by_hand(self.model, self.device_mesh["tensor_parallel"], False)
+            dp_mesh = self.device_mesh["data_parallel"]
+            if dp_mesh.size() > 1:
+                for block in self.model.transformer.h:
+                    fully_shard(block, mesh=dp_mesh)
+                fully_shard(self.model, mesh=dp_mesh)
+
+    return TensorParallelByHand(**kwargs)
+
+
 def _strategy(kind: str, options: dict[str, Any], devices: int) -> Any:
     from datetime import timedelta
 
@@ -93,7 +129,18 @@ def _strategy(kind: str, options: dict[str, Any], devices: int) -> Any:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    if kind == "mp-tp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=devices // 2, tensor_parallel_size=2)
     from lightning_mgpu import HybridStrategy
+
+    if kind == "hybrid-tp":
+        return HybridStrategy(tensor_parallel_size=2, data_parallel_size=devices // 2,
+                              zero_stage=3 if devices > 2 else 0)
+    if kind == "pp":
+        return HybridStrategy(pipeline_parallel_size=devices, data_parallel_size=1, pipeline_schedule="1F1B",
+                              num_microbatches=2 * devices)
 
     return HybridStrategy(data_parallel_size=devices, **options)
 
@@ -169,6 +216,21 @@ def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     return {**timer.result(), "memory": memory, "comm": comm, "loss": float(loss)}
 
 
+def pipeline_by_hand_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The same 1F1B schedule by hand (``bench_pipeline._run_hand``), timed over the same span as the Trainer's."""
+    harness.quiet_worker(args["verbose"])
+    import torch.distributed as dist
+
+    from benchmarks.bench_pipeline import _Recorder, _run_hand
+
+    dist.init_process_group("gloo")
+    pp = args["devices"]
+    run = _run_hand("1F1B", 2 * pp, {**args, "pp": pp, "steps": args["steps"]}, _Recorder())
+    steps = run["steps"]
+    return {"times": [s["wall"] for s in steps], "cpu_times": [s["cpu"] for s in steps], "phases": [],
+            "memory": None, "comm": None, "loss": steps[-1]["loss"]}
+
+
 def _deepspeed_memory(engine: Any, optimizer: Any) -> dict[str, int]:
     """DeepSpeed keeps fp32 gradients/partitions in its own flat buffers: count what the engine holds."""
     memory = harness.memory_per_rank(engine.module, [optimizer])
@@ -191,7 +253,7 @@ def _tensors(obj: Any, name: str) -> list[Any]:
 
 
 def _job(name: str) -> Any:
-    return deepspeed_job if CONFIGS[name][0] == "deepspeed" else trainer_job
+    return {"deepspeed": deepspeed_job, "pp-hand": pipeline_by_hand_job}.get(CONFIGS[name][0], trainer_job)
 
 
 # ------------------------------------------------------------------------------------------------ the report
