@@ -12,7 +12,7 @@ from lightning_mgpu.cli import main
 from lightning_mgpu.planner import Efficiency, Layout, ModelSpec, Training, build_on_meta, estimate, preset, search
 from lightning_mgpu.planner.cost import activation_bytes_per_layer, bubble_fraction, memory, paper_flops_per_step
 from lightning_mgpu.planner.model_spec import spec_from_module
-from lightning_mgpu.planner.search import parse_fix, reference_tokens_per_gpu
+from lightning_mgpu.planner.search import layout_from_options, parse_fix, reference_tokens_per_gpu
 
 # Narayanan et al. (2021), Table 1: (params, hidden, heads, layers, GPUs, batch, tp, pp, published TFLOP/s per GPU).
 TABLE_1 = [
@@ -175,28 +175,6 @@ def test_plan_command_bad_input(argv, message):
 
 
 # ------------------------------------------------------------------ measured on this machine (CPU, gloo processes)
-class _StepTimer:
-    """Wall time of each training batch on this rank (a Lightning callback, built in the worker)."""
-
-    @staticmethod
-    def make():
-        import time
-
-        import lightning as L
-
-        class StepTimer(L.Callback):
-            def __init__(self) -> None:
-                self.results = {"step_times": []}
-
-            def on_train_batch_start(self, *args) -> None:
-                self._start = time.perf_counter()
-
-            def on_train_batch_end(self, *args) -> None:
-                self.results["step_times"].append(time.perf_counter() - self._start)
-
-        return StepTimer()
-
-
 MEASURED_GPT = dict(block_size=32, n_layer=4, n_head=4, n_embd=64)
 MEASURED_BATCH = 8
 # (processes, HybridStrategy arguments): ZeRO 0-3, tensor and pipeline parallel, and mixes.
@@ -213,17 +191,12 @@ MEASURED_LAYOUTS = [
 
 
 def _planner_layout(processes: int, kwargs: dict) -> Layout:
-    tp, pp = kwargs.get("tensor_parallel_size", 1), kwargs.get("pipeline_parallel_size", 1)
-    dp = processes // (tp * pp)
-    per_rank = MEASURED_BATCH // dp
-    return Layout(tp=tp, pp=pp, dp=dp, zero_stage=kwargs.get("zero_stage", 0),
-                  schedule="1F1B" if pp > 1 else "none", microbatch_size=per_rank // pp if pp > 1 else per_rank,
-                  num_microbatches=pp)
+    return layout_from_options(processes, MEASURED_BATCH, **kwargs)
 
 
 @pytest.fixture(scope="module")
-def measured_runs():
-    """One fit per layout (4 steps), memory probed after backward of step 1, every step timed."""
+def measured_runs():  # step times of these layouts against the planner: benchmarks/bench_planner.py
+    """One fit per layout (2 steps), memory probed after backward of step 1 (optimizer states exist by then)."""
     from lightning_mgpu.demo import GPTLightningModule, TextDataModule
     from tests.helpers.equivalence import fit
     from tests.helpers.probes import MemoryProbe
@@ -232,8 +205,8 @@ def measured_runs():
     for processes, kwargs in MEASURED_LAYOUTS:
         dp = processes // (kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1))
         _, extras = fit(lambda: GPTLightningModule(**MEASURED_GPT), lambda: TextDataModule(
-            batch_size=MEASURED_BATCH // dp, block_size=MEASURED_GPT["block_size"]), kwargs, processes, 4,
-            callbacks_factory=lambda: [MemoryProbe(step=1), _StepTimer.make()])
+            batch_size=MEASURED_BATCH // dp, block_size=MEASURED_GPT["block_size"]), kwargs, processes, 2,
+            callbacks_factory=lambda: [MemoryProbe(step=1)])
         runs.append((processes, kwargs, extras))
     return runs
 
@@ -256,3 +229,24 @@ def test_predicted_memory_matches_measured(measured_runs):
     print(report)
     for _, _, measured, predicted in rows:
         assert predicted == pytest.approx(measured, rel=0.10), report
+
+
+def test_calibration_shares_cores_between_processes():
+    from lightning_mgpu.planner.calibrate import Measurements
+
+    machine = Measurements(flops=2e10, memory_bw=1e10, latency=1e-4, bus_bw=1e9, memory_gb=16, cores=2)
+    one, eff_one = machine.as_cluster(2)
+    four, eff_four = machine.as_cluster(4)
+    assert one.peak_tflops == pytest.approx(0.02) and four.peak_tflops == pytest.approx(0.01)
+    assert (one.hbm_gbps, four.hbm_gbps, four.intra_node_gbps) == pytest.approx((10, 5, 0.5))
+    assert eff_four.latency_s == pytest.approx(2e-4) and eff_one.gemm == 1.0 and eff_one.memory_passes == 0.0
+
+
+def test_plan_calibrate_measures_this_machine(capsys):
+    assert main(["plan", "--module", "lightning_mgpu.demo:GPTLightningModule", "--init-args",
+                 json.dumps(MEASURED_GPT), "--calibrate", "--gpus", "2", "--global-batch", "8", "--precision",
+                 "32-true", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["cluster"]["name"] == "this-machine" and plan["cluster"]["gpus"] == 2
+    assert plan["efficiency"]["source"].startswith("calibrated here")
+    assert 1e-6 < plan["cluster"]["peak_tflops"] < 10  # a CPU core: GFLOP/s, not a GPU's TFLOP/s

@@ -84,7 +84,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.calibrate:
         from lightning_mgpu.planner.calibrate import calibrate
 
-        cluster, efficiency = calibrate(args, cluster)
+        cluster, efficiency = calibrate(args, cluster, model)
     plan = search(model, cluster, training, efficiency, fixed)
     if args.json:
         print(json.dumps(plan_as_dict(plan, args.top), indent=2))

@@ -233,6 +233,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: Training, layout
     if layout.zero_stage == 3 and d > 1:
         block_bytes = model.params_per_layer / t
         zero3 = (2 * block_bytes * p_bytes + block_bytes * g_bytes) * (d - 1) / d / (dp_bw * GB * eff.comm)
+        zero3 += 3 * eff.latency_s  # two gathers and one reduce-scatter per block
         zero3 = max(zero3 - eff.dp_overlap * block_compute, (1 - eff.dp_overlap) * zero3)
     stage = layers * (block_compute + block_tp + zero3) + head  # the last stage, which runs the head too
     p2p = 0.0
@@ -250,6 +251,9 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: Training, layout
         dp = _ring(d, nbytes, dp_bw, eff)
         if layout.zero_stage == 2:  # FSDP2 gathers the parameters once more at the start of the step
             dp += stage_params * p_bytes * (d - 1) / d / (dp_bw * GB * eff.comm)
+            dp += 2 * (layers + 1) * eff.latency_s  # one gather and one reduce-scatter per block and the root
+        else:
+            dp += math.ceil(nbytes / DP_BUCKET_BYTES) * eff.latency_s  # one all-reduce per bucket
         window = stage * 2 / passes
         dp = dp - eff.dp_overlap * min(dp, window)
     shards = d if layout.zero_stage >= 1 else 1

@@ -216,3 +216,19 @@ def check_fit_hint(plan: Plan) -> str:
     return (f" The smallest footprint is {need:.1f} GB per GPU ({smallest.layout.describe()}); try more GPUs"
             f" (about {math.ceil(plan.cluster.gpus * need / (plan.cluster.usable_bytes / GB))}), ZeRO-3 or full"
             " checkpointing.")
+
+
+def layout_from_options(world_size: int, global_batch: int, tensor_parallel_size: int = 1,
+                        pipeline_parallel_size: int = 1, zero_stage: int = 0, pipeline_schedule: str = "1F1B",
+                        num_microbatches: Optional[int] = None, activation_checkpointing: object = False,
+                        sequence_parallel: bool = False) -> Layout:
+    """The planner's :class:`Layout` for ``HybridStrategy`` arguments (its defaults: as many microbatches as stages)."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    dp = world_size // (tp * pp)
+    per_rank = global_batch // dp
+    schedule = pipeline_schedule if pp > 1 else "none"
+    stages = pp * (2 if schedule == "Interleaved1F1B" else 1)
+    m = (num_microbatches or stages) if pp > 1 else 1
+    ckpt = {False: "none", True: "full", "full": "full", "selective": "selective"}.get(activation_checkpointing, "full")  # type: ignore[call-overload]
+    return Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, schedule=schedule, microbatch_size=max(1, per_rank // m),
+                  num_microbatches=m, checkpointing=ckpt, sequence_parallel=sequence_parallel and tp > 1)
