@@ -30,11 +30,16 @@ if TYPE_CHECKING:
 
 _STATE = "state."
 _GROUPS = "param_groups."
+# Where DeepSpeed's optimizers keep the flat fp32 partitions the user's optimizer steps: ZeRO-1/2, ZeRO-3, bf16 at 0.
+_FP32_PARTITIONS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
 
 
 def _partitioned(param: nn.Parameter) -> bool:
-    """Whether DeepSpeed holds this parameter's fp32 master (and optimizer states) in its flat partitions."""
-    return hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None
+    """Whether DeepSpeed holds this parameter's fp32 master (and optimizer states) in its flat partitions.
+
+    Under ZeRO-1/2 a parameter outside this rank's partition has ``_hp_mapping = None``: it is still DeepSpeed's,
+    and every rank joins the collectives that gather it."""
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
 
 
 def _full_param(param: nn.Parameter) -> torch.Tensor:
@@ -177,6 +182,11 @@ class DeepSpeedStates:
         from deepspeed.utils import safe_set_full_optimizer_state
 
         names = self._fqns(model)
+        sample = next((k for k in flat if k.startswith(_STATE)), None)
+        if sample is not None:
+            fqn = states._split_state_key(sample[len(_STATE):], set(names.values()))[0]
+            prefix = f"{_STATE}{fqn}."
+            self._create_missing_states(optimizer, {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
         tensor_keys, scalars = self._state_layout(optimizer)
         for group, params in zip(optimizer.param_groups, self.runner.param_groups):
             saved = {k[len(_GROUPS) + len(names[params[0]]) + 1:]: v for k, v in flat.items()
@@ -195,6 +205,25 @@ class DeepSpeedStates:
                     elif key in scalars:
                         for state in optimizer.state.values():
                             state[key] = value.clone() if torch.is_tensor(value) else value
+
+    def _create_missing_states(self, optimizer: Optimizer, example: dict[str, Any]) -> None:
+        """Give DeepSpeed's flat fp32 partitions the states a saved parameter has (``example``), before they are
+        filled: ZeRO-3 (and a fresh optimizer generally) creates them only at its first step."""
+        zero = getattr(self.runner.engine, "optimizer", None)
+        created = False
+        for name in _FP32_PARTITIONS:
+            for partition in getattr(zero, name, None) or []:
+                if partition is None or optimizer.state.get(partition):
+                    continue
+                optimizer.state[partition] = {
+                    key: value.clone() if _is_scalar(value) and torch.is_tensor(value) else
+                    value if _is_scalar(value) else torch.zeros_like(partition)
+                    for key, value in example.items()
+                }
+                created = True
+        if created and hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+            zero._hp_optimizer_states_linked = False  # ZeRO-1/2 and bf16: point each parameter at its fragments
+            zero._lazy_init_hp_params_optimizer_state()
 
     # --------------------------------------------------------------------------------------------------- helpers
     def _fqns(self, model: nn.Module) -> dict[nn.Parameter, str]:

@@ -114,15 +114,18 @@ class DeepSpeedMemoryProbe(L.Callback):
         zero = trainer.strategy.model.optimizer
         params = list(pl_module.parameters())
         grads = [p.grad for p in params if p.grad is not None]
-        grads += _tensors(getattr(zero, "averaged_gradients", None))
+        grads += _tensors(getattr(zero, "averaged_gradients", None))  # ZeRO-1/2 after the step's finalize
+        # ZeRO-2 during accumulation: the reduced gradients of the whole parameters that overlap this partition
+        grads += _tensors(getattr(zero, "all_grad_tensors", None))
         grads += _tensors(getattr(zero, "grad_partitions_flat_buffer", None))
         masters = _tensors(getattr(zero, "single_partition_of_fp32_groups", None))
         masters += _tensors(getattr(zero, "fp32_partitioned_groups_flat", None))
         state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         self.results = {
             "numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            "largest_numel": max(getattr(p, "ds_numel", p.numel()) for p in params),
             "param_bytes": sum(_bytes(getattr(p, "ds_tensor", p)) for p in params),
-            "grad_bytes": sum(_bytes(g) for g in grads),
+            "grad_bytes": _storage_bytes(grads),
             "optim_bytes": sum(_bytes(t) for t in state + masters),
         }
 
@@ -141,6 +144,12 @@ def _bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DeepSpeed hands out views of flat buffers)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 # fp32 AdamW, bytes per parameter on each of `dp` ranks after backward (Rajbhandari et al.'s formulas with K = 12:
 # DeepSpeed keeps an fp32 master partition beside the fp32 module even in fp32 training).
 DEEPSPEED_FORMULAS = {
@@ -151,6 +160,8 @@ DEEPSPEED_FORMULAS = {
 # The torch backend at the same point (tests/parallel/test_data.py): no master copy, FSDP2 reshards after backward.
 TORCH_FORMULAS = {1: "8 + 8/dp", 2: "16/dp", 3: "16/dp"}
 PADDING = 0.02  # DeepSpeed pads partitions to an alignment
+# ZeRO-2 keeps the reduced gradients of every parameter that overlaps its partition, whole: up to one more tensor.
+WHOLE_PARAMS = {(2, "grad_bytes")}
 
 
 def test_memory_per_rank_follows_zero_formulas(capsys):
@@ -162,7 +173,11 @@ def test_memory_per_rank_follows_zero_formulas(capsys):
         measured = result.extra
         numel = measured["numel"]
         for kind, formula in DEEPSPEED_FORMULAS[stage].items():
-            assert measured[kind] == pytest.approx(formula(DP) * numel, rel=PADDING), (stage, kind, measured)
+            expected = formula(DP) * numel
+            if (stage, kind) in WHOLE_PARAMS:
+                assert expected <= measured[kind] <= expected + 4 * measured["largest_numel"], (stage, kind, measured)
+            else:
+                assert measured[kind] == pytest.approx(expected, rel=PADDING), (stage, kind, measured)
         held = sum(measured[k] for k in DEEPSPEED_FORMULAS[stage]) / numel
         lines.append(f"ZeRO-{stage} dp={DP}: deepspeed {held:.2f} B/param (formula"
                      f" {sum(f(DP) for f in DEEPSPEED_FORMULAS[stage].values()):.2f}), torch backend"
@@ -193,7 +208,8 @@ def test_checkpoints_cross_backends_and_resume_exactly(tmp_path):
     ])
     ds_first, torch_after_ds, torch_first, ds_after_torch, ds_whole, ds_after_ds = results
     for first, second in ((ds_first, torch_after_ds), (torch_first, ds_after_torch)):
-        assert_same_training(reference, RunResult(first.losses + second.losses, second.state_dict))
+        # Weights after 10 AdamW steps: reduction-order noise on near-zero gradients moves a few elements ~2e-5.
+        assert_same_training(reference, RunResult(first.losses + second.losses, second.state_dict), weight_atol=5e-5)
     assert ds_after_ds.losses == ds_whole.losses[half:]  # bit for bit within the backend
     for key, value in ds_whole.state_dict.items():
         assert torch.equal(ds_after_ds.state_dict[key], value), key
