@@ -162,3 +162,28 @@ def test_expert_plans_that_cannot_work_fail_naming_the_fix():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide.*gate_up_proj: 30 features in each"
                                          r" of its 2 packed chunks.*Valid tensor_parallel_size values.*\[2, 3, 5"):
         _placements(odd, auto_plan(odd), tp=4)
+
+
+def longcat_flash() -> HFModule:
+    return HFModule("LongcatFlashConfig", "LongcatFlashForCausalLM", num_layers=2, kv_lora_rank=16, q_lora_rank=32,
+                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8, num_key_value_heads=4,
+                    ffn_hidden_size=128, expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=2,
+                    moe_topk=2)
+
+
+def test_identity_experts_count_once_in_the_experts_sum():
+    """LongCat-Flash routes some tokens to zero-compute experts (``identity_expert``, 'moe_identity_expert') inside
+    the experts module whose per-rank outputs are summed: each rank contributes 1/tp of them. Its MLA attention is
+    refused by name; the explicit plan offered keeps it whole and shards the experts, identity experts included."""
+    from tests.parallel.test_tensor_hf_styles import _explicit_plan, _refusal
+
+    plan = _explicit_plan(_refusal(longcat_flash))
+    assert plan["model.model.layers.*.mlp.experts.identity_expert"] == "moe_identity_expert"
+    module, calls = longcat_flash(), []
+    module.model.model.layers[0].mlp.experts.identity_expert.register_forward_hook(lambda *a: calls.append(1))
+    module(torch.randint(0, 128, (GLOBAL_BATCH, 32)))
+    assert calls, "no token reached an identity expert: the test would not see a wrong share"
+    reference, _ = fit(longcat_flash, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
+    result, _ = fit(longcat_flash, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": plan}, 2,
+                    STEPS)
+    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
