@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_mgpu.parallel.tensor import _global_shape_regions
 from lightning_mgpu.parallel.tensor_derive import derive_block_plan
 from lightning_mgpu.parallel.tensor_plan import _block_rules, _match, auto_plan
 from tests.helpers.distributed import run_distributed
@@ -126,6 +127,10 @@ def test_bert_plan_is_derived_from_the_data_flow_and_logged(caplog):
     logged = re.search(r"pin it: (\{.*\})", caplog.text)
     assert logged and ast.literal_eval(logged.group(1)) == BERT_PLAN  # copyable as an explicit tp_plan
     assert auto_plan(BertClassifier()) == BERT_PLAN
+    # BERT declares no Hugging Face plan: its code runs on global shapes (view(*input_shape, -1, head_size) untouched),
+    # the attention between q/k/v and the output dense, the whole layer between intermediate and output dense.
+    regions = set(_global_shape_regions(module, _match(module, plan)).values())
+    assert regions == {f"model.bert.encoder.layer.{i}{part}" for i in (0, 1) for part in ("", ".attention")}
 
 
 def test_roberta_is_derived_like_bert():
@@ -298,32 +303,50 @@ def test_sequence_parallel_without_a_token_embedding_fails_before_training():
         auto_plan(ViTClassifier(), sequence_parallel=True)
 
 
-def _apply_worker(cases: list[tuple[Any, bool]], tp: int) -> list[str]:
-    """``apply_tensor_parallel(factory(), tp_plan="auto", sequence_parallel)`` for each case: its error or none."""
+def _tp2_worker(refused: list[tuple[Any, bool]]) -> dict[str, Any]:
+    """On a tp=2 mesh: each refused case's error, and the collectives of one BERT forward/backward."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 
     torch.distributed.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-    messages = []
-    for factory, sequence_parallel in cases:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    errors = []
+    for factory, sequence_parallel in refused:
         try:
             apply_tensor_parallel(factory(), mesh, "auto", sequence_parallel)
-            messages.append("no error")
+            errors.append("no error")
         except ValueError as error:
-            messages.append(str(error))
-    return messages
+            errors.append(str(error))
+    bert = BertMaskedLM()
+    apply_tensor_parallel(bert, mesh, "auto", False)
+    tokens = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    with CommDebugMode() as comm:
+        bert.model(input_ids=tokens, labels=tokens).loss.backward()
+    return {"errors": errors, "collectives": {str(op): n for op, n in comm.get_comm_counts().items()}}
 
 
 def _three_heads() -> L.LightningModule:
     return BertMaskedLM(hidden_size=24, num_attention_heads=3, intermediate_size=48)
 
 
-def test_encoders_that_cannot_be_sharded_fail_before_training_saying_why():
+@pytest.fixture(scope="module")
+def tp2_probe() -> dict[str, Any]:
+    return run_distributed(_tp2_worker, 2, [(_three_heads, False), (BertMaskedLM, True)], timeout=120)[0]
+
+
+def test_encoders_that_cannot_be_sharded_fail_before_training_saying_why(tp2_probe):
     """Heads not divisible by the degree name the valid degrees. BERT's masked-LM decoder is tied to the word
     embedding, which sequence parallelism shards over the vocabulary to split the stream: refused naming both."""
-    heads, tied = run_distributed(_apply_worker, 2, [(_three_heads, False), (BertMaskedLM, True)], 2, timeout=120)[0]
+    heads, tied = tp2_probe["errors"]
     assert re.search(r"tensor_parallel_size=2 must divide.*attention.self.num_attention_heads = 3", heads), heads
     assert "Valid tensor_parallel_size values for this model and plan: [3]" in heads, heads
     assert re.search(r"word_embeddings.weight and model.cls.predictions.decoder.weight are one tied weight", tied), tied
+
+
+def test_bert_in_global_shape_regions_communicates_like_megatron(tp2_probe):
+    """BERT's attention and layers run on global-shape DTensors, yet a forward/backward costs Megatron-LM's count:
+    per layer one all-reduce after the attention and one after the MLP, the same two for the input gradients
+    (q/k/v share one), and nothing else (no gather of a reshape, mask or attention)."""
+    assert tp2_probe["collectives"] == {"c10d_functional.all_reduce": 4 * 2}
