@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.notebooks import python_kernel_name
 from tests.helpers.processes import clean_env, run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,18 +23,6 @@ CLI_CONFIG = Path("examples") / "cli" / "hybrid_zero2.yaml"
 TIMEOUT = 300
 
 # ------------------------------------------------------------------------------------------------------ notebook
-def _python_kernel_name() -> str:
-    jupyter_client = pytest.importorskip("jupyter_client.kernelspec")
-    specs = jupyter_client.find_kernel_specs()
-    if "python3" in specs:
-        return "python3"
-    manager = jupyter_client.KernelSpecManager()
-    for name in sorted(specs):
-        if manager.get_kernel_spec(name).language.lower() == "python":
-            return name
-    pytest.skip(f"no Jupyter kernel for Python is installed (found kernel specs: {sorted(specs) or 'none'})")
-
-
 def test_notebook_is_saved_without_outputs():
     nbformat = pytest.importorskip("nbformat")
     nb = nbformat.read(NOTEBOOK, as_version=4)
@@ -46,7 +35,7 @@ def test_notebook_is_saved_without_outputs():
 def test_notebook_runs():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
-    kernel_name = _python_kernel_name()
+    kernel_name = python_kernel_name()
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
         nb,
