@@ -1,1 +1,1 @@
-"""Benchmarks for lightning-mgpu; run them as scripts, e.g. ``python benchmarks/bench_zero.py``."""
+"""Benchmarks for lightning-mgpu; run them as scripts, e.g. ``python benchmarks/bench_peers.py``."""

@@ -43,7 +43,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402, F401  (imported before forking)
 
-from benchmarks.bench_zero import QUIET_TRAINER, run_or_report  # noqa: E402
+from benchmarks.harness import QUIET_TRAINER, run_or_report  # noqa: E402
 
 SEED = 1234
 MB = 2**20

@@ -83,7 +83,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.bench_zero import QUIET_TRAINER, SEED, run_or_report  # noqa: E402
+from benchmarks.harness import QUIET_TRAINER, SEED, run_or_report  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")

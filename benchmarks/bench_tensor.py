@@ -23,7 +23,7 @@ parameter, the demo's ``self.log(..., sync_dist=True)``, AdamW) in a plain loop,
 strategy (1 process), ``DDPStrategy``, ``ModelParallelStrategy`` and ``HybridStrategy`` (a no-op ``tp_plan``), and a
 tiny Hugging Face Llama (``tests/helpers/modules.LlamaModule``) under ``HybridStrategy`` for its collectives only.
 
-Measured (timing and memory with ``benchmarks/bench_zero.py``'s probe, so the numbers mean the same there):
+Measured (timing and memory with the harness's probe (``benchmarks/harness.py``), so the numbers mean the same there):
 
 - step time: wall ``on_train_batch_start`` -> ``on_train_batch_end`` (the same span in the loop: forward, loss,
   ``zero_grad``, backward, optimizer step), per step the slowest rank, median after ``--warmup``; the process CPU
@@ -61,7 +61,15 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.bench_zero import MB, QUIET_TRAINER, SEED, run_or_report, _make_probe, _memory, _quiet_fds, summarize  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import MB, QUIET_TRAINER, SEED, run_or_report, summarize  # noqa: E402
+
+_make_probe = harness.make_step_probe
+_quiet_fds = harness.quiet_fds
+
+
+def _memory(trainer: Any, module: nn.Module) -> dict[str, int]:
+    return harness.memory_per_rank(module, trainer.optimizers)
 
 KB = 2**10
 MAIN = {
@@ -230,7 +238,7 @@ def _op_counts(profiler: Any) -> dict[str, tuple[int, float]]:
 
 
 def _make_callbacks(args: dict[str, Any]) -> tuple[Any, Any]:
-    """bench_zero's timing/memory probe (its profiled step = our collectives step), + batch starts + comm + ops."""
+    """The harness's timing/memory probe (its profiled step = our collectives step), + batch starts + comm + ops."""
     import lightning as L
 
     steps = args["steps"]
@@ -397,7 +405,7 @@ def fit_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     found = find_block_container(module)
     return {
         "rank": trainer.global_rank,
-        "times": probe.times[:steps],  # the profiled step (if any) is timed by bench_zero's probe: drop it
+        "times": probe.times[:steps],  # the profiled step (if any) is timed by the harness's probe: drop it
         "cpu_times": probe.cpu_times[:steps],
         "phases": probe.phases[:steps],
         "starts": tp_probe.starts[: steps + 1],
@@ -753,8 +761,8 @@ def print_comm(res: dict[str, dict[str, Any]], args: dict[str, Any], gpt_dims: d
                   f" group of {log['group']}")
         if r.get("comm"):
             rs = total_m.get("RSB", 0) * (tp - 1) / tp
-            print(f"  cross-check, gloo work items of the same step (bench_zero's profiler count): "
-                  f"{_fmt_bytes(r['comm']['wire'])} ring-equivalent"
+            print(f"  cross-check, gloo work items of the same step (the harness's profiler count): "
+                  f"{_fmt_bytes(r['comm']['bytes'])} ring-equivalent"
                   + (f" (gloo runs reduce-scatter as an all-reduce: expected ring + {_fmt_bytes(rs)} ="
                      f" {_fmt_bytes(_ring(total_m, tp) + rs)})" if rs else ""))
         opt = meas["regions"].get(("optimizer", "opt"))
@@ -832,7 +840,7 @@ def print_ops(res: dict[str, dict[str, Any]], top: int = 25) -> None:
 def print_notes(args: dict[str, Any]) -> None:
     print(
         """
-Notes. step: on_train_batch_start -> on_train_batch_end (bench_zero's probe; the loop times the same work: forward,
+Notes. step: on_train_batch_start -> on_train_batch_end (the harness's probe; the loop times the same work: forward,
   loss, zero_grad, backward, optimizer step); iter: batch start to next batch start (adds data loading and what
   Lightning does between steps). cpu: process CPU time, all threads (less sensitive to other jobs on the machine).
   fwd/bwd/opt: wall ms of forward+zero_grad / backward / optimizer step. param/grad/optim: local bytes per rank

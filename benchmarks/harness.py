@@ -192,6 +192,18 @@ def make_step_probe(mem_step: int = 2, profile_step: Optional[int] = None, verbo
         def result(self) -> dict[str, Any]:
             return {**self.timer.result(), "memory": self.memory, "comm": self.comm}
 
+        @property
+        def times(self) -> list[float]:
+            return self.timer.times
+
+        @property
+        def cpu_times(self) -> list[float]:
+            return self.timer.cpu_times
+
+        @property
+        def phases(self) -> list[tuple[float, ...]]:
+            return self.timer.phases
+
     return StepProbe()
 
 
@@ -232,7 +244,12 @@ def summarize(runs: list[list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
         run_wall.append(statistics.median(per_step))
         run_cpu.append(statistics.median(per_cpu))
         phases += [tuple(map(statistics.mean, zip(*s))) for s in zip(*(o.get("phases") or [] for o in outputs))][warmup:]
+    first = runs[0]
+    memories = [o["memory"] for o in first if o.get("memory")]
     return {
+        "memory": max(memories, key=lambda m: sum(v for v in m.values() if isinstance(v, int))) if memories else None,
+        "comm": first[0].get("comm"),  # rank 0's, first repeat
+        "loss": first[0].get("loss"),
         "median": statistics.median(wall),
         "min": min(wall),
         "cpu": statistics.median(cpu),
