@@ -83,8 +83,10 @@ def apply_data_parallel(
 
 
 def _plain_data_parallel(root: nn.Module, blocks: Optional[list[nn.Module]], mp_policy: Any, offload_policy: Any) -> bool:
-    """Whether DDP can replicate ``root``: no pipeline stage, no cast or offload, no tensor-parallel (DTensor) weight."""
-    if blocks is not None or offload_policy is not None or getattr(mp_policy, "param_dtype", None) is not None:
+    """Whether DDP can replicate ``root``: no pipeline stage, no offload, no tensor-parallel (DTensor) weight and no
+    FSDP2 mixed-precision setting (``param_dtype``, ``reduce_dtype``, ``output_dtype``), which DDP would ignore."""
+    casts = any(getattr(mp_policy, name, None) is not None for name in ("param_dtype", "reduce_dtype", "output_dtype"))
+    if blocks is not None or offload_policy is not None or casts:
         return False
     return not any(isinstance(p, DTensor) for p in root.parameters())
 
