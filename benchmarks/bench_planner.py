@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import torch  # noqa: E402, F401  (imported before forking)
+import torch  # noqa: E402, F401  (imported before forking: each job's start is fast)
 
 from benchmarks.bench_zero import QUIET_TRAINER, run_or_report  # noqa: E402
 from tests.test_planner import MEASURED_BATCH, MEASURED_GPT, MEASURED_LAYOUTS  # noqa: E402

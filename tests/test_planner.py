@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from lightning_mgpu.cli import main
-from lightning_mgpu.planner import Efficiency, Layout, ModelSpec, Training, build_on_meta, estimate, preset, search
+from lightning_mgpu.planner import Efficiency, Layout, ModelSpec, Training, build_on_meta, preset, search
 from lightning_mgpu.planner.cost import activation_bytes_per_layer, bubble_fraction, memory, paper_flops_per_step
 from lightning_mgpu.planner.model_spec import spec_from_module
 from lightning_mgpu.planner.search import layout_from_options, parse_fix, reference_tokens_per_gpu
@@ -61,7 +60,8 @@ def test_paper_flops_formula():
     model = _megatron_gpt(h, 24, l)
     closed = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
     assert paper_flops_per_step(model, B, "full") == pytest.approx(closed, rel=1e-12)
-    assert paper_flops_per_step(model, B, "none") == pytest.approx(72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h)))
+    without = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+    assert paper_flops_per_step(model, B, "none") == pytest.approx(without)
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -100,7 +100,8 @@ def test_memory_by_zero_stage_and_schedule():
     assert mem["params"] == pytest.approx(4 * ((n - whole) / 2 + whole), rel=2e-3)
     base = dict(pp=4, dp=2, microbatch_size=1, num_microbatches=16)
     small_vocab = ModelSpec(layers=8, hidden=1024, heads=16, vocab=1000, seq_len=1024)  # the first stage is fullest
-    act = {s: memory(small_vocab, cluster, training, Layout(schedule=s, **base))["activations"] for s in ("GPipe", "1F1B")}
+    act = {s: memory(small_vocab, cluster, training, Layout(schedule=s, **base))["activations"]
+           for s in ("GPipe", "1F1B")}
     assert act["GPipe"] / act["1F1B"] == pytest.approx(16 / 4, rel=0.01)
     assert bubble_fraction(Layout(schedule="1F1B", **base)) == pytest.approx(3 / 19)
     assert bubble_fraction(Layout(schedule="Interleaved1F1B", **base)) == pytest.approx(1.5 / 17.5)
@@ -116,7 +117,8 @@ def test_spec_from_a_real_module_on_meta():
     spec = spec_from_module(module)
     assert (spec.layers, spec.hidden, spec.heads, spec.vocab, spec.seq_len) == (12, 768, 12, 50304, 1024)
     assert spec.total_params == sum(p.numel() for p in module.parameters())
-    assert spec.total_params == GPTLightningModule(**{**args, "n_layer": 1}).model.num_params() + 11 * spec.params_per_layer
+    one_layer = GPTLightningModule(**{**args, "n_layer": 1}).model.num_params()
+    assert spec.total_params == one_layer + 11 * spec.params_per_layer
 
 
 def test_scaling_efficiency_is_against_one_node():
@@ -146,7 +148,8 @@ def test_plan_command_table_json_and_fix(capsys):
     # A layout that does not fit says what does not fit.
     assert main(flags + ["--fix", "tp=1,pp=1,zero=0,mbs=4", "--gpu-memory-gb", "24"]) == 2
     out = capsys.readouterr().out
-    assert "No layout fits: tp=1 pp=1 dp=16 zero=0" in out and "needs" in out and "GB per GPU" in out and "activations" in out
+    assert "No layout fits: tp=1 pp=1 dp=16 zero=0" in out and "needs" in out and "GB per GPU" in out
+    assert "activations" in out and "The smallest footprint is" in out
     assert main(flags + ["--fix", "tp=3"]) == 2
     assert "tp=3 does not match the 16 GPUs" in capsys.readouterr().out
     assert main(flags + ["--fix", "tp=2,pp=1,mbs=3"]) == 2

@@ -18,7 +18,7 @@ import json
 import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -51,7 +51,12 @@ def measure_flops(model: ModelSpec, module: Optional[torch.nn.Module] = None, ba
             (out.float().mean() if torch.is_tensor(out) else out[0].float().mean()).backward()
 
         per_token = model.layers * block_flops + head_flops
-    else:
+    else:  # one block of the model's shape, narrowed to at most 1024 wide so that it fits any machine
+        shrink = max(1, model.hidden // 1024)
+        heads = max(1, model.heads // shrink)
+        model = replace(model, hidden=model.hidden // shrink // heads * heads, heads=heads, kv_heads=None,
+                        ffn_hidden=model.ffn // shrink, gated_mlp=False, block_params=None)
+        block_flops, head_flops = model.forward_flops_per_token()
         layer = torch.nn.TransformerEncoderLayer(model.hidden, model.heads, model.ffn, batch_first=True, dropout=0.0)
         x = torch.randn(batch, seq, model.hidden)
 

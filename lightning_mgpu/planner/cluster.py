@@ -50,8 +50,8 @@ class ClusterSpec:
 
     def describe(self) -> str:
         return (f"{self.gpus} x {self.name} ({self.nodes} node{'s' if self.nodes > 1 else ''} of {self.gpus_per_node},"
-                f" {self.memory_gb:g} GB, {self.peak_tflops:g} TFLOP/s, {self.intra_node_gbps:g} GB/s in a node,"
-                f" {self.inter_node_gbps:g} GB/s across nodes per GPU)")
+                f" {self.memory_gb:.4g} GB, {self.peak_tflops:.4g} TFLOP/s, {self.intra_node_gbps:.4g} GB/s in a node,"
+                f" {self.inter_node_gbps:.4g} GB/s across nodes per GPU)")
 
 
 @dataclass(frozen=True)

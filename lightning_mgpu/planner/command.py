@@ -55,7 +55,8 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     shapes = {name: getattr(args, name) for name in _MODEL_FLAGS}
     if args.module:
         return spec_from_path(args.module, args.init_args, **shapes)
-    missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "heads", "vocab", "seq_len") if shapes[n] is None]
+    required = ("layers", "hidden", "heads", "vocab", "seq_len")
+    missing = [f"--{n.replace('_', '-')}" for n in required if shapes[n] is None]
     if missing:
         raise ValueError(f"Describe the model with --module pkg.mod:Class, or give {' '.join(missing)}.")
     return ModelSpec(gated_mlp=args.gated_mlp, tied_embeddings=args.tied_embeddings, name="flags",
@@ -116,7 +117,8 @@ def _row(rank: str, e: Estimate) -> str:
 def format_plan(plan: Plan, top: int = 10) -> str:
     lines = [plan.model.describe(), plan.cluster.describe(),
              f"global batch {plan.training.global_batch} x {plan.model.seq_len} tokens, {plan.training.precision},"
-             f" {'flash' if plan.training.flash_attention else 'eager'} attention; efficiencies: {plan.efficiency.source}",
+             f" {'flash' if plan.training.flash_attention else 'eager'} attention;"
+             f" efficiencies: {plan.efficiency.source}",
              ""]
     header = (f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'schedule':<15} {'mbs':>4} {'n_mb':>5}"
               f" {'ckpt':<9} {'GB/GPU':>7} {'step s':>8} {'tokens/s':>11} {'TFLOP/s':>7} {'MFU':>5} {'bubble':>6}"
@@ -131,6 +133,6 @@ def format_plan(plan: Plan, top: int = 10) -> str:
         lines += [f"  {e.layout.describe()}: {e.problems[0]}" for e in plan.infeasible[:3]]
     for reason in sorted(set(plan.rejected)):
         lines.append(f"  invalid: {reason}")
-    lines += ["", "TFLOP/s per GPU counts recomputation, as Megatron-LM's Table 1 does; MFU does not. scale: tokens/s per"
-              " GPU against the best layout on one node with the same batch per GPU."]
+    lines += ["", "TFLOP/s per GPU counts recomputation, as Megatron-LM's Table 1 does; MFU does not. scale: tokens/s"
+              " per GPU against the best layout on one node with the same batch per GPU."]
     return "\n".join(lines)

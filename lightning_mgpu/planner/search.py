@@ -24,6 +24,7 @@ class Plan:
     ranked: list[Estimate]  # feasible, best first
     infeasible: list[Estimate] = field(default_factory=list)  # best-throughput ones that do not fit, with reasons
     rejected: list[str] = field(default_factory=list)  # fixed choices that are invalid, with reasons
+    smallest: Optional[Estimate] = None  # the layout needing the least memory, when none fits
 
     @property
     def best(self) -> Optional[Estimate]:
@@ -144,7 +145,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: Training, efficienc
     key = lambda e: (-e.tokens_per_s, e.memory["total"])  # noqa: E731
     feasible.sort(key=key)
     infeasible.sort(key=key)
-    plan = Plan(model, cluster, training, efficiency, _distinct(feasible), _distinct(infeasible)[:5], rejected)
+    plan = Plan(model, cluster, training, efficiency, _distinct(feasible), _distinct(infeasible)[:5], rejected,
+                min(infeasible, key=lambda e: e.memory["total"]) if infeasible and not feasible else None)
     if scaling and plan.ranked:
         reference = _one_node_reference(model, cluster, training, efficiency)
         for result in plan.ranked[:50]:
@@ -187,7 +189,7 @@ def explain(plan: Plan) -> str:
     best = plan.best
     if best is None:
         if plan.infeasible:
-            return f"No layout fits: {plan.infeasible[0].layout.describe()} {plan.infeasible[0].problems[0]}"
+            return f"No layout fits: {plan.infeasible[0].layout.describe()} {plan.infeasible[0].problems[0]}."
         return "No layout is valid: " + ("; ".join(sorted(set(plan.rejected))) or "no candidate matches --fix")
     lay = best.layout
     runner = next((e for e in plan.ranked[1:] if (e.layout.tp, e.layout.pp) != (lay.tp, lay.pp)), None)
@@ -204,18 +206,12 @@ def explain(plan: Plan) -> str:
     return text + "."
 
 
-def scale_of(n: float) -> str:
-    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-
-
 def check_fit_hint(plan: Plan) -> str:
-    if plan.best is not None or not plan.infeasible:
+    if plan.smallest is None:
         return ""
-    smallest = min(plan.infeasible, key=lambda e: e.memory["total"])
-    need = smallest.memory["total"] / GB
-    return (f" The smallest footprint is {need:.1f} GB per GPU ({smallest.layout.describe()}); try more GPUs"
-            f" (about {math.ceil(plan.cluster.gpus * need / (plan.cluster.usable_bytes / GB))}), ZeRO-3 or full"
-            " checkpointing.")
+    need = plan.smallest.memory["total"] / GB
+    return (f" The smallest footprint is {need:.1f} GB per GPU ({plan.smallest.layout.describe()}): about"
+            f" {math.ceil(plan.cluster.gpus * need / (plan.cluster.usable_bytes / GB))} GPUs would hold it.")
 
 
 def layout_from_options(world_size: int, global_batch: int, tensor_parallel_size: int = 1,
@@ -229,6 +225,7 @@ def layout_from_options(world_size: int, global_batch: int, tensor_parallel_size
     schedule = pipeline_schedule if pp > 1 else "none"
     stages = pp * (2 if schedule == "Interleaved1F1B" else 1)
     m = (num_microbatches or stages) if pp > 1 else 1
-    ckpt = {False: "none", True: "full", "full": "full", "selective": "selective"}.get(activation_checkpointing, "full")  # type: ignore[call-overload]
+    names = {False: "none", True: "full", "full": "full", "selective": "selective"}
+    ckpt = names.get(activation_checkpointing, "full")  # type: ignore[call-overload]  # module classes: full
     return Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, schedule=schedule, microbatch_size=max(1, per_rank // m),
                   num_microbatches=m, checkpointing=ckpt, sequence_parallel=sequence_parallel and tp > 1)
