@@ -27,6 +27,7 @@ GLOBAL_BATCH = 8
 STEPS = 10
 DP = 2
 BF16_RTOL = 2e-2
+WEIGHT_ATOL = 5e-5  # after 10 AdamW steps, reduction-order noise on near-zero gradients moves single elements ~2e-5
 
 
 def _nanogpt() -> L.LightningModule:
@@ -80,7 +81,7 @@ def test_stages_train_like_one_process(model):
     results = _run(DP, [{"model": model, "strategy": _ds(stage)} for stage in (1, 2, 3)])
     for stage, result in zip((1, 2, 3), results):
         try:
-            assert_same_training(reference, result)
+            assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
         except AssertionError as error:
             raise AssertionError(f"{model} at DeepSpeed ZeRO-{stage}: {error}") from None
 
@@ -97,7 +98,7 @@ def test_bf16_mixed_accumulation_and_clipping_follow_the_trainer():
                         {"model": "llama", "strategy": _ds(3), "trainer": knobs}])
     torch.testing.assert_close(torch.tensor(results[0].losses), torch.tensor(references[0].losses), rtol=BF16_RTOL,
                                atol=0.0)
-    assert_same_training(references[1], results[1])
+    assert_same_training(references[1], results[1], weight_atol=WEIGHT_ATOL)
 
 
 # ------------------------------------------------------------------------------------------------------ memory
@@ -208,8 +209,8 @@ def test_checkpoints_cross_backends_and_resume_exactly(tmp_path):
     ])
     ds_first, torch_after_ds, torch_first, ds_after_torch, ds_whole, ds_after_ds = results
     for first, second in ((ds_first, torch_after_ds), (torch_first, ds_after_torch)):
-        # Weights after 10 AdamW steps: reduction-order noise on near-zero gradients moves a few elements ~2e-5.
-        assert_same_training(reference, RunResult(first.losses + second.losses, second.state_dict), weight_atol=5e-5)
+        assert_same_training(reference, RunResult(first.losses + second.losses, second.state_dict),
+                             weight_atol=WEIGHT_ATOL)
     assert ds_after_ds.losses == ds_whole.losses[half:]  # bit for bit within the backend
     for key, value in ds_whole.state_dict.items():
         assert torch.equal(ds_after_ds.state_dict[key], value), key
