@@ -118,12 +118,29 @@ def check_expert_sizes(module: nn.Module, placements: dict[str, dict[str, Placem
 
 
 def place_experts(module: nn.Module, plan: dict[str, str], matched: dict[str, str], styles: dict[str, Any],
-                  tp: int) -> None:
+                  tp: int, sequence_parallel: bool = False) -> None:
     """Give each 'moe_tp_experts' style the placements of its module's parameters, checked before sharding."""
     placements = expert_placements(module, plan, matched)
     check_expert_sizes(module, placements, tp)
+    if placements and sequence_parallel:
+        _check_router_logits_stay_inside(module)
     for fqn, placed in placements.items():
         styles[fqn].placements = placed
+
+
+def _check_router_logits_stay_inside(module: nn.Module) -> None:
+    """Under sequence parallelism the router's logits are sequence-sharded DTensors: returned to Hugging Face's
+    load-balancing loss they meet its plain language-model loss in an in-place add, which DTensor refuses mid-step."""
+    returning = next((f"{name or 'the module'} ({type(m).__name__})" for name, m in module.named_modules()
+                      if hasattr(m, "base_model_prefix")
+                      and getattr(getattr(m, "config", None), "output_router_logits", False) is True), None)
+    if returning:
+        raise ValueError(
+            f"sequence_parallel=True with a mixture-of-experts model that returns its router logits, {returning}"
+            " (config.output_router_logits=True, for the load-balancing loss): those logits are sharded over the"
+            " sequence and Hugging Face's loss cannot add them to its plain loss. Set"
+            " config.output_router_logits=False, or train this model with sequence_parallel=False."
+        )
 
 
 class ExpertsParallel(ParallelStyle):

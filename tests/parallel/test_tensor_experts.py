@@ -125,10 +125,10 @@ def test_mixtral_experts_compose_with_zero_and_sequence_parallel(mixtral_referen
 
 
 # ------------------------------------------------------------------------------------------- before training
-def _placements(module: torch.nn.Module, plan: dict[str, str], tp: int = 2) -> dict[str, Any]:
+def _placements(module: torch.nn.Module, plan: dict[str, str], tp: int = 2, sp: bool = False) -> dict[str, Any]:
     matched = _match(module, plan)
     styles = {fqn: ExpertsParallel() for fqn, s in matched.items() if s == "moe_tp_experts"}
-    place_experts(module, plan, matched, styles, tp)
+    place_experts(module, plan, matched, styles, tp, sequence_parallel=sp)
     return {fqn: s.placements for fqn, s in styles.items()}
 
 
@@ -159,6 +159,10 @@ def test_expert_plans_that_cannot_work_fail_naming_the_fix():
         _placements(module, unplaced)
     odd = qwen3_moe(moe_intermediate_size=30)  # divisible by 2, not by 4
     _placements(odd, auto_plan(odd), tp=2)
+    with pytest.raises(ValueError, match=r"sequence_parallel=True with a mixture-of-experts model that returns its"
+                                         r" router logits, model \(MixtralForCausalLM\).*output_router_logits=False"):
+        _placements(module, plan, sp=True)  # found failing mid-step (DTensor's in-place add) before this check
+    _placements(mixtral_without_aux_loss(), plan, sp=True)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide.*gate_up_proj: 30 features in each"
                                          r" of its 2 packed chunks.*Valid tensor_parallel_size values.*\[2, 3, 5"):
         _placements(odd, auto_plan(odd), tp=4)
