@@ -338,7 +338,7 @@ def apply_tensor_parallel(
     check_divisible(module, matched, tp)
     regions = _global_shape_regions(module, matched)
     styles = {fqn: style(name, sequence_parallel, global_shapes=fqn in regions) for fqn, name in matched.items()}
-    place_experts(module, plan, matched, styles, tp)
+    place_experts(module, plan, matched, styles, tp, sequence_parallel)
     _share_inputs(module, matched, styles)
     tied = tied_parameters(module)
     parallelize_module(module, tp_mesh, {fqn: s for fqn, s in styles.items() if s is not None})
