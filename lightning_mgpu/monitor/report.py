@@ -46,7 +46,8 @@ FIELDS = {
               " backward in one step), peak (CUDA max allocated, or the process's peak RSS on CPU: peak_kind) and"
               " capacity (the GPU's memory, or host RAM / local processes)",
     "per_rank": "per rank: step_s and parts_s as in time_split, for that rank alone",
-    "steps": "per measured step: step (batch index), wall_s and parts_s (mean over ranks)",
+    "steps": "per measured step: step (batch index), wall_s and parts_s (mean over ranks), timed_calls (the most"
+             " collectives, waits and data fetches one rank timed)",
     "diagnoses": "list of {kind, message, change}: data_bound, communication_bound_<axis>, imbalance,"
                  " bubble_above_theory,"
                  " memory_tight, memory_headroom",
@@ -96,6 +97,7 @@ def _steps(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "step": index,
             "wall_s": sum(s["wall_s"] for s in records) / len(records),
             "parts_s": _mean_parts([s["parts_s"] for s in records]),
+            "timed_calls": max(s.get("timed_calls", 0) for s in records),
         })
     return steps
 

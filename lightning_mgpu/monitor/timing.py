@@ -83,13 +83,14 @@ class StepRecorder:
         self.active = False
         self.phase = OTHER
         self._depth = 0
+        self._calls = 0
         self._marks: list[tuple[str, Any]] = []
         self._intervals: list[tuple[str, str, Any, Any]] = []
         self._spans: list[tuple[str, Any, Any]] = []
 
     def begin(self, start: Any) -> None:
         """Measure the step that started at ``start`` (a mark taken when the previous step ended)."""
-        self.active, self.phase, self._depth = True, OTHER, 0
+        self.active, self.phase, self._depth, self._calls = True, OTHER, 0, 0
         self._marks, self._intervals, self._spans = [(OTHER, start)], [], []
 
     def enter(self, phase: str) -> None:
@@ -100,9 +101,10 @@ class StepRecorder:
     def open(self) -> Optional[Any]:
         """Start an interval; nested ones (a collective calling another, or its own ``wait``) count once."""
         self._depth += 1
-        if self._depth > 1 or not self.active:
+        if not self.active:
             return None
-        return self.clock.mark()
+        self._calls += 1
+        return self.clock.mark() if self._depth == 1 else None
 
     def close(self, start: Optional[Any], category: str) -> Optional[Any]:
         self._depth -= 1
@@ -118,7 +120,8 @@ class StepRecorder:
             self._spans.append((axis, start, end))
 
     def finish(self, end: Any) -> dict[str, Any]:
-        """The step's wall time, its parts (seconds, adding up to the wall) and asynchronous spans per axis."""
+        """The step's wall time, its parts (seconds, adding up to the wall), asynchronous spans per axis and the
+        number of timed calls (collectives, waits and fetches, nested ones included)."""
         self.active = False
         self.clock.synchronize()
         seconds = self.clock.seconds
@@ -135,7 +138,8 @@ class StepRecorder:
         spans: dict[str, float] = {}
         for axis, start, stop in self._spans:
             spans[axis] = spans.get(axis, 0.0) + seconds(start, stop)
-        return {"wall_s": seconds(self._marks[0][1], end), "parts_s": parts, "span_s": spans}
+        return {"wall_s": seconds(self._marks[0][1], end), "parts_s": parts, "span_s": spans,
+                "timed_calls": self._calls}
 
 
 class CollectiveTimer:
