@@ -8,7 +8,7 @@ import json
 import pytest
 
 from lightning_mgpu.cli import main
-from lightning_mgpu.planner import Efficiency, Layout, ModelSpec, Training, build_on_meta, preset, search
+from lightning_mgpu.planner import ClusterSpec, Efficiency, Layout, ModelSpec, Training, build_on_meta, preset, search
 from lightning_mgpu.planner.cost import activation_bytes_per_layer, bubble_fraction, memory, paper_flops_per_step
 from lightning_mgpu.planner.model_spec import spec_from_module
 from lightning_mgpu.planner.search import layout_from_options, parse_fix, reference_tokens_per_gpu
@@ -253,3 +253,19 @@ def test_plan_calibrate_measures_this_machine(capsys):
     assert plan["cluster"]["name"] == "this-machine" and plan["cluster"]["gpus"] == 2
     assert plan["efficiency"]["source"].startswith("calibrated here")
     assert 1e-6 < plan["cluster"]["peak_tflops"] < 10  # a CPU core: GFLOP/s, not a GPU's TFLOP/s
+
+
+def test_choose_layout_for_a_real_module_keeps_fixed_sizes():
+    """What `"auto"` sizes ask: the fastest fitting layout for the module on this job's devices, fixed sizes kept."""
+    from lightning_mgpu.demo import GPTLightningModule
+    from lightning_mgpu.planner.auto import choose_layout, local_cluster
+
+    module = build_on_meta(GPTLightningModule, {"n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 32})
+    cluster = local_cluster(world_size=4, devices_per_node=4)
+    best = choose_layout(module, cluster, global_batch=8, precision="32-true", fixed={"tp": 2})
+    assert best.fits and best.layout.tp == 2 and best.layout.gpus == 4
+    assert 8 % best.layout.dp == 0 and 4 % best.layout.pp == 0
+    tiny = ClusterSpec(gpus=4, gpus_per_node=4, memory_gb=1e-4, peak_tflops=1, intra_node_gbps=1, inter_node_gbps=1,
+                       reserved_gb=0)
+    with pytest.raises(ValueError, match="found no layout .* needs .* GB per GPU"):
+        choose_layout(module, tiny, global_batch=8)

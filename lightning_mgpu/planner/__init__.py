@@ -2,14 +2,16 @@
 
 ``model_spec`` describes the model (from flags or a real module on the meta device), ``cluster`` the machines and
 the achieved fractions of their peaks, ``cost`` the memory and time model, ``search`` the enumeration and ranking,
-``command`` the ``lightning-mgpu plan`` command.
+``command`` the ``lightning-mgpu plan`` command, ``calibrate`` its ``--calibrate`` measurements, ``auto`` the
+entry point for ``"auto"`` sizes (``choose_layout``).
 """
 
+from lightning_mgpu.planner.auto import choose_layout, local_cluster
 from lightning_mgpu.planner.cluster import PRESETS, ClusterSpec, Efficiency, preset
 from lightning_mgpu.planner.cost import Estimate, Layout, Training, estimate, paper_flops_per_step
 from lightning_mgpu.planner.model_spec import ModelSpec, build_on_meta, spec_from_module, spec_from_path
 from lightning_mgpu.planner.search import Plan, explain, parse_fix, search
 
 __all__ = ["PRESETS", "ClusterSpec", "Efficiency", "Estimate", "Layout", "ModelSpec", "Plan", "Training",
-           "build_on_meta", "estimate", "explain", "paper_flops_per_step", "parse_fix", "preset", "search",
+           "build_on_meta", "choose_layout", "local_cluster", "estimate", "explain", "paper_flops_per_step", "parse_fix", "preset", "search",
            "spec_from_module", "spec_from_path"]

@@ -285,7 +285,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, training: Training, layout:
     if mem["total"] > cluster.usable_bytes:
         kinds = ", ".join(f"{k} {v / GB:.1f}" for k, v in mem.items() if k != "total")
         problems.append(f"needs {mem['total'] / GB:.1f} GB per GPU, {cluster.usable_bytes / GB:.1f} GB usable of"
-                        f" {cluster.memory_gb:g} ({kinds})")
+                        f" {cluster.memory_gb:.4g} ({kinds})")
     return Estimate(layout=layout, memory=mem, time=times, tokens_per_s=tokens / step,
                     tflops_per_gpu=run_flops / step / layout.gpus / 1e12,
                     mfu=model_flops / step / layout.gpus / (cluster.peak_tflops * 1e12),
