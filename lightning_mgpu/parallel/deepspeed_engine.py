@@ -158,3 +158,40 @@ def _micro_batch_size(trainer: "pl.Trainer") -> int:
     loader = source.dataloader()
     batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
     return batch_size if isinstance(batch_size, int) and batch_size > 0 else 1
+
+
+def memory_per_rank(engine: Any, module: nn.Module, optimizer: Optimizer) -> dict[str, int]:
+    """Bytes this rank holds in parameters (its ZeRO-3 partition), gradients (whole, or DeepSpeed's reduced
+    partitions: ZeRO-2 keeps the whole parameters overlapping its partition) and optimizer state (the user's
+    optimizer's states plus DeepSpeed's fp32 master partitions). For tests and benchmarks, right after backward."""
+    import torch
+
+    zero = engine.optimizer
+    params = list(module.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    for name in ("averaged_gradients", "all_grad_tensors", "grad_partitions_flat_buffer"):
+        grads += _tensors(getattr(zero, name, None))
+    masters = _tensors(getattr(zero, "single_partition_of_fp32_groups", None))
+    masters += _tensors(getattr(zero, "fp32_partitioned_groups_flat", None))
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    # DeepSpeed hands out views of flat buffers: count each storage once.
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in grads}
+    return {
+        "params": sum(_bytes(getattr(p, "ds_tensor", p)) for p in params),
+        "grads": sum(storages.values()),
+        "optim": sum(_bytes(t) for t in state + masters),
+    }
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _bytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -112,43 +112,12 @@ class DeepSpeedMemoryProbe(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if trainer.global_step != 1:
             return
-        zero = trainer.strategy.model.optimizer
-        params = list(pl_module.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        grads += _tensors(getattr(zero, "averaged_gradients", None))  # ZeRO-1/2 after the step's finalize
-        # ZeRO-2 during accumulation: the reduced gradients of the whole parameters that overlap this partition
-        grads += _tensors(getattr(zero, "all_grad_tensors", None))
-        grads += _tensors(getattr(zero, "grad_partitions_flat_buffer", None))
-        masters = _tensors(getattr(zero, "single_partition_of_fp32_groups", None))
-        masters += _tensors(getattr(zero, "fp32_partitioned_groups_flat", None))
-        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
-        self.results = {
-            "numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
-            "largest_numel": max(getattr(p, "ds_numel", p.numel()) for p in params),
-            "param_bytes": sum(_bytes(getattr(p, "ds_tensor", p)) for p in params),
-            "grad_bytes": _storage_bytes(grads),
-            "optim_bytes": sum(_bytes(t) for t in state + masters),
-        }
+        from lightning_mgpu.parallel.deepspeed_engine import memory_per_rank
 
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
-def _bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DeepSpeed hands out views of flat buffers)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+        held = memory_per_rank(trainer.strategy.model, pl_module, optimizer)
+        sizes = [getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters()]
+        self.results = {"numel": sum(sizes), "largest_numel": max(sizes), "param_bytes": held["params"],
+                        "grad_bytes": held["grads"], "optim_bytes": held["optim"]}
 
 
 # fp32 AdamW, bytes per parameter on each of `dp` ranks after backward (Rajbhandari et al.'s formulas with K = 12:
