@@ -88,7 +88,8 @@ class Estimate:
 
     def as_dict(self) -> dict[str, Any]:
         result = asdict(self)
-        result["layout"] = asdict(self.layout)
+        if result["scaling_efficiency"] != result["scaling_efficiency"]:  # NaN (not computed) is not JSON
+            result["scaling_efficiency"] = None
         return result
 
 
