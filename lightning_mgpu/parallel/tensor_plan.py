@@ -1,4 +1,5 @@
-"""Tensor-parallel plans: which style each module gets, derived from Hugging Face plans or GPT-block name rules.
+"""Tensor-parallel plans: which style each module gets, derived from Hugging Face plans or GPT-block name rules,
+and from a block's data flow where the names do not place every layer (``tensor_derive.py``: BERT).
 
 A plan maps module-name globs (``fnmatch`` over FQNs relative to the LightningModule) to style names; the styles
 themselves are built in ``tensor.py``.
@@ -55,7 +56,8 @@ def _is_projection(module: nn.Module) -> bool:
 
 
 def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, str]:
-    """Derive ``{fqn: style}`` for ``module``: Hugging Face plans first, GPT-block name rules for the rest."""
+    """Derive ``{fqn: style}`` for ``module``: Hugging Face plans first, GPT-block name rules (or the blocks' data
+    flow) for the rest."""
     plan: dict[str, str] = {}
     covered: set[str] = set()
     for prefix, hf_model in _hugging_face_models(module):
