@@ -66,7 +66,7 @@ def _patched_objects() -> list:
             schedules._batch_p2p, torch._C._distributed_c10d.Work.wait]
 
 
-def _fit(out: Path, strategy="auto", devices: int = 1, delay: float = 0.0) -> tuple[dict, dict]:
+def _fit(out: Path, strategy="auto", devices: int = 1, delay: float = 0.0, logger=False) -> tuple[dict, dict]:
     L.seed_everything(7)
     kwargs = dict(batch_size=8, block_size=32)
     datamodule = _SlowDataModule(delay, **kwargs) if delay else TextDataModule(**kwargs)
@@ -74,7 +74,7 @@ def _fit(out: Path, strategy="auto", devices: int = 1, delay: float = 0.0) -> tu
     monitor, ends = ScalingMonitor(dirpath=out, verbose=False), _StepEnds()  # the test's clock is read first
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[ends, monitor],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=logger, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0,
     )
     trainer.fit(model, datamodule)
@@ -83,9 +83,10 @@ def _fit(out: Path, strategy="auto", devices: int = 1, delay: float = 0.0) -> tu
     return monitor.report, walls
 
 
-def _layout_job(dp: int, tp: int, pp: int, out: str) -> dict:
+def _layout_job(dp: int, tp: int, pp: int, out: str, lightning_strategy: str = "") -> dict:
     before = _patched_objects()
-    strategy = HybridStrategy(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    strategy = lightning_strategy or HybridStrategy(
+        data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     report, walls = _fit(Path(out), strategy, devices=dp * tp * pp)
     return {"report": report, "walls": walls, "restored": _patched_objects() == before}
 
@@ -145,9 +146,24 @@ def test_split_adds_up_on_every_layout(tmp_path, dp, tp, pp, axes):
         _check_files(tmp_path)
 
 
+def test_lightning_ddp_strategy(tmp_path):
+    """Any strategy: Lightning's DDP (its gradient all-reduce runs in DDP's C++ reducer, out of the timers' sight:
+    it is counted in compute; collectives issued from Python, such as the per-step stop-signal broadcast, are dp)."""
+    results = run_distributed(_layout_job, 2, 2, 1, 1, str(tmp_path), "ddp")
+    report = results[0]["report"]
+    assert all(r["restored"] for r in results)
+    _check_split_adds_up(report, [r["walls"] for r in results])
+    assert report["strategy"] == "DDPStrategy" and report["layout"] is None and report["data_parallel_replicas"] == 2
+    assert report["communication"]["dp"]["exposed_s"] > 0
+
+
 def test_sleeping_dataloader_is_data_bound_and_the_same_run_without_sleep_is_not(tmp_path):
-    """One process with Lightning's own strategy: the monitor needs no HybridStrategy."""
-    fast, fast_walls = _fit(tmp_path / "fast")
+    """One process with Lightning's own strategy: the monitor needs no HybridStrategy. Metrics reach the logger."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    fast, fast_walls = _fit(tmp_path / "fast", logger=CSVLogger(tmp_path / "logs", name="", version=""))
+    logged = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"scaling/step_s", "scaling/tokens_per_s", "scaling/share_compute", "scaling/share_data_wait"} <= set(logged)
     slow, slow_walls = _fit(tmp_path / "slow", delay=0.05)
     for report, walls in ((fast, fast_walls), (slow, slow_walls)):
         _check_split_adds_up(report, [walls])
