@@ -98,7 +98,9 @@ class ModelSpec:
 
     def describe(self) -> str:
         kv = f" kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.heads else ""
-        return (f"{self.name}: {self.total_params / 1e9:.2f}B params, layers={self.layers} hidden={self.hidden}"
+        n = self.total_params
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+        return (f"{self.name}: {size} params, layers={self.layers} hidden={self.hidden}"
                 f" heads={self.heads}{kv} ffn={self.ffn} vocab={self.vocab} seq={self.seq_len}")
 
 
