@@ -37,8 +37,9 @@ FIELDS = {
                   " slowest rank; 'other' = groups outside the mesh), bubble (waiting for a pipeline peer), data_wait,"
                   " optimizer (optimizer step and gradient clipping, minus their communication), other (the"
                   " training loop, hooks, logging)); fractions = parts_s / step_s, adding up to 1",
-    "communication": "per axis: exposed_s (training thread blocked, per step) and span_s (issue to completion of"
-                     " asynchronous collectives, per step); overlapped_s = span_s - exposed part of those collectives",
+    "communication": "per axis, seconds per step: exposed_s (the training thread blocked in collectives and their"
+                     " waits) and overlapped_s (asynchronous collectives in flight while the thread computed, from"
+                     " the return of their issue to the start of their wait: an upper bound)",
     "pipeline": "with pipeline parallelism: schedule, pp, stages, num_microbatches, measured_bubble (bubble /"
                 " (bubble + compute + comm_pp) of a step, mean over ranks) and analytic_bubble (the schedule's"
                 " theory: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) with v stages per rank); null otherwise",
@@ -138,9 +139,10 @@ def _throughput(context: dict[str, Any], ranks: list[dict[str, Any]], step_s: fl
 
 
 def _communication(ranks: list[dict[str, Any]], parts: dict[str, float]) -> dict[str, dict[str, float]]:
-    spans = _mean_parts([s.get("span_s", {}) for r in ranks for s in r["steps"]])
-    axes = sorted({k[len("comm_"):] for k in parts if k.startswith("comm_")} | set(spans))
-    return {axis: {"exposed_s": parts.get(f"comm_{axis}", 0.0), "span_s": spans.get(axis, 0.0)} for axis in axes}
+    hidden = _mean_parts([s.get("overlapped_s", {}) for r in ranks for s in r["steps"]])
+    axes = sorted({k[len("comm_"):] for k in parts if k.startswith("comm_")} | set(hidden))
+    return {axis: {"exposed_s": parts.get(f"comm_{axis}", 0.0), "overlapped_s": hidden.get(axis, 0.0)}
+            for axis in axes}
 
 
 def _pipeline(info: Optional[dict[str, Any]], parts: dict[str, float]) -> Optional[dict[str, Any]]:
@@ -170,6 +172,10 @@ def format_table(report: dict[str, Any]) -> str:
     for name, seconds in sorted(split["parts_s"].items(), key=lambda item: -item[1]):
         lines.append(f"  {name:<14}{seconds * 1e3:>10.2f}{split['fractions'].get(name, 0.0):>9.1%}")
     lines.append(f"  {'step':<14}{split['step_s'] * 1e3:>10.2f}{sum(split['fractions'].values()):>9.1%}")
+    overlapped = {axis: c["overlapped_s"] for axis, c in report["communication"].items() if c["overlapped_s"] > 0}
+    if overlapped:
+        lines.append("  overlapped with compute (ms/step, at most): "
+                     + "  ".join(f"{axis} {seconds * 1e3:.2f}" for axis, seconds in sorted(overlapped.items())))
     pipeline = report["pipeline"]
     if pipeline and pipeline["measured_bubble"] is not None:
         lines.append(f"  pipeline bubble: measured {pipeline['measured_bubble']:.1%}, {pipeline['schedule']} theory"

@@ -13,8 +13,8 @@ Pipeline traffic (``batch_isend_irecv`` on the ``pp`` group) is split in two: wa
 sends is ``pp`` communication.
 
 *Exposed* communication is the time the training thread is blocked in a collective or its ``wait()``; an
-asynchronous collective's *span* runs from its issue to the end of its wait, and the difference is the part
-hidden behind compute.
+asynchronous collective is *overlapped* (at most) from the return of its issue to the start of its wait, while the
+thread computes. Only the training thread is timed (a background checkpoint thread's collectives are not).
 
 Timers are CUDA events on the current stream on GPU (resolved once per measured step, after one synchronize) and
 ``time.perf_counter`` elsewhere; nothing adds a barrier. Every patch is undone by :meth:`CollectiveTimer.remove`.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -38,6 +39,7 @@ BUBBLE = "bubble"
 COMPUTE = "compute"
 # What a phase's unclaimed time is called in the split.
 _PHASE_CATEGORY = {FORWARD_BACKWARD: COMPUTE, OPTIMIZER: OPTIMIZER, OTHER: OTHER}
+_UNTIMED = object()  # what `open` returns outside a measured step or on another thread: `close` ignores it
 
 # Collectives of torch.distributed timed as blocking calls (isend/irecv are left alone: P2POp checks identity).
 _DIST_CALLS = (
@@ -86,12 +88,14 @@ class StepRecorder:
         self._calls = 0
         self._marks: list[tuple[str, Any]] = []
         self._intervals: list[tuple[str, str, Any, Any]] = []
-        self._spans: list[tuple[str, Any, Any]] = []
+        self._overlaps: list[tuple[str, Any, Any]] = []
+        self._thread = threading.get_ident()
 
     def begin(self, start: Any) -> None:
         """Measure the step that started at ``start`` (a mark taken when the previous step ended)."""
         self.active, self.phase, self._depth, self._calls = True, OTHER, 0, 0
-        self._marks, self._intervals, self._spans = [(OTHER, start)], [], []
+        self._marks, self._intervals, self._overlaps = [(OTHER, start)], [], []
+        self._thread = threading.get_ident()
 
     def enter(self, phase: str) -> None:
         self.phase = phase
@@ -100,13 +104,16 @@ class StepRecorder:
 
     def open(self) -> Optional[Any]:
         """Start an interval; nested ones (a collective calling another, or its own ``wait``) count once."""
+        if not self.active or threading.get_ident() != self._thread:
+            return _UNTIMED
         self._depth += 1
-        if not self.active:
-            return None
         self._calls += 1
         return self.clock.mark() if self._depth == 1 else None
 
     def close(self, start: Optional[Any], category: str) -> Optional[Any]:
+        """End an interval; returns its end mark when it was timed (an outermost one in a measured step)."""
+        if start is _UNTIMED:
+            return None
         self._depth -= 1
         if start is None:
             return None
@@ -114,14 +121,14 @@ class StepRecorder:
         self._intervals.append((self.phase, category, start, end))
         return end
 
-    def span(self, axis: str, start: Any, end: Any) -> None:
-        """An asynchronous collective ran from ``start`` (its issue) to ``end`` (its wait returned)."""
+    def overlap(self, axis: str, issued: Any, waited: Any) -> None:
+        """An asynchronous collective's issue returned at ``issued``; its wait began at ``waited``."""
         if self.active:
-            self._spans.append((axis, start, end))
+            self._overlaps.append((axis, issued, waited))
 
     def finish(self, end: Any) -> dict[str, Any]:
-        """The step's wall time, its parts (seconds, adding up to the wall), asynchronous spans per axis and the
-        number of timed calls (collectives, waits and fetches, nested ones included)."""
+        """The step's wall time, its parts (seconds, adding up to the wall), overlapped communication per axis and
+        the number of timed calls (collectives, waits and fetches, nested ones included)."""
         self.active = False
         self.clock.synchronize()
         seconds = self.clock.seconds
@@ -135,10 +142,10 @@ class StepRecorder:
             parts[category] = parts.get(category, 0.0) + elapsed
             owner = _PHASE_CATEGORY[phase]
             parts[owner] = parts[owner] - elapsed
-        spans: dict[str, float] = {}
-        for axis, start, stop in self._spans:
-            spans[axis] = spans.get(axis, 0.0) + seconds(start, stop)
-        return {"wall_s": seconds(self._marks[0][1], end), "parts_s": parts, "span_s": spans,
+        overlapped: dict[str, float] = {}
+        for axis, issued, waited in self._overlaps:
+            overlapped[axis] = overlapped.get(axis, 0.0) + seconds(issued, waited)
+        return {"wall_s": seconds(self._marks[0][1], end), "parts_s": parts, "overlapped_s": overlapped,
                 "timed_calls": self._calls}
 
 
@@ -150,8 +157,8 @@ class CollectiveTimer:
         self._axes = axes  # process group name -> axis name
         self._world_axis = world_axis
         self._by_group: dict[int, str] = {}
-        self._works: dict[int, tuple[str, bool, Any]] = {}  # id(work) -> (axis, is a receive, issue mark)
-        self._pending: dict[int, tuple[str, Any]] = {}  # id(funcol output) -> (axis, issue mark)
+        self._works: dict[int, tuple[str, bool, Any]] = {}  # id(work) -> (axis, is a receive, issue's end mark)
+        self._pending: dict[int, tuple[str, Any]] = {}  # id(funcol output) -> (axis, issue's end mark)
         self._undo: list[tuple[Any, str, Any]] = []
 
     # ------------------------------------------------------------------------------------------ install / remove
@@ -213,25 +220,26 @@ class CollectiveTimer:
             else:
                 axis = self.axis_of(_group_argument(args, kwargs))
             start = recorder.open()
+            end = None
             try:
                 result = original(*args, **kwargs)
             finally:
-                recorder.close(start, f"comm_{axis}")
-            if start is not None and result is not None:
+                end = recorder.close(start, f"comm_{axis}")
+            if end is not None and result is not None:
                 if p2p:
-                    self._remember_p2p(ops, result, axis, start)
+                    self._remember_p2p(ops, result, axis, end)
                 elif isinstance(result, dist.Work):
-                    self._works[id(result)] = (axis, False, start)
+                    self._works[id(result)] = (axis, False, end)
             return result
 
         return timed
 
-    def _remember_p2p(self, ops: list, works: Any, axis: str, start: Any) -> None:
+    def _remember_p2p(self, ops: list, works: Any, axis: str, issued: Any) -> None:
         works = list(works) if isinstance(works, (list, tuple)) else [works]
         receives = [op.op.__name__ == "irecv" for op in ops]
         for k, work in enumerate(works):
             receive = receives[k] if len(works) == len(ops) else any(receives)
-            self._works[id(work)] = (axis, receive, start)
+            self._works[id(work)] = (axis, receive, issued)
 
     def _wrap_funcol(self, original: Callable) -> Callable:
         recorder = self.recorder
@@ -245,13 +253,14 @@ class CollectiveTimer:
             group = kwargs.get("group", args[index] if index is not None and len(args) > index else None)
             axis = self.axis_of(group)
             start = recorder.open()
+            end = None
             try:
                 result = original(*args, **kwargs)
             finally:
-                recorder.close(start, f"comm_{axis}")
-            if start is not None:
+                end = recorder.close(start, f"comm_{axis}")
+            if end is not None:
                 for tensor in result if isinstance(result, (list, tuple)) else [result]:
-                    self._pending[id(getattr(tensor, "elem", tensor))] = (axis, start)
+                    self._pending[id(getattr(tensor, "elem", tensor))] = (axis, end)
             return result
 
         return timed
@@ -268,9 +277,8 @@ class CollectiveTimer:
             try:
                 return original(tensor, *args, **kwargs)
             finally:
-                end = recorder.close(start, f"comm_{axis}")
-                if end is not None and issued is not None:
-                    recorder.span(axis, issued, end)
+                if recorder.close(start, f"comm_{axis}") is not None and issued is not None:
+                    recorder.overlap(axis, issued, start)
 
         return timed
 
@@ -299,9 +307,8 @@ class CollectiveTimer:
             try:
                 return original(work, *args, **kwargs)
             finally:
-                end = recorder.close(start, BUBBLE if receive else f"comm_{axis}")
-                if end is not None and issued is not None:
-                    recorder.span(axis, issued, end)
+                if recorder.close(start, BUBBLE if receive else f"comm_{axis}") is not None and issued is not None:
+                    recorder.overlap(axis, issued, start)
 
         return timed
 
