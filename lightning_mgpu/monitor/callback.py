@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_mgpu.monitor import measures, report as reporting
@@ -107,11 +108,18 @@ class ScalingMonitor(Callback):
         if _distributed() and dist.get_world_size() > 1:
             ranks = [None] * dist.get_world_size()  # type: ignore[list-item]
             dist.all_gather_object(ranks, payload)
+        # `trainer.log_dir` broadcasts from rank 0: every rank asks for it.
+        directory = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
         if not trainer.is_global_zero:
             return
+        if not self._steps:
+            rank_zero_warn(
+                f"ScalingMonitor measured no step: fit ran {self._seen} steps and the monitor skips the first"
+                f" warmup_steps={self.warmup_steps} and the first step of each epoch. Run more steps, or lower"
+                " `warmup_steps`."
+            )
         context = self._context(trainer, pl_module)
         self.report = reporting.build_report(context, ranks)
-        directory = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
         directory.mkdir(parents=True, exist_ok=True)
         reporting.write_json(self.report, directory / f"{self.filename}.json")
         reporting.write_plot(self.report, directory / f"{self.filename}.png")
