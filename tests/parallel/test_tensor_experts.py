@@ -191,3 +191,43 @@ def test_identity_experts_count_once_in_the_experts_sum():
     result, _ = fit(longcat_flash, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": plan}, 2,
                     STEPS)
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
+
+
+def _transposed_experts_worker() -> dict[str, float]:
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    from lightning_mgpu.parallel.tensor_experts import parameter_placement
+
+    torch.distributed.init_process_group("gloo")
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(hidden_size=64, intermediate_size=32, num_local_experts=4)
+    reference = Llama4TextExperts(config)
+    for param in reference.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    sharded = copy.deepcopy(reference)
+    styles = {g.rsplit(".", 1)[-1]: s for g, s in config.base_model_tp_plan.items() if ".experts." in g}
+    placed = {leaf: parameter_placement(styles[leaf], leaf, p) for leaf, p in sharded.named_parameters()}
+    parallelize_module(sharded, init_device_mesh("cpu", (2,)), ExpertsParallel(placed))
+    x = torch.randn(4 * 6, 64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = reference(x1), sharded(x2)
+    (y1**2).sum().backward()
+    (y2**2).sum().backward()
+    grads = [(p.grad, q.grad.full_tensor()) for p, q in zip(reference.parameters(), sharded.parameters())]
+    return {"placed": sorted(str(p) for p in placed.values()), "local": tuple(sharded.gate_up_proj.to_local().shape),
+            "out": float((y1 - y2).abs().max() / y1.abs().max()), "x": float((x1.grad - x2.grad).abs().max()),
+            "weights": max(float((a - b).abs().max() / a.abs().max()) for a, b in grads)}
+
+
+def test_transposed_experts_of_llama4_shard_by_their_plan():
+    """Llama-4 stores experts transposed ([E, H, 2I], [E, I, H]); its plan says 'packed_rowwise' and 'colwise',
+    which place the packed intermediate dimension last and the down projection's first: like one process."""
+    from tests.helpers.distributed import run_distributed
+
+    result = run_distributed(_transposed_experts_worker, 2, timeout=120)[0]
+    assert result["placed"] == ["S(1)", "_S(2, 2)"] and result["local"] == (4, 64, 32), result
+    assert result["out"] < 1e-6 and result["x"] < 1e-5 and result["weights"] < 1e-5, result
