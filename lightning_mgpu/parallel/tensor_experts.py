@@ -44,7 +44,8 @@ def owned_by_experts(glob: str, plan: dict[str, str]) -> bool:
 
 
 def names_parameters_only(module: nn.Module, glob: str) -> bool:
-    """A plan entry naming parameters (not modules): placed by its module's experts style, not matched itself."""
+    """Whether ``glob`` matches parameters; asked of entries that match no module, i.e. that name parameters only
+    (placed by their module's experts style, not matched as modules)."""
     names = [name for name, _ in module.named_parameters()]
     return any(fnmatch.fnmatchcase(n, glob) for n in names)
 

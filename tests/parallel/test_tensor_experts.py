@@ -118,8 +118,9 @@ COMPOSED = [  # (name, strategy extras, devices, dp, parts of the expert weights
 
 @pytest.mark.parametrize(("name", "extra", "devices", "dp", "parts"), COMPOSED, ids=[c[0] for c in COMPOSED])
 def test_mixtral_experts_compose_with_zero_and_sequence_parallel(mixtral_reference, name, extra, devices, dp, parts):
-    result, extras = fit(mixtral_without_aux_loss, lambda: _tokens(GLOBAL_BATCH // dp),
-                         {"tensor_parallel_size": 2, **extra}, devices, STEPS, callbacks_factory=lambda: [ExpertShards()])
+    layout = {"tensor_parallel_size": 2, **extra}
+    result, extras = fit(mixtral_without_aux_loss, lambda: _tokens(GLOBAL_BATCH // dp), layout, devices, STEPS,
+                         callbacks_factory=lambda: [ExpertShards()])
     assert_same_training(mixtral_reference, result, weight_atol=TP_WEIGHT_ATOL)
     _experts_sharded(extras, ranks=devices, parts=parts)
 
