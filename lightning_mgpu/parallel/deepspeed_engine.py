@@ -22,6 +22,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
@@ -58,8 +61,8 @@ class DeepSpeedEngineRunner:
     def __init__(self, config: DeepSpeedConfig) -> None:
         self.config = config
         self.engine: Optional[Any] = None
+        self.optimizer: Optional[Optimizer] = None
         self.param_groups: list[list[nn.Parameter]] = []  # the user's groups, before DeepSpeed flattens them
-        self.zero_stage = 0
 
     def initialize(
         self, runner: nn.Module, optimizers: list[Optimizer], trainer: "pl.Trainer", layout: "ParallelLayout",
@@ -68,6 +71,15 @@ class DeepSpeedEngineRunner:
         """Wrap ``runner`` (and the single optimizer, when fitting) in a DeepSpeed engine; return the engine."""
         import deepspeed
 
+        if self.engine is not None:
+            # validate/test/predict after fit reuse the engine; its parameters are already DeepSpeed's.
+            if trainer.state.fn == TrainerFn.FITTING and optimizers and optimizers[0] is not self.optimizer:
+                raise RuntimeError(
+                    "zero_backend='deepspeed' builds one DeepSpeed engine per strategy, and this one has trained"
+                    " already. Create a new Trainer with a new HybridStrategy for another `fit` (resume with"
+                    " ckpt_path=...)."
+                )
+            return self.engine
         if len(optimizers) > 1:
             raise ValueError(
                 f"zero_backend='deepspeed' trains with one optimizer, but configure_optimizers returned"
@@ -86,7 +98,11 @@ class DeepSpeedEngineRunner:
             _micro_batch_size(trainer),
             layout.data_parallel_size,
         )
-        self.zero_stage = layout.zero_stage
+        if is_overridden("configure_gradient_clipping", trainer.lightning_module):
+            rank_zero_warn(
+                "`configure_gradient_clipping` is not called with zero_backend='deepspeed': DeepSpeed clips by the"
+                " global norm itself, with Trainer(gradient_clip_val=...)."
+            )
         optimizer = optimizers[0] if optimizers else None
         self.param_groups = [list(group["params"]) for group in optimizer.param_groups] if optimizer else []
         self.optimizer = optimizer
@@ -114,12 +130,6 @@ class DeepSpeedEngineRunner:
             return result  # training_step returned None: no backward ran, nothing to step
         self.engine.step()
         return result
-
-    def teardown(self) -> None:
-        if self.engine is not None:
-            self.engine.destroy()
-        self.engine = None
-
 
 class _DataParallelGroups:
     """DeepSpeed's ``mpu`` interface: the engine reduces and partitions over the job's data-parallel group."""
