@@ -128,13 +128,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     names = [f"{kind}{stage}" for stage in stages for kind in ("lightning-ds", "ds", "torch")]
     jobs = {name: (job, ns.devices, (name, args)) for name in names}
     runs = harness.run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose,
-                                   report=lambda n, o: f"{harness.summarize([o], ns.warmup)['median'] * 1e3:.1f} ms/step")
+                                   report=lambda n, o: f"{harness.summarize([o], ns.warmup)['median'] * 1e3:.1f} ms")
     results = {name: harness.summarize(done, ns.warmup) for name, done in runs.items()}
     print(f"\nGPT n_layer={ns.n_layer} n_embd={ns.n_embd}; dp={ns.devices} x batch {ns.batch_size}, gloo;"
           f" {ns.repeats} interleaved repeats; load {harness.load_average()}")
     pairs = [(f"ds{s}", f"lightning-ds{s}", TARGET) for s in stages] + [(f"torch{s}", f"ds{s}", None) for s in stages]
     rows = harness.ratio_table(results, pairs)
-    print(f"\n{'configuration':<16} {'step ms':>8} {'cpu ms':>7} {'param MB':>9} {'grad MB':>8} {'optim MB':>9} {'loss':>7}")
+    print(f"\n{'configuration':<16} {'step ms':>8} {'cpu ms':>7} {'param MB':>9} {'grad MB':>8} {'optim MB':>9}"
+          f" {'loss':>7}")
     for name in [n for n in names if n in runs]:
         first = runs[name][0]
         mem = max((o.get("memory") or {} for o in first), key=lambda m: sum(m.values()), default={})

@@ -49,7 +49,9 @@ def load_config(config: DeepSpeedConfig) -> dict[str, Any]:
         except ValueError as error:
             raise ValueError(f"`deepspeed_config={str(config)!r}` is not valid JSON: {error}") from None
         if not isinstance(loaded, dict):
-            raise ValueError(f"`deepspeed_config={str(config)!r}` must hold a JSON object, got {type(loaded).__name__}.")
+            raise ValueError(
+                f"`deepspeed_config={str(config)!r}` must hold a JSON object, got {type(loaded).__name__}."
+            )
         return loaded
     if isinstance(config, dict):
         return copy.deepcopy(config)

@@ -106,7 +106,8 @@ class DeepSpeedStates:
                         flat[f"{_STATE}{fqn}.{key}"] = safe_get_full_optimizer_state(param, key).reshape(_shape(param))
                     flat.update({f"{_STATE}{fqn}.{key}": value for key, value in scalars.items()})
                 else:
-                    flat.update({f"{_STATE}{fqn}.{key}": value for key, value in optimizer.state.get(param, {}).items()})
+                    own = optimizer.state.get(param, {})
+                    flat.update({f"{_STATE}{fqn}.{key}": value for key, value in own.items()})
         return flat
 
     def group_fqns(self, model: nn.Module, optimizer: Optimizer, flat_state: dict[str, Any]) -> list[list[str]]:
@@ -154,7 +155,7 @@ class DeepSpeedStates:
         self._load_model(model, params, request)
         for i, optimizer in enumerate(optimizers):
             prefix = f"{OPTIMIZER_KEY}.{i}."
-            self._load_optimizer(model, optimizer, {k[len(prefix):]: v for k, v in request.items() if k.startswith(prefix)})
+            self._load_optimizer(model, optimizer, _strip(request, prefix))
 
     def _load_model(self, model: nn.Module, params: dict[str, nn.Parameter], request: dict[str, Any]) -> None:
         from deepspeed.utils import safe_set_full_fp32_param
@@ -186,15 +187,14 @@ class DeepSpeedStates:
         if sample is not None:
             fqn = states._split_state_key(sample[len(_STATE):], set(names.values()))[0]
             prefix = f"{_STATE}{fqn}."
-            self._create_missing_states(optimizer, {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
+            self._create_missing_states(optimizer, _strip(flat, prefix))
         tensor_keys, scalars = self._state_layout(optimizer)
         for group, params in zip(optimizer.param_groups, self.runner.param_groups):
-            saved = {k[len(_GROUPS) + len(names[params[0]]) + 1:]: v for k, v in flat.items()
-                     if k.startswith(f"{_GROUPS}{names[params[0]]}.")} if params else {}
+            saved = _strip(flat, f"{_GROUPS}{names[params[0]]}.") if params else {}  # the group's hyperparameters
             group.update({name: value for name, value in saved.items() if name != "params"})
             for param in params:
                 prefix = f"{_STATE}{names[param]}."
-                entries = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+                entries = _strip(flat, prefix)
                 if not _partitioned(param):
                     if entries:
                         optimizer.state[param] = entries
@@ -239,6 +239,11 @@ class DeepSpeedStates:
         tensor_keys = sorted({k for state in flats for k, v in state.items() if not _is_scalar(v)})
         scalars = {k: v for state in flats for k, v in state.items() if _is_scalar(v)}
         return tensor_keys, scalars
+
+
+def _strip(entries: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The entries under ``prefix``, keyed without it."""
+    return {key[len(prefix):]: value for key, value in entries.items() if key.startswith(prefix)}
 
 
 def _is_module_param(tensor: torch.Tensor, runner: "DeepSpeedEngineRunner") -> bool:

@@ -9,7 +9,8 @@ DeepSpeed on a machine compiles its CPU communication op (``deepspeed_shm_comm``
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+import re
+from typing import Any, Callable
 
 import lightning as L
 import pytest
@@ -223,7 +224,7 @@ def test_deepspeed_config_needs_the_deepspeed_backend():
         HybridStrategy(deepspeed_config={})
 
 
-@pytest.mark.parametrize(("config", "trainer", "match"), [
+CONTRADICTIONS = [
     ({"gradient_accumulation_steps": 4}, {"accumulate_grad_batches": 2},
      r"gradient_accumulation_steps=4 but Trainer\(accumulate_grad_batches\) gives 2"),
     ({"gradient_clipping": 1.0}, {}, r"gradient_clipping=1.0 but Trainer\(gradient_clip_val\) gives 0.0"),
@@ -231,12 +232,36 @@ def test_deepspeed_config_needs_the_deepspeed_backend():
      r"bf16.enabled=True but Trainer\(precision='32-true'\) means bf16.enabled=False"),
     ({}, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, r"clips by the global norm only"),
     ({"train_micro_batch_size_per_gpu": 16}, {}, r"train_micro_batch_size_per_gpu=16 but the train dataloader"),
-])
-def test_configs_contradicting_the_trainer_fail_before_training(config, trainer, match):
-    run = {"model": "llama", "strategy": _ds(1, deepspeed_config=config), "trainer": trainer}
-    with pytest.raises(RuntimeError, match=match) as error:
-        _run(1, [run])
-    assert "training_step" not in str(error.value)
+]
+
+
+class _StepCounter(L.Callback):
+    steps = 0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        _StepCounter.steps += 1
+
+
+def _fit_errors(runs: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """Each fit's error message and how many training steps had started when it was raised."""
+    errors = []
+    for run in runs:
+        _StepCounter.steps = 0
+        try:
+            _fits([{**run, "callbacks": lambda: [_StepCounter()]}])
+            errors.append(("no error", _StepCounter.steps))
+        except Exception as error:
+            errors.append((str(error), _StepCounter.steps))
+    return errors
+
+
+def test_configs_contradicting_the_trainer_fail_before_training():
+    runs = [{"model": "llama", "strategy": _ds(1, deepspeed_config=config), "trainer": trainer, "devices": 1}
+            for config, trainer, _ in CONTRADICTIONS]
+    errors, = run_distributed(_fit_errors, 1, runs, timeout=600)
+    for (message, steps), (_, _, match) in zip(errors, CONTRADICTIONS):
+        assert re.search(match, message), (match, message)
+        assert steps == 0, (match, steps)
 
 
 def test_config_file_passes_through(tmp_path):
