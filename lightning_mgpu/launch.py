@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import io
 import os
 import shutil
 import signal
@@ -62,6 +63,11 @@ def _describe_rank(strategy: Any) -> Callable[[int], str]:
 
 
 # ----------------------------------------------------------------------------------------- python train.py (popen)
+_CHECKPOINT_PATHS = "lightning_mgpu_checkpoint_paths"
+# ModelCheckpoint's record of what it saved, which the main process's callback should show after a forked fit.
+_CHECKPOINT_PATH_ATTRIBUTES = ("last_model_path", "best_model_path", "best_k_models", "kth_best_model_path",
+                               "best_model_score", "kth_value")
+
 class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
     """Lightning's launcher for ``python train.py`` that reports a failed rank first, once, and leaves no orphans.
 
@@ -272,3 +278,25 @@ class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             torch.save(state_dict, weights_path)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+    @override
+    def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        """Lightning's extras plus the checkpoint callback's paths: only ``best_model_path`` travels by default, so
+        ``trainer.checkpoint_callback.last_model_path`` would be empty in a notebook after a forked ``fit``."""
+        extra = super().get_extra_results(trainer)
+        callback = trainer.checkpoint_callback
+        if callback is not None:
+            paths = {name: getattr(callback, name) for name in _CHECKPOINT_PATH_ATTRIBUTES if hasattr(callback, name)}
+            buffer = io.BytesIO()
+            torch.save(paths, buffer)  # as Lightning sends its metrics: tensors (scores) as bytes, not shared memory
+            extra[_CHECKPOINT_PATHS] = buffer.getvalue()
+        return extra
+
+    @override
+    def update_main_process_results(self, trainer: "pl.Trainer", extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        callback = trainer.checkpoint_callback
+        if callback is None or _CHECKPOINT_PATHS not in extra:
+            return
+        for name, value in torch.load(io.BytesIO(extra[_CHECKPOINT_PATHS]), weights_only=True).items():
+            setattr(callback, name, value)
