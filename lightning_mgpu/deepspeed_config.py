@@ -112,9 +112,9 @@ def build_config(
 ) -> dict[str, Any]:
     """The config for ``deepspeed.initialize``: the user's, with the Trainer's values filled in.
 
-    Gradient accumulation is driven by Lightning's loop (``managed_gradient_accumulation=False``: backward
-    accumulates, the optimizer step is the boundary), so ``accumulate_grad_batches`` of any value, and an epoch
-    that ends mid-window, step exactly where the torch backend steps.
+    Gradient accumulation is driven by Lightning's loop: the engine is told which backward is the accumulation
+    boundary (the one inside Lightning's optimizer step), so ``accumulate_grad_batches`` of any value, and an
+    epoch that ends mid-window, step exactly where the torch backend steps.
     """
     check_config(config, zero_stage)
     user = load_config(config)
@@ -123,7 +123,7 @@ def build_config(
         "gradient_accumulation_steps": accumulate_grad_batches,
         "train_batch_size": micro_batch_size * accumulate_grad_batches * data_parallel_size,
         "gradient_clipping": _clip_value(gradient_clip_val, gradient_clip_algorithm),
-        "managed_gradient_accumulation": False,
+        "managed_gradient_accumulation": True,
     }
     trainer_args = {
         "train_micro_batch_size_per_gpu": "the train dataloader's batch_size",

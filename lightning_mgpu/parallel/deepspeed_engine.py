@@ -6,10 +6,12 @@ Trainer (``deepspeed_config.build_config``). Lightning keeps driving the loop an
 the strategy hands backward and the optimizer step to this engine:
 
 - backward: ``engine.backward(loss, scale_wrt_gas=False)`` (Lightning already divided the loss by
-  ``accumulate_grad_batches``); ZeRO-2/3 reduce-scatter the gradients during it.
+  ``accumulate_grad_batches``). The backward that runs inside Lightning's optimizer step is marked as the
+  accumulation boundary (``set_gradient_accumulation_boundary``): there ZeRO-0/1 reduce and every stage moves
+  the gradients into its partitions, as under Lightning's own DeepSpeedStrategy; ZeRO-2/3 reduce-scatter during
+  every backward.
 - optimizer step: the closure (forward + backward) runs, the ``on_before_optimizer_step`` hooks run, then
-  ``engine.step()`` reduces (ZeRO-0/1), clips by the global norm (``gradient_clipping``) and steps. DeepSpeed
-  runs with ``managed_gradient_accumulation=False``, so the step Lightning takes is the accumulation boundary.
+  ``engine.step()`` clips by the global norm (``gradient_clipping``) and steps.
 
 The CPU path uses DeepSpeed's CPU accelerator and the job's gloo group; on GPUs DeepSpeed picks CUDA and the
 job's NCCL group. The first use on CPU compiles DeepSpeed's ``deepspeed_shm_comm`` op once (~30 s, cached in
@@ -62,6 +64,7 @@ class DeepSpeedEngineRunner:
         self.config = config
         self.engine: Optional[Any] = None
         self.optimizer: Optional[Optimizer] = None
+        self._stepping = False  # inside Lightning's optimizer step: its backward ends the accumulation window
         self.param_groups: list[list[nn.Parameter]] = []  # the user's groups, before DeepSpeed flattens them
 
     def initialize(
@@ -116,18 +119,24 @@ class DeepSpeedEngineRunner:
         """Callbacks' ``on_before/after_backward`` around the engine's backward (which owns loss scaling)."""
         assert self.engine is not None
         loss = Precision.pre_backward(precision, loss, module)
+        self.engine.set_gradient_accumulation_boundary(self._stepping)
         self.engine.backward(loss, scale_wrt_gas=False)
         return Precision.post_backward(precision, loss, module)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], module: "pl.LightningModule") -> Any:
         assert self.engine is not None
-        result = closure()
+        self._stepping = True
+        try:
+            result = closure()
+        finally:
+            self._stepping = False
         trainer = module.trainer
         # Lightning's clipping is skipped: the gradients are DeepSpeed's partitions, which it clips itself.
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         if result is None and module.automatic_optimization:
             return result  # training_step returned None: no backward ran, nothing to step
+        self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         return result
 

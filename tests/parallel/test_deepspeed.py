@@ -122,17 +122,19 @@ class DeepSpeedMemoryProbe(L.Callback):
 
 
 # fp32 AdamW, bytes per parameter on each of `dp` ranks after backward (Rajbhandari et al.'s formulas with K = 12:
-# DeepSpeed keeps an fp32 master partition beside the fp32 module even in fp32 training).
+# DeepSpeed keeps an fp32 master partition beside the fp32 module even in fp32 training). At the accumulation
+# boundary DeepSpeed's ZeRO-1 moves the reduced gradients into its partition, so after backward it holds ZeRO-2's
+# gradient memory (4 + 16/dp in all).
 DEEPSPEED_FORMULAS = {
-    1: {"param_bytes": lambda dp: 4, "grad_bytes": lambda dp: 4, "optim_bytes": lambda dp: 12 / dp},
+    1: {"param_bytes": lambda dp: 4, "grad_bytes": lambda dp: 4 / dp, "optim_bytes": lambda dp: 12 / dp},
     2: {"param_bytes": lambda dp: 4, "grad_bytes": lambda dp: 4 / dp, "optim_bytes": lambda dp: 12 / dp},
     3: {"param_bytes": lambda dp: 4 / dp, "grad_bytes": lambda dp: 4 / dp, "optim_bytes": lambda dp: 12 / dp},
 }
 # The torch backend at the same point (tests/parallel/test_data.py): no master copy, FSDP2 reshards after backward.
 TORCH_FORMULAS = {1: "8 + 8/dp", 2: "16/dp", 3: "16/dp"}
 PADDING = 0.02  # DeepSpeed pads partitions to an alignment
-# ZeRO-2 keeps the reduced gradients of every parameter that overlaps its partition, whole: up to one more tensor.
-WHOLE_PARAMS = {(2, "grad_bytes")}
+# ZeRO-1/2 keep the reduced gradients of every parameter that overlaps the partition, whole: up to one more tensor.
+WHOLE_PARAMS = {(1, "grad_bytes"), (2, "grad_bytes")}
 
 
 def test_memory_per_rank_follows_zero_formulas(capsys):
