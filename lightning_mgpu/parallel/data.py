@@ -74,12 +74,35 @@ def apply_data_parallel(
         wrap = fully_shard
         kwargs["reshard_after_forward"] = zero_stage == 3 if reshard_blocks is None else reshard_blocks and zero_stage == 3
         kwargs["shard_placement_fn"] = _shard_dim_beside_tensor_parallel
-    for block in find_blocks(module) if blocks is None else blocks:
-        wrap(block, **kwargs)
+    units: list[Any] = find_blocks(module) if blocks is None else blocks
+    if zero_stage == 2 and blocks is None:
+        # ZeRO-2 keeps every parameter gathered from forward to the end of backward: a unit per block only adds
+        # collectives and hooks. Units of consecutive blocks of about DDP's bucket size keep the reduce-scatters
+        # overlapped with backward; blocks that fill no bucket go to the root (outside a pipeline, whose stages
+        # are freed as a whole).
+        units = _bucketed(units, UNIT_BYTES)
+    for unit in units:
+        wrap(unit, **kwargs)
     if zero_stage >= 2:
         # The root's parameters (embeddings, head, norms) are needed first in backward: keep them gathered.
         kwargs["reshard_after_forward"] = False
     wrap(root, **kwargs)
+
+
+UNIT_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def _bucketed(blocks: list[nn.Module], cap_bytes: int) -> list[list[nn.Module]]:
+    """Consecutive blocks grouped until a group holds ``cap_bytes`` of parameters; the last, smaller rest is left out."""
+    groups: list[list[nn.Module]] = [[]]
+    size = 0
+    for block in blocks:
+        groups[-1].append(block)
+        size += sum(p.numel() * p.element_size() for p in block.parameters())
+        if size >= cap_bytes:
+            groups.append([])
+            size = 0
+    return groups[:-1]
 
 
 def _plain_data_parallel(root: nn.Module, blocks: Optional[list[nn.Module]], mp_policy: Any, offload_policy: Any) -> bool:
