@@ -62,7 +62,7 @@ def analytic_comm(name: str, dp: int, n_params: int, n_root: int) -> tuple[float
     """The fewest bytes a rank must send per step for gradients and parameters (fp32, ring collectives)."""
     kind, options, _, _ = CONFIGS[name]
     if kind.startswith(("mp-tp", "hybrid-tp", "pp")):
-        return 0.0, "(see bench_tensor.py / bench_pipeline.py)"
+        return 0.0, "see bench_tensor.py / bench_pipeline.py"
     f, full = (dp - 1) / dp, 4 * n_params
     stage = options.get("zero_stage", options.get("stage", 0))
     if kind == "ddp" or stage == 0:
@@ -284,10 +284,11 @@ def print_report(runs: dict[str, list], args: dict[str, Any]) -> dict[str, Any]:
         mem = max((o["memory"] for o in first if o["memory"]), key=lambda m: sum(m.values()), default=None)
         comm = first[0]["comm"]
         minimum, _ = analytic_comm(name, dp, n_params, n_root)
-        sent = f"{comm['bytes'] / MB:8.2f}" if comm else f"{'?':>8}"
-        mems = " ".join(f"{mem[k] / MB:6.2f}" for k in ("params", "grads", "optim")) if mem else f"{'?':>20}"
+        sent = f"{comm['bytes'] / MB:8.2f}" if comm else f"{'-':>8}"
+        least = f"{minimum / MB:8.2f}" if minimum else f"{'-':>8}"
+        mems = " ".join(f"{mem[k] / MB:6.2f}" for k in ("params", "grads", "optim")) if mem else f"{'-':>20}"
         print(f"{name:<16} {results[name]['median'] * 1e3:8.1f} {results[name]['cpu'] * 1e3:7.1f} {mems} {sent}"
-              f" {minimum / MB:8.2f}  {harness.fmt_comm(comm)}")
+              f" {least}  {harness.fmt_comm(comm)}")
     print("\nphases, ms (median over steps of the ranks' mean), wall then CPU: forward / backward / optimizer step")
     for name, r in results.items():
         ph = [f"{x * 1e3:.1f}" for x in r["phases"]]
