@@ -15,6 +15,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import time
 import warnings
 from pathlib import Path
@@ -256,11 +257,26 @@ def format_results(results: list[dict[str, Any]], scaling: list[dict[str, Any]])
         lines.append(f"{rank:>2} {run['name']:<14}{run['devices']:>4}{run['tokens_per_s']:>11,.0f}"
                      f"{run['step_s'] * 1e3:>9.1f}{shares}{plan}  {', '.join(notes)}")
     lines.append("scaling of the best layout per device count (efficiency = tokens/s(n) / (n x tokens/s(1))):")
+    busy = _busy_machine()
+    if busy:
+        lines.append(f"   ({busy})")
     for row in scaling:
         eff = f"{row['efficiency']:.0%}" if row["efficiency"] is not None else "n/a"
         lines.append(f"   {row['devices']:>3} devices  {row['layout']:<14}{row['tokens_per_s']:>11,.0f} tokens/s"
                      f"  efficiency {eff}")
     return "\n".join(lines)
+
+
+def _busy_machine() -> str:
+    """A warning when other work shares this machine's CPUs: then more processes win a larger share of them."""
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except OSError:
+        return ""
+    if load <= cores:
+        return ""
+    return (f"load average {load:.1f} on {cores} CPUs: other work shares this machine, so runs with more processes"
+            " get a larger share of it and efficiencies can exceed 100%; compare layouts within one run")
 
 
 def _plot(results: list[dict[str, Any]], scaling: list[dict[str, Any]], path: Path) -> Optional[Path]:

@@ -215,12 +215,11 @@ class CollectiveTimer:
             if not recorder.active or torch.compiler.is_compiling():
                 return original(*args, **kwargs)
             if p2p:
-                ops = args[0] if args else next(iter(kwargs.values()))
+                ops = args[0] if args else kwargs.get("p2p_ops", kwargs.get("p2p_op_list", []))
                 axis = self.axis_of(ops[0].group) if ops else self._world_axis
             else:
                 axis = self.axis_of(_group_argument(args, kwargs))
             start = recorder.open()
-            end = None
             try:
                 result = original(*args, **kwargs)
             finally:
@@ -253,7 +252,6 @@ class CollectiveTimer:
             group = kwargs.get("group", args[index] if index is not None and len(args) > index else None)
             axis = self.axis_of(group)
             start = recorder.open()
-            end = None
             try:
                 result = original(*args, **kwargs)
             finally:
