@@ -24,13 +24,15 @@ TOLERANCE = 0.05
 
 
 class _StepEnds(Callback):
-    """The test's own clock: when each step ended, to check the monitor's step walls against."""
+    """The test's own clock: when each step ended, to check the monitor's step walls against; and its loss."""
 
     def __init__(self) -> None:
         self.ends: dict[int, float] = {}
+        self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.ends[batch_idx] = time.perf_counter()
+        self.losses.append(float(outputs["loss"]))
 
 
 class _SlowDataModule(TextDataModule):
@@ -66,28 +68,30 @@ def _patched_objects() -> list:
             schedules._batch_p2p, torch._C._distributed_c10d.Work.wait]
 
 
-def _fit(out: Path, strategy="auto", devices: int = 1, delay: float = 0.0, logger=False) -> tuple[dict, dict]:
+def _fit(out: Path, strategy="auto", devices: int = 1, delay: float = 0.0, logger=False,
+         monitored: bool = True) -> tuple[dict, dict, list]:
     L.seed_everything(7)
     kwargs = dict(batch_size=8, block_size=32)
     datamodule = _SlowDataModule(delay, **kwargs) if delay else TextDataModule(**kwargs)
     model = GPTLightningModule(block_size=32, n_layer=2, n_head=4, n_embd=32)
     monitor, ends = ScalingMonitor(dirpath=out, verbose=False), _StepEnds()  # the test's clock is read first
+    callbacks = [ends, monitor] if monitored else [ends]
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[ends, monitor],
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=callbacks,
         logger=logger, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0,
     )
     trainer.fit(model, datamodule)
     # The test clock's interval per step, for this rank.
     walls = {k: ends.ends[k] - ends.ends[k - 1] for k in ends.ends if k - 1 in ends.ends}
-    return monitor.report, walls
+    return monitor.report, walls, ends.losses
 
 
 def _layout_job(dp: int, tp: int, pp: int, out: str, lightning_strategy: str = "") -> dict:
     before = _patched_objects()
     strategy = lightning_strategy or HybridStrategy(
         data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    report, walls = _fit(Path(out), strategy, devices=dp * tp * pp)
+    report, walls, _ = _fit(Path(out), strategy, devices=dp * tp * pp)
     return {"report": report, "walls": walls, "restored": _patched_objects() == before}
 
 
@@ -146,6 +150,23 @@ def test_split_adds_up_on_every_layout(tmp_path, dp, tp, pp, axes):
         _check_files(tmp_path)
 
 
+def _same_training_job(out: str) -> tuple[list[float], list[float], bool]:
+    def strategy() -> HybridStrategy:
+        return HybridStrategy(data_parallel_size=2, tensor_parallel_size=2, zero_stage=3)
+
+    before = _patched_objects()
+    *_, plain = _fit(Path(out), strategy(), devices=4, monitored=False)
+    *_, monitored = _fit(Path(out), strategy(), devices=4)
+    return plain, monitored, _patched_objects() == before
+
+
+def test_training_is_unchanged_by_the_monitor(tmp_path):
+    """dp2 x tp2 with ZeRO-3 (FSDP2's collectives, DTensor's functional collectives): the same losses step by step."""
+    plain, monitored, restored = run_distributed(_same_training_job, 4, str(tmp_path))[0]
+    assert restored
+    assert len(plain) == STEPS and plain == monitored
+
+
 def test_lightning_ddp_strategy(tmp_path):
     """Any strategy: Lightning's DDP (its gradient all-reduce runs in DDP's C++ reducer, out of the timers' sight:
     it is counted in compute; collectives issued from Python, such as the per-step stop-signal broadcast, are dp)."""
@@ -161,10 +182,10 @@ def test_sleeping_dataloader_is_data_bound_and_the_same_run_without_sleep_is_not
     """One process with Lightning's own strategy: the monitor needs no HybridStrategy. Metrics reach the logger."""
     from lightning.pytorch.loggers import CSVLogger
 
-    fast, fast_walls = _fit(tmp_path / "fast", logger=CSVLogger(tmp_path / "logs", name="", version=""))
+    fast, fast_walls, _ = _fit(tmp_path / "fast", logger=CSVLogger(tmp_path / "logs", name="", version=""))
     logged = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"scaling/step_s", "scaling/tokens_per_s", "scaling/share_compute", "scaling/share_data_wait"} <= set(logged)
-    slow, slow_walls = _fit(tmp_path / "slow", delay=0.05)
+    slow, slow_walls, _ = _fit(tmp_path / "slow", delay=0.05)
     for report, walls in ((fast, fast_walls), (slow, slow_walls)):
         _check_split_adds_up(report, [walls])
     assert slow["time_split"]["parts_s"]["data_wait"] >= 0.05
