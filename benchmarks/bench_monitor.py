@@ -127,7 +127,8 @@ def job(layout: str, monitored: bool, args: dict[str, Any]) -> dict[str, Any]:
     out = Path(args["out"]) / layout
     monitor = _self_timed_monitor(every_n_steps=1, dirpath=out, verbose=False) if monitored else None
     trainer = L.Trainer(
-        accelerator="cpu", devices=dp * tp * pp, max_steps=args["steps"], callbacks=[monitor, probe] if monitor else [probe],
+        accelerator="cpu", devices=dp * tp * pp, max_steps=args["steps"],
+        callbacks=[monitor, probe] if monitor else [probe],
         strategy=HybridStrategy(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp),
         **QUIET_TRAINER,
     )

@@ -85,7 +85,8 @@ def run_bench(args: argparse.Namespace) -> int:
                                   out / name)
                 run.update(_summary(report))
             except Exception as error:  # one layout failing (memory, a model constraint) does not stop the sweep
-                run["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error) else ''}"
+                first_line = (str(error).strip().splitlines() or [""])[0][:200]
+                run["error"] = f"{type(error).__name__}: {first_line}"
             results.append(run)
     _add_predictions(args, results)
     scaling = _scaling(results)
