@@ -55,12 +55,14 @@ class ParallelLayout:
         data_parallel_size: Size = "auto",
         tensor_parallel_size: Size = 1,
         pipeline_parallel_size: Size = 1,
-        zero_stage: int = 0,
+        zero_stage: Union[int, Literal["auto"]] = 0,
     ) -> "ParallelLayout":
         """Fill in ``"auto"`` sizes from the world size and check that the product covers every process.
 
         ``"auto"`` on data parallel takes whatever tensor and pipeline parallel leave; ``"auto"`` on tensor or
-        pipeline parallel means 1 (no split) unless every other size is fixed, in which case it takes the rest.
+        pipeline parallel means 1 (no split) unless every other size is fixed, in which case it takes the rest;
+        ``zero_stage="auto"`` means 0. This is the rule without a model: where several layouts are possible,
+        ``HybridStrategy`` asks the planner at setup instead (``planner.auto``).
         """
         _check_size("world_size", world_size, allow_auto=False)
         sizes = {
@@ -70,7 +72,8 @@ class ParallelLayout:
         }
         for name, value in sizes.items():
             _check_size(name, value, allow_auto=True)
-        _check_zero_stage(zero_stage)
+        _check_zero_stage(zero_stage, allow_auto=True)
+        zero_stage = 0 if zero_stage == "auto" else zero_stage
         auto = [name for name, value in sizes.items() if value == "auto"]
         # dp absorbs the remainder first; tp/pp only when dp is fixed.
         absorber = "data_parallel_size" if "data_parallel_size" in auto else (auto[0] if auto else None)
@@ -144,11 +147,14 @@ def warn_about_layout(layout: ParallelLayout, devices_per_node: int, num_nodes: 
         )
 
 
-def _check_zero_stage(zero_stage: object) -> None:
+def _check_zero_stage(zero_stage: object, allow_auto: bool = False) -> None:
+    if allow_auto and zero_stage == "auto":
+        return
     if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
+        auto = " or 'auto' (the planner chooses)" if allow_auto else ""
         raise ValueError(
             f"`zero_stage` must be one of {ZERO_STAGES} (0: replicated, 1: + sharded optimizer states,"
-            f" 2: + sharded gradients, 3: + sharded parameters), got {zero_stage!r}."
+            f" 2: + sharded gradients, 3: + sharded parameters){auto}, got {zero_stage!r}."
         )
 
 

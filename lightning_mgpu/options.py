@@ -5,7 +5,8 @@ The rule for options that act along one parallel dimension only (``sequence_para
 ``pipeline_split`` along pipeline parallelism): set to anything but its default while that dimension has size 1,
 the option is *refused*, naming the option, the dimension and both fixes. Whoever set it expected an effect, and a
 silently ignored option hides a mistake in the layout. Defaults never trigger it. A size given as ``"auto"`` is
-checked once it is resolved, when the ``Trainer`` is built.
+checked once it is resolved, when the ``Trainer`` is built; where the planner chooses among several layouts, each is
+checked then and only those the options run with are offered to it.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class ParallelOptions:
                         f"`{name}={value!r}` {purpose} and needs {dimension} > 1, got 1{resolved}. Set {dimension}"
                         f" > 1, or remove `{name}`."
                     )
-        if self.cpu_offload and zero_stage != 3:
+        if self.cpu_offload and zero_stage not in (3, "auto"):
             raise ValueError(
                 f"`cpu_offload=True` offloads sharded parameters, gradients and optimizer states (FSDP2's"
                 f" CPUOffloadPolicy) and needs zero_stage=3, got zero_stage={zero_stage}. Set zero_stage=3, or"
@@ -180,7 +181,8 @@ class ParallelOptions:
                 " {'zero_optimization': {'offload_optimizer': {'device': 'cpu'}, 'offload_param': {'device': 'cpu'}}}"
                 " in deepspeed_config instead, and remove cpu_offload."
             )
-        check_config(self.deepspeed_config, zero_stage)
+        if zero_stage != "auto":  # checked against each candidate stage when the Trainer is built
+            check_config(self.deepspeed_config, zero_stage)
 
     def _check_microbatches(self, pp_size: int) -> None:
         """A ``num_microbatches`` the schedule can never run, whatever the batch size, is refused up front."""

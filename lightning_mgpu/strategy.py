@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
@@ -44,6 +44,7 @@ from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_
 from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
+from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
 
 if TYPE_CHECKING:
@@ -56,8 +57,10 @@ class HybridStrategy(ParallelStrategy):
     """Data, tensor and pipeline parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
 
     Arguments: the README's "HybridStrategy arguments" table. Sizes multiply to ``devices x num_nodes``;
-    ``data_parallel_size="auto"`` takes what the others leave. ``start_method="auto"`` starts a subprocess per
-    device from a script and forks from a notebook or interactive session.
+    ``data_parallel_size="auto"`` takes what the others leave; ``"auto"`` tensor/pipeline sizes and ZeRO stage that
+    leave several layouts are chosen at setup by the planner (``planner.auto``) for the real module.
+    ``start_method="auto"`` starts a subprocess per device from a script and forks from a notebook or interactive
+    session.
     """
 
     strategy_name = "hybrid"
@@ -67,7 +70,7 @@ class HybridStrategy(ParallelStrategy):
         tensor_parallel_size: Size = 1,
         pipeline_parallel_size: Size = 1,
         data_parallel_size: Size = "auto",
-        zero_stage: int = 0,
+        zero_stage: Union[int, Literal["auto"]] = 0,
         zero_backend: str = "torch",
         deepspeed_config: Optional[Union[dict, str]] = None,
         tp_plan: Union[str, dict[str, str], Callable[..., None]] = "auto",
@@ -123,6 +126,9 @@ class HybridStrategy(ParallelStrategy):
         self._timeout = self._launch_options.timeout
         self._start_method = start_method
         self._layout: Optional[ParallelLayout] = None
+        # Several layouts the "auto" choices allow: the planner picks one at setup, once the module is known.
+        self._layout_choices: list[ParallelLayout] = []
+        self._plan: Optional[planner_auto.StrategyPlan] = None
         self._device_mesh: Optional["DeviceMesh"] = None
         self._optimizer_sharding: list[OptimizerStateSharding] = []
         self._runner: Optional[StepRunner] = None
@@ -137,7 +143,10 @@ class HybridStrategy(ParallelStrategy):
     @property
     def layout(self) -> ParallelLayout:
         if self._layout is None:
-            raise RuntimeError("The layout is known once the Trainer has been created with this strategy.")
+            raise RuntimeError(
+                "The layout is known once the Trainer has been created with this strategy, or, where the planner"
+                " chooses among 'auto' layouts, once the processes have been set up (`setup_environment`)."
+            )
         return self._layout
 
     @property
@@ -189,22 +198,33 @@ class HybridStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         if self.num_processes:
-            self._layout = ParallelLayout.resolve(self.num_nodes * self.num_processes, *self._requested_sizes)
+            world = self.num_nodes * self.num_processes
+            choices = planner_auto.layout_candidates(world, *self._requested_sizes)
+            self._layout_choices = planner_auto.valid_layouts(choices, self._check_sizes)
+            self._layout = self._layout_choices[0] if len(self._layout_choices) == 1 else None
             self._check_layout(self._layout)
 
-    def _check_layout(self, layout: ParallelLayout) -> None:
-        """What needs the resolved sizes and the Trainer's devices: raised here, in the launching process."""
+    def _check_sizes(self, layout: ParallelLayout) -> None:
+        """The options against one layout's sizes (raises naming the option and the fix)."""
         names = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
         auto = tuple(name for name, size in zip(names, self._requested_sizes) if size == "auto")
         self.options.check_sizes(layout.zero_stage, layout.tensor_parallel_size, layout.pipeline_parallel_size, auto)
+        self.precision_plugin.check_layout(layout.tensor_parallel_size)
+
+    def _check_layout(self, layout: Optional[ParallelLayout]) -> None:
+        """What needs the resolved sizes and the Trainer's devices: raised here, in the launching process.
+
+        ``None``: the planner chooses at setup among ``_layout_choices``, which ``_check_sizes`` already accepted.
+        """
         assert self.parallel_devices is not None
         self._launch_options.check_device(self.parallel_devices[0].type)
-        self.precision_plugin.check_layout(layout.tensor_parallel_size)
         if self._layer_sync is not None:  # set from Trainer(sync_batchnorm=True) just before this call
             raise NotImplementedError(
                 "HybridStrategy does not implement Trainer(sync_batchnorm=True) yet: BatchNorm statistics would stay"
                 " per rank. Remove sync_batchnorm=True (or use GroupNorm/LayerNorm, which need no synchronization)."
             )
+        if layout is None:
+            return
         # At dp=1 the data-parallel wrap still serves cpu_offload or a param_dtype cast.
         wrapped = self.options.cpu_offload or self.precision_plugin.param_dtype is not None
         warn_about_layout(layout, self.num_processes, self.num_nodes, wrapped)
@@ -265,11 +285,52 @@ class HybridStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        if self._layout is None:  # several layouts possible: the planner chooses, with the module at hand
+            self._layout = self._planned_layout()
+            self._check_layout(self._layout)
         self._device_mesh = self.layout.build_mesh(self.root_device.type)
         self._dp_group = self._device_mesh[DP_AXIS].get_group()  # looked up once: slicing a mesh is not free
         # A user's `configure_model` may read `self.device_mesh`, as with Lightning's ModelParallelStrategy.
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self._device_mesh
+
+    def _planned_layout(self) -> ParallelLayout:
+        """Global rank 0 asks the planner (module, devices, batch size, precision) and every rank runs its answer,
+        so that ranks never disagree; an error there is raised on every rank rather than left to hang the others."""
+        answer: Any = None
+        failure: Optional[Exception] = None
+        if self.global_rank == 0:
+            try:
+                cluster = planner_auto.local_cluster(self.world_size, self.num_processes, self.root_device.type)
+                module = self.lightning_module
+                answer = planner_auto.plan_strategy_layout(
+                    module, self._layout_choices, cluster, planner_auto.batch_per_replica(module),
+                    str(self.precision_plugin.precision), self.options,
+                )
+            except Exception as error:  # noqa: BLE001 - raised on every rank below
+                failure = error
+                answer = error if isinstance(error, ValueError) else RuntimeError(f"{type(error).__name__}: {error}")
+        answer = self.broadcast(answer, src=0)
+        if isinstance(answer, Exception):
+            raise failure or answer
+        self._plan = answer
+        if answer.estimate is None:
+            rank_zero_warn(answer.describe())
+        else:
+            rank_zero_info(answer.describe())
+        return answer.layout
+
+    @property
+    def plan(self) -> Optional[planner_auto.StrategyPlan]:
+        """What the planner chose for ``"auto"`` sizes, its prediction and the measured steps (``None``: no choice)."""
+        return self._plan
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        summary = self._plan.measured_beside_predicted() if self._plan is not None else None
+        if summary:  # the planner's prediction beside what the steps took
+            rank_zero_info(summary)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -374,6 +435,8 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._plan is not None:
+            self._plan.step_clock.tick()
         with self.precision_plugin.train_step_context():
             return self._step("training_step", *args, **kwargs)
 

@@ -1,22 +1,27 @@
 """The planner asked from code: the best layout for a real module on the devices at hand, for ``"auto"`` sizes.
 
-``choose_layout`` is what a strategy calls at setup, once it knows the module, the world size and the devices:
-the sizes the user fixed are kept (``fixed``), the others are chosen, and the prediction is returned to be logged
-beside the measured step time.
+``choose_layout``: the planner's best layout for a module at a given global batch, the sizes the user fixed kept.
+``HybridStrategy`` with ``"auto"`` sizes or ZeRO stage uses the second half of this module: ``layout_candidates``
+and ``valid_layouts`` (when the ``Trainer`` is built: the layouts its options run with), ``plan_strategy_layout``
+(at setup, with the real module, devices and batch size: the fastest that fits, each at the global batch it really
+runs) and ``StepClock`` (the measured step time logged beside the prediction at the end of ``fit``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
 
 from torch import nn
 
+from lightning_mgpu.layout import ParallelLayout, Size
 from lightning_mgpu.planner.cluster import GB, PRESETS, ClusterSpec, Efficiency, preset
-from lightning_mgpu.planner.cost import Estimate, Training
+from lightning_mgpu.planner.cost import PRECISIONS, Estimate, Training, estimate
 from lightning_mgpu.planner.model_spec import spec_from_module
-from lightning_mgpu.planner.search import explain, search
+from lightning_mgpu.planner.search import _structural_problem, explain, layout_from_options, search
 
 log = logging.getLogger(__name__)
 
@@ -54,3 +59,179 @@ def choose_layout(module: nn.Module, cluster: ClusterSpec, global_batch: int, pr
                          + explain(plan))
     log.info("planner: %s", explain(plan))
     return plan.best
+
+
+# ------------------------------------------------------------------ HybridStrategy's "auto" sizes and ZeRO stage
+@dataclass
+class StrategyPlan:
+    """What ``HybridStrategy`` runs for its ``"auto"`` choices and why: the prediction (``None`` when the planner could
+    not read the module, ``reason`` says why), and the steps measured while it trains."""
+
+    layout: ParallelLayout
+    estimate: Optional[Estimate] = None
+    reason: str = ""
+    batch_per_replica: int = 1
+    step_clock: "StepClock" = field(default_factory=lambda: StepClock())
+
+    @property
+    def predicted_step_s(self) -> Optional[float]:
+        return None if self.estimate is None else self.estimate.time["step"]
+
+    def describe(self) -> str:
+        if self.estimate is None:
+            return (f"HybridStrategy: the 'auto' choices fall back to {self.layout.describe()} because {self.reason}."
+                    " Give tensor_parallel_size, pipeline_parallel_size and zero_stage explicitly to choose another.")
+        mem, step = self.estimate.memory["total"], self.estimate.time["step"]
+        return (f"HybridStrategy planned {self.layout.describe()}: predicted {mem / GB:.3g} GB per rank and"
+                f" {step:.4g} s per step ({self.estimate.tokens_per_s:,.0f} tokens/s) at {self.batch_per_replica}"
+                f" sequence(s) per data-parallel rank. {self.reason}")
+
+    def measured_beside_predicted(self) -> Optional[str]:
+        """The measured mean step time beside the prediction, once steps were timed."""
+        measured, predicted = self.step_clock.mean(), self.predicted_step_s
+        if measured is None or predicted is None:
+            return None
+        return (f"HybridStrategy {self.layout.describe()}: measured {measured:.4g} s per step, the planner predicted"
+                f" {predicted:.4g} s (measured/predicted {measured / predicted:.2f}).")
+
+
+def layout_candidates(world_size: int, data_parallel_size: Size, tensor_parallel_size: Size,
+                      pipeline_parallel_size: Size, zero_stage: Union[int, str]) -> list[ParallelLayout]:
+    """Every layout the requested sizes allow on ``world_size`` processes; the old rule's (``"auto"`` sizes 1, dp
+    taking the rest, ZeRO 0) first, so that it is what a module the planner cannot read falls back to.
+
+    Sharded parameters under a pipeline (ZeRO >= 2 with pp > 1) are offered only when the stage is given, as the
+    planner's search does; at dp=1 ZeRO has nothing to shard and ``"auto"`` means 0.
+    """
+    first = ParallelLayout.resolve(world_size, data_parallel_size, tensor_parallel_size, pipeline_parallel_size,
+                                   zero_stage)  # type: ignore[arg-type]
+    requested = {"dp": data_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
+    found = [first]
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            if any(value != "auto" and value != size for value, size in zip(requested.values(), (dp, tp, pp))):
+                continue
+            stages = (0, 1, 2, 3) if zero_stage == "auto" and dp > 1 else (0 if zero_stage == "auto" else zero_stage,)
+            for zero in stages:
+                if zero >= 2 and pp > 1 and zero_stage == "auto":
+                    continue
+                layout = ParallelLayout(dp, tp, pp, zero)  # type: ignore[arg-type]
+                if layout not in found:
+                    found.append(layout)
+    return found
+
+
+def valid_layouts(candidates: list[ParallelLayout], check: Callable[[ParallelLayout], None]) -> list[ParallelLayout]:
+    """The candidates ``check`` accepts (it raises on a layout the options cannot run with); when none is, raise the
+    only candidate's own error, or one naming each candidate's reason."""
+    valid, reasons = [], {}
+    for layout in candidates:
+        try:
+            check(layout)
+        except (ValueError, NotImplementedError) as error:
+            if len(candidates) == 1:
+                raise
+            reasons[layout.describe()] = str(error)
+        else:
+            valid.append(layout)
+    if valid:
+        return valid
+    if len(set(reasons.values())) == 1:
+        raise ValueError(next(iter(reasons.values())))
+    listed = "".join(f"\n- {layout}: {why}" for layout, why in reasons.items())
+    raise ValueError(f"No layout the 'auto' sizes allow on {candidates[0].world_size} processes runs with these"
+                     f" options:{listed}")
+
+
+def plan_strategy_layout(module: nn.Module, candidates: list[ParallelLayout], cluster: ClusterSpec,
+                         batch_per_replica: Optional[int], precision: str, options: Any,
+                         efficiency: Optional[Efficiency] = None) -> StrategyPlan:
+    """The candidate (already checked against the strategy's options) that the cost model predicts fastest among
+    those that fit, each at the global batch it will really run (``batch_per_replica x dp``: Lightning's batch size
+    is per data-parallel rank), with the strategy's schedule, microbatches and checkpointing.
+
+    A module the planner cannot read falls back to the first candidate, saying why. Raises ``ValueError`` when none
+    fits, naming what does not.
+    """
+    try:
+        spec = spec_from_module(module)
+    except ValueError as error:
+        return StrategyPlan(candidates[0], reason=str(error))
+    if precision not in PRECISIONS:
+        return StrategyPlan(candidates[0], reason=f"the cost model has no precision {precision!r}")
+    per_replica = batch_per_replica or 1
+    efficiency = efficiency or Efficiency()
+    fitting, problems = [], []
+    for candidate in candidates:
+        tp, pp, dp = (candidate.tensor_parallel_size, candidate.pipeline_parallel_size,
+                      candidate.data_parallel_size)
+        training = Training(global_batch=per_replica * dp, precision=precision)
+        problem = _structural_problem(spec, cluster, training, tp, pp, dp)
+        if problem:
+            problems.append(f"{candidate.describe()}: {problem}")
+            continue
+        layout = layout_from_options(candidate.world_size, training.global_batch, tp, pp, candidate.zero_stage,
+                                     options.pipeline_schedule, options.num_microbatches,
+                                     options.activation_checkpointing, options.sequence_parallel)
+        result = estimate(spec, cluster, training, layout, efficiency)
+        if result.fits:
+            fitting.append((candidate, result))
+        else:
+            problems.append(f"{candidate.describe()} {result.problems[0]}")
+    if not fitting:
+        raise ValueError(f"The planner found no layout for {spec.describe()} on {cluster.describe()} that runs:"
+                         f" {'; '.join(problems)}. Give tensor_parallel_size/pipeline_parallel_size/zero_stage"
+                         " explicitly, or use more devices.")
+    fitting.sort(key=lambda pair: (-pair[1].tokens_per_s, pair[1].memory["total"]))  # stable: old rule wins ties
+    (best, result), rest = fitting[0], fitting[1:]
+    why = f"Chosen for {spec.describe()} on {cluster.describe()}"
+    if rest:
+        runner, runner_result = rest[0]
+        why += (f"; next best {runner.describe()} is predicted"
+                f" {1 - runner_result.tokens_per_s / result.tokens_per_s:.0%} slower")
+    note = "" if batch_per_replica else " (batch size unknown: planned for 1 per rank)"
+    return StrategyPlan(best, result, why + note + ".", per_replica)
+
+
+def batch_per_replica(module: Any) -> Optional[int]:
+    """The per-rank batch size the fit will use, where it can be read without running user code: the DataLoader
+    given to ``fit``, or a ``batch_size`` on the module, its hparams or its datamodule (as Lightning's tuner reads
+    it). ``None`` when unknown."""
+    from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
+
+    trainer = getattr(module, "_trainer", None)
+    source = getattr(getattr(getattr(trainer, "fit_loop", None), "_data_source", None), "instance", None)
+    size = getattr(source, "batch_size", None)
+    if _positive(size):
+        return size
+    try:
+        size = lightning_getattr(module, "batch_size") if lightning_hasattr(module, "batch_size") else None
+    except (AttributeError, RuntimeError):
+        size = None
+    return size if _positive(size) else None
+
+
+class StepClock:
+    """Mean wall time between training batches: what the prediction is compared with at the end of fit. The first
+    interval (warm-up: allocations, first collectives) is left out when there are others."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def tick(self) -> None:
+        self.starts.append(time.perf_counter())
+
+    def mean(self) -> Optional[float]:
+        starts = self.starts[1:] if len(self.starts) > 2 else self.starts
+        if len(starts) < 2:
+            return None
+        return (starts[-1] - starts[0]) / (len(starts) - 1)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
