@@ -48,6 +48,7 @@ class ParallelOptions:
     checkpoint_format: str = "sharded"
     async_checkpoint: bool = False
     deepspeed_config: Any = None  # None, a dict or a JSON file's path (zero_backend="deepspeed")
+    expert_parallel_size: int = 1  # experts sharded over groups of this many data-parallel ranks (parallel/experts.py)
 
     def __post_init__(self) -> None:
         _one_of("zero_backend", self.zero_backend, ZERO_BACKENDS)
@@ -74,6 +75,8 @@ class ParallelOptions:
                 f"`pipeline_split` must be 'auto' or a list of module names where stages begin,"
                 f" got {self.pipeline_split!r}."
             )
+        if not _positive_int(self.expert_parallel_size):
+            raise ValueError(f"`expert_parallel_size` must be a positive integer, got {self.expert_parallel_size!r}.")
         if self.num_microbatches is not None and not _positive_int(self.num_microbatches):
             raise ValueError(f"`num_microbatches` must be a positive integer or None, got {self.num_microbatches!r}.")
         if self.stages_per_rank is not None and not _positive_int(self.stages_per_rank):

@@ -73,6 +73,7 @@ class HybridStrategy(ParallelStrategy):
         zero_stage: Union[int, Literal["auto"]] = 0,
         zero_backend: str = "torch",
         deepspeed_config: Optional[Union[dict, str]] = None,
+        expert_parallel_size: int = 1,
         tp_plan: Union[str, dict[str, str], Callable[..., None]] = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
@@ -118,6 +119,7 @@ class HybridStrategy(ParallelStrategy):
             checkpoint_format=checkpoint_format,
             async_checkpoint=async_checkpoint,
             deepspeed_config=deepspeed_config,
+            expert_parallel_size=expert_parallel_size,
         )
         self.options.check_implemented()
         self.options.check_sizes(zero_stage, tensor_parallel_size, pipeline_parallel_size)
@@ -209,6 +211,10 @@ class HybridStrategy(ParallelStrategy):
         names = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
         auto = tuple(name for name, size in zip(names, self._requested_sizes) if size == "auto")
         self.options.check_sizes(layout.zero_stage, layout.tensor_parallel_size, layout.pipeline_parallel_size, auto)
+        if self.options.expert_parallel_size > 1:
+            from lightning_mgpu.parallel.experts import check_expert_layout
+
+            check_expert_layout(self.options, layout)
         self.precision_plugin.check_layout(layout.tensor_parallel_size)
 
     def _check_layout(self, layout: Optional[ParallelLayout]) -> None:

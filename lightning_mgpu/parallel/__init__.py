@@ -56,6 +56,11 @@ def parallelize(
     casts = mp_policy is not None and getattr(mp_policy, "param_dtype", None) is not None
     # Under zero_backend="deepspeed" the DeepSpeed engine is the data-parallel wrap (built by the strategy).
     torch_data_parallel = options.zero_backend == "torch"
+    if options.expert_parallel_size > 1:
+        from lightning_mgpu.parallel.experts import apply_expert_parallel
+
+        # Before the data-parallel wrap, which then leaves the experts (wrapped over their replicas) out.
+        apply_expert_parallel(module, mesh, options.expert_parallel_size, layout.zero_stage, mp_policy, offload_policy)
     if torch_data_parallel and (layout.data_parallel_size > 1 or offload_policy is not None or casts):
         # With pipelining each stage is a root of its own: the schedule drives each stage's gradient sync
         # (no-sync on all but the last backward of a step), also when a rank holds several stages.
