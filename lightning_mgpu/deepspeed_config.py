@@ -60,8 +60,10 @@ def load_config(config: DeepSpeedConfig) -> dict[str, Any]:
     )
 
 
-def check_config(config: DeepSpeedConfig, zero_stage: int) -> None:
-    """What can be judged from the strategy's arguments alone; raised when the strategy is built."""
+def check_config(config: DeepSpeedConfig, zero_stage: Union[int, str]) -> None:
+    """What can be judged from the strategy's arguments alone; raised when the strategy is built (a
+    ``zero_stage="auto"`` is judged again once chosen, by :func:`build_config`)."""
+    chosen = zero_stage != "auto"
     user = load_config(config)
     for section, why in _REFUSED_SECTIONS.items():
         if section in user:
@@ -71,7 +73,7 @@ def check_config(config: DeepSpeedConfig, zero_stage: int) -> None:
     zero = user.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ValueError(f"`deepspeed_config['zero_optimization']` must be a dict, got {zero!r}.")
-    if "stage" in zero and zero["stage"] != zero_stage:
+    if chosen and "stage" in zero and zero["stage"] != zero_stage:
         raise ValueError(
             f"`deepspeed_config` sets zero_optimization.stage={zero['stage']!r} but HybridStrategy has"
             f" zero_stage={zero_stage}. Set HybridStrategy(zero_stage={zero['stage']!r}) and remove the stage from"
@@ -92,7 +94,7 @@ def check_config(config: DeepSpeedConfig, zero_stage: int) -> None:
                 f" zero_optimization.{kind}.nvme_path='/local_nvme' (a directory on a fast local disk), or use"
                 " device='cpu'."
             )
-        if kind == "offload_param" and device != "none" and zero_stage != 3:
+        if chosen and kind == "offload_param" and device != "none" and zero_stage != 3:
             raise ValueError(
                 f"`deepspeed_config` offloads parameters (zero_optimization.offload_param.device={device!r}), which"
                 f" DeepSpeed does at ZeRO stage 3 only; HybridStrategy has zero_stage={zero_stage}. Set zero_stage=3"
