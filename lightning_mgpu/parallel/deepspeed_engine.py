@@ -89,6 +89,11 @@ class DeepSpeedEngineRunner:
                 f" {len(optimizers)}. Return one optimizer (param groups can differ in hyperparameters), or use"
                 " zero_backend='torch'."
             )
+        if not trainer.lightning_module.automatic_optimization:
+            raise ValueError(
+                "zero_backend='deepspeed' runs automatic optimization only: the engine must know which backward ends"
+                " a step. Remove `self.automatic_optimization = False` (or use zero_backend='torch')."
+            )
         if optimizers and isinstance(optimizers[0], LBFGS):
             raise ValueError("zero_backend='deepspeed' cannot step LBFGS (it re-evaluates the closure). Use AdamW/SGD.")
         config = build_config(
@@ -139,6 +144,7 @@ class DeepSpeedEngineRunner:
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         return result
+
 
 class _DataParallelGroups:
     """DeepSpeed's ``mpu`` interface: the engine reduces and partitions over the job's data-parallel group."""
