@@ -72,14 +72,16 @@ def check_expert_layout(options: Any, layout: Any) -> None:
 
 def check_experts(module: nn.Module, ep: int) -> dict[str, nn.Module]:
     """Before training: the model has experts to shard, in counts ``ep`` divides."""
-    experts = find_experts(module)
+    experts = {**find_experts(module), **{n: lst for n, (_, lst) in find_expert_lists(module).items()}}
     if not experts:
         raise ValueError(
             f"expert_parallel_size={ep}, but {type(module).__name__} has no mixture-of-experts layer this version"
-            " shards (a module with `num_experts` and fused 3-D `gate_up_proj`/`down_proj` weights, as Hugging Face's"
-            " Mixtral, Qwen3-MoE and OLMoE have). Set expert_parallel_size=1 for this model."
+            " shards: a module with `num_experts` and fused 3-D `gate_up_proj`/`down_proj` weights (Hugging Face's"
+            " Mixtral, Qwen3-MoE, OLMoE), or a block with an nn.ModuleList of experts and an nn.Linear router with one"
+            " output per expert. Set expert_parallel_size=1 for this model."
         )
-    uneven = {name: m.num_experts for name, m in experts.items() if m.num_experts % ep}
+    counts = {name: m.num_experts if hasattr(m, "num_experts") else len(m) for name, m in experts.items()}
+    uneven = {name: count for name, count in counts.items() if count % ep}
     if uneven:
         raise ValueError(
             f"expert_parallel_size={ep} must divide every layer's expert count, got {uneven}. Choose an"
@@ -100,16 +102,22 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, zero_sta
     """Keep this rank's experts in every MoE layer, route tokens to them, and wrap them over their replicas."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    experts = check_experts(module, ep)
+    check_experts(module, ep)
     ep_mesh = expert_mesh(mesh, ep)
     dp = mesh["dp"].size()
-    for experts_module in experts.values():
-        _keep_local_experts(experts_module, ep_mesh[EP_AXIS])
+    units = list(find_experts(module).values())
+    for unit in units:
+        _keep_local_experts(unit, ep_mesh[EP_AXIS])
+    for block, experts in find_expert_lists(module).values():
+        units += _split_expert_list(block, experts, ep_mesh[EP_AXIS])
+    for experts_module in units:
         # FSDP2 over the replicas (ZeRO-3 for experts at every stage: they are a rank's own); the data-parallel
         # wrap that follows skips modules already wrapped. Their gradients come from all dp ranks' losses.
         fully_shard(experts_module, mesh=ep_mesh[REPLICA_AXIS], reshard_after_forward=zero_stage == 3,
                     mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy())
         experts_module.set_gradient_divide_factor(float(dp))
+        # A plain sum, then the division: gloo has no pre-multiplied sum (and the NCCL one is not zero-copy).
+        experts_module.set_force_sum_reduction_for_comms(ep_mesh[REPLICA_AXIS].size() > 1)
     return ep_mesh
 
 
@@ -175,3 +183,158 @@ def _all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: li
 
     out = tensor.new_empty(sum(output_splits), *tensor.shape[1:])
     return all_to_all_single(out, tensor.contiguous(), output_splits, input_splits, group=group)
+
+
+# ------------------------------------------------------------------------ a user's MoE: router + list of experts
+def find_expert_lists(module: nn.Module) -> dict[str, tuple[nn.Module, nn.ModuleList]]:
+    """``{fqn: (block, experts)}``: blocks with an ``nn.ModuleList`` of 2+ experts of one type and an ``nn.Linear``
+    router child with one output per expert (a plain torch MoE as users write it)."""
+    found = {}
+    for name, block in module.named_modules():
+        lists = [c for c in block.children() if isinstance(c, nn.ModuleList) and len(c) > 1
+                 and len({type(e) for e in c}) == 1 and any(True for _ in c.parameters())]
+        routers = {c.out_features for c in block.children() if isinstance(c, nn.Linear)}
+        for experts in lists:
+            if len(experts) in routers:
+                found[name] = (block, experts)
+    return found
+
+
+def _router_input_size(block: nn.Module, count: int) -> int:
+    return next(c.in_features for c in block.children() if isinstance(c, nn.Linear) and c.out_features == count)
+
+
+def _split_expert_list(block: nn.Module, experts: nn.ModuleList, ep_mesh: DeviceMesh) -> list[nn.Module]:
+    """Keep this rank's experts under their own indices (plain FQNs ``experts.<i>.…``); route the block's calls."""
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    total = len(experts)
+    local = total // ep
+    mine = {str(i): experts[i] for i in range(rank * local, (rank + 1) * local)}
+    weight = next(experts.parameters())
+    empty = torch.zeros(0, _router_input_size(block, total), dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():  # the output's trailing shape, for the first pass's placeholders
+        sample = next(iter(mine.values()))(empty)
+    experts._modules.clear()
+    experts._modules.update(mine)
+    experts.__class__ = _LocalExperts
+    calls = _TwoPassCalls(experts, mine, ep_mesh.get_group(), ep, total, tuple(sample.shape[1:]), empty)
+    block.register_forward_pre_hook(calls.record, with_kwargs=True)
+    block.register_forward_hook(calls.replay, with_kwargs=True, always_call=True)
+    return list(mine.values())
+
+
+class _LocalExperts(nn.ModuleList):
+    """A rank's experts, under their global indices (``experts.2``, ``experts.3``), indexed by position."""
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, slice):
+            return nn.ModuleList(list(self._modules.values())[idx])
+        return list(self._modules.values())[idx]
+
+
+class _ExpertCall(nn.Module):
+    """Stands in for expert ``index`` during the block's forward: every call goes through ``_TwoPassCalls``."""
+
+    def __init__(self, index: int, calls: "_TwoPassCalls") -> None:
+        super().__init__()
+        self.index = index
+        self._calls = [calls]  # a list: not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._calls[0].call(self.index, x)
+
+
+class _TwoPassCalls:
+    """The block's own forward, run twice with the same random state. First pass: each expert call is recorded and
+    answered with zeros. Then one all-to-all takes every recorded input to its expert's rank, the experts run once
+    each, one all-to-all brings the outputs back. Second pass: each call is answered with its output. The gating
+    code, whatever it is (top-k, capacity, skipped empty experts), runs unchanged and each rank may call its
+    experts in any order: no collective depends on it."""
+
+    def __init__(self, experts: nn.ModuleList, mine: dict[str, nn.Module], group: Any, ep: int, total: int,
+                 out_shape: tuple[int, ...], empty: torch.Tensor) -> None:
+        self.empty = empty  # what this rank sends when it called no expert
+        self.experts, self.mine, self.group = experts, mine, group
+        self.ep, self.total, self.local, self.out_shape = ep, total, total // ep, out_shape
+        self.proxies = {str(i): _ExpertCall(i, self) for i in range(total)}
+        self.recorded: list[tuple[int, torch.Tensor]] = []
+        self.answers: Optional[dict[int, list[torch.Tensor]]] = None
+        self.rng: Any = None
+
+    def call(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if self.answers is None:
+            self.recorded.append((index, x))
+            return x.new_zeros(x.shape[0], *self.out_shape)
+        answer = self.answers[index].pop(0)
+        if answer.shape[0] != x.shape[0]:
+            raise RuntimeError(
+                f"expert {index} was called with {x.shape[0]} tokens, but with {answer.shape[0]} in the same forward"
+                " a moment before: expert parallelism runs the MoE block's forward twice and needs it deterministic"
+                " (random ops are replayed with the same seed; other state must not change between calls)."
+            )
+        return answer
+
+    def record(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.recorded, self.answers = [], None
+        self.rng = _rng_state()
+        self.experts._modules.clear()
+        self.experts._modules.update(self.proxies)
+
+    def replay(self, block: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.answers is not None or output is None:  # the second pass, or the first one raised
+            self._restore()
+            return output
+        try:
+            self.answers = self._exchange()
+            _set_rng_state(self.rng)
+            return block.forward(*args, **kwargs)
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        self.experts._modules.clear()
+        self.experts._modules.update(self.mine)
+        self.recorded, self.answers = [], None
+
+    def _exchange(self) -> dict[int, list[torch.Tensor]]:
+        """Recorded inputs to their experts' ranks and back (two autograd all-to-alls), split per call."""
+        recorded = self.recorded
+        order = sorted(range(len(recorded)), key=lambda j: recorded[j][0])  # by expert, then call order
+        sizes = [recorded[j][1].shape[0] for j in order]
+        counts = torch.zeros(self.total, dtype=torch.long, device=self.empty.device)
+        for j in order:
+            counts[recorded[j][0]] += recorded[j][1].shape[0]
+        inputs = torch.cat([recorded[j][1] for j in order]) if recorded else self.empty
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        send = counts.view(self.ep, self.local).sum(1).tolist()
+        per_source = received.view(self.ep, self.local)
+        tokens = _all_to_all(inputs, per_source.sum(1).tolist(), send, self.group)
+        outputs = self._run_local(tokens, per_source)
+        back = _all_to_all(outputs, send, per_source.sum(1).tolist(), self.group)
+        answers: dict[int, list[torch.Tensor]] = {i: [] for i in range(self.total)}
+        for j, piece in zip(order, back.split(sizes)):
+            answers[recorded[j][0]].append(piece)
+        return answers
+
+    def _run_local(self, tokens: torch.Tensor, per_source: torch.Tensor) -> torch.Tensor:
+        """Each local expert once, on its tokens from every source; outputs in the received order."""
+        pieces = tokens.split(per_source.reshape(-1).tolist())  # [source][local expert]
+        outs: list[Optional[torch.Tensor]] = [None] * len(pieces)
+        for e, expert in enumerate(self.mine.values()):
+            mine = [s * self.local + e for s in range(self.ep)]
+            result = expert(torch.cat([pieces[k] for k in mine]))
+            for k, part in zip(mine, result.split([pieces[k].shape[0] for k in mine])):
+                outs[k] = part
+        return torch.cat(outs)  # type: ignore[arg-type]
+
+
+def _rng_state() -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, Optional[list[torch.Tensor]]]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])

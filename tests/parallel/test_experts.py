@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_mgpu.parallel.experts import check_experts, find_experts
+from lightning_mgpu.parallel.experts import _FUSED, check_experts, find_experts
 from tests.helpers.equivalence import LOSS_RTOL, fit
 from tests.parallel.test_tensor_experts import mixtral_without_aux_loss, qwen3_moe
 from tests.parallel.test_tensor_hf_styles import GLOBAL_BATCH, STEPS, TP_WEIGHT_ATOL, _tokens
@@ -42,9 +42,16 @@ class ExpertProbe(L.Callback):
         out = {}
         for name, module in find_experts(pl_module).items():
             for leaf, param in module.named_parameters():
-                value = _local(param.grad if grads else param).detach().clone()
+                value = _whole(param.grad if grads else param).detach().clone()
                 out[(f"{name}.{leaf}", ep_rank * value.shape[0])] = value
         return out
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's experts, gathered over the replicas that shard them (FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -71,19 +78,112 @@ def _expert_count(factory: Any) -> int:
 
 def _assert_same_losses_and_dense_weights(reference: Any, result: Any) -> None:
     torch.testing.assert_close(torch.tensor(result.losses, dtype=torch.float64),
-                               torch.tensor(reference.losses, dtype=torch.float64), rtol=LOSS_RTOL, atol=0.0)
-    dense = [k for k in reference.state_dict if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+                               torch.tensor(reference.losses, dtype=torch.float64), rtol=LOSS_RTOL, atol=0.0,
+                               msg=lambda m: f"{m}\nref={reference.losses}\ngot={result.losses}")
+    dense = [k for k in reference.state_dict if ".experts." not in k and not k.endswith(_FUSED)]
     assert dense and set(dense) <= set(result.state_dict)
     for key in dense:
         torch.testing.assert_close(result.state_dict[key], reference.state_dict[key], rtol=1e-4, atol=TP_WEIGHT_ATOL,
                                    msg=lambda m: f"{key}: {m}")
 
 
+class Expert(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden)
+        self.down = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class TopKMoE(torch.nn.Module):
+    """A mixture of experts as a user writes it: a linear router, softmax top-k gating, a loop over the experts
+    that skips those no token chose, and a Switch-style load-balancing loss kept on the module."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64, num_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(dim, num_experts, bias=False)
+        self.experts = torch.nn.ModuleList(Expert(dim, hidden) for _ in range(num_experts))
+        self.top_k = top_k
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = self.router(x).softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == i)
+            if token.numel() == 0:
+                continue
+            out.index_add_(0, token, weights[token, slot, None] * expert(x[token]))
+        fraction = torch.nn.functional.one_hot(chosen, len(self.experts)).float().sum(1).mean(0)
+        self.aux_loss = len(self.experts) * (fraction * probs.mean(0)).sum()
+        return out.reshape(shape)
+
+
+class TorchMoEModule(L.LightningModule):
+    def __init__(self, vocab: int = 128, dim: int = 32, layers: int = 2, aux_weight: float = 0.0) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(dim) for _ in range(layers))
+        self.moes = torch.nn.ModuleList(TopKMoE(dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab)
+        self.aux_weight = aux_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for norm, moe in zip(self.norms, self.moes):
+            h = h + moe(norm(h))
+        return self.head(h)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        loss = loss + self.aux_weight * sum(moe.aux_loss for moe in self.moes)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_a_hand_written_torch_moe_splits_over_ep_and_trains_like_one_process():
+    """Experts of an nn.ModuleList: each rank keeps its own under their indices (plain FQNs); the block's gating
+    code runs unchanged (twice: calls recorded, then answered after one all-to-all each way)."""
+    from tests.helpers.modules import RandomTokenDataModule
+
+    reference, _ = fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH), None, 1, STEPS)
+    result, extras = fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH // 2),
+                         {"data_parallel_size": 2, "expert_parallel_size": 2}, 2, STEPS,
+                         callbacks_factory=lambda: [ListedExperts()])
+    _assert_same_losses_and_dense_weights(reference, result)
+    for rank, extra in enumerate(extras):
+        names, weights = extra["experts"]
+        assert names == {f"moes.{layer}.experts.{i}" for layer in (0, 1) for i in (2 * rank, 2 * rank + 1)}, names
+        for key, value in weights.items():  # rank 1 holds experts 2 and 3 under their own names
+            torch.testing.assert_close(value, reference.state_dict[key], rtol=1e-4, atol=TP_WEIGHT_ATOL, msg=key)
+
+
+class ListedExperts(L.Callback):
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        names = {f"moes.{i}.experts.{k}" for i, moe in enumerate(pl_module.moes) for k in moe.experts._modules}
+        weights = {n: _whole(p).detach().clone() for n, p in pl_module.named_parameters() if ".experts." in n}
+        self.results["experts"] = (names, weights)
+
+
 LAYOUTS = [  # (name, model, strategy extras, devices, dp, experts per rank divided by)
     ("mixtral-ep2", mixtral_without_aux_loss, {"expert_parallel_size": 2}, 2, 2, 2),
     ("qwen3_moe-ep2-zero3", lambda: qwen3_moe(output_router_logits=False),
      {"expert_parallel_size": 2, "zero_stage": 3}, 2, 2, 2),
-    ("mixtral-dp2xep2", mixtral_without_aux_loss, {"expert_parallel_size": 2}, 4, 4, 2),
+    # Experts also shard over their replicas with FSDP2 (at every ZeRO stage): 1/dp of them per rank.
+    ("mixtral-dp2xep2", mixtral_without_aux_loss, {"expert_parallel_size": 2}, 4, 4, 4),
 ]
 
 
