@@ -28,17 +28,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 EP_AXIS = "ep"
 REPLICA_AXIS = "dp_replicate"  # the data-parallel ranks that hold the same experts
 _FUSED = ("gate_up_proj", "down_proj")
+_TOTAL = "_lightning_mgpu_total_experts"
 
 
 def find_experts(module: nn.Module) -> dict[str, nn.Module]:
     """``{fqn: experts module}``: modules with ``num_experts`` and fused 3-D weights of that many experts."""
     found = {}
     for name, sub in module.named_modules():
-        count = getattr(sub, "num_experts", None)
+        # Once split, ``num_experts`` counts this rank's experts; the weights keep the global count.
+        count = getattr(sub, _TOTAL, getattr(sub, "num_experts", None))
         params = [getattr(sub, leaf, None) for leaf in _FUSED]
         if isinstance(count, int) and all(isinstance(p, nn.Parameter) and p.dim() == 3 and p.shape[0] == count
                                           for p in params):
@@ -122,14 +125,15 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, zero_sta
 
 
 def _keep_local_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
-    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    total = experts.num_experts
+    ep, total = ep_mesh.size(), experts.num_experts
     local = total // ep
     for name, param in list(experts.named_parameters(recurse=False)):
         if param.dim() >= 1 and param.shape[0] == total:
-            kept = param.detach()[rank * local:(rank + 1) * local].clone()
+            # A DTensor: checkpoints and optimizers see every expert under its own name and global shape.
+            kept = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
             experts.register_parameter(name, nn.Parameter(kept, requires_grad=param.requires_grad))
     experts.num_experts = local
+    setattr(experts, _TOTAL, total)
     routing = _Routing(ep_mesh.get_group(), ep, total)
     experts.register_forward_pre_hook(routing.dispatch)
     experts.register_forward_hook(routing.combine, always_call=True)
@@ -144,7 +148,7 @@ class _Routing:
     def __init__(self, group: Any, ep: int, total: int) -> None:
         self.group, self.ep, self.total = group, ep, total
         self.local = total // ep
-        self.stack: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int], int]] = []
+        self.stack: list[tuple[dict[str, DTensor], torch.Tensor, torch.Tensor, list[int], list[int], int]] = []
 
     def dispatch(self, module: nn.Module, args: tuple) -> tuple:
         hidden, index, weights = args[:3]
@@ -161,14 +165,19 @@ class _Routing:
         inputs = _all_to_all(hidden[tokens], recv, send, self.group)
         local_index = torch.repeat_interleave(
             torch.arange(self.local, device=flat.device).repeat(self.ep), recv_counts.reshape(-1))
-        self.stack.append((tokens, weights.reshape(-1)[order], hidden, send, recv, hidden.shape[0]))
+        # The module's own forward runs on this rank's experts: the local shards of its DTensor parameters.
+        originals = {name: p for name, p in module._parameters.items() if isinstance(p, DTensor)}
+        for name, param in originals.items():
+            module._parameters[name] = param.to_local()  # a differentiable view: the gradient reaches the DTensor
+        self.stack.append((originals, tokens, weights.reshape(-1)[order], send, recv, hidden.shape[0]))
         ones = torch.ones(local_index.shape[0], 1, dtype=weights.dtype, device=weights.device)
         return (inputs, local_index[:, None], ones, *args[3:])
 
     def combine(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if not self.stack:
             return output
-        tokens, weights, hidden, send, recv, num_tokens = self.stack.pop()
+        originals, tokens, weights, send, recv, num_tokens = self.stack.pop()
+        module._parameters.update(originals)
         if not torch.is_tensor(output):
             return output  # None when the forward raised (this hook always runs)
         back = _all_to_all(output, send, recv, self.group)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_mgpu.parallel.experts import _FUSED, check_experts, find_experts
-from tests.helpers.equivalence import LOSS_RTOL, fit
+from tests.helpers.equivalence import LOSS_RTOL, assert_same_training, fit
 from tests.parallel.test_tensor_experts import mixtral_without_aux_loss, qwen3_moe
 from tests.parallel.test_tensor_hf_styles import GLOBAL_BATCH, STEPS, TP_WEIGHT_ATOL, _tokens
 
@@ -21,7 +21,8 @@ class ExpertProbe(L.Callback):
     """Per rank: the element count of the expert weights it holds, and its experts' first gradients and final
     weights, keyed by parameter name and the global index of the rank's first expert."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Any = None) -> None:
+        self.path = path
         self.results: dict[str, Any] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -34,21 +35,21 @@ class ExpertProbe(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.results[f"weights_rank{trainer.global_rank}"] = self._experts(trainer, pl_module, grads=False)
+        if self.path is not None:
+            trainer.save_checkpoint(self.path)
 
     @staticmethod
     def _experts(trainer: L.Trainer, pl_module: L.LightningModule, grads: bool) -> dict[tuple[str, int], Any]:
-        ep = getattr(trainer.strategy, "options", None)
-        ep_rank = trainer.global_rank % (ep.expert_parallel_size if ep is not None else 1)  # dp-only worlds
         out = {}
         for name, module in find_experts(pl_module).items():
             for leaf, param in module.named_parameters():
                 value = _whole(param.grad if grads else param).detach().clone()
-                out[(f"{name}.{leaf}", ep_rank * value.shape[0])] = value
+                out[(f"{name}.{leaf}", 0)] = value  # every expert, gathered over ep and replicas
         return out
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's experts, gathered over the replicas that shard them (FSDP2)."""
+    """Every expert, gathered over the ep ranks and the replicas that shard them (FSDP2)."""
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -188,15 +189,25 @@ LAYOUTS = [  # (name, model, strategy extras, devices, dp, experts per rank divi
 
 
 @pytest.mark.parametrize(("name", "factory", "extra", "devices", "dp", "parts"), LAYOUTS, ids=[c[0] for c in LAYOUTS])
-def test_experts_split_over_ep_train_like_one_process(name, factory, extra, devices, dp, parts):
+def test_experts_split_over_ep_train_like_one_process(name, factory, extra, devices, dp, parts, tmp_path):
+    """Losses, first gradients and final weights of every expert as one process; the checkpoint keeps Hugging Face's
+    names and global shapes and loads strictly into one process."""
     reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS, callbacks_factory=lambda: [ExpertProbe()])
+    ckpt = tmp_path / "ep.ckpt"
     result, extras = fit(factory, lambda: _tokens(GLOBAL_BATCH // dp), {"data_parallel_size": dp, **extra}, devices,
-                         STEPS, callbacks_factory=lambda: [ExpertProbe()])
-    _assert_same_losses_and_dense_weights(reference, result)
+                         STEPS, callbacks_factory=lambda: [ExpertProbe(ckpt)])
+    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)  # every key, full shapes
     _assert_experts_match(reference.extra, extras, "grads", rtol=1e-4, atol=1e-6)
     _assert_experts_match(reference.extra, extras, "weights", rtol=1e-4, atol=TP_WEIGHT_ATOL)
     held = {k: v for e in extras for k, v in e.items() if k.startswith("experts_rank")}
     assert len(held) == devices and all(v * parts == _expert_count(factory) for v in held.values()), held
+
+    from lightning_mgpu.checkpoint import consolidate
+
+    single = factory()
+    single.load_state_dict(consolidate(ckpt)["state_dict"], strict=True)
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(value, result.state_dict[key], rtol=0, atol=0, msg=key)
 
 
 def test_expert_parallel_refuses_what_it_cannot_do_before_training():
