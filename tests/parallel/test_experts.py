@@ -223,3 +223,16 @@ def test_expert_parallel_refuses_what_it_cannot_do_before_training():
         check_experts(torch.nn.Linear(2, 2), 2)
     with pytest.raises(ValueError, match=r"must divide every layer's expert count.*\[4\]"):
         check_experts(mixtral_without_aux_loss(), 8)
+
+
+def test_checkpoint_saved_at_ep2_resumes_under_zero3_without_experts_split(tmp_path):
+    """The ep 2 checkpoint (experts as DTensors over ep) resumes at dp 2 ZeRO-3 with ep 1 like the run that saved it."""
+    from tests.test_checkpoint import CROSS_LAYOUT_RTOL, SaveAt, _assert_same_states, _losses_match, _resume
+
+    factory = mixtral_without_aux_loss
+    data = lambda: _tokens(GLOBAL_BATCH // 2)  # noqa: E731
+    reference, _ = fit(factory, data, {"data_parallel_size": 2, "expert_parallel_size": 2}, 2, 6,
+                       callbacks_factory=lambda: [SaveAt(tmp_path, (3,))])
+    resumed = _resume(tmp_path, tmp_path / "step3.ckpt", 2, {"zero_stage": 3}, tmp_path, factory, data, 6)
+    _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
+    _assert_same_states(tmp_path / "step3.ckpt", tmp_path / "resaved.ckpt")
