@@ -236,3 +236,18 @@ def test_checkpoint_saved_at_ep2_resumes_under_zero3_without_experts_split(tmp_p
     resumed = _resume(tmp_path, tmp_path / "step3.ckpt", 2, {"zero_stage": 3}, tmp_path, factory, data, 6)
     _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
     _assert_same_states(tmp_path / "step3.ckpt", tmp_path / "resaved.ckpt")
+
+
+def test_hugging_face_moe_layers_are_found_and_the_rest_left_alone():
+    """Mixtral, Qwen3-MoE and OLMoE as shipped: one experts module per layer (fused 3-D weights), router untouched."""
+    from tests.parallel.test_tensor_hf_styles import HFModule
+
+    olmoe = HFModule("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2)
+    for module in (mixtral_without_aux_loss(), qwen3_moe(), olmoe):
+        found = find_experts(module)
+        assert sorted(found) == [f"model.model.layers.{i}.mlp.experts" for i in range(2)], (type(module), found)
+    assert not find_experts(TorchMoEModule())  # a ModuleList of experts is the other kind
+    from lightning_mgpu.parallel.experts import find_expert_lists
+
+    assert sorted(find_expert_lists(TorchMoEModule())) == ["moes.0", "moes.1"]
+    assert not find_expert_lists(mixtral_without_aux_loss())  # its decoder layers have no router beside them
