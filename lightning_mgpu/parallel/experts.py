@@ -7,13 +7,19 @@ world stays ``pp x dp x tp``.
 Hugging Face MoE layers (Mixtral, Qwen3-MoE, OLMoE, ... in transformers >= 5) call one experts module with fused
 3-D weights (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) as ``experts(hidden [T, H], top_k_index [T, k],
 top_k_weights [T, k])``. The router is untouched (replicated: logits, top-k and the load-balancing loss as in one
-process); the experts module keeps its own forward and runs it on this rank's experts only, between two hooks:
+process); its weights become DTensors sharded over ``ep`` on the expert dimension (checkpoints keep Hugging Face's
+names and global shapes, and reshard to any ``ep``); the module keeps its own forward and runs it on this rank's
+experts only (the DTensors' local shards, swapped in for the call), between two hooks:
 
 - before: each (token, expert) pair is sent to the rank holding its expert (``all_to_all_single`` with autograd,
   so gradients flow back to the sending rank's hidden states), where the module sees the received tokens, their
   *local* expert index and a routing weight of 1;
 - after: the expert outputs go back the same way, are multiplied by their routing weights and summed per token as
   the module itself would (the routing weights' gradient stays with the router on the sending rank).
+
+A plain torch MoE (an ``nn.Linear`` router beside an ``nn.ModuleList`` of experts, gating code of the user's own)
+keeps its forward too: each rank keeps its experts under their global indices, and the block's forward runs twice
+with the same random state, expert calls recorded and then answered after one all-to-all each way (``_TwoPassCalls``).
 
 Gradients: an expert's parameters see the tokens of all ``dp`` ranks' losses but live on ``dp / ep`` replicas, so
 they are sharded with FSDP2 over the replicas (``fully_shard`` on the experts module, before the data-parallel wrap,

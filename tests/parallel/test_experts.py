@@ -192,7 +192,8 @@ LAYOUTS = [  # (name, model, strategy extras, devices, dp, experts per rank divi
 def test_experts_split_over_ep_train_like_one_process(name, factory, extra, devices, dp, parts, tmp_path):
     """Losses, first gradients and final weights of every expert as one process; the checkpoint keeps Hugging Face's
     names and global shapes and loads strictly into one process."""
-    reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS, callbacks_factory=lambda: [ExpertProbe()])
+    reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS,
+                       callbacks_factory=lambda: [ExpertProbe()])
     ckpt = tmp_path / "ep.ckpt"
     result, extras = fit(factory, lambda: _tokens(GLOBAL_BATCH // dp), {"data_parallel_size": dp, **extra}, devices,
                          STEPS, callbacks_factory=lambda: [ExpertProbe(ckpt)])
