@@ -221,6 +221,14 @@ def _router_input_size(block: nn.Module, count: int) -> int:
 
 def _split_expert_list(block: nn.Module, experts: nn.ModuleList, ep_mesh: DeviceMesh) -> list[nn.Module]:
     """Keep this rank's experts under their own indices (plain FQNs ``experts.<i>.…``); route the block's calls."""
+    from lightning_mgpu.parallel.activation import is_checkpointed
+
+    if is_checkpointed(block):
+        raise NotImplementedError(
+            f"expert_parallel_size={ep_mesh.size()} with activation checkpointing of {type(block).__name__}, an MoE"
+            " block whose experts are an nn.ModuleList: its recomputation in backward would call the experts without"
+            " their routing. Set activation_checkpointing=False (or checkpoint other modules by class)."
+        )
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     total = len(experts)
     local = total // ep

@@ -152,19 +152,27 @@ class TorchMoEModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def test_a_hand_written_torch_moe_splits_over_ep_and_trains_like_one_process():
+TORCH_LAYOUTS = [  # (name, strategy extras, devices)
+    ("ep2", {}, 2),
+    ("dp2xep2-zero3", {"zero_stage": 3}, 4),
+]
+
+
+@pytest.mark.parametrize(("name", "extra", "devices"), TORCH_LAYOUTS, ids=[c[0] for c in TORCH_LAYOUTS])
+def test_a_hand_written_torch_moe_splits_over_ep_and_trains_like_one_process(name, extra, devices):
     """Experts of an nn.ModuleList: each rank keeps its own under their indices (plain FQNs); the block's gating
     code runs unchanged (twice: calls recorded, then answered after one all-to-all each way)."""
     from tests.helpers.modules import RandomTokenDataModule
 
     reference, _ = fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH), None, 1, STEPS)
-    result, extras = fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH // 2),
-                         {"data_parallel_size": 2, "expert_parallel_size": 2}, 2, STEPS,
+    result, extras = fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH // devices),
+                         {"data_parallel_size": devices, "expert_parallel_size": 2, **extra}, devices, STEPS,
                          callbacks_factory=lambda: [ListedExperts()])
     _assert_same_losses_and_dense_weights(reference, result)
     for rank, extra in enumerate(extras):
         names, weights = extra["experts"]
-        assert names == {f"moes.{layer}.experts.{i}" for layer in (0, 1) for i in (2 * rank, 2 * rank + 1)}, names
+        ep_rank = rank % 2
+        assert names == {f"moes.{layer}.experts.{i}" for layer in (0, 1) for i in (2 * ep_rank, 2 * ep_rank + 1)}
         for key, value in weights.items():  # rank 1 holds experts 2 and 3 under their own names
             torch.testing.assert_close(value, reference.state_dict[key], rtol=1e-4, atol=TP_WEIGHT_ATOL, msg=key)
 
@@ -184,7 +192,8 @@ LAYOUTS = [  # (name, model, strategy extras, devices, dp, experts per rank divi
     ("qwen3_moe-ep2-zero3", lambda: qwen3_moe(output_router_logits=False),
      {"expert_parallel_size": 2, "zero_stage": 3}, 2, 2, 2),
     # Experts also shard over their replicas with FSDP2 (at every ZeRO stage): 1/dp of them per rank.
-    ("mixtral-dp2xep2", mixtral_without_aux_loss, {"expert_parallel_size": 2}, 4, 4, 4),
+    ("mixtral-dp2xep2-checkpointed", mixtral_without_aux_loss,
+     {"expert_parallel_size": 2, "activation_checkpointing": True}, 4, 4, 4),
 ]
 
 
@@ -252,3 +261,11 @@ def test_hugging_face_moe_layers_are_found_and_the_rest_left_alone():
 
     assert sorted(find_expert_lists(TorchMoEModule())) == ["moes.0", "moes.1"]
     assert not find_expert_lists(mixtral_without_aux_loss())  # its decoder layers have no router beside them
+
+
+def test_checkpointing_a_torch_moe_block_under_ep_is_refused_at_setup():
+    from tests.helpers.modules import RandomTokenDataModule
+
+    with pytest.raises(RuntimeError, match=r"activation checkpointing of TopKMoE.*activation_checkpointing=False"):
+        fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=4),
+            {"data_parallel_size": 2, "expert_parallel_size": 2, "activation_checkpointing": True}, 2, 1)
