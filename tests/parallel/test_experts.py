@@ -269,3 +269,15 @@ def test_checkpointing_a_torch_moe_block_under_ep_is_refused_at_setup():
     with pytest.raises(RuntimeError, match=r"activation checkpointing of TopKMoE.*activation_checkpointing=False"):
         fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=4),
             {"data_parallel_size": 2, "expert_parallel_size": 2, "activation_checkpointing": True}, 2, 1)
+
+
+def test_load_balancing_loss_is_the_data_parallel_one_under_ep():
+    """With ``output_router_logits=True`` Hugging Face adds the router's load-balancing loss, computed per
+    data-parallel rank from its own batch (not one process's: a product of batch means). Splitting the experts over
+    ep leaves it exactly as plain data parallelism computes it: router, top-k and aux loss untouched."""
+    from tests.parallel.test_tensor_experts import mixtral
+
+    data = lambda: _tokens(GLOBAL_BATCH // 2)  # noqa: E731
+    dp_only, _ = fit(mixtral, data, {"data_parallel_size": 2}, 2, STEPS)
+    split, _ = fit(mixtral, data, {"data_parallel_size": 2, "expert_parallel_size": 2}, 2, STEPS)
+    assert_same_training(dp_only, split, weight_atol=TP_WEIGHT_ATOL)
