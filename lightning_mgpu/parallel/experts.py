@@ -50,9 +50,17 @@ def find_experts(module: nn.Module) -> dict[str, nn.Module]:
         count = getattr(sub, _TOTAL, getattr(sub, "num_experts", None))
         params = [getattr(sub, leaf, None) for leaf in _FUSED]
         if isinstance(count, int) and all(isinstance(p, nn.Parameter) and p.dim() == 3 and p.shape[0] == count
-                                          for p in params):
+                                          for p in params) and _routed_call(sub):
             found[name] = sub
     return found
+
+
+def _routed_call(experts: nn.Module) -> bool:
+    """Whether the module is called with the routing, ``(hidden_states, top_k_index, top_k_weights)``: Llama-4's
+    experts, called with tokens already gathered per expert, are not (their layer is not split over ep)."""
+    import inspect
+
+    return len(inspect.signature(experts.forward).parameters) >= 3
 
 
 def check_expert_layout(options: Any, layout: Any) -> None:

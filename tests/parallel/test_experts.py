@@ -14,7 +14,7 @@ from tests.helpers.equivalence import LOSS_RTOL, assert_same_training, fit
 from tests.parallel.test_tensor_experts import mixtral_without_aux_loss, qwen3_moe
 from tests.parallel.test_tensor_hf_styles import GLOBAL_BATCH, STEPS, TP_WEIGHT_ATOL, _tokens
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 
 class ExpertProbe(L.Callback):
@@ -257,6 +257,9 @@ def test_hugging_face_moe_layers_are_found_and_the_rest_left_alone():
         found = find_experts(module)
         assert sorted(found) == [f"model.model.layers.{i}.mlp.experts" for i in range(2)], (type(module), found)
     assert not find_experts(TorchMoEModule())  # a ModuleList of experts is the other kind
+    llama4 = transformers.models.llama4.modeling_llama4.Llama4TextExperts(
+        transformers.Llama4TextConfig(hidden_size=64, intermediate_size=32, num_local_experts=4))
+    assert not find_experts(llama4)  # called with tokens already grouped per expert, not with the routing
     from lightning_mgpu.parallel.experts import find_expert_lists
 
     assert sorted(find_expert_lists(TorchMoEModule())) == ["moes.0", "moes.1"]
