@@ -159,16 +159,22 @@ TORCH_LAYOUTS = [  # (name, strategy extras, devices)
 
 
 @pytest.mark.parametrize(("name", "extra", "devices"), TORCH_LAYOUTS, ids=[c[0] for c in TORCH_LAYOUTS])
-def test_a_hand_written_torch_moe_splits_over_ep_and_trains_like_one_process(name, extra, devices):
+def test_a_hand_written_torch_moe_splits_over_ep_and_trains_like_one_process(name, extra, devices, tmp_path):
     """Experts of an nn.ModuleList: each rank keeps its own under their indices (plain FQNs); the block's gating
-    code runs unchanged (twice: calls recorded, then answered after one all-to-all each way)."""
+    code runs unchanged (twice: calls recorded, then answered after one all-to-all each way). The checkpoint holds
+    every expert once and loads strictly into one process."""
+    from lightning_mgpu.checkpoint import consolidate
     from tests.helpers.modules import RandomTokenDataModule
 
     reference, _ = fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH), None, 1, STEPS)
     result, extras = fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH // devices),
                          {"data_parallel_size": devices, "expert_parallel_size": 2, **extra}, devices, STEPS,
-                         callbacks_factory=lambda: [ListedExperts()])
+                         callbacks_factory=lambda: [ListedExperts(tmp_path / "ep.ckpt")])
     _assert_same_losses_and_dense_weights(reference, result)
+    single = TorchMoEModule()
+    single.load_state_dict(consolidate(tmp_path / "ep.ckpt")["state_dict"], strict=True)
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict[key], rtol=1e-4, atol=TP_WEIGHT_ATOL, msg=key)
     for rank, extra in enumerate(extras):
         names, weights = extra["experts"]
         ep_rank = rank % 2
@@ -178,13 +184,16 @@ def test_a_hand_written_torch_moe_splits_over_ep_and_trains_like_one_process(nam
 
 
 class ListedExperts(L.Callback):
-    def __init__(self) -> None:
+    def __init__(self, path: Any = None) -> None:
+        self.path = path
         self.results: dict[str, Any] = {}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         names = {f"moes.{i}.experts.{k}" for i, moe in enumerate(pl_module.moes) for k in moe.experts._modules}
         weights = {n: _whole(p).detach().clone() for n, p in pl_module.named_parameters() if ".experts." in n}
         self.results["experts"] = (names, weights)
+        if self.path is not None:
+            trainer.save_checkpoint(self.path)
 
 
 LAYOUTS = [  # (name, model, strategy extras, devices, dp, experts per rank divided by)
