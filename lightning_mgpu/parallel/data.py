@@ -121,7 +121,9 @@ def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -
     """
     from torch.distributed._composable.replicate import replicate as ddp_replicate
 
-    ddp_replicate(root, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True)
+    # find_unused_parameters: a step may leave parameters without a gradient (unused heads, routed experts), as
+    # FSDP2 allows; DDP then marks them ready itself instead of failing the next step.
+    ddp_replicate(root, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True, find_unused_parameters=True)
     if zero_stage == 1:
         # Set before DDP's first forward builds the reducer; owners come with the optimizers (OptimizerStateSharding).
         reduce = _OwnerReduce(dp_mesh.get_group())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_mgpu.demo import GPTLightningModule, TextDataModule
 from tests.helpers.equivalence import assert_same_training, fit
@@ -129,9 +130,28 @@ def test_communication_per_step_is_the_analytic_minimum(zero_stage, gathers):
     numel = sum(p.numel() for p in gpt.parameters())
     blocks = gpt.transformer.h
     expected = _analytic_bytes_per_step(zero_stage, dp, numel, sum(p.numel() for p in blocks.parameters()))
+    if zero_stage <= 1:  # + DDP's all-reduce of which parameters got a gradient: one int32 per parameter tensor
+        expected += 2 * (dp - 1) / dp * 4 * len(list(gpt.parameters()))
     for rank in extras:
         # From step 3: DDP broadcasts its rebuilt bucket layout once, in step 2.
         assert rank["bytes_per_batch"][2:] == [expected] * 2, (zero_stage, rank["bytes_per_batch"], expected)
     if gathers is not None:
         per_batch = [b.get("AG", 0) for b in extras[0]["per_batch"]]
         assert per_batch == [gathers(len(blocks))] * 4, per_batch
+
+
+class _GPTWithUnusedLayer(GPTLightningModule):
+    """A step that leaves some parameters without a gradient (an unused layer, like a head trained elsewhere)."""
+
+    def __init__(self):
+        super().__init__(block_size=32, n_layer=2, n_head=4, n_embd=32, weight_decay=0.1, lr=1e-3)
+        self.unused = torch.nn.Linear(32, 32)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_parameters_without_gradients_train_like_one_process(zero_stage):
+    dp = 2
+    data = MODELS["gpt"][1]
+    single, _ = fit(_GPTWithUnusedLayer, lambda: data(GLOBAL_BATCH), {}, 1, 4)  # one process, no wrapper
+    result, _ = fit(_GPTWithUnusedLayer, lambda: data(GLOBAL_BATCH // dp), {"zero_stage": zero_stage}, dp, 4)
+    assert_same_training(single, result)
