@@ -8,8 +8,8 @@ shard instead, which only code written for shards survives. Both run here on the
 
 ==========  ======================================================================================================
 ``global``  ``HybridStrategy(tensor_parallel_size=tp)``, ``tp_plan="auto"``: global-shape regions
-``local``   the same strategy with a callable ``tp_plan`` applying the same plan with the same style objects
-            (``benchmarks/bench_tensor.parallelize_by_hand``: plain shards, head counts localized)
+``local``   the same strategy with a callable ``tp_plan``: ``apply_tensor_parallel(..., "auto")`` with no region
+            (plain shards, as Hugging Face models get them), the attentions' head counts localized
 ==========  ======================================================================================================
 
 Each size (``--sizes tp x n_embd``) runs both configurations in ``tp`` forked gloo processes, interleaved over
@@ -37,10 +37,19 @@ PATHS = ("global", "local")
 
 
 def _local_plan(module: Any, tp_mesh: Any) -> None:
-    """The auto plan's styles applied to the demo GPT without regions: the local-tensor path."""
-    from benchmarks.bench_tensor import parallelize_by_hand
+    """``tp_plan="auto"`` exactly, with no global-shape region: every projection hands its plain shard to the code
+    (as for a Hugging Face model), and the attentions' head counts are localized for it (the demo GPT reads them)."""
+    from lightning_mgpu.parallel import tensor
 
-    parallelize_by_hand(module.model, tp_mesh, sequence_parallel=False)
+    regions = tensor._global_shape_regions
+    tensor._global_shape_regions = lambda *args: {}
+    try:
+        tensor.apply_tensor_parallel(module, tp_mesh, "auto", sequence_parallel=False)
+    finally:
+        tensor._global_shape_regions = regions
+    for block in module.model.transformer.h:
+        block.attn.n_head //= tp_mesh.size()
+        block.attn.n_embd //= tp_mesh.size()
 
 
 def trainer_job(path: str, tp: int, n_embd: int, args: dict[str, Any]) -> dict[str, Any]:
