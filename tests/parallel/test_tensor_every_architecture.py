@@ -1,0 +1,316 @@
+"""Every architecture of the installed transformers that declares a ``base_model_tp_plan`` trains under tp=2 like one
+process, or is refused before training with its reason, or is named below as not buildable tiny on CPU.
+
+Each model is built from its own configuration class shrunk generically (``_TINY``: widths, layers, heads, experts,
+vocabulary) with random weights, the text model where the plan is declared on a multimodal model's text
+sub-configuration. Affordable as one job: one 2-process job trains every served architecture in turn, sharded as
+``HybridStrategy(tensor_parallel_size=2)`` shards it at dp=1 (``apply_tensor_parallel`` with ``tp_plan="auto"``, steps
+in ``tensor_parallel_context``), in a plain AdamW loop: a Lightning ``Trainer`` per architecture would cost ten times
+the training itself. The reference is the same loop unsharded in the test process. The strategy's own loop is
+covered for a dozen of these architectures by test_tensor_hf_styles.py.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers.distributed import run_distributed
+from tests.helpers.equivalence import RunResult, assert_same_training
+from tests.parallel.test_tensor_hf_styles import _declared_plans
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 10
+BATCH = 8
+SEQUENCE = 32
+SEED = 1234
+VOCAB = 128
+# Losses are held to 1e-5; weights looser than test_tensor.py's 1e-4: over a hundred models, AdamW turns ~1e-7
+# gradient noise on near-zero gradients (embedding rows of unseen tokens) into steps of up to ~lr = 1e-3.
+TP_WEIGHT_ATOL = 2e-3
+MAX_PARAMETERS = 8_000_000  # a shrunk model above this was not shrunk by _TINY: a new size field to add there
+
+# Configuration fields shrunk wherever a configuration class has them (its own defaults otherwise).
+_TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, moe_intermediate_size=32,
+             shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
+             num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+             vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, num_kv_shared_layers=0, num_layers=2,
+             ffn_hidden_size=128, expert_ffn_hidden_size=32, moe_topk=2, zero_expert_num=2,
+             shared_experts_intermediate_size=32, index_n_heads=2, index_head_dim=16, index_topk=16,
+             linear_num_heads=4, linear_head_dim=16, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
+             mamba_chunk_size=16, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=1, chunk_size=16,
+             attention_dropout=0.0, residual_dropout=0.0,  # dropout draws differ on shards: off, as in every test
+             tie_word_embeddings=False, use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=1)
+
+# Every model type of transformers 5.23 declaring a base_model_tp_plan (itself or in a sub-configuration).
+ARCHITECTURES = sorted("""
+afmoe apertus arcee aria aria_text axk1 axk2 bailing_hybrid beam cohere cohere2 cohere2_moe cohere_compass
+cohere_compass_text cosmos3_edge cosmos3_edge_text cwm deepseek_ocr2 deepseek_ocr2_encoder deepseek_ocr2_text
+deepseek_ocr2_vision deepseek_v2 deepseek_v3 deepseek_v32 deepseek_v4 diffusion_gemma diffusion_gemma_text doge dots1
+dots3_note dots3_note_text dots3_note_vision_encoder embedding_gemma2 embedding_gemma2_text ernie4_5 ernie4_5_moe
+ernie4_5_vl_moe ernie4_5_vl_moe_text ernie4_5_vl_moe_vision esmc eurobert exaone4 exaone_moe flex_olmo flint gemma
+gemma2 gemma3 gemma3_text gemma3n gemma3n_text gemma4 gemma4_text gemma4_unified gemma4_unified_text gemma4_vision glm
+glm4 glm4_moe glm4_moe_lite glm4v glm4v_moe glm4v_moe_text glm4v_text glm5_next glm5_next_text glm_image
+glm_image_text glm_moe_dsa glm_ocr glm_ocr_text gpt_neox granite granite4_vision granite4_vision_text granite_docling
+granite_docling_text granite_swa granitemoe granitemoe_swa granitemoehybrid granitemoeshared helium higgs_audio_v2
+hrm_text hunyuan_v1_moe hy_v3 hy_v4 hyperclovax inkling2 inkling2_text inkling_mm_model inkling_text internlm3
+iquestcoder jais2 jamba kimi_linear kolibri1 laguna lfm2_moe llama llama4 llama4_text llama4_vision_model
+longcat_flash mellum mimo_v2_flash minicpm3 minimax minimax_m2 minimax_m3_vl minimax_m3_vl_text ministral ministral3
+mistral mistral4 mistral_large4 mistral_large4_text mixtral muse_glimmer muse_glimmer_assistant muse_glimmer_text
+muse_glimmer_vision muse_spark muse_spark_text nanochat nemotron nemotron_h neomme olmo olmo2 olmo3 olmo_hybrid olmoe
+paddleocr_vl paddleocr_vl_text phi phi3 phi4_multimodal phimoe qwen2 qwen2_5_omni_text qwen2_5_omni_thinker
+qwen2_5_vl qwen2_5_vl_text qwen2_moe qwen2_vl qwen2_vl_text qwen3 qwen3_5 qwen3_5_moe qwen3_5_moe_text qwen3_5_text
+qwen3_moe qwen3_next qwen3_omni_moe_talker_code_predictor qwen3_omni_moe_talker_text qwen3_omni_moe_text
+qwen3_omni_moe_thinker qwen3_vl_moe qwen3_vl_moe_text qwen4_exp qwen4_exp_text seed_oss smollm3 solar_open starcoder2
+step3p5 step3p7 t5_gemma_module t5gemma t5gemma2 t5gemma2_decoder t5gemma2_encoder t5gemma2_text ultrabert
+unlimited_ocr unlimited_ocr_text vaultgemma voxtral_realtime_text youtu
+""".split())
+
+_NO_MODEL = "the configuration holding the plan has no model class of its own (only the composite model, which needs"
+_VISION = "a vision/audio encoder: its forward needs pixel or audio inputs, not token ids"
+NOT_BUILDABLE = {  # model type -> why it is not trained here
+    **{t: f"{_NO_MODEL} image or audio inputs)" for t in (
+        "deepseek_ocr2", "deepseek_ocr2_text", "diffusion_gemma", "diffusion_gemma_text", "ernie4_5_vl_moe",
+        "ernie4_5_vl_moe_text", "granite4_vision", "granite4_vision_text", "paddleocr_vl", "paddleocr_vl_text",
+        "qwen2_5_omni_text", "qwen2_5_omni_thinker", "qwen3_omni_moe_talker_code_predictor",
+        "qwen3_omni_moe_talker_text", "qwen3_omni_moe_text", "qwen3_omni_moe_thinker", "step3p5", "step3p7",
+        "unlimited_ocr", "unlimited_ocr_text", "voxtral_realtime_text")},
+    **{t: f"{_NO_MODEL} encoder and decoder inputs)" for t in (
+        "t5_gemma_module", "t5gemma", "t5gemma2", "t5gemma2_decoder", "t5gemma2_encoder", "t5gemma2_text")},
+    **{t: _VISION for t in ("deepseek_ocr2_encoder", "deepseek_ocr2_vision", "dots3_note_vision_encoder",
+                            "ernie4_5_vl_moe_vision", "gemma4_vision", "llama4_vision_model", "muse_glimmer_vision")},
+    "muse_glimmer_assistant": "its forward needs noise embeddings and context hidden states, not token ids",
+    "phi4_multimodal": "the plan is on the multimodal model itself, which builds its vision and audio encoders too",
+    **{t: "its own default configuration does not build: the rotary embedding reads rope parameters per layer type"
+          " that the configuration leaves empty (KeyError 'full_attention')" for t in ("cohere_compass",
+                                                                                      "cohere_compass_text")},
+    "lfm2_moe": "its own default configuration does not build: layer_types is None and the layers index it",
+    **{t: "its own default configuration does not build: the indexer sizes are None" for t in ("qwen4_exp",
+                                                                                             "qwen4_exp_text")},
+    **{t: "does not shrink below 38M parameters with the generic fields of _TINY (indexed attention sizes)"
+       for t in ("dots3_note", "dots3_note_text")},
+    **{t: "no shrunk configuration of _VARIANTS runs a forward (its linear-attention sizes are derived from fields"
+          " beyond the generic ones)" for t in ("bailing_hybrid", "kimi_linear")},
+}
+
+
+# Served by tp_plan='auto' but not yet training like one process (found by this matrix): each a library gap to close.
+# The test fails when one of them starts to pass (remove it here) or another one fails.
+KNOWN_DIVERGENT = {
+    "apertus": "xIELU's learnable alpha_p/alpha_n act on each rank's shard of the MLP: their gradients are partial"
+               " sums that nothing all-reduces, so the replicated parameters drift apart",
+    "esmc": "q/k LayerNorm over the full width (normalized_shape=[64]) applied to a rank's half of q/k",
+    "doge": "its attention's dynamic mask is sized from the configuration's global head count",
+    "neomme": "exclusive self-attention combines per-head tensors with a key/value head count from the configuration",
+    "llama4": "an in-place op on the plain tensor handed back by DTensor.to_local() (a view made in a custom Function)",
+    "muse_glimmer": "an assertion inside the model's forward fails on the sharded sizes",
+    "muse_spark": "an assertion inside the model's forward fails on the sharded sizes",
+    "gemma3n": "losses differ by ~1e-3 relative (AltUp / per-layer inputs around the sharded blocks; not diagnosed)",
+    "gemma4": "losses differ by ~4e-4 relative (per-layer inputs around the sharded blocks; not diagnosed)",
+    "gemma4_unified": "losses differ by ~1e-3 relative (per-layer inputs around the sharded blocks; not diagnosed)",
+    "inkling2": "losses differ by ~2e-4 relative (not diagnosed)",
+    "qwen3_vl_moe": "per-head q_norm weight drifts up to ~5e-3 after 10 steps though the losses match (not diagnosed)",
+}
+
+
+# ------------------------------------------------------------------------------------------------- tiny models
+def _plan_holder(model_type: str) -> type:
+    """The configuration class declaring the plan: a text sub-configuration before the composite's own."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    subs = [c for c in getattr(config_class, "sub_configs", {}).values() if getattr(c, "base_model_tp_plan", None)]
+    text = [c for c in subs if not any(word in c.model_type for word in ("vision", "encoder", "audio"))]
+    return (text or ([config_class] if getattr(config_class, "base_model_tp_plan", None) else subs))[0]
+
+
+def _model_class(config_class: type) -> type:
+    from transformers.models.auto import modeling_auto as auto
+
+    for mapping in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                    auto.MODEL_MAPPING_NAMES):
+        name = mapping.get(config_class.model_type)
+        if name:
+            return getattr(transformers, name[0] if isinstance(name, (list, tuple)) else name)
+    raise LookupError(f"no model class for {config_class.__name__}")
+
+
+def _tiny_config(config_class: type, **variant: Any) -> Any:
+    """``config_class`` with every field of ``_TINY`` it has (a size of 0 means "none" and stays); per-layer lists
+    keep one layer of each of their first two kinds; multimodal rotary sections are rescaled to the smaller head."""
+    default = config_class()
+    values = default.to_dict()
+    kwargs = {k: v for k, v in {**_TINY, **variant}.items() if k in values and values[k] != 0}
+    layers = values.get("num_hidden_layers", values.get("num_layers"))
+    for name, value in values.items():
+        if isinstance(value, list) and len(value) == layers and not isinstance(getattr(config_class, name, None),
+                                                                             property):
+            kinds = list(dict.fromkeys(map(str, value)))[:2]
+            kwargs[name] = [next(v for v in value if str(v) == kind) for kind in (kinds * 2)[:2]]
+    rope = getattr(default, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("mrope_section"):
+        head_dim = kwargs.get("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        sections = rope["mrope_section"]
+        scaled = [max(1, s * (head_dim // 2) // sum(sections)) for s in sections]
+        scaled[-1] += head_dim // 2 - sum(scaled)
+        kwargs["rope_parameters"] = {**rope, "mrope_section": scaled}
+    return config_class(**kwargs, attn_implementation="eager")
+
+
+# Tried in order until the shrunk model runs a forward: grouped-query key/value heads; one per head (multi-head only
+# configurations); a head as wide as the rotary part (latent attention taking head_dim for it); 64- and 128-wide
+# heads (multimodal rotary sections fixed in the model code).
+_VARIANTS = ({}, {"num_key_value_heads": 4}, {"head_dim": 8}, {"num_key_value_heads": 4, "head_dim": 8},
+             {"hidden_size": 256, "head_dim": 64, "intermediate_size": 256},
+             {"hidden_size": 512, "head_dim": 128, "intermediate_size": 256})
+
+
+def _tiny_model(model_type: str) -> torch.nn.Module:
+    config_class = _plan_holder(model_type)
+    model_class = _model_class(config_class)
+    errors = []
+    for variant in _VARIANTS:
+        try:
+            config = _tiny_config(config_class, **variant)
+            with torch.device("meta"):
+                size = sum(p.numel() for p in model_class(config).parameters())
+            assert size <= MAX_PARAMETERS, f"{size} parameters once shrunk; add its size fields to _TINY"
+            model = model_class(config)
+            with torch.no_grad():
+                _loss(model, torch.zeros(1, 9, dtype=torch.long))
+            return model
+        except Exception as error:  # the next variant
+            errors.append(f"{variant}: {type(error).__name__}: {error}")
+    raise RuntimeError(f"{model_type}: no tiny configuration runs:\n" + "\n".join(errors))
+
+
+def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The next-token loss on the logits, or the mean square of the output (a base model's last hidden states, a
+    head over another vocabulary)."""
+    output = model(input_ids=tokens[:, :-1])
+    logits = getattr(output, "logits", None)
+    if logits is not None and logits.size(-1) == VOCAB:
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    return (output.last_hidden_state if logits is None else logits).float().square().mean()
+
+
+def _train(model_type: str, tp_mesh: Any = None) -> dict[str, Any]:
+    """10 AdamW steps of the tiny model, sharded over ``tp_mesh`` as ``HybridStrategy(tensor_parallel_size)`` does
+    (``apply_tensor_parallel`` with ``tp_plan="auto"``, each step and its backward in ``tensor_parallel_context``)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_mgpu.parallel.tensor import apply_tensor_parallel, tensor_parallel_context
+
+    torch.manual_seed(SEED)
+    model = _tiny_model(model_type)
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh, "auto", sequence_parallel=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    batches = torch.randint(0, VOCAB, (STEPS, BATCH, SEQUENCE + 1), generator=torch.Generator().manual_seed(SEED))
+    losses = []
+    for tokens in batches:
+        with tensor_parallel_context(False):
+            loss = _loss(model, tokens)
+            optimizer.zero_grad()
+            loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
+    return {"losses": losses, "state_dict": weights}
+
+
+def _outcome_before_training(model_type: str) -> tuple[str, str]:
+    """('served', what is trained) or ('refused', reason), decided as ``apply_tensor_parallel`` decides it."""
+    from lightning_mgpu.parallel.tensor_checks import check_divisible
+    from lightning_mgpu.parallel.tensor_plan import _match, auto_plan
+
+    model = _tiny_model(model_type)
+    try:
+        check_divisible(model, _match(model, auto_plan(model)), 2)
+    except ValueError as error:
+        return "refused", str(error)
+    return "served", f"{_plan_holder(model_type).__name__}/{type(model).__name__}"
+
+
+def _train_every_sharded(model_types: list[str]) -> dict[str, Any]:
+    """In one rank of a tp=2 job: every architecture in turn; an error is recorded and the next one trained."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    results: dict[str, Any] = {}
+    for model_type in model_types:
+        try:
+            results[model_type] = _train(model_type, mesh)
+        except Exception:
+            results[model_type] = {"error": traceback.format_exc()[-3000:]}
+    return results
+
+
+def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_refused_before_training():
+    assert sorted(_declared_plans()) == ARCHITECTURES, "transformers' architectures with a plan changed"
+    outcomes = {t: _outcome_before_training(t) for t in ARCHITECTURES if t not in NOT_BUILDABLE}
+    refused = {t: reason for t, (kind, reason) in outcomes.items() if kind == "refused"}
+    for model_type, reason in refused.items():  # a reason the user can act on: the style or the valid degrees
+        assert "does not map" in reason or "Valid tensor_parallel_size values" in reason, (model_type, reason)
+    # Model types sharing a configuration and model class (a composite and its text model) are trained once.
+    served: dict[str, list[str]] = {}
+    for model_type, (kind, holder) in outcomes.items():
+        if kind == "served":
+            served.setdefault(holder, []).append(model_type)
+    trained = [types[0] for types in served.values()]
+    sharded = run_distributed(_train_every_sharded, 2, trained, timeout=900)[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the ranks; a tiny model gains nothing from more
+    try:
+        expected = {model_type: _train(model_type) for model_type in trained}
+    finally:
+        torch.set_num_threads(threads)
+    failures = {}
+    for model_type in trained:
+        if "error" in sharded[model_type]:
+            failures[model_type] = sharded[model_type]["error"].strip().splitlines()[-1]
+            continue
+        result = sharded[model_type]
+        try:
+            assert_same_training(RunResult(**expected[model_type]), RunResult(**result), weight_atol=TP_WEIGHT_ATOL)
+        except AssertionError as error:
+            failures[model_type] = " ".join(str(error).split())[:400]
+    summary = (f"tp=2 trains like one process: {len(trained) - len(failures)} of {len(trained)} model classes"
+               f" ({sum(map(len, served.values()))} model types); known divergent: {len(failures)}; refused before"
+               f" training: {len(refused)}; not buildable tiny: {len(NOT_BUILDABLE)}")
+    print(summary)
+    fixed = sorted(set(KNOWN_DIVERGENT) - set(failures))
+    assert not fixed, f"{summary}\nnow training like one process: remove {fixed} from KNOWN_DIVERGENT"
+    new = {t: why for t, why in failures.items() if t not in KNOWN_DIVERGENT}
+    assert not new, f"{summary}\n" + "\n".join(f"{t}: {why}" for t, why in new.items())
+
+
+# ------------------------------------------------------------------------------ nanoGPT, dp2 x tp2, ZeRO-3, bf16
+BF16_RTOL = 2e-2  # the issue's bound for bf16-mixed
+BF16_WEIGHT_ATOL = 1e-2  # 10 AdamW steps of lr 1e-3: bf16 rounding of near-zero gradients moves weights ~lr
+
+
+def test_nanogpt_as_published_under_dp2_tp2_zero3_bf16_mixed_tracks_one_process():
+    """Karpathy's nanoGPT (global shapes in its attention, a tied head) in the issue's composed layout; the other
+    nanoGPT layouts are in test_tensor_global_shapes.py."""
+    from tests.helpers.equivalence import fit
+    from tests.helpers.modules import RandomTokenDataModule
+    from tests.helpers.nanogpt import NanoGPTModule
+
+    bf16 = {"precision": "bf16-mixed"}
+    reference, _ = fit(NanoGPTModule, lambda: RandomTokenDataModule(batch_size=8), None, 1, STEPS, trainer_kwargs=bf16)
+    fp32, _ = fit(NanoGPTModule, lambda: RandomTokenDataModule(batch_size=8), None, 1, STEPS)
+    result, _ = fit(NanoGPTModule, lambda: RandomTokenDataModule(batch_size=4),
+                    {"tensor_parallel_size": 2, "zero_stage": 3}, 4, STEPS, trainer_kwargs=bf16)
+    assert result.losses != fp32.losses  # autocast really ran
+    assert_same_training(reference, result, loss_rtol=BF16_RTOL, weight_rtol=0.0, weight_atol=BF16_WEIGHT_ATOL)
+    assert_same_training(fp32, result, loss_rtol=BF16_RTOL, weight_rtol=0.0, weight_atol=BF16_WEIGHT_ATOL)
