@@ -87,8 +87,7 @@ class _ShardParameters:
             return
         for param in module.parameters(recurse=False):
             # Checked at each call: module.to() and FSDP2's unsharded parameters are new tensors without the hook.
-            armed = (param._backward_hooks or {}).values()
-            if param.requires_grad and not isinstance(param, DTensor) and self._sum not in armed:
+            if param.requires_grad and not isinstance(param, DTensor) and self._sum not in (param._backward_hooks or {}).values():
                 param.register_hook(self._sum)
 
 
