@@ -42,6 +42,7 @@ from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
 from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
+from lightning_mgpu.parallel.experts import expert_parameters
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
 from lightning_mgpu.planner import auto as planner_auto
@@ -399,8 +400,9 @@ class HybridStrategy(ParallelStrategy):
                 self._pipeline.guard_zero_grad(optimizer)
         if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1 and self._deepspeed is None:
             dp_mesh = self.device_mesh[DP_AXIS]
+            local = expert_parameters(self.lightning_module)  # sharded over their own mesh: each rank steps its own
             self._optimizer_sharding = [
-                OptimizerStateSharding(optimizer, dp_mesh, self._data_parallel_roots, self.precision_plugin)
+                OptimizerStateSharding(optimizer, dp_mesh, self._data_parallel_roots, self.precision_plugin, local)
                 for optimizer in self.optimizers
             ]
 

@@ -61,6 +61,11 @@ def parallelize(
 
         # Before the data-parallel wrap, which then leaves the experts (wrapped over their replicas) out.
         apply_expert_parallel(module, mesh, options.expert_parallel_size, layout.zero_stage, mp_policy, offload_policy)
+    if layout.data_parallel_size > 1 and runtime is None:
+        from lightning_mgpu.parallel.router_loss import apply_global_router_loss
+
+        # A Hugging Face load-balancing loss on the whole batch, as one process computes it (not each rank's own).
+        apply_global_router_loss(module, mesh[DP_AXIS].get_group())
     if torch_data_parallel and (layout.data_parallel_size > 1 or offload_policy is not None or casts):
         # With pipelining each stage is a root of its own: the schedule drives each stage's gradient sync
         # (no-sync on all but the last backward of a step), also when a rank holds several stages.

@@ -20,7 +20,7 @@ one block's parameters are unsharded at a time; the root wrap takes every remain
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import torch
 import torch.distributed as dist
@@ -160,10 +160,14 @@ class OptimizerStateSharding:
     parameters owned elsewhere, so torch optimizers neither create state for nor update them, steps, and finally
     every owner broadcasts its updated parameters in one flattened message. ``param_groups`` stay untouched, so LR
     schedulers, clipping and ``state_dict`` see the optimizer the user built.
+
+    ``local`` parameters are stepped by every rank on its own shard (experts under expert parallelism: sharded
+    over their own mesh, not replicated over data parallelism), never broadcast.
     """
 
     def __init__(
-        self, optimizer: Optimizer, dp_mesh: DeviceMesh, roots: list[nn.Module] = (), precision_plugin: Any = None
+        self, optimizer: Optimizer, dp_mesh: DeviceMesh, roots: list[nn.Module] = (), precision_plugin: Any = None,
+        local: Collection[torch.Tensor] = (),
     ) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
@@ -173,7 +177,8 @@ class OptimizerStateSharding:
         self._group = dp_mesh.get_group()
         self._rank = dp_mesh.get_local_rank()
         self._global_ranks = dist.get_process_group_ranks(self._group)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        local = set(local)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p not in local]
         self.owned_by = _balance(params, dp_mesh.size())
         self._unwrapped_step = optimizer.step
         optimizer.step = self._step  # type: ignore[method-assign]

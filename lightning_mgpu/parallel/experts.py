@@ -55,6 +55,13 @@ def find_experts(module: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def expert_parameters(module: nn.Module) -> set[nn.Parameter]:
+    """The parameters of experts split over ep (each rank holds its own, sharded over their own mesh)."""
+    split = [m for m in find_experts(module).values() if hasattr(m, _TOTAL)]
+    split += [m for m in module.modules() if isinstance(m, _LocalExperts)]
+    return {p for m in split for p in m.parameters()}
+
+
 def _routed_call(experts: nn.Module) -> bool:
     """Whether the module is called with the routing, ``(hidden_states, top_k_index, top_k_weights)``: Llama-4's
     experts, called with tokens already gathered per expert, are not (their layer is not split over ep)."""
@@ -75,7 +82,6 @@ def check_expert_layout(options: Any, layout: Any) -> None:
     unsupported = {
         "tensor_parallel_size": layout.tensor_parallel_size > 1,
         "pipeline_parallel_size": layout.pipeline_parallel_size > 1,
-        "zero_stage=1": layout.zero_stage == 1,
         "zero_backend='deepspeed'": options.zero_backend != "torch",
     }
     named = [name for name, bad in unsupported.items() if bad]
