@@ -13,18 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _all_gather_ddp_if_available,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -35,6 +25,19 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
+from lightning_mgpu._compat.lightning import (
+    IS_INTERACTIVE,
+    PATH,
+    all_gather_ddp_if_available,
+    attached_trainer,
+    default_process_group_backend,
+    init_dist_connection,
+    layer_sync,
+    materialize_distributed_module,
+    optimizers_to_device,
+    reset_optimizers_and_schedulers,
+    sync_ddp_if_available,
+)
 from lightning_mgpu.failures import handle_rank_failure
 from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size, warn_about_layout
@@ -225,7 +228,7 @@ class HybridStrategy(ParallelStrategy):
         """
         assert self.parallel_devices is not None
         self._launch_options.check_device(self.parallel_devices[0].type)
-        if self._layer_sync is not None:  # set from Trainer(sync_batchnorm=True) just before this call
+        if layer_sync(self) is not None:  # set from Trainer(sync_batchnorm=True) just before this call
             raise NotImplementedError(
                 "HybridStrategy does not implement Trainer(sync_batchnorm=True) yet: BatchNorm statistics would stay"
                 " per rank. Remove sync_batchnorm=True (or use GroupNorm/LayerNorm, which need no synchronization)."
@@ -263,7 +266,7 @@ class HybridStrategy(ParallelStrategy):
             return
         start_method = self._start_method
         if start_method == "auto":
-            start_method = "fork" if _IS_INTERACTIVE else "popen"
+            start_method = "fork" if IS_INTERACTIVE else "popen"
         if start_method == "popen":
             self._launcher = HybridSubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes, self, self._timeout
@@ -285,11 +288,11 @@ class HybridStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+        self._process_group_backend = self._process_group_backend or default_process_group_backend(
             self.root_device
         )
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
+        init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         if self._layout is None:  # several layouts possible: the planner chooses, with the module at hand
@@ -344,7 +347,7 @@ class HybridStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        _materialize_distributed_module(self.model, self.root_device)
+        materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._runner is not None and self._runner.module is self.lightning_module:
@@ -361,7 +364,7 @@ class HybridStrategy(ParallelStrategy):
             )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self) -> "StepRunner":
         runner = StepRunner(self.lightning_module)
@@ -391,7 +394,7 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        self._reset_optimizers_and_schedulers()
+        reset_optimizers_and_schedulers(self)
         for sharding in self._optimizer_sharding:
             sharding.remove()
         super().setup_optimizers(trainer)
@@ -517,28 +520,28 @@ class HybridStrategy(ParallelStrategy):
         group = self._data_parallel_group(group)
         if not isinstance(tensor, Tensor) or (group is not None and dist.get_world_size(group) == 1):
             return tensor  # nothing to reduce (dp=1 under tp/pp): skip Lightning's barrier + all-reduce per log
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         # ModelCheckpoint/EarlyStopping: the vote is over every rank (Lightning compares it with the world size).
-        votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
+        votes = sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
         return bool(votes == self.world_size) if all else bool(votes)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         """Gather over the data-parallel group by default, one entry per distinct data shard."""
-        return _all_gather_ddp_if_available(tensor, group=self._data_parallel_group(group), sync_grads=sync_grads)
+        return all_gather_ddp_if_available(tensor, group=self._data_parallel_group(group), sync_grads=sync_grads)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
+        if _distributed():
             nccl = dist.get_backend() == "nccl"
             dist.barrier(device_ids=[self.root_device.index] if nccl else None)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not _distributed():
             return obj
         container = [obj]
         dist.broadcast_object_list(container, src)
@@ -567,24 +570,24 @@ class HybridStrategy(ParallelStrategy):
         return self._checkpointer
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
         assert self.lightning_module is not None
         self.checkpointer.save(checkpoint, filepath, self.lightning_module, list(self.optimizers), self.layout)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
-        fitting = module._trainer is None or module.trainer.state.fn == TrainerFn.FITTING
+        fitting = attached_trainer(module) is None or module.trainer.state.fn == TrainerFn.FITTING
         return self.checkpointer.load(
             checkpoint_path, module, list(self.optimizers), strict=module.strict_loading, weights_only=weights_only,
             fitting=fitting,
         )
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: PATH) -> None:
         self.checkpointer.remove(filepath)
 
     @override
@@ -621,3 +624,7 @@ class HybridStrategy(ParallelStrategy):
             strategy_registry.register(
                 f"hybrid_zero{stage}", cls, description=f"lightning-mgpu HybridStrategy, ZeRO stage {stage}", zero_stage=stage
             )
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
