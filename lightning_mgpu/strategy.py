@@ -44,6 +44,7 @@ from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimu
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
+from lightning_mgpu.parallel.deepspeed_engine import CHECKPOINT_KEY as DEEPSPEED_KEY
 from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
 from lightning_mgpu.parallel.experts import expert_parameters
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
@@ -574,6 +575,8 @@ class HybridStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
         assert self.lightning_module is not None
+        if self._deepspeed is not None:  # the engine's loss scaler and step counters
+            checkpoint = {**checkpoint, DEEPSPEED_KEY: self._deepspeed.state_dict()}
         self.checkpointer.save(checkpoint, filepath, self.lightning_module, list(self.optimizers), self.layout)
 
     @override
@@ -581,10 +584,13 @@ class HybridStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = attached_trainer(module) is None or module.trainer.state.fn == TrainerFn.FITTING
-        return self.checkpointer.load(
+        loaded = self.checkpointer.load(
             checkpoint_path, module, list(self.optimizers), strict=module.strict_loading, weights_only=weights_only,
             fitting=fitting,
         )
+        if self._deepspeed is not None and fitting:
+            self._deepspeed.load_state_dict(loaded.get(DEEPSPEED_KEY))
+        return loaded
 
     @override
     def remove_checkpoint(self, filepath: PATH) -> None:

@@ -146,6 +146,50 @@ class DeepSpeedEngineRunner:
         return result
 
 
+    def state_dict(self) -> dict[str, Any]:
+        """What DeepSpeed's own checkpoints keep beside weights and optimizer states: the loss scaler (its scale,
+        iteration and hysteresis counters under fp16; a fixed scale otherwise) and the engine's step counters.
+        The same on every rank (overflows are agreed over the group), so rank 0's copy in the checkpoint serves all."""
+        if self.engine is None:
+            return {}
+        state: dict[str, Any] = {name: getattr(self.engine, name) for name in _ENGINE_COUNTERS}
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        if scaler is not None:
+            state["loss_scaler"] = {
+                key: value.clone() if isinstance(value, Tensor) else value
+                for key, value in vars(scaler).items() if isinstance(value, (bool, int, float, Tensor))
+            }
+        return state
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        """Put back :meth:`state_dict`'s values (a checkpoint of the torch backend has none: nothing changes)."""
+        if not state or self.engine is None:
+            return
+        for name in _ENGINE_COUNTERS:
+            if name in state:
+                setattr(self.engine, name, state[name])
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        saved = state.get("loss_scaler") or {}
+        if scaler is None or not saved:
+            return
+        if bool(saved.get("dynamic")) != bool(getattr(scaler, "dynamic", False)):
+            rank_zero_warn(
+                "The checkpoint's DeepSpeed loss scaler is "
+                f"{'dynamic' if saved.get('dynamic') else 'static'}, this run's is not: it starts afresh."
+            )
+            return
+        for key, value in saved.items():
+            if key in vars(scaler):
+                setattr(scaler, key, value.clone() if isinstance(value, Tensor) else value)
+
+
+# Counters DeepSpeed's engine keeps and its own checkpoints restore.
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+# Where a checkpoint's Lightning dict keeps `DeepSpeedEngineRunner.state_dict()`.
+CHECKPOINT_KEY = "deepspeed_engine"
+
+
 class _DataParallelGroups:
     """DeepSpeed's ``mpu`` interface: the engine reduces and partitions over the job's data-parallel group."""
 
@@ -183,6 +227,14 @@ def _micro_batch_size(trainer: "pl.Trainer") -> int:
     loader = source.dataloader()
     batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
     return batch_size if isinstance(batch_size, int) and batch_size > 0 else 1
+
+
+def zero_bytes_per_param(stage: int, dp: int) -> dict[str, float]:
+    """The ZeRO paper's bytes per parameter on each of ``dp`` ranks for fp32 AdamW under DeepSpeed, right after
+    backward: K = 12 (an fp32 master partition and two moments; DeepSpeed keeps the master beside the fp32 module
+    even in fp32 training). At the accumulation boundary ZeRO-1 moves the reduced gradients into its partition, so
+    after backward it holds ZeRO-2's gradient memory; ZeRO-3 also partitions the parameters."""
+    return {"params": 4 / dp if stage == 3 else 4.0, "grads": 4 / dp, "optim": 12 / dp}
 
 
 def memory_per_rank(engine: Any, module: nn.Module, optimizer: Optimizer) -> dict[str, int]:
