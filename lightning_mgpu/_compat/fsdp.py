@@ -28,3 +28,13 @@ def replicate_ddp(module: nn.Module, **kwargs: Any) -> Any:
 def is_ddp_replicated(module: nn.Module) -> bool:
     """Whether ``replicate_ddp`` was applied to ``module``."""
     return isinstance(module, internal("torch.distributed._composable.replicate", "DDP"))
+
+
+def forget_composable_state(module: nn.Module) -> None:
+    """Drop torch's record that ``fully_shard``/``replicate`` was applied to ``module`` (un-applying them).
+
+    Torch keeps it in a private module-keyed map (``torch.distributed._composable_state._module_state_mapping``)
+    and refuses to apply the API again while an entry is there; there is no public way to un-apply one. Used when
+    the user's module is put back after a run (``lightning_mgpu.patches``), so that a second ``fit`` can apply it.
+    """
+    internal("torch.distributed._composable_state", "_module_state_mapping").pop(module, None)

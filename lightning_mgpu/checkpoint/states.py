@@ -35,21 +35,28 @@ _STATE = "state."
 _GROUPS = "param_groups."
 
 
-def full_model_state_dict(model: nn.Module, pp_group: Optional[Any] = None) -> dict[str, torch.Tensor]:
+def full_model_state_dict(
+    model: nn.Module, pp_group: Optional[Any] = None, everywhere: bool = False
+) -> dict[str, torch.Tensor]:
     """The unsharded model state on CPU, on global rank 0 (other ranks get ``{}``). Collective.
 
     With pipeline stages (``pp_group``), every rank first gathers its stage's data/tensor-parallel shards, then
-    global rank 0 collects the stages, which hold disjoint parameters.
+    global rank 0 collects the stages, which hold disjoint parameters. ``everywhere``: every rank gets the whole
+    state (on the parameters' devices where no pipeline splits the model), e.g. to put the plain model back.
     """
     if pp_group is None:
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not everywhere))
     stage = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     stage = {key: value.detach().cpu() for key, value in stage.items()}
     ranks = dist.get_process_group_ranks(pp_group)
-    gathered: Optional[list] = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
-    dist.gather_object(stage, gathered, dst=ranks[0], group=pp_group)
-    if dist.get_rank() != 0:
-        return {}
+    if everywhere:
+        gathered: Optional[list] = [None] * len(ranks)
+        dist.all_gather_object(gathered, stage, group=pp_group)
+    else:
+        gathered = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
+        dist.gather_object(stage, gathered, dst=ranks[0], group=pp_group)
+        if dist.get_rank() != 0:
+            return {}
     return {key: value for part in gathered or [] for key, value in part.items()}
 
 
