@@ -5,6 +5,7 @@ It owns Lightning's hooks and hands every piece of parallel work to ``layout``, 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -38,10 +39,12 @@ from lightning_mgpu._compat.lightning import (
     reset_optimizers_and_schedulers,
     sync_ddp_if_available,
 )
+from lightning_mgpu.checkpoint.plain import restore_plain
 from lightning_mgpu.failures import handle_rank_failure
 from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size, warn_about_layout
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
+from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
 from lightning_mgpu.parallel.deepspeed_engine import CHECKPOINT_KEY as DEEPSPEED_KEY
@@ -98,6 +101,7 @@ class HybridStrategy(ParallelStrategy):
         cluster_environment: Optional["ClusterEnvironment"] = None,
         checkpoint_io: Optional["CheckpointIO"] = None,
         precision_plugin: Optional[Precision] = None,
+        restore_module_on_teardown: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -145,6 +149,11 @@ class HybridStrategy(ParallelStrategy):
         state_access = sharded_checkpoint.DeepSpeedStates(self._deepspeed) if self._deepspeed is not None else None
         self._checkpointer = sharded_checkpoint.Checkpointer(checkpoint_format, async_checkpoint, state_access)
         self.num_nodes = 1
+        # Every patch on the user's objects during one run, and the module as it was, undone in `teardown`.
+        self._restore_module = restore_module_on_teardown
+        self._patches = PatchLog()
+        self._snapshot: Optional[ModuleSnapshot] = None
+        self._failed = False
 
     # ----------------------------------------------------------------------------------------------- layout / mesh
     @property
@@ -281,6 +290,7 @@ class HybridStrategy(ParallelStrategy):
         # launcher's main process prints it for all its ranks.
         mesh_shape = self._layout.mesh_shape if self._layout is not None else (1, self.world_size, 1)
         report = getattr(self._launcher, "report_failure", None)
+        self._failed = True  # teardown then runs no collective (the module is not gathered back)
         handle_rank_failure(exception, self.global_rank, self.world_size, mesh_shape, report)
 
     @override
@@ -354,8 +364,13 @@ class HybridStrategy(ParallelStrategy):
         if self._runner is not None and self._runner.module is self.lightning_module:
             self.model = self._runner  # already parallelized by an earlier fit/validate with this Trainer
         else:
+            self._failed = False
+            if self._restore_module and self._deepspeed is None:
+                self._snapshot = ModuleSnapshot.take(self.lightning_module)
             self.model = self._runner = self._parallelize()
-        reduce_metrics_over(self.lightning_module, self.device_mesh[DP_AXIS].get_group())
+            if self._snapshot is not None:
+                self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains
+        reduce_metrics_over(self.lightning_module, self.device_mesh[DP_AXIS].get_group(), self._patches)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -384,6 +399,7 @@ class HybridStrategy(ParallelStrategy):
                 pp_mesh.get_group(), self.root_device,
             )
             self._pipeline.share_with(self.precision_plugin)
+            self._patches.add(self._pipeline.remove)
         return runner
 
     @property
@@ -401,6 +417,7 @@ class HybridStrategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         if self._pipeline is not None:
             for optimizer in self.optimizers:
+                self._patches.keep_attribute(optimizer, "zero_grad")
                 self._pipeline.guard_zero_grad(optimizer)
         if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1 and self._deepspeed is None:
             dp_mesh = self.device_mesh[DP_AXIS]
@@ -617,10 +634,26 @@ class HybridStrategy(ParallelStrategy):
         for sharding in self._optimizer_sharding:
             sharding.remove()
         self._optimizer_sharding = []
+        if self._restore_module:
+            self._restore_user_objects()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+    def _restore_user_objects(self) -> None:
+        """Undo every patch on the user's objects and give back the plain module with the trained values.
+
+        After a failure only what needs no collective is undone; the module stays parallelized.
+        """
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is None or self._failed:
+            self._patches.undo()
+            return
+        pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
+        restore_plain(snapshot, list(self.optimizers), self._patches, pp_group)
+        self.model, self._runner, self._pipeline = self.lightning_module, None, None
+        gc.collect()  # DDP's reducer (its autograd hooks on the parameters) goes with the step runner
 
     @classmethod
     @override

@@ -20,7 +20,7 @@ one block's parameters are unsharded at a time; the root wrap takes every remain
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mgpu.parallel.blocks import find_blocks
+
+if TYPE_CHECKING:
+    from lightning_mgpu.patches import PatchLog
 
 
 def apply_data_parallel(
@@ -293,10 +296,12 @@ def _balance(params: list[torch.Tensor], num_ranks: int) -> dict[torch.Tensor, i
     return {p: owner[p] for p in params}
 
 
-def reduce_metrics_over(module: torch.nn.Module, group: Any) -> None:
-    """Make torchmetrics objects sync over the data-parallel group, not the whole world."""
+def reduce_metrics_over(module: torch.nn.Module, group: Any, patches: Optional["PatchLog"] = None) -> None:
+    """Make torchmetrics objects sync over the data-parallel group, not the whole world (undone by ``patches``)."""
     from torchmetrics import Metric
 
     for submodule in module.modules():
         if isinstance(submodule, Metric):
+            if patches is not None:
+                patches.keep_attribute(submodule, "process_group")
             submodule.process_group = group
