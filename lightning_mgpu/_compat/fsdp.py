@@ -17,7 +17,7 @@ from torch import nn
 from lightning_mgpu._compat import internal
 
 
-def replicate_with_fsdp(module: nn.Module, **kwargs: Any) -> Any:
+def replicate_with_fsdp(module: Any, **kwargs: Any) -> Any:
     return internal("torch.distributed._composable.replicate_with_fsdp", "replicate")(module, **kwargs)
 
 

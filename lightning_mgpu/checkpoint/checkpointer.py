@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.optim import Optimizer
 
+from lightning_mgpu._compat.dcp import flatten_state_dict
+from lightning_mgpu._compat.lightning import attached_trainer
 from lightning_mgpu.checkpoint import format as fmt
 from lightning_mgpu.checkpoint import resume, states
 from lightning_mgpu.checkpoint.format import INFO_KEY, LAYOUT_KEY, MODEL_KEY, OPTIMIZER_KEY, CheckpointError
@@ -334,7 +336,7 @@ class Checkpointer:
 
 def _fit_goes_on(model: nn.Module) -> bool:
     """Whether training continues after this save: a background save after `fit` returned would never finish."""
-    trainer = getattr(model, "_trainer", None)
+    trainer = attached_trainer(model)
     return trainer is not None and trainer.state.status == TrainerStatus.RUNNING
 
 
@@ -353,8 +355,6 @@ def _check_intact(path: Path) -> None:
 
 def _flatten_full(checkpoint: dict[str, Any], model: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:
     """A full file's model and optimizer states as DCP-flattened entries, to be served by ``FlatReader``."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
     nested: dict[str, Any] = {MODEL_KEY: checkpoint[MODEL_KEY]}
     saved = checkpoint.get(OPTIMIZER_KEY)
     if optimizers and saved:

@@ -8,11 +8,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from lightning_mgpu._compat.dcp import load_without_process_group
 from lightning_mgpu.checkpoint import format as fmt
 from lightning_mgpu.checkpoint import states
 from lightning_mgpu.checkpoint.format import INFO_KEY, LAYOUT_KEY, MODEL_KEY, OPTIMIZER_KEY, CheckpointError
@@ -24,10 +22,7 @@ _WEIGHTS_ONLY_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "hype
 
 def _read_shards(path: Path, keys: Optional[set[str]] = None) -> dict[str, Any]:
     """Every (or the listed top-level) entry of a DCP directory as full tensors, in this process only."""
-    state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys),
-                     no_dist=True)
-    return state
+    return load_without_process_group(path, keys)
 
 
 def consolidate_directory(path: Path, meta: dict[str, Any], weights_only: bool = False) -> dict[str, Any]:

@@ -70,8 +70,7 @@ def describable(state: dict[str, Any]) -> dict[str, Any]:
     Only the fused q|k|v weights are concerned (a small part of the model); every other placement is kept.
     """
     from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor.placement_types import _StridedShard
-
+    from lightning_mgpu._compat.dtensor import is_strided_shard
     from lightning_mgpu.layout import TP_AXIS
 
     def convert(value: Any) -> Any:
@@ -79,7 +78,7 @@ def describable(state: dict[str, Any]) -> dict[str, Any]:
             return value
         names = value.device_mesh.mesh_dim_names or ()
         placements = [
-            Replicate() if isinstance(p, _StridedShard) and i < len(names) and names[i] == TP_AXIS else p
+            Replicate() if is_strided_shard(p) and i < len(names) and names[i] == TP_AXIS else p
             for i, p in enumerate(value.placements)
         ]
         return value if list(value.placements) == placements else value.redistribute(placements=placements)
@@ -129,13 +128,11 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, initialize: bool = F
 
 
 def _fqns_of(model: nn.Module) -> dict[nn.Parameter, list[str]]:
-    try:
-        from torch.distributed.checkpoint.state_dict import _get_fqns
-    except ImportError:  # pragma: no cover - older/newer torch: names are plain for our wrappers anyway
-        _get_fqns = None
+    from lightning_mgpu._compat.dcp import parameter_fqns
+
     names: dict[nn.Parameter, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
-        names[param].extend(sorted(_get_fqns(model, name)) if _get_fqns is not None else [name])
+        names[param].extend(sorted(parameter_fqns(model, name)))
     return names
 
 

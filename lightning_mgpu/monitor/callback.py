@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import fit_data_fetcher
 from lightning_mgpu.monitor import measures, report as reporting
 from lightning_mgpu.monitor.timing import (
     FORWARD_BACKWARD,
@@ -196,7 +197,7 @@ class ScalingMonitor(Callback):
             self._log(trainer, step, samples, tokens)
         self._seen += 1
         if self._seen >= self.warmup_steps and (self._seen - self.warmup_steps) % self.every_n_steps == 0:
-            self._data.install(getattr(trainer.fit_loop, "_data_fetcher", None))  # type: ignore[union-attr]
+            self._data.install(fit_data_fetcher(trainer))
             if self._collectives is not None:
                 self._collectives.forget()
             recorder.begin(end)

@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_mgpu._compat.c10d import FUNCTIONAL_OPS
+from lightning_mgpu._compat.tensors import TorchDispatchMode, tree_leaves
 from lightning_mgpu.parallel.blocks import find_blocks
 
 Mode = Union[bool, str, list[type], tuple[type, ...]]
@@ -47,7 +49,7 @@ def _saved_ops() -> set[Any]:
         (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
         (aten, "_flash_attention_forward"), (aten, "_efficient_attention_forward"),
     ]
-    c10d = getattr(torch.ops, "_c10d_functional", None)
+    c10d = FUNCTIONAL_OPS
     if c10d is not None:
         names += [(c10d, "all_reduce"), (c10d, "reduce_scatter_tensor"), (c10d, "all_gather_into_tensor"),
                   (c10d, "all_to_all_single")]
@@ -152,8 +154,6 @@ class ActivationMemory:
     """
 
     def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         tracker = self
 
         class _Mode(TorchDispatchMode):
@@ -176,13 +176,12 @@ class ActivationMemory:
     def _record(self, out: Any) -> None:
         from torch.distributed.tensor import DTensor
         from torch.multiprocessing.reductions import StorageWeakRef
-        from torch.utils._pytree import tree_leaves
-
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor):
                 continue
             if isinstance(tensor, DTensor):
-                tensor = tensor._local_tensor
+                with torch.no_grad():  # the stored local tensor itself, no autograd view
+                    tensor = tensor.to_local()
             if tensor.device.type == "meta":
                 continue
             storage = tensor.untyped_storage()
@@ -196,7 +195,8 @@ class ActivationMemory:
         """Bytes of the recorded storages still alive, leaving out tensors in ``exclude`` (e.g. parameters)."""
         from torch.distributed.tensor import DTensor
 
-        excluded = {(t._local_tensor if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in exclude}
+        with torch.no_grad():  # to_local: the stored local tensor itself
+            excluded = {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in exclude}
         for key in [k for k, (ref, _) in self._storages.items() if ref.expired()]:
             del self._storages[key]
         return sum(size for key, (_, size) in self._storages.items() if key not in excluded)

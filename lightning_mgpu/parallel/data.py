@@ -29,6 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_mgpu._compat.dtensor import is_strided_shard
+from lightning_mgpu._compat.fsdp import is_ddp_replicated, replicate_ddp, replicate_with_fsdp
 from lightning_mgpu.parallel.blocks import find_blocks
 
 if TYPE_CHECKING:
@@ -59,7 +61,6 @@ def apply_data_parallel(
     ``mp_policy`` (FSDP2 ``MixedPrecisionPolicy``) and ``offload_policy`` (``OffloadPolicy``/``CPUOffloadPolicy``)
     pass through to FSDP2 unchanged.
     """
-    from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs: dict[str, Any] = {
@@ -72,7 +73,7 @@ def apply_data_parallel(
         _replicate_with_ddp(root, dp_mesh, zero_stage)
         return
     if zero_stage <= 1:
-        wrap = replicate
+        wrap = replicate_with_fsdp
     else:
         wrap = fully_shard
         kwargs["reshard_after_forward"] = zero_stage == 3 if reshard_blocks is None else reshard_blocks and zero_stage == 3
@@ -122,11 +123,9 @@ def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -
 
     Gradients are views into the buckets (no copy). DDP builds its reducer on the first forward.
     """
-    from torch.distributed._composable.replicate import replicate as ddp_replicate
-
     # find_unused_parameters: a step may leave parameters without a gradient (unused heads, routed experts), as
     # FSDP2 allows; DDP then marks them ready itself instead of failing the next step.
-    ddp_replicate(root, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True, find_unused_parameters=True)
+    replicate_ddp(root, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True, find_unused_parameters=True)
     if zero_stage == 1:
         # Set before DDP's first forward builds the reducer; owners come with the optimizers (OptimizerStateSharding).
         reduce = _OwnerReduce(dp_mesh.get_group())
@@ -137,21 +136,19 @@ def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -
 def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Optional[Any]:
     """Shard a fused (strided) tensor-parallel weight on dim 1: two strided layouts on one dim cannot be described."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements):
+    if isinstance(param, DTensor) and any(is_strided_shard(p) and p.dim == 0 for p in param.placements):
         return Shard(1)
     return None  # FSDP2's default, Shard(0)
 
 
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     """Turn gradient reduction on or off, e.g. off on the non-final micro-steps of gradient accumulation."""
-    from torch.distributed._composable.replicate import DDP
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled, recurse=True)
-    elif isinstance(module, DDP):
+    elif is_ddp_replicated(module):
         module.set_requires_gradient_sync(enabled)
 
 
@@ -228,10 +225,10 @@ class OptimizerStateSharding:
             tensors = [_local(p) for p, o in self.owned_by.items() if o == owner]
             if not tensors:
                 continue
-            flat = torch._utils._flatten_dense_tensors(tensors)
+            flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
             dist.broadcast(flat, src=global_rank, group=self._group)
             if owner != self._rank:
-                for tensor, update in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+                for tensor, update in zip(tensors, _unflatten(flat, tensors)):
                     tensor.copy_(update)
 
 
@@ -269,7 +266,7 @@ def _reduce_to_owners(state, bucket):  # type: ignore[no-untyped-def]  (DDP chec
 
     def unpack(_: Any) -> torch.Tensor:
         for flat, views in mine:
-            for view, value in zip(views, torch._utils._unflatten_dense_tensors(flat, views)):
+            for view, value in zip(views, _unflatten(flat, views)):
                 view.copy_(value)
         return buffer
 
@@ -278,6 +275,11 @@ def _reduce_to_owners(state, bucket):  # type: ignore[no-untyped-def]  (DDP chec
 
 def _owner_reduce_of(root: nn.Module) -> Optional[_OwnerReduce]:
     return getattr(root, "_lightning_mgpu_owner_reduce", None)
+
+
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` (the concatenation of ``like``, flattened) in the shapes of ``like``."""
+    return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
