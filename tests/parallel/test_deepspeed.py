@@ -15,12 +15,14 @@ from typing import Any, Callable
 import lightning as L
 import pytest
 import torch
+from typing_extensions import override
 
 from lightning_mgpu import HybridStrategy
 from tests.helpers.distributed import run_distributed
 from tests.helpers.equivalence import RunResult, _fit_worker, assert_same_training
 from tests.helpers.modules import GPT2Module, LlamaModule, RandomTokenDataModule
 from tests.helpers.nanogpt import NanoGPTModule
+from tests.helpers.probes import MemoryProbe
 
 pytest.importorskip("deepspeed")
 
@@ -125,46 +127,58 @@ class DeepSpeedMemoryProbe(L.Callback):
             return
         from lightning_mgpu.parallel.deepspeed_engine import memory_per_rank
 
-        held = memory_per_rank(trainer.strategy.model, pl_module, optimizer)
         sizes = [getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters()]
-        self.results = {"numel": sum(sizes), "largest_numel": max(sizes), "param_bytes": held["params"],
-                        "grad_bytes": held["grads"], "optim_bytes": held["optim"]}
+        self.results = {"numel": sum(sizes), "largest_numel": max(sizes),
+                        **memory_per_rank(trainer.strategy.model, pl_module, optimizer)}
 
 
-# fp32 AdamW, bytes per parameter on each of `dp` ranks after backward (Rajbhandari et al.'s formulas with K = 12:
-# DeepSpeed keeps an fp32 master partition beside the fp32 module even in fp32 training). At the accumulation
-# boundary DeepSpeed's ZeRO-1 moves the reduced gradients into its partition, so after backward it holds ZeRO-2's
-# gradient memory (4 + 16/dp in all).
-DEEPSPEED_FORMULAS = {
-    1: {"param_bytes": lambda dp: 4, "grad_bytes": lambda dp: 4 / dp, "optim_bytes": lambda dp: 12 / dp},
-    2: {"param_bytes": lambda dp: 4, "grad_bytes": lambda dp: 4 / dp, "optim_bytes": lambda dp: 12 / dp},
-    3: {"param_bytes": lambda dp: 4 / dp, "grad_bytes": lambda dp: 4 / dp, "optim_bytes": lambda dp: 12 / dp},
-}
-# The torch backend at the same point (tests/parallel/test_data.py): no master copy, FSDP2 reshards after backward.
-TORCH_FORMULAS = {1: "8 + 8/dp", 2: "16/dp", 3: "16/dp"}
+class TorchMemoryProbe(MemoryProbe):
+    """The same three numbers for the torch backend (local shards, their gradients, the optimizer's states)."""
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        if self.results and "params" not in self.results:
+            self.results.update({k: self.results.pop(f"{k.rstrip('s')}_bytes") for k in ("params", "grads", "optim")})
+
+
+# The torch backend at the same point (tests/parallel/test_data.py): no fp32 master copy; ZeRO-1 under DDP keeps
+# whole parameters and gradients, FSDP2 (ZeRO-2/3) has resharded both by then.
+TORCH_BYTES_PER_PARAM = {1: lambda dp: 8 + 8 / dp, 2: lambda dp: 16 / dp, 3: lambda dp: 16 / dp}
 PADDING = 0.02  # DeepSpeed pads partitions to an alignment
 # ZeRO-1/2 keep the reduced gradients of every parameter that overlaps the partition, whole: up to one more tensor.
-WHOLE_PARAMS = {(1, "grad_bytes"), (2, "grad_bytes")}
+WHOLE_PARAMS = {(1, "grads"), (2, "grads")}
 
 
 def test_memory_per_rank_follows_zero_formulas(capsys):
-    runs = [{"model": "nanogpt", "strategy": _ds(stage), "steps": 2,
-             "callbacks": lambda: [DeepSpeedMemoryProbe()]} for stage in (1, 2, 3)]
+    """DeepSpeed's parameters, gradients and optimizer state per rank after backward follow the ZeRO formulas
+    (K = 12, ``zero_bytes_per_param``); the torch backend's, measured in the same spawn, are printed beside."""
+    from lightning_mgpu.parallel.deepspeed_engine import zero_bytes_per_param
+
+    stages = (1, 2, 3)
+    runs = [{"model": "nanogpt", "strategy": _ds(stage), "steps": 2, "callbacks": lambda: [DeepSpeedMemoryProbe()]}
+            for stage in stages]
+    runs += [{"model": "nanogpt", "strategy": {"zero_stage": stage}, "steps": 2,
+              "callbacks": lambda: [TorchMemoryProbe()]} for stage in stages]
     results = _run(DP, runs)
-    lines = []
-    for stage, result in zip((1, 2, 3), results):
-        measured = result.extra
-        numel = measured["numel"]
-        for kind, formula in DEEPSPEED_FORMULAS[stage].items():
-            expected = formula(DP) * numel
+    lines = [f"bytes/param per rank after backward, dp={DP}, fp32 AdamW: params + grads + optimizer = total"]
+    for stage, ours, torch_backend in zip(stages, results[:3], results[3:]):
+        measured, numel = ours.extra, ours.extra["numel"]
+        formula = zero_bytes_per_param(stage, DP)
+        for kind, per_param in formula.items():
+            expected = per_param * numel
             if (stage, kind) in WHOLE_PARAMS:
                 assert expected <= measured[kind] <= expected + 4 * measured["largest_numel"], (stage, kind, measured)
             else:
                 assert measured[kind] == pytest.approx(expected, rel=PADDING), (stage, kind, measured)
-        held = sum(measured[k] for k in DEEPSPEED_FORMULAS[stage]) / numel
-        lines.append(f"ZeRO-{stage} dp={DP}: deepspeed {held:.2f} B/param (formula"
-                     f" {sum(f(DP) for f in DEEPSPEED_FORMULAS[stage].values()):.2f}), torch backend"
-                     f" {TORCH_FORMULAS[stage]} = {eval(TORCH_FORMULAS[stage].replace('dp', str(DP))):.2f}")
+        theirs = torch_backend.extra
+        torch_total = sum(theirs[k] for k in formula) / theirs["numel"]
+        assert theirs["numel"] == numel
+        assert torch_total == pytest.approx(TORCH_BYTES_PER_PARAM[stage](DP), abs=8 * theirs["largest_numel"] / numel)
+        row = lambda held: " + ".join(f"{held[k] / numel:.2f}" for k in formula)  # noqa: E731
+        lines.append(f"ZeRO-{stage}: deepspeed {row(measured)} = {sum(measured[k] for k in formula) / numel:.2f}"
+                     f" (formula {sum(formula.values()):.2f}); torch backend {row(theirs)} = {torch_total:.2f}"
+                     f" (formula {TORCH_BYTES_PER_PARAM[stage](DP):.2f})")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
 
