@@ -203,7 +203,10 @@ def quick_measure(model: ModelSpec, module: Optional[nn.Module] = None) -> Measu
         p.is_meta for p in module.parameters())
     key = (type(module).__name__ if real else None, model)
     if key not in _QUICK:
-        _QUICK[key] = _quick(model, module if real else None)
+        try:
+            _QUICK[key] = _quick(model, module if real else None)
+        except Exception:  # noqa: BLE001 - a forward that takes no token ids: a block of the model's shape instead
+            _QUICK[key] = _quick(model, None)
     return _QUICK[key]
 
 
