@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import fit_data_fetcher
 from lightning_mgpu.monitor import measures, report as reporting
+from lightning_mgpu.parallel.experts import ExpertTokenCounts
 from lightning_mgpu.monitor.timing import (
     FORWARD_BACKWARD,
     OPTIMIZER,
@@ -86,6 +87,7 @@ class ScalingMonitor(Callback):
         self._steps: list[dict[str, Any]] = []
         self._memory: dict[str, Any] = {"activations": 0}
         self._flops: Optional[float] = None
+        self._expert_tokens: Optional[ExpertTokenCounts] = None
 
     # --------------------------------------------------------------------------------------------- start / end
     @override
@@ -100,6 +102,9 @@ class ScalingMonitor(Callback):
             # synchronization points (Lightning's per-step stop-signal broadcast) that wait for the slowest rank.
             self._collectives = CollectiveTimer(self._recorder, axes, world_axis="sync" if axes else "dp")
             self._collectives.install()
+        self._expert_tokens = ExpertTokenCounts(pl_module)  # per-expert token counts, if the model has experts
+        if not self._expert_tokens.counts:
+            self._expert_tokens = None
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -144,6 +149,8 @@ class ScalingMonitor(Callback):
             self._collectives = None
         if self._data is not None:
             self._data.remove()
+        if self._expert_tokens is not None:
+            self._expert_tokens.remove()
         self._close_activations()
 
     # ---------------------------------------------------------------------------------------------------- steps
@@ -236,6 +243,7 @@ class ScalingMonitor(Callback):
             "rank": trainer.global_rank,
             "pp_rank": pp_rank,
             "params_held": measures.parameters_held(pl_module),
+            "expert_tokens": _expert_tokens(self._expert_tokens, mesh),
             "steps": self._steps,
             "memory": memory,
         }
@@ -272,6 +280,14 @@ class ScalingMonitor(Callback):
             "flops_per_step": flops,
             "pipeline": _pipeline_info(strategy),
         }
+
+
+def _expert_tokens(counter: Optional[ExpertTokenCounts], mesh: Any) -> dict[str, list[int]]:
+    """This rank's per-expert token counts per MoE layer; empty on tensor-parallel peers (they see the same tokens)."""
+    tp_peer = mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].get_local_rank() > 0
+    if counter is None or tp_peer:
+        return {}
+    return {name: counts.tolist() for name, counts in counter.counts.items()}
 
 
 def _distributed() -> bool:

@@ -255,6 +255,7 @@ def _split_expert_list(block: nn.Module, experts: nn.ModuleList, ep_mesh: Device
     experts._modules.update(mine)
     experts.__class__ = _LocalExperts
     calls = _TwoPassCalls(experts, mine, ep_mesh.get_group(), ep, total, tuple(sample.shape[1:]), empty)
+    experts._lightning_mgpu_calls = calls  # for ExpertTokenCounts
     block.register_forward_pre_hook(calls.record, with_kwargs=True)
     block.register_forward_hook(calls.replay, with_kwargs=True, always_call=True)
     return list(mine.values())
@@ -375,3 +376,53 @@ def _set_rng_state(state: tuple[torch.Tensor, Optional[list[torch.Tensor]]]) -> 
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
+
+
+# ------------------------------------------------------------------------ per-expert token counts (ScalingMonitor)
+class ExpertTokenCounts:
+    """While installed: per MoE layer, how many (token, expert) assignments each expert got from this rank's
+    forwards, whether or not the experts are split over ep. Recomputations during backward (activation
+    checkpointing) are not counted. ``remove()`` takes the hooks off."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.counts: dict[str, torch.Tensor] = {}
+        self._handles: list[Any] = []
+        for name, experts in find_experts(module).items():  # called with the routing: count its top-k indices
+            total = getattr(experts, _TOTAL, experts.num_experts)
+            self.counts[name] = torch.zeros(total, dtype=torch.long)
+            # Prepended: under ep, the dispatch hook replaces the indices by this rank's received local ones.
+            self._handles.append(experts.register_forward_pre_hook(self._routed(name), prepend=True))
+        for name, (block, experts) in find_expert_lists(module).items():  # a torch MoE, not split: hook each expert
+            child = next(n for n, c in block.named_children() if c is experts)
+            self._count_calls(f"{name}.{child}" if name else child, list(experts), None)
+        for name, local in module.named_modules():
+            calls = getattr(local, "_lightning_mgpu_calls", None)
+            if isinstance(local, _LocalExperts) and calls is not None:  # split over ep: the block's expert calls
+                self._count_calls(name, [calls.proxies[str(i)] for i in range(calls.total)], calls)
+
+    def _routed(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if not _in_backward():
+                flat = args[1].reshape(-1).to("cpu")
+                self.counts[name] += torch.bincount(flat, minlength=self.counts[name].numel())
+        return hook
+
+    def _count_calls(self, name: str, experts: list[nn.Module], calls: Optional["_TwoPassCalls"]) -> None:
+        self.counts[name] = torch.zeros(len(experts), dtype=torch.long)
+        for index, expert in enumerate(experts):
+            def hook(module: nn.Module, args: tuple, index: int = index) -> None:
+                # A split list's block runs twice per forward: count the first (recording) pass only.
+                if not _in_backward() and (calls is None or calls.answers is None):
+                    self.counts[name][index] += args[0].shape[0]
+            self._handles.append(expert.register_forward_pre_hook(hook))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward (where activation checkpointing recomputes forwards)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1

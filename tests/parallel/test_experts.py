@@ -9,12 +9,14 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_mgpu import ScalingMonitor
 from lightning_mgpu.parallel.experts import _FUSED, check_experts, find_experts
 from tests.helpers.equivalence import LOSS_RTOL, assert_same_training, fit
 from tests.parallel.test_tensor_experts import mixtral, mixtral_without_aux_loss, qwen3_moe
 from tests.parallel.test_tensor_hf_styles import GLOBAL_BATCH, STEPS, TP_WEIGHT_ATOL, _tokens
 
 transformers = pytest.importorskip("transformers")
+SEQUENCE = 32  # tokens per sample of RandomTokenDataModule
 
 
 class ExpertProbe(L.Callback):
@@ -46,6 +48,27 @@ class ExpertProbe(L.Callback):
                 value = _whole(param.grad if grads else param).detach().clone()
                 out[(f"{name}.{leaf}", 0)] = value  # every expert, gathered over ep and replicas
         return out
+
+
+class ExpertTokens(ScalingMonitor):
+    """The ScalingMonitor's per-expert token counts (global rank 0's report)."""
+
+    def __init__(self, path: Any) -> None:
+        super().__init__(dirpath=path, verbose=False, measure_activations=False)
+
+    @property
+    def results(self) -> dict[str, Any]:
+        return {"expert_tokens": self.report["experts"]} if self.report is not None else {}
+
+
+def _assert_same_expert_tokens(reference: dict[str, Any], result: dict[str, Any], assignments: int) -> None:
+    """Every layer's counts add up to the (token, expert) assignments of the run and match one process's (a
+    near-tie in the router may flip a token or two between the runs)."""
+    expected, got = reference["expert_tokens"], result["expert_tokens"]
+    assert expected and sorted(got) == sorted(expected), (got, expected)
+    for name, layer in got.items():
+        assert sum(layer["tokens"]) == sum(expected[name]["tokens"]) == assignments, (name, layer, assignments)
+        assert all(abs(a - b) <= 2 for a, b in zip(layer["tokens"], expected[name]["tokens"])), (name, layer, expected)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -166,11 +189,13 @@ def test_a_hand_written_torch_moe_splits_over_ep_and_trains_like_one_process(nam
     from lightning_mgpu.checkpoint import consolidate
     from tests.helpers.modules import RandomTokenDataModule
 
-    reference, _ = fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH), None, 1, STEPS)
+    reference, _ = fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH), None, 1, STEPS,
+                       callbacks_factory=lambda: [ExpertTokens(tmp_path / "one")])
     result, extras = fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH // devices),
                          {"data_parallel_size": devices, "expert_parallel_size": 2, **extra}, devices, STEPS,
-                         callbacks_factory=lambda: [ListedExperts(tmp_path / "ep.ckpt")])
+                         callbacks_factory=lambda: [ListedExperts(tmp_path / "ep.ckpt"), ExpertTokens(tmp_path)])
     _assert_same_losses_and_dense_weights(reference, result)
+    _assert_same_expert_tokens(reference.extra, result.extra, GLOBAL_BATCH * SEQUENCE * 2 * STEPS)  # top-2
     single = TorchMoEModule()
     single.load_state_dict(consolidate(tmp_path / "ep.ckpt")["state_dict"], strict=True)
     for key, value in single.state_dict().items():
@@ -223,11 +248,13 @@ def test_experts_split_over_ep_train_like_one_process(name, factory, extra, devi
     final weights of every expert as one process; the checkpoint keeps Hugging Face's names and global shapes and
     loads strictly into one process."""
     reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS,
-                       callbacks_factory=lambda: [ExpertProbe()])
+                       callbacks_factory=lambda: [ExpertProbe(), ExpertTokens(tmp_path / "one")])
     ckpt = tmp_path / "ep.ckpt"
     result, extras = fit(factory, lambda: _tokens(GLOBAL_BATCH // dp), {"data_parallel_size": dp, **extra}, devices,
-                         STEPS, callbacks_factory=lambda: [ExpertProbe(ckpt)])
+                         STEPS, callbacks_factory=lambda: [ExpertProbe(ckpt), ExpertTokens(tmp_path)])
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)  # every key, full shapes
+    # Activation checkpointing recomputes the experts in backward: not counted twice.
+    _assert_same_expert_tokens(reference.extra, result.extra, GLOBAL_BATCH * SEQUENCE * 2 * STEPS)  # top-2
     _assert_experts_match(reference.extra, extras, "grads", rtol=1e-4, atol=1e-6)
     _assert_experts_match(reference.extra, extras, "weights", rtol=1e-4, atol=TP_WEIGHT_ATOL)
     held = {k: v for e in extras for k, v in e.items() if k.startswith("experts_rank")}
