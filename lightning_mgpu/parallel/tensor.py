@@ -35,9 +35,11 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
+from typing_extensions import override
 
+from lightning_mgpu._compat.dtensor import StyleHooks, strided_shard
+from lightning_mgpu._compat.tensors import has_post_accumulate_grad_hook, version_counter
 from lightning_mgpu.parallel.blocks import tied_parameters
 from lightning_mgpu.parallel.tensor_checks import check_divisible, parent_name
 from lightning_mgpu.parallel.tensor_experts import ExpertsParallel, IdentityExpertParallel, place_experts
@@ -59,7 +61,7 @@ def _output_dim(module: nn.Module) -> int:
     return 1 if type(module).__name__ == "Conv1D" else 0
 
 
-class _Colwise(ColwiseParallel):
+class _Colwise(StyleHooks, ColwiseParallel):
     """Column-wise sharding of Linear/Conv1D outputs; ``chunks > 1`` shards each of a fused projection's chunks.
 
     A fused projection's bias stays replicated (DTensor slices it to match the output) so that data-parallel
@@ -74,20 +76,21 @@ class _Colwise(ColwiseParallel):
         self.global_shapes = global_shapes
         self.shared: Optional[_SharedInput] = None  # set when siblings read the same input (see _share_inputs)
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    @override
+    def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Embedding):
-            return super()._apply(module, device_mesh)
+            return super().apply_style(module, device_mesh)
         dim = _output_dim(module)
         fused = self.chunks > 1
         placements = (
-            {"weight": _StridedShard(dim, split_factor=self.chunks), "bias": Replicate()}
+            {"weight": strided_shard(dim, self.chunks), "bias": Replicate()}
             if fused
             else {"weight": Shard(dim), "bias": Shard(0)}
         )
-        if fused:  # _StridedShard output: to_local gives [q | k | v] of this rank's heads
+        if fused:  # strided-shard output: to_local gives [q | k | v] of this rank's heads
             output_fn = _keep_output if self.global_shapes else _local_output
         else:
-            output_fn = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+            output_fn = self.prepare_output
         distribute_module(
             module,
             device_mesh,
@@ -101,7 +104,7 @@ class _Colwise(ColwiseParallel):
         shared = self.shared
         if shared is not None and shared.hit(inputs[0]):
             return shared.converted
-        converted = self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, module, inputs, device_mesh)
+        converted = self.prepare_input(module, inputs, device_mesh)
         if shared is not None:
             shared.keep(inputs[0], converted)
         return converted
@@ -141,12 +144,12 @@ class _SharedInput:
 
     def hit(self, tensor: Any) -> bool:
         return (self.open_calls > 0 and tensor is self.source and self.grad_enabled == torch.is_grad_enabled()
-                and tensor._version == self.version)
+                and version_counter(tensor) == self.version)
 
     def keep(self, tensor: Any, converted: DTensor) -> None:
         # Inference tensors (Lightning's evaluation under inference_mode) have no version counter: not shared.
         if self.open_calls > 0 and torch.is_tensor(tensor) and not tensor.is_inference():
-            self.source, self.version, self.converted = tensor, tensor._version, converted
+            self.source, self.version, self.converted = tensor, version_counter(tensor), converted
             self.grad_enabled = torch.is_grad_enabled()  # a no_grad conversion must not serve a grad-enabled sibling
 
 
@@ -163,11 +166,10 @@ class _LossParallelHead(_Colwise):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(output_layouts=Shard(-1), use_local_output=False, **kwargs)
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: DTensor,
-                           device_mesh: DeviceMesh) -> Any:
+    @override
+    def prepare_output(self, module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) -> Any:
         if _loss_parallel_depth > 0:
-            return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+            return super().prepare_output(module, outputs, device_mesh)
         return outputs.redistribute(placements=(Replicate(),)).to_local()
 
 
@@ -189,16 +191,17 @@ def _arm_gradient_layout(module: nn.Module, args: Any) -> None:
     and FSDP2 registers its own unsharded parameters during forward.
     """
     for param in module.parameters(recurse=False):
-        if isinstance(param, DTensor) and param.requires_grad and not param._post_accumulate_grad_hooks:
+        if isinstance(param, DTensor) and param.requires_grad and not has_post_accumulate_grad_hook(param):
             param.register_post_accumulate_grad_hook(_keep_grad_placement)
 
 
-class _Rowwise(RowwiseParallel):
+class _Rowwise(StyleHooks, RowwiseParallel):
     """Row-wise sharding of Linear/Conv1D inputs; the partial outputs are all-reduced (or reduce-scattered)."""
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    @override
+    def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Embedding):
-            return super()._apply(module, device_mesh)
+            return super().apply_style(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
         placements = {"weight": Shard(1 - _output_dim(module)), "bias": Replicate()}
         return distribute_module(
@@ -206,7 +209,7 @@ class _Rowwise(RowwiseParallel):
             device_mesh,
             partial(_distribute_parameters, placements, self.src_data_rank),
             self._input_fn,
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            self.prepare_output,
         )
 
     def _input_fn(self, module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> Any:
@@ -216,10 +219,10 @@ class _Rowwise(RowwiseParallel):
         if isinstance(first, DTensor):
             wanted = (Shard(first.dim() - 1),)
             return first if tuple(first.placements) == wanted else first.redistribute(placements=wanted)
-        return self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, module, inputs, device_mesh)
+        return self.prepare_input(module, inputs, device_mesh)
 
 
-class _ReplicatedOnLocalHeads(ParallelStyle):
+class _ReplicatedOnLocalHeads(StyleHooks, ParallelStyle):
     """A replicated module applied to this rank's heads only (Qwen3's per-head ``q_norm``/``k_norm`` between a
     column- and a row-parallel projection): its parameters become replicated DTensors and its plain input this
     rank's shard of the heads (dimension -2 of ``[..., heads, head_dim]``), so the parameter gradient is a partial
@@ -227,7 +230,8 @@ class _ReplicatedOnLocalHeads(ParallelStyle):
     The forward needs no communication; the module returns plain tensors, as it did.
     """
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    @override
+    def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         placements = {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
         return distribute_module(module, device_mesh, partial(_distribute_parameters, placements, 0),
                                  self._input_fn, self._output_fn)

@@ -29,7 +29,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+
+from lightning_mgpu._compat.tensors import fake_tensor_mode, tree_flatten
 
 _INPUT = "<block input>"
 _TRACE_SHAPE = (2, 4)  # (batch, sequence) of the fake hidden states
@@ -162,11 +163,10 @@ def _trace(block: nn.Module, projections: dict[str, nn.Module],
            width: int) -> tuple[dict[str, set], frozenset, dict[str, int]]:
     """Run ``block`` on fake hidden states: each projection's input sources, the output's sources, and the fused
     projections with their number of parts."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     weights = {id(p.weight): name for name, p in projections.items()}
     dtype = next(block.parameters()).dtype
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+    with fake_tensor_mode(allow_non_fake_inputs=True), torch.no_grad():
         hidden = torch.zeros(*_TRACE_SHAPE, width, dtype=dtype)
         flow = _DataFlow(weights)
         flow.mark(hidden, frozenset((_INPUT,)))

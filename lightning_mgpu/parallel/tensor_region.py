@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+
+from lightning_mgpu._compat.dtensor import is_strided_shard
+from lightning_mgpu._compat.tensors import tree_map
 
 _SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes, torch.Tensor.chunk, torch.chunk)
 _SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -99,7 +100,7 @@ def _split_fused(func: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
     if not isinstance(tensor, DTensor) or len(tensor.placements) != 1:
         return None
     placement = tensor.placements[0]
-    if not isinstance(placement, _StridedShard):
+    if not is_strided_shard(placement):
         return None
     chunked = func in (torch.Tensor.chunk, torch.chunk)
     names = ("chunks",) if chunked else ("split_size", "split_size_or_sections", "split_sizes")
