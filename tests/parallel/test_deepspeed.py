@@ -265,6 +265,11 @@ def _flat_keys(full: dict[str, Any]) -> list[str]:
      r"offloads to NVMe .* without a path. Add zero_optimization.offload_param.nvme_path"),
     (dict(zero_stage=2, deepspeed_config={"zero_optimization": {"offload_param": {"device": "cpu"}}}),
      r"offloads parameters .* at ZeRO stage 3 only"),
+    (dict(zero_stage=2, deepspeed_config={"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}),
+     r"zero_optimization.offload_optimizer.device='nvme'\) without a path"),
+    (dict(zero_stage=2, deepspeed_config={"zero_optimization": {"reduce_bucket_sise": 5}}),
+     r"not valid for DeepSpeed: reduce_bucket_sise: Extra inputs are not permitted"),
+    (dict(pipeline_parallel_size=2, zero_stage=1), r"pipeline_parallel_size=2 would need DeepSpeed's own"),
     (dict(deepspeed_config={"optimizer": {"type": "Adam"}}), r"optimizer comes from the LightningModule"),
     (dict(tensor_parallel_size=2), r"tensor_parallel_size=2 shards parameters as DTensors"),
     (dict(pipeline_parallel_size=2, zero_stage=3), r"pipeline_parallel_size=2 would need DeepSpeed's own"),
@@ -281,6 +286,12 @@ def test_deepspeed_config_needs_the_deepspeed_backend():
         HybridStrategy(deepspeed_config={})
 
 
+def _cpu_has_fp16() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
 CONTRADICTIONS = [
     ({"gradient_accumulation_steps": 4}, {"accumulate_grad_batches": 2},
      r"gradient_accumulation_steps=4 but Trainer\(accumulate_grad_batches\) gives 2"),
@@ -289,7 +300,13 @@ CONTRADICTIONS = [
      r"bf16.enabled=True but Trainer\(precision='32-true'\) means bf16.enabled=False"),
     ({}, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, r"clips by the global norm only"),
     ({"train_micro_batch_size_per_gpu": 16}, {}, r"train_micro_batch_size_per_gpu=16 but the train dataloader"),
+    ({"train_batch_size": 64}, {},
+     r"train_batch_size=64 but batch_size x accumulate_grad_batches x data_parallel_size gives 8"),
+    ({"fp16": {"enabled": True}}, {"precision": "bf16-mixed"},
+     r"fp16.enabled=True but Trainer\(precision='bf16-mixed'\) means fp16.enabled=False"),
 ]
+if not _cpu_has_fp16():  # then 16-mixed is refused before training, naming the alternatives
+    CONTRADICTIONS.append(({}, {"precision": "16-mixed"}, r"not support on this cpu device. Use precision='bf16-mixed'"))
 
 
 class _StepCounter(L.Callback):
