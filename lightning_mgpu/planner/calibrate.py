@@ -10,7 +10,8 @@ user's module, its gradients and the random state are left as they were):
 - in ``processes`` forked gloo processes at once: the same forward + backward (how much slower each runs when they
   share the cores: the effective number of cores), all-reduces of a small and a large tensor (latency, bandwidth),
   the module under this library's tensor parallelism (what DTensor adds per block) and under its ZeRO-3 wrap
-  (what each FSDP2 collective adds, and what an optimizer step on DTensor parameters adds).
+  (what each FSDP2 collective adds, and what an optimizer step on DTensor parameters adds), and torch's 1F1B
+  schedule over pairs of processes (what each microbatch costs a stage besides its compute).
 
 Everything is stored for one process on a core of its own; the cost model slows it down by
 ``ClusterSpec.contention`` for the layout's own number of processes. Without a module (flags, or a model over
@@ -37,11 +38,13 @@ from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
 from lightning_mgpu.planner.model_spec import ModelSpec
 
 MAX_CALIBRATION_PARAMS = 200_000_000  # larger real modules are measured one block at a time
-SMALL, LARGE = 1, 4  # batch sizes of the two timed forward + backward passes
-# Where the forked probes are not run (``quick_measure``): gloo on this repository's 2-core CI machine, measured with
-# ``lightning-mgpu plan --calibrate`` (per process on a core of its own), and DTensor/FSDP2 costs as multiples of
-# the measured per-block dispatch overhead, so that they follow the machine's speed.
-DOCUMENTED = dict(latency=150e-6, bus_bw=1.5 * GB, tp_layer=12.0, shard_collective=1.0, sharded_step=3.0)
+BATCHES, LARGE = (1, 4, 8), 4  # batch sizes of the timed forward + backward passes; the one the workers run
+# Where the forked probes are not run (``quick_measure``): what ``measure`` found on this repository's 2-core CI
+# machine for the demo GPT (4 blocks, 64 wide; benchmarks/README.md): gloo per process on a core of its own, and the
+# DTensor, FSDP2, DTensor-optimizer and pipeline terms as multiples of the per-block dispatch overhead (1.1 ms
+# there), so that they follow the speed of the machine at hand, which ``quick_measure`` measures.
+DOCUMENTED = {"latency": 300e-6, "bus_bw": 2 * GB, "tp_layer": 18.0, "shard_collective": 1.4, "sharded_step": 8.0,
+              "microbatch": 1.0}
 
 
 def _best_time(fn: Callable[[], Any], repeats: int = 5) -> float:
@@ -121,6 +124,7 @@ class Measurements:
     shard_collective: float = 0.0
     step_overhead: float = 0.0
     sharded_step_overhead: float = 0.0
+    microbatch_overhead: float = 0.0
     how: str = "measured"
 
     def as_cluster(self, processes: int) -> tuple[ClusterSpec, Efficiency]:
@@ -133,10 +137,12 @@ class Measurements:
             gemm=1.0, memory_passes=0.0, comm=1.0, dp_overlap=0.0, latency_s=self.latency,
             layer_overhead_s=self.layer_overhead, tp_layer_overhead_s=self.tp_layer_overhead,
             shard_collective_s=self.shard_collective, step_overhead_s=self.step_overhead,
-            sharded_step_overhead_s=self.sharded_step_overhead,
+            sharded_step_overhead_s=self.sharded_step_overhead, microbatch_overhead_s=self.microbatch_overhead,
             source=f"calibrated here, {self.how} ({self.flops / 1e9:.2f} GFLOP/s, {self.layer_overhead * 1e3:.2f} ms"
             f" dispatch per block, +{self.tp_layer_overhead * 1e3:.2f} ms under tp, +{self.shard_collective * 1e3:.2f}"
-            f" ms per FSDP2 collective, gloo {self.bus_bw / GB:.2f} GB/s + {self.latency * 1e6:.0f} us per process;"
+            f" ms per FSDP2 collective, +{self.sharded_step_overhead * 1e3:.2f} ms per step on DTensor parameters,"
+            f" +{self.microbatch_overhead * 1e3:.2f} ms per pipeline microbatch, {self.step_overhead * 1e3:.2f} ms"
+            f" optimizer step, gloo {self.bus_bw / GB:.2f} GB/s + {self.latency * 1e6:.0f} us per process;"
             f" {processes} processes on {self.cores} cores, {self.busy:.2g} of them busy with other work)")
         return cluster, efficiency
 
@@ -157,16 +163,19 @@ def _memory_gb() -> float:
 
 def _local(probe: _Probe) -> dict[str, float]:
     """The in-process measurements, one thread, on the probe."""
-    walls, times = zip(*(_best_times(_forward_backward(probe.module, probe.make_inputs(b)), 7) for b in (SMALL, LARGE)))
-    times = dict(zip((SMALL, LARGE), times))
-    per_sample = max((times[LARGE] - times[SMALL]) / (LARGE - SMALL), 0.1 * times[LARGE] / LARGE)
-    intercept = max(0.0, times[SMALL] - SMALL * per_sample)
+    walls, cpus = zip(*(_best_times(_forward_backward(probe.module, probe.make_inputs(b)), 7) for b in BATCHES))
+    times, walls = dict(zip(BATCHES, cpus)), dict(zip(BATCHES, walls))
+    # CPU time against batch size, a least-squares line: slope = compute per sample, intercept = dispatch.
+    mean_b, mean_t = sum(BATCHES) / len(BATCHES), sum(cpus) / len(cpus)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in times.items()) / sum((b - mean_b) ** 2 for b in BATCHES)
+    per_sample = max(slope, 0.1 * times[LARGE] / LARGE)
+    intercept = max(0.0, mean_t - per_sample * mean_b)
     optimizer = torch.optim.AdamW(probe.module.parameters())
     step = _best_times(optimizer.step)[1]
     src = torch.ones(2**24)
     dst = torch.empty_like(src)
     memory_bw = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src))
-    return {"flops": probe.flops_per_sample / per_sample, "per_sample": per_sample, "time_large": times[LARGE], "wall_large": walls[1],
+    return {"flops": probe.flops_per_sample / per_sample, "per_sample": per_sample, "time_large": times[LARGE], "wall_large": walls[LARGE],
             "layer_overhead": intercept / (probe.layers + 1) if probe.whole else intercept,
             "step_overhead": step, "memory_bw": memory_bw}
 
@@ -193,7 +202,7 @@ def _quick(model: ModelSpec, module: Optional[nn.Module]) -> Measurements:
     return Measurements(local["flops"], local["memory_bw"], DOCUMENTED["latency"], DOCUMENTED["bus_bw"], _memory_gb(),
                         cores, busy, base, DOCUMENTED["tp_layer"] * base,
                         DOCUMENTED["shard_collective"] * base, local["step_overhead"],
-                        DOCUMENTED["sharded_step"] * base, how="quick (gloo and DTensor terms from documented rates)")
+                        DOCUMENTED["sharded_step"] * base, DOCUMENTED["microbatch"] * base, how="quick (gloo and DTensor terms from documented rates)")
 
 
 def quick_measure(model: ModelSpec, module: Optional[nn.Module] = None) -> Measurements:
@@ -232,6 +241,7 @@ def _worker(rank: int, world: int, port: int, queue: Any, probe: _Probe, heads: 
             tensor = torch.ones(numel)
             out[name] = _best_time(lambda tensor=tensor: dist.all_reduce(tensor))
         plain_step = _best_times(torch.optim.AdamW(probe.module.parameters()).step)[1]
+        out["microbatch"] = _pipeline_probe(rank, world)
         if probe.whole:
             out.update(_parallel_probes(probe, inputs, world, heads, plain_step, init_device_mesh))
         if rank == 0:
@@ -241,6 +251,33 @@ def _worker(rank: int, world: int, port: int, queue: Any, probe: _Probe, heads: 
             queue.put({"error": f"{type(error).__name__}: {error}"})
     finally:
         dist.destroy_process_group()
+
+
+def _pipeline_probe(rank: int, world: int, few: int = 2, many: int = 6) -> float:
+    """CPU seconds a pipeline schedule spends per microbatch and stage beyond the stage's own compute: torch's 1F1B
+    over pairs of ranks with a stage too small to cost anything, stepped with ``few`` and ``many`` microbatches."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]  # every rank creates every group
+    if rank >= 2 * len(groups):
+        return 0.0
+    index = rank % 2
+    stage = PipelineStage(nn.Linear(8, 8), index, 2, torch.device("cpu"), group=groups[rank // 2])
+    inputs, target = torch.randn(2 * many, 8), torch.randn(2 * many, 8)
+    times = {}
+    for count in (few, many):
+        schedule = Schedule1F1B(stage, count, loss_fn=lambda out, y: (out - y).pow(2).mean())
+
+        def step(count: int = count, schedule: Any = schedule) -> None:
+            batch = 2 * count
+            if index == 0:
+                schedule.step(inputs[:batch])
+            else:
+                schedule.step(target=target[:batch], losses=[])
+
+        times[count] = _best_times(step, 3)[1]
+    return max(0.0, (times[many] - times[few]) / (many - few))
 
 
 def _parallel_probes(probe: _Probe, inputs: torch.Tensor, world: int, heads: int, plain_step: float,
@@ -299,6 +336,7 @@ def measure(model: ModelSpec, module: Optional[nn.Module] = None, processes: int
     # The parallel probes' extra CPU time over the plain pass (the same processes, the same batch), per block.
     compute = LARGE * local["per_sample"]
     tp_layer = shard = sharded_step = 0.0
+    microbatch = together.get("microbatch", 0.0)
     if "tp" in together:
         extra = together["tp"] - together["plain_cpu"] + compute * (1 - 1 / together["tp_degree"])
         tp_layer = max(0.0, extra / model.layers)
@@ -307,7 +345,8 @@ def measure(model: ModelSpec, module: Optional[nn.Module] = None, processes: int
         sharded_step = max(0.0, together["sharded_step"])
     how = "full" if probe.whole else "one block, no tp/FSDP2 probes"
     return Measurements(local["flops"], local["memory_bw"], latency, bus_bw, _memory_gb(), cores, busy,
-                        local["layer_overhead"], tp_layer, shard, local["step_overhead"], sharded_step, how=how)
+                        local["layer_overhead"], tp_layer, shard, local["step_overhead"], sharded_step, microbatch,
+                        how=how)
 
 
 def calibrate(args: argparse.Namespace, cluster: ClusterSpec, model: ModelSpec) -> tuple[ClusterSpec, Efficiency]:

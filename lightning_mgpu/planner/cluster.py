@@ -83,7 +83,8 @@ class Efficiency:
     more block); ``tp_layer_overhead_s``: what tensor parallelism (DTensor dispatch, redistributions) adds to that;
     ``shard_collective_s``: what each FSDP2 all-gather or reduce-scatter adds to a collective's latency (hooks,
     copies in and out); ``step_overhead_s``: the optimizer step and the training loop, per step;
-    ``sharded_step_overhead_s``: what the optimizer step adds when the parameters are DTensors (ZeRO-2/3, tp).
+    ``sharded_step_overhead_s``: what the optimizer step adds when the parameters are DTensors (ZeRO-2/3, tp);
+    ``microbatch_overhead_s``: what a pipeline schedule spends per microbatch and stage (sends, bookkeeping).
     """
 
     gemm: float = 0.70
@@ -96,6 +97,7 @@ class Efficiency:
     shard_collective_s: float = 0.0
     step_overhead_s: float = 0.0
     sharded_step_overhead_s: float = 0.0
+    microbatch_overhead_s: float = 0.0
     source: str = "defaults"
 
 

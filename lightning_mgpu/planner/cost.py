@@ -6,6 +6,11 @@ gradients and optimizer states. Time follows Narayanan et al. (2021): the transf
 fraction of peak, plus the elementwise work at HBM speed, tensor-parallel collectives on the links the group
 spans, pipeline sends and bubble per schedule, data-parallel gradient traffic (partly hidden behind backward)
 and ZeRO-3's parameter gathers.
+
+Small models on CPU processes are bound by fixed costs instead, which ``plan --calibrate`` measures into the
+:class:`Efficiency` (0 for GPUs): operator dispatch per block and microbatch, what DTensor adds under tensor
+parallelism, what FSDP2 adds per collective, what a pipeline schedule spends per microbatch, the optimizer step;
+and processes that outnumber the cores (with other jobs' load) slow every part down (``ClusterSpec.contention``).
 """
 
 from __future__ import annotations
@@ -244,7 +249,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: Training, layout
     if p > 1:
         pp_bw = _bandwidth(t * d, p, cluster)
         send = a_bytes * tokens * h / t / (pp_bw * GB * eff.comm) + eff.latency_s
-        p2p = 2 * v * send  # one activation forward, one gradient backward, per virtual stage
+        p2p = 2 * v * send + v * eff.microbatch_overhead_s  # one activation forward, one gradient backward
     per_microbatch = stage + p2p
     pipeline = (m + (p - 1) / v) * per_microbatch
     # Data-parallel gradient traffic, hidden behind the last microbatch's backward as far as it overlaps.
