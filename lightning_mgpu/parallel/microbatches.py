@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import tree_map
 
+from lightning_mgpu._compat.tensors import tree_leaves, tree_map
 from lightning_mgpu.parallel.pipeline import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 
 # Schedules that run any number of microbatches, one per stage placement: a batch that the chosen schedule cannot
@@ -88,6 +88,4 @@ def split_microbatches(batch: Any, count: int) -> list[Any]:
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
     return [t for t in tree_leaves(tree) if torch.is_tensor(t)]

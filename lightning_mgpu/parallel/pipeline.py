@@ -7,11 +7,15 @@ parameter-free stand-ins), and a stage runs the user's *whole* network call with
   the right shape (computed on the meta device), which the stage then ignores;
 - the stage's first block takes the activation received from the previous stage instead of its input;
 - the stage's last block ends the call by raising ``_StageDone`` with its output, except on the last stage, whose
-  call runs to the end (norm, head) and returns the network's real output.
+  call runs to the end (norm, head) and returns the network's real output. (An exception, because the rest of the
+  user's network code must not run on this stage and only raising leaves it; nothing else uses one.)
 
 Because every rank of a pipeline reads the same batch, each stage knows the network call's arguments for every
 microbatch (captured by running the user's step up to the network call): position ids, masks and rotary
 embeddings are computed as usual on every stage.
+
+Everything the split does to the user's module (stand-ins in place of other ranks' modules, the gate on each kept
+block's ``forward``) is recorded and undone by ``PipelineRuntime.unsplit``.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from lightning_mgpu._compat.tensors import tree_map
 from lightning_mgpu.layout import PP_AXIS
 from lightning_mgpu.parallel.blocks import find_block_container
 
@@ -282,6 +286,7 @@ class Stage(nn.Module):
         super().__init__()
         self._runtime = [runtime]  # not a submodule
         self.index = index
+        self.block_range = runtime.split.blocks_of(index)
         self.blocks = list(blocks)
         self.owned = nn.ModuleList([*blocks, *ends])
         self.received: Optional[torch.Tensor] = None
@@ -303,14 +308,12 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.inferring:
             microbatch = 0  # a shape-inference trial: run microbatch 0, count nothing, keep nothing
-            self.received = None if self.is_first else x
-        elif self.is_first:
-            microbatch = int(x.reshape(-1)[0])  # stage 0 receives the microbatch index
         else:
-            # Schedules run a stage's forwards in microbatch order.
-            microbatch, self.received = self._next_microbatch, x
-        if not self.inferring:
-            self._next_microbatch = microbatch + 1
+            # Schedules run a stage's forwards in microbatch order: count them (stage 0's input is a placeholder,
+            # so no microbatch index is read back from the device).
+            microbatch = self._next_microbatch
+            self._next_microbatch += 1
+        self.received = None if self.is_first else x
         call = self.runtime.calls[microbatch]
         self.runtime.active = self
         try:
@@ -355,21 +358,24 @@ class PipelineRuntime:
         owns_first, owns_last = 0 in my_stages, num_stages - 1 in my_stages
         container = module.get_submodule(split.container_fqn)
         mine = {i for s in my_stages for i in split.blocks_of(s)}
-        standins: list[tuple[nn.Module, nn.Module]] = []  # (stand-in, the module it replaced)
+        # What the split changed on the user's module, for `unsplit`: (fqn, stand-in, the module it replaced)
+        # and (block, its instance `forward` before the gate, if it had one).
+        self._replaced: list[tuple[str, nn.Module, nn.Module]] = []
+        self._gated: list[tuple[nn.Module, Optional[Any]]] = []
         for index in range(split.num_blocks):
+            fqn = f"{split.container_fqn}.{index}"
             if index in mine:
+                self._gated.append((container[index], vars(container[index]).get("forward")))
                 _gate(container[index], index, self)
             else:
-                standins.append((_PassThrough(), container[index]))
-                container[index] = standins[-1][0]
+                self._replace(module, fqn, _PassThrough())
         for fqn in split.before:
             if not owns_first:
-                standins.append((_Placeholder(module.get_submodule(fqn)), module.get_submodule(fqn)))
-                _replace(module, fqn, standins[-1][0])
+                self._replace(module, fqn, _Placeholder(module.get_submodule(fqn)))
         for fqn in split.after:
             if not owns_last:
-                standins.append((_Unreachable(), module.get_submodule(fqn)))
-                _replace(module, fqn, standins[-1][0])
+                self._replace(module, fqn, _Unreachable())
+        standins = [(standin, original) for _, standin, original in self._replaced]
         _keep_tied_names(module, standins)
         self.stages = []
         for stage in my_stages:
@@ -381,6 +387,25 @@ class PipelineRuntime:
             stage = next((s for s in self.stages if any(p is held[0] for p in s.owned.parameters())), None) if held else None
             if stage is not None:
                 stage.owned.append(standin)
+
+    def _replace(self, module: nn.Module, fqn: str, standin: nn.Module) -> None:
+        self._replaced.append((fqn, standin, module.get_submodule(fqn)))
+        _replace(module, fqn, standin)
+
+    def unsplit(self, module: nn.Module) -> None:
+        """Undo the split on ``module``: the replaced modules back in place, the blocks' gates off.
+
+        The modules of other ranks' stages come back with the weights they had when the model was split (this rank
+        never trained them); ``HybridStrategy.full_state_dict()`` or a checkpoint holds the trained model.
+        """
+        for fqn, _, original in reversed(self._replaced):
+            _replace(module, fqn, original)
+        for block, forward in self._gated:
+            if forward is None:
+                vars(block).pop("forward", None)
+            else:
+                block.forward = forward  # type: ignore[method-assign]
+        self._replaced, self._gated = [], []
 
     def start_step(self, calls: list[NetworkCall]) -> None:
         self.calls, self.outputs = calls, {}
@@ -411,7 +436,7 @@ def _gate(block: nn.Module, index: int, runtime: PipelineRuntime) -> None:
         stage = runtime.active
         if stage is None:
             return forward(*args, **kwargs)
-        blocks = runtime.split.blocks_of(stage.index)
+        blocks = stage.block_range
         if index not in blocks:
             return args[0] if args else next(iter(kwargs.values()))  # another stage of this rank
         if index == blocks.start and stage.received is not None:

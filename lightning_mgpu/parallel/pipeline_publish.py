@@ -10,8 +10,9 @@ global rank 0 (which holds the first stage) logs what a single process would:
   is right everywhere; a Metric logged ``on_step`` shows its value over the whole batch (the step's inputs are fed
   to a fresh copy), not over the last microbatch.
 
-The steady state costs one small tensor broadcast per step: names, options and metrics go as pickled objects only
-when they change or when Metric objects are involved.
+The steady state costs one small tensor broadcast per step, built and read on the device (one host sync per step,
+none per microbatch): names, options and metrics go as pickled objects only when they change or when Metric objects
+are involved.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_mgpu._compat.tensors import tree_map
 
 
 @dataclass
@@ -46,23 +49,24 @@ class StepLogs:
                 f"`self.log({name!r}, ...)` needs a tensor, a number or a torchmetrics Metric, got {type(value).__name__}."
             )
 
-    def means(self) -> dict[str, tuple[float, dict]]:
-        grouped: dict[str, list[float]] = {}
+    def means(self, device: torch.device) -> dict[str, tuple[torch.Tensor, dict]]:
+        """Each logged name's mean over the microbatches, as a float64 scalar on ``device`` (no host sync)."""
+        grouped: dict[str, list[torch.Tensor]] = {}
         options: dict[str, dict] = {}
         for name, value, kwargs in self.values:
-            grouped.setdefault(name, []).append(_as_float(value))
+            grouped.setdefault(name, []).append(_as_tensor(value, device))
             options[name] = kwargs
-        return {name: (sum(values) / len(values), options[name]) for name, values in grouped.items()}
+        return {name: (torch.stack(values).mean(), options[name]) for name, values in grouped.items()}
 
 
-def _as_float(value: Any) -> float:
+def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
     if not torch.is_tensor(value):
-        return float(value)
+        return torch.tensor(float(value), dtype=torch.float64, device=device)
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
         value = value.full_tensor()
-    return float(value.detach())
+    return value.detach().reshape(()).to(device=device, dtype=torch.float64)
 
 
 class MetricRelay:
@@ -148,6 +152,7 @@ class MetricRelay:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        self._hooks = []
 
 
 def _copy_state(value: Any) -> Any:
@@ -189,11 +194,25 @@ class Publisher:
         self.device = device
         self._structure: Optional[tuple] = None  # what the last object broadcast sent, known to every rank
 
+    def publish(self, module: nn.Module, relay: MetricRelay, result: Any, logs: StepLogs, objects: bool) -> Any:
+        """Send the last stage's result, logs and metric changes; log them on every rank. Returns the result."""
+        sending = dist.get_rank() == self.source
+        result, means, metric_logs, changes = self.send(result, logs if sending else None, relay if sending else None,
+                                                        objects)
+        if not sending:
+            relay.apply(changes, self.device)
+        for name, (value, kwargs) in means.items():
+            module.log(name, value.to(torch.get_default_dtype()), **kwargs)  # as a number logged would be
+        for name, (metric_name, kwargs) in metric_logs.items():
+            module.log(name, relay.metrics[metric_name], **kwargs)
+        return result
+
     def send(self, result: Any, logs: Optional[StepLogs], relay: Optional[MetricRelay], objects: bool) -> tuple:
         """Collective over the pipeline group. Returns ``(result, mean logs, metric logs, metric changes)``.
 
-        ``objects=False`` allows the fast path for a scalar (or absent) result: a flat tensor of numbers when the
-        logged names and options are those of the previous step and no Metric is involved.
+        ``objects=False`` allows the fast path for a scalar (or absent) result: a flat tensor of numbers, built and
+        read on the device, when the logged names and options are those of the previous step and no Metric is
+        involved; the only host sync is reading its "fast path taken" flag, once per step.
         """
         sending = dist.get_rank() == self.source
         payload: Optional[tuple] = None
@@ -201,29 +220,35 @@ class Publisher:
             assert logs is not None
             metric_logs = {name: (relay.name_of(m) if relay else "", kw) for name, (m, kw) in logs.metrics.items()}
             changes = relay.end() if relay is not None else {}
-            payload = (_to_cpu(result), logs.means(), metric_logs, _to_cpu(changes))  # unpickled on rank's device
+            payload = (result, logs.means(self.device), metric_logs, changes)
         if not objects and self._structure is not None:
-            numbers = torch.zeros(2 + len(self._structure[0]), dtype=torch.float64, device=self.device)
-            if sending and _structure(payload) == self._structure:
-                numbers[0] = 1.0
-                numbers[1] = float(payload[0]) if payload[0] is not None else 0.0
-                numbers[2:] = torch.tensor([value for value, _ in payload[1].values()], dtype=torch.float64)
+            names = self._structure[0]
+            fast = sending and _structure(payload) == self._structure
+            numbers = torch.zeros(2 + len(names), dtype=torch.float64, device=self.device)
+            if fast:
+                assert payload is not None
+                numbers = torch.stack([
+                    numbers.new_ones(()),
+                    payload[0].detach().to(numbers) if payload[0] is not None else numbers.new_zeros(()),
+                    *(value for value, _ in payload[1].values()),
+                ])
             dist.broadcast(numbers, src=self.source, group=self.group)
-            if numbers[0] == 1.0:
-                return self._rebuild(numbers.cpu().tolist())
-        box = [payload]
+            if bool(numbers[0] == 1.0):  # the one host sync of a step
+                return self._rebuild(numbers)
+        box = [_to_cpu(payload) if sending else None]  # unpickled on each rank's device below
         dist.broadcast_object_list(box, src=self.source, group=self.group)
         payload = box[0]
         assert payload is not None
         if not objects:
             self._structure = _structure(payload)
-        return _to_device(payload[0], self.device), payload[1], payload[2], payload[3]
+        result, means, metric_logs, changes = _to_device(payload, self.device)
+        return result, means, metric_logs, changes
 
-    def _rebuild(self, numbers: list[float]) -> tuple:
+    def _rebuild(self, numbers: torch.Tensor) -> tuple:
         assert self._structure is not None
         names, options, result_dtype = self._structure
-        result = None if result_dtype is None else torch.tensor(numbers[1], dtype=result_dtype, device=self.device)
-        means = {name: (value, dict(kwargs)) for name, kwargs, value in zip(names, options, numbers[2:])}
+        result = None if result_dtype is None else numbers[1].to(result_dtype)
+        means = {name: (numbers[2 + i], dict(kwargs)) for i, (name, kwargs) in enumerate(zip(names, options))}
         return result, means, {}, {}
 
 
@@ -243,12 +268,8 @@ def _structure(payload: Any) -> Optional[tuple]:
 
 
 def _to_cpu(tree: Any) -> Any:
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda t: t.detach().cpu().clone() if torch.is_tensor(t) else t, tree)  # clone: no view's storage
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, tree)

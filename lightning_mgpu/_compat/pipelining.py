@@ -1,0 +1,59 @@
+"""``torch.distributed.pipelining`` internals the pipeline runtime uses (checked on torch 2.13.0).
+
+- ``forward_only_schedule``: ``schedules._ScheduleForwardOnly``, the forward-only schedule for one stage per rank.
+  Public stand-in: a schedule's ``eval()``, which also runs forwards only but needs a loss function on the last
+  stage (the runtime uses it for multi-stage placements).
+- ``stage_class_with_shape_trial``: overrides ``PipelineStage._forward_metadata_inference`` and
+  ``_backward_metadata_inference``, the trial forward/backward torch runs on a schedule's first step to learn the
+  shapes a stage sends. Public stand-in: ``PipelineStage(input_args=..., output_args=...)`` with static shapes,
+  which the runtime cannot give: shapes come from the user's batches.
+
+``check()`` (``tests/parallel/test_pipeline_runtime.py``) fails loudly, naming the internal and the version it was
+checked on, when torch renames or drops one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from lightning_mgpu._compat import InternalChanged, changed, internal
+
+_METADATA_HOOKS = ("_forward_metadata_inference", "_backward_metadata_inference")
+
+
+def forward_only_schedule(stage: PipelineStage, n_microbatches: int) -> Any:
+    """A schedule running only forwards over one stage per rank."""
+    return internal("torch.distributed.pipelining.schedules", "_ScheduleForwardOnly")(stage, n_microbatches)
+
+
+def stage_class_with_shape_trial(trial: Callable[[nn.Module], AbstractContextManager[Any]]) -> type[PipelineStage]:
+    """A ``PipelineStage`` that runs torch's shape-inference trial inside ``trial(submodule)``.
+
+    The trial runs the stage once on the first microbatch's inputs; the runtime must tell it from a real
+    microbatch (it consumes none of the step's microbatches and logs nothing).
+    """
+    check()
+
+    class StageWithShapeTrial(PipelineStage):
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with trial(self.submod):
+                return super()._forward_metadata_inference(*args, **kwargs)
+
+        def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with trial(self.submod):
+                return super()._backward_metadata_inference(*args, **kwargs)
+
+    return StageWithShapeTrial
+
+
+def check() -> None:
+    """Raise ``InternalChanged`` if an internal used here is gone: the runtime would otherwise misbehave silently."""
+    internal("torch.distributed.pipelining.schedules", "_ScheduleForwardOnly")
+    for name in _METADATA_HOOKS:
+        if not callable(getattr(PipelineStage, name, None)):
+            raise InternalChanged(changed(f"PipelineStage.{name}", "torch", "the method is gone"))
