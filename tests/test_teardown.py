@@ -68,7 +68,8 @@ def _fit_twice(strategy_kwargs: Optional[dict[str, Any]], batch_size: int) -> di
         losses.append(recorder.losses)
     rank = dist.get_rank()
     dist.destroy_process_group()
-    return {"rank": rank, "losses": losses, "changed": _changes(before, _structure(module)), **_use_plainly(module)}
+    changed = _changes(before, _structure(module))
+    return {"rank": rank, "losses": losses, "changed": changed, **_use_plainly(module, trainer.optimizers[0])}
 
 
 def _changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -91,19 +92,26 @@ def _changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return changes
 
 
-def _use_plainly(module: nn.Module) -> dict[str, Any]:
-    """Plain-torch use with no process group: the parameters' types, a forward and a backward."""
+def _use_plainly(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Plain-torch use with no process group: the parameters' types, a forward, a backward and an optimizer step."""
     kinds = {name: (type(p).__name__, type(p.data).__name__, p.device.type) for name, p in module.named_parameters()}
     x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     module.zero_grad(set_to_none=True)
     logits = module(x)
     logits.float().pow(2).mean().backward()
     grads_plain = all(p.grad is not None and not isinstance(p.grad, DTensor) for p in module.parameters())
+    state_dict = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    # The last fit's optimizer steps the module's own parameters (under pipelining: this rank's stage's).
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    optimizer.step()
     return {
+        "optimizer_on_module": bool(stepped) and stepped <= {id(p) for p in module.parameters()},
+        "optimizer_states_plain": bool(states) and not any(isinstance(v, DTensor) for v in states),
         "kinds": kinds,
         "grads_plain": grads_plain,
         "logits": logits.detach(),
-        "state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "state_dict": state_dict,
     }
 
 
@@ -144,6 +152,7 @@ def test_fit_twice_then_plain_torch(layout: str) -> None:
         assert result["changed"] == {}, (rank, result["changed"])
         assert set(result["kinds"].values()) == {("Parameter", "Tensor", "cpu")}, (rank, result["kinds"])
         assert result["grads_plain"], rank
+        assert result["optimizer_on_module"] and result["optimizer_states_plain"], rank
         assert set(result["state_dict"]) == set(reference["state_dict"])
         for key, expected in reference["state_dict"].items():
             torch.testing.assert_close(
