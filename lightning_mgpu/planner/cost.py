@@ -254,13 +254,19 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: Training, layout
     pipeline = (m + (p - 1) / v) * per_microbatch
     # Data-parallel gradient traffic, hidden behind the last microbatch's backward as far as it overlaps.
     stage_params = max(local_params(model, layout).values())
+    # This library replicates with DDP only plain parameters outside a pipeline; otherwise FSDP2 wraps every block
+    # (ZeRO-2 outside a pipeline: consecutive blocks of a bucket's size) and the root, parameters become DTensors.
+    fsdp = d > 1 and (layout.zero_stage >= 2 or p > 1 or t > 1)
     dp = 0.0
     if d > 1 and layout.zero_stage < 3:
         nbytes = stage_params * g_bytes if layout.zero_stage == 0 else stage_params * (g_bytes + p_bytes) / 2
         dp = _ring(d, nbytes, dp_bw, eff)
         if layout.zero_stage == 2:  # FSDP2 gathers the parameters once more at the start of the step
             dp += stage_params * p_bytes * (d - 1) / d / (dp_bw * GB * eff.comm)
-            dp += 2 * (layers + 1) * collective  # one gather and one reduce-scatter per block and the root
+            units = layers + 1 if p > 1 else stage_params * p_bytes // DP_BUCKET_BYTES + 1
+            dp += 2 * units * collective  # one gather and one reduce-scatter per unit
+        elif fsdp:
+            dp += (layers + 1) * collective  # one all-reduce per block and the root
         else:
             dp += math.ceil(nbytes / DP_BUCKET_BYTES) * eff.latency_s  # one all-reduce per bucket
         window = stage * 2 / passes
@@ -268,7 +274,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: Training, layout
     shards = d if layout.zero_stage >= 1 else 1
     optimizer = stage_params / shards * (p_bytes + g_bytes + 16 + 4 + 8) / hbm  # read p, g, m, v; write p, m, v
     optimizer += eff.step_overhead_s
-    if t > 1 or (layout.zero_stage >= 2 and d > 1):  # the parameters are DTensors
+    if t > 1 or fsdp:  # the parameters are DTensors
         optimizer += eff.sharded_step_overhead_s
     compute_only = m * layers * block_compute + m * head
     times = {"compute": compute_only, "tensor_parallel": m * layers * block_tp,
