@@ -36,8 +36,13 @@ def parallelize(
     if layout.tensor_parallel_size > 1:
         if any(type(m).__name__ == "Float8Linear" for m in module.modules()):
             raise NotImplementedError("fp8-mixed with tensor_parallel_size > 1 is not supported yet.")
+        tp_plan = options.tp_plan
+        if options.expert_parallel_size > 1:
+            from lightning_mgpu.parallel.experts import plan_without_experts
+
+            tp_plan = plan_without_experts(module, tp_plan, options.sequence_parallel)  # experts: split over ep
         apply_tensor_parallel(
-            module, mesh[TP_AXIS], options.tp_plan, options.sequence_parallel, loss_parallel=options.loss_parallel
+            module, mesh[TP_AXIS], tp_plan, options.sequence_parallel, loss_parallel=options.loss_parallel
         )
     if options.activation_checkpointing is not False:
         # Before the pipeline split: its gate around each owned block must stay *outside* the checkpointed region,
@@ -60,7 +65,15 @@ def parallelize(
         from lightning_mgpu.parallel.experts import apply_expert_parallel
 
         # Before the data-parallel wrap, which then leaves the experts (wrapped over their replicas) out.
-        apply_expert_parallel(module, mesh, options.expert_parallel_size, layout.zero_stage, mp_policy, offload_policy)
+        if runtime is not None:
+            from lightning_mgpu.parallel.router_loss import check_no_router_loss
+
+            sizes = f"expert_parallel_size={options.expert_parallel_size}, pipeline_parallel_size=" + str(
+                layout.pipeline_parallel_size)
+            check_no_router_loss(module, f"{sizes}: the last stage would compute it from its own layers' logits only")
+        # Under pipelining at ZeRO 0/1 the schedule reduces the gradients of `replicate` wraps only.
+        apply_expert_parallel(module, mesh, options.expert_parallel_size, layout.zero_stage, mp_policy, offload_policy,
+                              replicate=runtime is not None and layout.zero_stage <= 1)
     if layout.data_parallel_size > 1 and runtime is None:
         from lightning_mgpu.parallel.router_loss import apply_global_router_loss
 

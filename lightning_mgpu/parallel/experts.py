@@ -62,6 +62,29 @@ def expert_parameters(module: nn.Module) -> set[nn.Parameter]:
     return {p for m in split for p in m.parameters()}
 
 
+def plan_without_experts(module: nn.Module, tp_plan: Any, sequence_parallel: bool) -> Any:
+    """A tensor-parallel plan (``"auto"`` or a dict) without entries for the experts: under ``ep`` they are split by
+    expert over the data-parallel ranks, whole on every tensor-parallel rank (tensor parallelism of the rest)."""
+    import fnmatch
+
+    from lightning_mgpu.parallel.tensor_plan import auto_plan
+
+    if callable(tp_plan):
+        return tp_plan
+    plan = auto_plan(module, sequence_parallel) if tp_plan == "auto" else dict(tp_plan)
+    containers = [*find_experts(module), *(_list_name(block, mod, experts)
+                                          for block, (mod, experts) in find_expert_lists(module).items())]
+    names = [n for n, _ in module.named_modules()] + [n for n, _ in module.named_parameters()]
+    inside = [n for n in names if any(n == c or n.startswith(c + ".") for c in containers)]
+    return {glob: style for glob, style in plan.items() if not any(fnmatch.fnmatchcase(n, glob) for n in inside)}
+
+
+def _list_name(block_name: str, block: nn.Module, experts: nn.ModuleList) -> str:
+    """The FQN of a torch MoE block's list of experts."""
+    child = next(n for n, c in block.named_children() if c is experts)
+    return f"{block_name}.{child}" if block_name else child
+
+
 def _routed_call(experts: nn.Module) -> bool:
     """Whether the module is called with the routing, ``(hidden_states, top_k_index, top_k_weights)``: Llama-4's
     experts, called with tokens already gathered per expert, are not (their layer is not split over ep)."""
@@ -80,16 +103,17 @@ def check_expert_layout(options: Any, layout: Any) -> None:
             f" data-parallel ranks. Choose expert_parallel_size from {valid}, or give data parallelism more devices."
         )
     unsupported = {
-        "tensor_parallel_size": layout.tensor_parallel_size > 1,
-        "pipeline_parallel_size": layout.pipeline_parallel_size > 1,
+        "sequence_parallel": options.sequence_parallel,
         "zero_backend='deepspeed'": options.zero_backend != "torch",
     }
     named = [name for name, bad in unsupported.items() if bad]
     if named:
         raise NotImplementedError(
-            f"expert_parallel_size={ep} does not compose with {', '.join(named)} yet (ZeRO-1's broadcast of updated"
-            " parameters would run over data-parallel ranks that hold different experts). Expert parallelism runs"
-            " with data parallelism at zero_stage 0, 2 or 3 (torch backend); set expert_parallel_size=1 otherwise."
+            f"expert_parallel_size={ep} does not compose with {', '.join(named)} yet: sequence parallelism would"
+            " hand each tensor-parallel rank part of the tokens its experts are routed; the DeepSpeed engine shards"
+            " over every data-parallel rank, which hold different experts. Expert parallelism runs with data"
+            " parallelism at ZeRO 0-3 (torch backend), tensor parallelism (without sequence_parallel) and"
+            " pipeline parallelism; set sequence_parallel=False, zero_backend='torch', or expert_parallel_size=1."
         )
 
 
@@ -121,9 +145,17 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
 
 
 def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, zero_stage: int,
-                          mp_policy: Optional[Any] = None, offload_policy: Optional[Any] = None) -> DeviceMesh:
-    """Keep this rank's experts in every MoE layer, route tokens to them, and wrap them over their replicas."""
+                          mp_policy: Optional[Any] = None, offload_policy: Optional[Any] = None,
+                          replicate: bool = False) -> DeviceMesh:
+    """Keep this rank's experts in every MoE layer, route tokens to them, and wrap them over their replicas.
+
+    ``replicate``: the experts are replicated over their replicas (FSDP2's ``replicate``) instead of sharded: the
+    data-parallel wrap is a ``replicate`` whose gradient reduction a pipeline schedule drives (ZeRO 0/1 with
+    pipelining), and it reduces only the states of its own kind.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from lightning_mgpu._compat.fsdp import replicate_with_fsdp
 
     check_experts(module, ep)
     ep_mesh = expert_mesh(mesh, ep)
@@ -136,8 +168,11 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, zero_sta
     for experts_module in units:
         # FSDP2 over the replicas (ZeRO-3 for experts at every stage: they are a rank's own); the data-parallel
         # wrap that follows skips modules already wrapped. Their gradients come from all dp ranks' losses.
-        fully_shard(experts_module, mesh=ep_mesh[REPLICA_AXIS], reshard_after_forward=zero_stage == 3,
-                    mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy())
+        policies = dict(mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy())
+        if replicate:
+            replicate_with_fsdp(experts_module, mesh=ep_mesh[REPLICA_AXIS], **policies)
+        else:
+            fully_shard(experts_module, mesh=ep_mesh[REPLICA_AXIS], reshard_after_forward=zero_stage == 3, **policies)
         experts_module.set_gradient_divide_factor(float(dp))
         # A plain sum, then the division: gloo has no pre-multiplied sum (and the NCCL one is not zero-copy).
         experts_module.set_force_sum_reduction_for_comms(ep_mesh[REPLICA_AXIS].size() > 1)
@@ -393,8 +428,7 @@ class ExpertTokenCounts:
             # Prepended: under ep, the dispatch hook replaces the indices by this rank's received local ones.
             self._handles.append(experts.register_forward_pre_hook(self._routed(name), prepend=True))
         for name, (block, experts) in find_expert_lists(module).items():  # a torch MoE, not split: hook each expert
-            child = next(n for n, c in block.named_children() if c is experts)
-            self._count_calls(f"{name}.{child}" if name else child, list(experts), None)
+            self._count_calls(_list_name(name, block, experts), list(experts), None)
         for name, local in module.named_modules():
             calls = getattr(local, "_lightning_mgpu_calls", None)
             if isinstance(local, _LocalExperts) and calls is not None:  # split over ep: the block's expert calls

@@ -107,3 +107,16 @@ def _gather(tensor: torch.Tensor, counts: list[int], dim: int, group: Any) -> to
     padded = torch.cat([zeros(rank * largest), tensor, zeros(after)], dim=dim)  # this rank's slot holds its rows
     summed = all_reduce(padded, group=group)
     return torch.cat([summed.narrow(dim, r * largest, n) for r, n in enumerate(counts)], dim=dim)
+
+
+def check_no_router_loss(module: nn.Module, reason: str) -> None:
+    """Refuse a Hugging Face model whose load-balancing loss is on (``config.output_router_logits``) where it would
+    not be one process's; ``reason`` names the layout and why."""
+    on = [type(m).__name__ for m in find_router_losses(module).values()
+          if getattr(getattr(m, "config", None), "output_router_logits", False) is True]
+    if on:
+        raise NotImplementedError(
+            f"{on[0]}'s load-balancing loss (config.output_router_logits=True) with {reason}. Set"
+            " config.output_router_logits=False, or train without pipeline parallelism (data x expert parallelism"
+            " computes the loss as one process)."
+        )

@@ -85,15 +85,18 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_experts_match(reference: dict[str, Any], extras: list[dict[str, Any]], kind: str, **tol: float) -> None:
-    """Each rank's experts equal the reference's at the same global expert indices."""
+    """Each rank's experts equal the reference's at the same global expert indices; every expert weight is seen
+    (by every rank, or with pipelining by the ranks of its stage)."""
     full = reference[f"{kind}_rank0"]
-    seen = 0
+    seen = set()
     for extra in extras:
-        for (name, first), value in next(v for k, v in extra.items() if k.startswith(kind)).items():
+        held = next(v for k, v in extra.items() if k.startswith(kind))
+        assert held, "a rank holds no experts"
+        for (name, first), value in held.items():
             expected = full[(name, 0)][first:first + value.shape[0]]
             torch.testing.assert_close(value, expected, msg=lambda m: f"{kind} {name}[{first}:]: {m}", **tol)
-            seen += 1
-    assert seen == len(extras) * len(full), (seen, len(full))  # every rank: a slice of every expert weight
+            seen.add(name)
+    assert seen == {name for name, _ in full}, (seen, list(full))
 
 
 def _expert_count(factory: Any) -> int:
@@ -239,6 +242,14 @@ LAYOUTS = [  # (name, model, strategy extras, devices, dp, experts per rank divi
     ("mixtral-dp2xep2-zero1-checkpointed", mixtral_with_aux_loss,
      {"expert_parallel_size": 2, "zero_stage": 1, "activation_checkpointing": True}, 4, 4, 4),
     ("mixtral-dp2xep2-zero2", mixtral_with_aux_loss, {"expert_parallel_size": 2, "zero_stage": 2}, 4, 4, 4),
+    # Experts inside pipeline stages, ep over the stage's data-parallel ranks: a rank holds half the experts of
+    # half the layers. (Under pipelining the load-balancing loss would see the last stage's layers only: refused.)
+    ("mixtral-pp2xep2-zero1", mixtral_without_aux_loss,
+     {"expert_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1}, 4, 2, 4),
+    # Tensor parallelism of the attention (the model's own plan without its expert entries), experts whole on both
+    # tensor-parallel ranks and split over ep.
+    ("mixtral-dp2xtp2xep2-zero3", mixtral_with_aux_loss,
+     {"expert_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, 4, 2, 2),
 ]
 
 
@@ -253,8 +264,10 @@ def test_experts_split_over_ep_train_like_one_process(name, factory, extra, devi
     result, extras = fit(factory, lambda: _tokens(GLOBAL_BATCH // dp), {"data_parallel_size": dp, **extra}, devices,
                          STEPS, callbacks_factory=lambda: [ExpertProbe(ckpt), ExpertTokens(tmp_path)])
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)  # every key, full shapes
-    # Activation checkpointing recomputes the experts in backward: not counted twice.
-    _assert_same_expert_tokens(reference.extra, result.extra, GLOBAL_BATCH * SEQUENCE * 2 * STEPS)  # top-2
+    # Activation checkpointing recomputes the experts in backward: not counted twice. (A pipeline schedule's
+    # shape-inference forward at the first step is counted: left out here.)
+    if "pipeline_parallel_size" not in extra:
+        _assert_same_expert_tokens(reference.extra, result.extra, GLOBAL_BATCH * SEQUENCE * 2 * STEPS)  # top-2
     _assert_experts_match(reference.extra, extras, "grads", rtol=1e-4, atol=1e-6)
     _assert_experts_match(reference.extra, extras, "weights", rtol=1e-4, atol=TP_WEIGHT_ATOL)
     held = {k: v for e in extras for k, v in e.items() if k.startswith("experts_rank")}
@@ -275,23 +288,36 @@ def test_expert_parallel_refuses_what_it_cannot_do_before_training():
         HybridStrategy(expert_parallel_size=0)
     with pytest.raises(ValueError, match=r"expert_parallel_size=4 must divide data_parallel_size=2.*\[1, 2\]"):
         L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(expert_parallel_size=4))
+    with pytest.raises(NotImplementedError, match=r"does not compose with sequence_parallel.*sequence_parallel=False"):
+        L.Trainer(accelerator="cpu", devices=4, strategy=HybridStrategy(
+            expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True))
+    from lightning_mgpu.parallel.router_loss import check_no_router_loss
+
+    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM's load-balancing loss.*output_router_logits=Fa"):
+        check_no_router_loss(mixtral(), "pipeline_parallel_size=2")  # what pp x ep checks at setup
+    check_no_router_loss(mixtral_without_aux_loss(), "pipeline_parallel_size=2")
     with pytest.raises(ValueError, match=r"expert_parallel_size=2, but Linear has no mixture-of-experts layer"):
         check_experts(torch.nn.Linear(2, 2), 2)
     with pytest.raises(ValueError, match=r"must divide every layer's expert count.*\[4\]"):
         check_experts(mixtral_without_aux_loss(), 8)
 
 
-def test_checkpoint_saved_at_ep2_resumes_under_zero3_without_experts_split(tmp_path):
-    """The ep 2 checkpoint (experts as DTensors over ep) resumes at dp 2 ZeRO-3 with ep 1 like the run that saved it."""
+def test_checkpoint_saved_at_ep2_resumes_at_dp2_zero3_and_on_one_process(tmp_path):
+    """The ep 2 checkpoint (experts as DTensors over ep) resumes at dp 2 ZeRO-3 with ep 1, and on one process, like
+    the run that saved it (losses within 1e-5; weights and optimizer states as saved)."""
     from tests.test_checkpoint import CROSS_LAYOUT_RTOL, SaveAt, _assert_same_states, _losses_match, _resume
 
     factory = mixtral_without_aux_loss
     data = lambda: _tokens(GLOBAL_BATCH // 2)  # noqa: E731
     reference, _ = fit(factory, data, {"data_parallel_size": 2, "expert_parallel_size": 2}, 2, 6,
                        callbacks_factory=lambda: [SaveAt(tmp_path, (3,))])
-    resumed = _resume(tmp_path, tmp_path / "step3.ckpt", 2, {"zero_stage": 3}, tmp_path, factory, data, 6)
-    _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
-    _assert_same_states(tmp_path / "step3.ckpt", tmp_path / "resaved.ckpt")
+    for devices, kwargs, batch in ((2, {"zero_stage": 3}, GLOBAL_BATCH // 2), (1, {}, GLOBAL_BATCH)):
+        out = tmp_path / f"dp{devices}"
+        out.mkdir()
+        resumed = _resume(tmp_path, tmp_path / "step3.ckpt", devices, kwargs, out, factory,
+                          lambda batch=batch: _tokens(batch), 6)
+        _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
+        _assert_same_states(tmp_path / "step3.ckpt", out / "resaved.ckpt")
 
 
 def test_hugging_face_moe_layers_are_found_and_the_rest_left_alone():
