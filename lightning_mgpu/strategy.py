@@ -647,6 +647,9 @@ class HybridStrategy(ParallelStrategy):
         After a failure only what needs no collective is undone; the module stays parallelized.
         """
         snapshot, self._snapshot = self._snapshot, None
+        if self._deepspeed is not None and not self._failed:  # collective: DeepSpeed's changes undone in place
+            self._deepspeed.release(self.lightning_module)
+            self.model, self._runner = self.lightning_module, None
         if snapshot is None or self._failed:
             self._patches.undo()
             return

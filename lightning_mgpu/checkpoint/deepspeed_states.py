@@ -71,9 +71,17 @@ class DeepSpeedStates:
     def __init__(self, runner: "DeepSpeedEngineRunner") -> None:
         self.runner = runner
 
+    @property
+    def _released(self) -> bool:
+        """After ``fit`` the engine is gone and the module and optimizer are plain torch objects again
+        (``deepspeed_release``): a save then reads them like the torch backend's unsharded ones."""
+        return self.runner.engine is None
+
     # ------------------------------------------------------------------------------------------------------ save
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         """Every entry of ``model.state_dict()``, parameters as whole fp32 masters. Collective."""
+        if self._released:
+            return states.model_state(model)
         params = dict(model.named_parameters(remove_duplicate=False))
         gathered: dict[nn.Parameter, torch.Tensor] = {}
         state = {}
@@ -90,6 +98,9 @@ class DeepSpeedStates:
     def optimizer_state(self, model: nn.Module, optimizer: Optimizer, initialize: bool = False) -> dict[str, Any]:
         """The torch backend's flattened optimizer state, per parameter FQN. Collective."""
         from deepspeed.utils import safe_get_full_optimizer_state
+
+        if self._released:
+            return states.optimizer_state(model, optimizer, initialize)
 
         names = self._fqns(model)
         tensor_keys, scalars = self._state_layout(optimizer)
@@ -111,6 +122,8 @@ class DeepSpeedStates:
         return flat
 
     def group_fqns(self, model: nn.Module, optimizer: Optimizer, flat_state: dict[str, Any]) -> list[list[str]]:
+        if self._released:
+            return states.group_fqns(model, optimizer, flat_state)
         names = self._fqns(model)
         return [[names[param] for param in params] for params in self.runner.param_groups]
 

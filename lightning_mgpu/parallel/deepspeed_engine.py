@@ -23,14 +23,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
+from lightning_mgpu._compat.lightning import call_callback_hooks, call_lightning_module_hook, fit_data_source
 from lightning_mgpu.deepspeed_config import DeepSpeedConfig, build_config
+from lightning_mgpu.parallel.deepspeed_release import DeepSpeedRelease
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -66,6 +67,8 @@ class DeepSpeedEngineRunner:
         self.optimizer: Optional[Optimizer] = None
         self._stepping = False  # inside Lightning's optimizer step: its backward ends the accumulation window
         self.param_groups: list[list[nn.Parameter]] = []  # the user's groups, before DeepSpeed flattens them
+        self._release: Optional[DeepSpeedRelease] = None
+        self._released_state: dict[str, Any] = {}
 
     def initialize(
         self, runner: nn.Module, optimizers: list[Optimizer], trainer: "pl.Trainer", layout: "ParallelLayout",
@@ -113,12 +116,22 @@ class DeepSpeedEngineRunner:
             )
         optimizer = optimizers[0] if optimizers else None
         self.param_groups = [list(group["params"]) for group in optimizer.param_groups] if optimizer else []
+        self._release, self._released_state = DeepSpeedRelease(runner, optimizer), {}
         self.optimizer = optimizer
         self.engine, *_ = deepspeed.initialize(
             model=runner, optimizer=optimizer, config=config, mpu=_DataParallelGroups(dp_group),
             dist_init_required=False,
         )
         return self.engine
+
+    def release(self, module: nn.Module) -> None:
+        """The user's module and optimizer back as plain torch objects holding the trained values, the engine
+        destroyed (``deepspeed_release``); a later fit or validate builds a new engine. Collective."""
+        if self.engine is None or self._release is None:
+            return
+        self._released_state = self.state_dict()  # a save after fit still records the loss scaler and counters
+        self._release.release(self, module)
+        self.engine, self.optimizer, self.param_groups, self._release = None, None, [], None
 
     def backward(self, loss: Tensor, module: "pl.LightningModule", precision: Precision) -> Tensor:
         """Callbacks' ``on_before/after_backward`` around the engine's backward (which owns loss scaling)."""
@@ -137,8 +150,8 @@ class DeepSpeedEngineRunner:
             self._stepping = False
         trainer = module.trainer
         # Lightning's clipping is skipped: the gradients are DeepSpeed's partitions, which it clips itself.
-        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+        call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         if result is None and module.automatic_optimization:
             return result  # training_step returned None: no backward ran, nothing to step
         self.engine.set_gradient_accumulation_boundary(True)
@@ -151,7 +164,7 @@ class DeepSpeedEngineRunner:
         iteration and hysteresis counters under fp16; a fixed scale otherwise) and the engine's step counters.
         The same on every rank (overflows are agreed over the group), so rank 0's copy in the checkpoint serves all."""
         if self.engine is None:
-            return {}
+            return dict(self._released_state)
         state: dict[str, Any] = {name: getattr(self.engine, name) for name in _ENGINE_COUNTERS}
         scaler = getattr(self.engine.optimizer, "loss_scaler", None)
         if scaler is not None:
@@ -221,7 +234,7 @@ class _DataParallelGroups:
 
 def _micro_batch_size(trainer: "pl.Trainer") -> int:
     """The train dataloader's batch size (as Lightning's DeepSpeedStrategy reads it); 1 when it has none."""
-    source = trainer.fit_loop._data_source
+    source = fit_data_source(trainer)
     if not source.is_defined():
         return 1
     loader = source.dataloader()
