@@ -29,6 +29,7 @@ from lightning_mgpu import checkpoint as sharded_checkpoint
 from lightning_mgpu._compat.lightning import (
     IS_INTERACTIVE,
     PATH,
+    StrategyHooks,
     all_gather_ddp_if_available,
     attached_trainer,
     default_process_group_backend,
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.accelerators import Accelerator
     from torch.distributed.device_mesh import DeviceMesh
 
-class HybridStrategy(ParallelStrategy):
+class HybridStrategy(StrategyHooks, ParallelStrategy):
     """Data, tensor and pipeline parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
 
     Arguments: the README's "HybridStrategy arguments" table. Sizes multiply to ``devices x num_nodes``;
@@ -270,7 +271,7 @@ class HybridStrategy(ParallelStrategy):
 
     # ---------------------------------------------------------------------------------------------- launch / setup
     @override
-    def _configure_launcher(self) -> None:
+    def configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:
             return

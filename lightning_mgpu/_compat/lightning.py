@@ -9,7 +9,7 @@ equivalent for most of them:
   ``_collect_rank_zero_results``, ``_run``) under public names.
 - Distributed helpers (``lightning.fabric.utilities.distributed``): process-group setup and the reduce/gather
   that Lightning's own ``ParallelStrategy`` subclasses use, so that ``self.log(sync_dist=True)`` behaves the same.
-- Strategy internals: ``Strategy._layer_sync`` (``Trainer(sync_batchnorm=True)``) and
+- Strategy internals: ``Strategy._configure_launcher`` (``StrategyHooks``), ``Strategy._layer_sync`` (``Trainer(sync_batchnorm=True)``) and
   ``_reset_optimizers_and_schedulers`` (what ``Strategy.setup_optimizers`` does before building optimizers).
 - Precision utilities: ``_optimizer_handles_unscaling``, ``_convert_fp_tensor``, ``_DtypeContextManager``,
   ``Precision._after_closure`` (runs ``on_before_optimizer_step`` and clipping after the closure).
@@ -85,6 +85,17 @@ class MultiProcessingLauncher(_MultiProcessingLauncher):  # type: ignore[misc, v
 
     def collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         return super()._collect_rank_zero_results(trainer, results)
+
+
+class StrategyHooks:
+    """Mix in before a Lightning ``Strategy``: its private ``_configure_launcher`` hook (called by the Trainer to
+    pick the launcher) as ``configure_launcher``."""
+
+    def _configure_launcher(self) -> None:
+        self.configure_launcher()
+
+    def configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
 
 
 # ------------------------------------------------------------------------------------------ distributed helpers

@@ -76,3 +76,12 @@ def set_children(module: nn.Module, children: dict[str, nn.Module]) -> None:
     slots = _slots(module, "_modules")
     slots.clear()
     slots.update(children)
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine runs a backward on this thread (where activation checkpointing recomputes
+    forwards): ``torch._C._current_graph_task_id``; no public API says so."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    if task is None:
+        raise AttributeError(changed("torch._C._current_graph_task_id", "torch", "the function is gone"))
+    return task() != -1

@@ -36,6 +36,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from lightning_mgpu._compat.dtensor import unflatten_mesh
+from lightning_mgpu._compat.tensors import in_backward, restore_parameters, set_children, swap_parameters
+
 EP_AXIS = "ep"
 REPLICA_AXIS = "dp_replicate"  # the data-parallel ranks that hold the same experts
 _FUSED = ("gate_up_proj", "down_proj")
@@ -140,7 +143,7 @@ def check_experts(module: nn.Module, ep: int) -> dict[str, nn.Module]:
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     """The ``(dp_replicate, ep)`` sub-mesh of this rank: ``dp`` unflattened, ``ep`` consecutive ranks per group."""
     dp = mesh["dp"].size()
-    full = mesh._unflatten("dp", (dp // ep, ep), (REPLICA_AXIS, EP_AXIS))
+    full = unflatten_mesh(mesh, "dp", (dp // ep, ep), (REPLICA_AXIS, EP_AXIS))
     return full[REPLICA_AXIS, EP_AXIS]
 
 
@@ -221,9 +224,9 @@ class _Routing:
         local_index = torch.repeat_interleave(
             torch.arange(self.local, device=flat.device).repeat(self.ep), recv_counts.reshape(-1))
         # The module's own forward runs on this rank's experts: the local shards of its DTensor parameters.
-        originals = {name: p for name, p in module._parameters.items() if isinstance(p, DTensor)}
-        for name, param in originals.items():
-            module._parameters[name] = param.to_local()  # a differentiable view: the gradient reaches the DTensor
+        # Differentiable views: the gradient reaches the DTensor.
+        local = {name: p.to_local() for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+        originals = swap_parameters(module, local)
         self.stack.append((originals, tokens, weights.reshape(-1)[order], send, recv, hidden.shape[0]))
         ones = torch.ones(local_index.shape[0], 1, dtype=weights.dtype, device=weights.device)
         return (inputs, local_index[:, None], ones, *args[3:])
@@ -232,7 +235,7 @@ class _Routing:
         if not self.stack:
             return output
         originals, tokens, weights, send, recv, num_tokens = self.stack.pop()
-        module._parameters.update(originals)
+        restore_parameters(module, originals)
         if not torch.is_tensor(output):
             return output  # None when the forward raised (this hook always runs)
         back = _all_to_all(output, send, recv, self.group)
@@ -286,8 +289,7 @@ def _split_expert_list(block: nn.Module, experts: nn.ModuleList, ep_mesh: Device
     empty = torch.zeros(0, _router_input_size(block, total), dtype=weight.dtype, device=weight.device)
     with torch.no_grad():  # the output's trailing shape, for the first pass's placeholders
         sample = next(iter(mine.values()))(empty)
-    experts._modules.clear()
-    experts._modules.update(mine)
+    set_children(experts, mine)
     experts.__class__ = _LocalExperts
     calls = _TwoPassCalls(experts, mine, ep_mesh.get_group(), ep, total, tuple(sample.shape[1:]), empty)
     experts._lightning_mgpu_calls = calls  # for ExpertTokenCounts
@@ -301,8 +303,8 @@ class _LocalExperts(nn.ModuleList):
 
     def __getitem__(self, idx: Any) -> Any:
         if isinstance(idx, slice):
-            return nn.ModuleList(list(self._modules.values())[idx])
-        return list(self._modules.values())[idx]
+            return nn.ModuleList(list(self.children())[idx])
+        return list(self.children())[idx]
 
 
 class _ExpertCall(nn.Module):
@@ -350,8 +352,7 @@ class _TwoPassCalls:
     def record(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
         self.recorded, self.answers = [], None
         self.rng = _rng_state()
-        self.experts._modules.clear()
-        self.experts._modules.update(self.proxies)
+        set_children(self.experts, self.proxies)
 
     def replay(self, block: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self.answers is not None or output is None:  # the second pass, or the first one raised
@@ -365,8 +366,7 @@ class _TwoPassCalls:
             self._restore()
 
     def _restore(self) -> None:
-        self.experts._modules.clear()
-        self.experts._modules.update(self.mine)
+        set_children(self.experts, self.mine)
         self.recorded, self.answers = [], None
 
     def _exchange(self) -> dict[int, list[torch.Tensor]]:
@@ -458,5 +458,4 @@ class ExpertTokenCounts:
 
 def _in_backward() -> bool:
     """Whether autograd is running a backward (where activation checkpointing recomputes forwards)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return in_backward()

@@ -213,8 +213,10 @@ def batch_per_replica(module: Any) -> Optional[int]:
     it). ``None`` when unknown."""
     from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 
-    trainer = getattr(module, "_trainer", None)
-    source = getattr(getattr(getattr(trainer, "fit_loop", None), "_data_source", None), "instance", None)
+    from lightning_mgpu._compat.lightning import attached_trainer, fit_data_source
+
+    trainer = attached_trainer(module)
+    source = getattr(fit_data_source(trainer), "instance", None) if trainer is not None else None
     size = getattr(source, "batch_size", None)
     if _positive(size):
         return size
