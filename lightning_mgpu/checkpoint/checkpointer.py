@@ -77,15 +77,6 @@ def layout_record(layout: "ParallelLayout") -> dict[str, int]:
     return record
 
 
-def describe_layout(record: Any) -> str:
-    if not isinstance(record, dict):
-        return str(record)
-    return (
-        f"dp={record['data_parallel_size']} x tp={record['tensor_parallel_size']} x"
-        f" pp={record['pipeline_parallel_size']} (zero_stage={record['zero_stage']})"
-    )
-
-
 def hf_models(module: nn.Module) -> dict[str, dict[str, str]]:
     """Children of the LightningModule that are Hugging Face ``PreTrainedModel``s: their prefix and config."""
     transformers = sys.modules.get("transformers")
