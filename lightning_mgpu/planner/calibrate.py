@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -163,8 +164,8 @@ def _memory_gb() -> float:
 
 def _local(probe: _Probe) -> dict[str, float]:
     """The in-process measurements, one thread, on the probe."""
-    walls, cpus = zip(*(_best_times(_forward_backward(probe.module, probe.make_inputs(b)), 7) for b in BATCHES))
-    times, walls = dict(zip(BATCHES, cpus)), dict(zip(BATCHES, walls))
+    wall_times, cpus = zip(*(_best_times(_forward_backward(probe.module, probe.make_inputs(b)), 7) for b in BATCHES))
+    times, walls = dict(zip(BATCHES, cpus)), dict(zip(BATCHES, wall_times))
     # CPU time against batch size, a least-squares line: slope = compute per sample, intercept = dispatch.
     mean_b, mean_t = sum(BATCHES) / len(BATCHES), sum(cpus) / len(cpus)
     slope = sum((b - mean_b) * (t - mean_t) for b, t in times.items()) / sum((b - mean_b) ** 2 for b in BATCHES)
@@ -221,7 +222,8 @@ def quick_measure(model: ModelSpec, module: Optional[nn.Module] = None) -> Measu
 
 # ------------------------------------------------------------------ the forked part: what processes add together
 def _tp_degree(processes: int, heads: int) -> int:
-    return max([t for t in range(2, processes + 1) if processes % t == 0 and heads % t == 0], default=1)
+    """The smallest tensor-parallel degree the probe can run (2 where it can): the common one inside a node."""
+    return min([t for t in range(2, processes + 1) if processes % t == 0 and heads % t == 0], default=1)
 
 
 def _worker(rank: int, world: int, port: int, queue: Any, probe: _Probe, heads: int) -> None:
@@ -239,7 +241,7 @@ def _worker(rank: int, world: int, port: int, queue: Any, probe: _Probe, heads: 
         out["together"], out["plain_cpu"] = _best_times(_forward_backward(probe.module, inputs))
         for name, numel in (("small", 1024), ("large", 2**20)):
             tensor = torch.ones(numel)
-            out[name] = _best_time(lambda tensor=tensor: dist.all_reduce(tensor))
+            out[name] = _best_time(functools.partial(dist.all_reduce, tensor))
         plain_step = _best_times(torch.optim.AdamW(probe.module.parameters()).step)[1]
         out["microbatch"] = _pipeline_probe(rank, world)
         if probe.whole:
