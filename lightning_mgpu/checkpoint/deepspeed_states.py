@@ -7,6 +7,13 @@ as whole tensors (DCP writes each once); loading reads whole tensors and scatter
 ``safe_set_full_*``. So a DeepSpeed run resumes under the torch backend, any layout, and the other way round, and
 ``lightning-mgpu inspect/consolidate`` read it like any other checkpoint.
 
+Cost of a save: every rank gathers each parameter's fp32 master and optimizer states whole (``safe_get_full_*``
+all-reduce a zero-filled full tensor, one parameter and state at a time) and holds them until DCP has written,
+which it does once per tensor: transiently 12 bytes per parameter of the whole model per rank (fp32 AdamW: master
+and two moments), and about 3 x 4N x 2(dp-1)/dp bytes sent per rank. Writing shard-wise would need DeepSpeed's
+partitions re-cut first: they split parameters at arbitrary flat offsets, which DCP's chunk metadata (an N-d box
+per chunk) cannot describe.
+
 An object of :class:`DeepSpeedStates` stands in for the ``states`` module in ``Checkpointer`` (same functions).
 """
 
