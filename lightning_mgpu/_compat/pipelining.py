@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from typing_extensions import override
 
 from lightning_mgpu._compat import InternalChanged, changed, internal
 
@@ -40,10 +41,12 @@ def stage_class_with_shape_trial(trial: Callable[[nn.Module], AbstractContextMan
     check()
 
     class StageWithShapeTrial(PipelineStage):
+        @override
         def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
             with trial(self.submod):
                 return super()._forward_metadata_inference(*args, **kwargs)
 
+        @override
         def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
             with trial(self.submod):
                 return super()._backward_metadata_inference(*args, **kwargs)

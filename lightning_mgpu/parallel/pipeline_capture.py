@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
@@ -76,7 +76,7 @@ class StepCapture:
         """``step()``'s result with ``call``'s module returning ``output``; its logs go into ``logs``."""
         had_instance_forward = "forward" in vars(call.module)
         original = call.module.forward
-        call.module.forward = lambda *a, **k: output  # type: ignore[method-assign]
+        call.module.forward = lambda *a, **k: output
         self._phase, self._network_calls = _Phase.REPLAY, 0
         try:
             with muted_logging(self.module, logs):
@@ -84,7 +84,7 @@ class StepCapture:
         finally:
             self._phase = _Phase.IDLE
             if had_instance_forward:
-                call.module.forward = original  # type: ignore[method-assign]
+                call.module.forward = original
             else:
                 del call.module.forward
 
@@ -95,7 +95,7 @@ class StepCapture:
 
 
 @contextmanager
-def muted_logging(module: nn.Module, record: Optional[StepLogs]) -> Generator[None, None, None]:
+def muted_logging(module: nn.Module, record: StepLogs | None) -> Generator[None, None, None]:
     """Route ``self.log``/``self.log_dict`` into ``record`` (or nowhere) inside the block; put them back after."""
     from torchmetrics import MetricCollection
 
@@ -110,7 +110,7 @@ def muted_logging(module: nn.Module, record: Optional[StepLogs]) -> Generator[No
             log(name, value, **kwargs)
 
     saved = {name: vars(module)[name] for name in ("log", "log_dict") if name in vars(module)}
-    module.log, module.log_dict = log, log_dict  # type: ignore[method-assign]
+    module.log, module.log_dict = log, log_dict  # type: ignore[assignment]  # a LightningModule's
     try:
         yield
     finally:

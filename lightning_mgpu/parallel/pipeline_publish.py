@@ -21,13 +21,16 @@ import copy
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_mgpu._compat.tensors import tree_map
+
+if TYPE_CHECKING:
+    from torchmetrics import Metric
 
 
 @dataclass
@@ -46,7 +49,8 @@ class StepLogs:
             self.values.append((name, value, kwargs))
         else:
             raise TypeError(
-                f"`self.log({name!r}, ...)` needs a tensor, a number or a torchmetrics Metric, got {type(value).__name__}."
+                f"`self.log({name!r}, ...)` needs a tensor, a number or a torchmetrics Metric,"
+                f" got {type(value).__name__}."
             )
 
     def means(self, device: torch.device) -> dict[str, tuple[torch.Tensor, dict]]:
@@ -70,7 +74,7 @@ def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
 
 
 class MetricRelay:
-    """Tracks the torchmetrics objects of a module during a step on the last stage and replays their changes elsewhere."""
+    """Tracks a module's torchmetrics objects during a step on the last stage; replays their changes elsewhere."""
 
     def __init__(self, module: nn.Module) -> None:
         from torchmetrics import Metric
@@ -159,18 +163,18 @@ def _copy_state(value: Any) -> Any:
     return list(value) if isinstance(value, list) else value.clone()
 
 
-def _list_states(metric: nn.Module) -> list[str]:
+def _list_states(metric: Metric) -> list[str]:
     return [s for s, default in metric._defaults.items() if isinstance(default, list)]
 
 
 def _list_change(now: list, before: list) -> tuple[str, list]:
     """List states only grow within a step (unless reset): send the new items, or everything after a reset."""
     if len(now) >= len(before) and all(a is b for a, b in zip(now, before)):
-        return "extend", now[len(before):]
+        return "extend", now[len(before) :]
     return "replace", list(now)
 
 
-def _whole_batch_value(metric: nn.Module, inputs: list[tuple[tuple, dict]]) -> Any:
+def _whole_batch_value(metric: Metric, inputs: list[tuple[tuple, dict]]) -> Any:
     """The value ``metric(batch)`` would have returned for the whole batch: a fresh copy fed every microbatch."""
     group = getattr(metric, "process_group", None)
     memo = {id(group): group} if group is not None else {}
@@ -192,13 +196,14 @@ class Publisher:
         self.group = group
         self.source = source
         self.device = device
-        self._structure: Optional[tuple] = None  # what the last object broadcast sent, known to every rank
+        self._structure: tuple | None = None  # what the last object broadcast sent, known to every rank
 
-    def publish(self, module: nn.Module, relay: MetricRelay, result: Any, logs: StepLogs, objects: bool) -> Any:
+    def publish(self, module: Any, relay: MetricRelay, result: Any, logs: StepLogs, objects: bool) -> Any:
         """Send the last stage's result, logs and metric changes; log them on every rank. Returns the result."""
         sending = dist.get_rank() == self.source
-        result, means, metric_logs, changes = self.send(result, logs if sending else None, relay if sending else None,
-                                                        objects)
+        result, means, metric_logs, changes = self.send(
+            result, logs if sending else None, relay if sending else None, objects
+        )
         if not sending:
             relay.apply(changes, self.device)
         for name, (value, kwargs) in means.items():
@@ -207,7 +212,7 @@ class Publisher:
             module.log(name, relay.metrics[metric_name], **kwargs)
         return result
 
-    def send(self, result: Any, logs: Optional[StepLogs], relay: Optional[MetricRelay], objects: bool) -> tuple:
+    def send(self, result: Any, logs: StepLogs | None, relay: MetricRelay | None, objects: bool) -> tuple:
         """Collective over the pipeline group. Returns ``(result, mean logs, metric logs, metric changes)``.
 
         ``objects=False`` allows the fast path for a scalar (or absent) result: a flat tensor of numbers, built and
@@ -215,7 +220,7 @@ class Publisher:
         involved; the only host sync is reading its "fast path taken" flag, once per step.
         """
         sending = dist.get_rank() == self.source
-        payload: Optional[tuple] = None
+        payload: tuple | None = None
         if sending:
             assert logs is not None
             metric_logs = {name: (relay.name_of(m) if relay else "", kw) for name, (m, kw) in logs.metrics.items()}
@@ -227,11 +232,13 @@ class Publisher:
             numbers = torch.zeros(2 + len(names), dtype=torch.float64, device=self.device)
             if fast:
                 assert payload is not None
-                numbers = torch.stack([
-                    numbers.new_ones(()),
-                    payload[0].detach().to(numbers) if payload[0] is not None else numbers.new_zeros(()),
-                    *(value for value, _ in payload[1].values()),
-                ])
+                numbers = torch.stack(
+                    [
+                        numbers.new_ones(()),
+                        payload[0].detach().to(numbers) if payload[0] is not None else numbers.new_zeros(()),
+                        *(value for value, _ in payload[1].values()),
+                    ]
+                )
             dist.broadcast(numbers, src=self.source, group=self.group)
             if bool(numbers[0] == 1.0):  # the one host sync of a step
                 return self._rebuild(numbers)
@@ -252,7 +259,7 @@ class Publisher:
         return result, means, {}, {}
 
 
-def _structure(payload: Any) -> Optional[tuple]:
+def _structure(payload: Any) -> tuple | None:
     """The shape of a payload that the fast path can carry as numbers, or None if it cannot."""
     result, means, metric_logs, changes = payload
     if metric_logs or changes:

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
 
 from lightning_mgpu._compat.pipelining import forward_only_schedule, stage_class_with_shape_trial
 from lightning_mgpu.parallel.microbatches import MicrobatchPlan, tensor_leaves
@@ -47,15 +46,16 @@ class ScheduleCache:
         if len(stages) == 1 and not training:
             return forward_only_schedule(stages[0], plan.count)
         schedule_class = get_schedule_class(plan.schedule)
-        return schedule_class(stages[0] if len(stages) == 1 else stages, plan.count, loss_fn=self.loss_fn,
-                              scale_grads=False)
+        return schedule_class(
+            stages[0] if len(stages) == 1 else stages, plan.count, loss_fn=self.loss_fn, scale_grads=False
+        )
 
 
 @contextmanager
-def _shape_trial(stage: nn.Module) -> Generator[None, None, None]:
+def _shape_trial(stage: Any) -> Generator[None, None, None]:
     """Mark ``stage`` (a ``pipeline.Stage``) and its runtime as running torch's shape-inference trial."""
-    stage.inferring = stage.runtime.inferring = True  # type: ignore[union-attr]
+    stage.inferring = stage.runtime.inferring = True
     try:
         yield
     finally:
-        stage.inferring = stage.runtime.inferring = False  # type: ignore[union-attr]
+        stage.inferring = stage.runtime.inferring = False

@@ -23,7 +23,8 @@ Contract: one network call per step, before which the step does nothing with sid
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ class PipelineEngine:
         module: nn.Module,
         runtime: PipelineRuntime,
         schedule_name: str,
-        num_microbatches: Optional[int],
+        num_microbatches: int | None,
         pp_group: Any,
         device: torch.device,
     ) -> None:
@@ -84,11 +85,11 @@ class PipelineEngine:
         self.sync_gradients = True
         # The precision plugin's job-wide loss scaler (16-mixed): applied to each microbatch's loss here, since
         # the schedule runs backward itself. `share_with` sets it.
-        self.grad_scaler: Optional[Any] = None
+        self.grad_scaler: Any | None = None
         self._replanned: set[tuple[int, int]] = set()
-        self._training: Optional[_TrainingStep] = None  # set while a training step's schedule runs
+        self._training: _TrainingStep | None = None  # set while a training step's schedule runs
         self._forward_only = False  # multi-stage schedules call the loss function even when run forward-only
-        self._guarded: list[tuple[Any, Optional[Any]]] = []  # (optimizer, its instance zero_grad before the guard)
+        self._guarded: list[tuple[Any, Any | None]] = []  # (optimizer, its instance zero_grad before the guard)
         path = [module]
         for part in runtime.split.container_fqn.split(".")[:-1]:
             path.append(path[-1].get_submodule(part))
@@ -98,7 +99,7 @@ class PipelineEngine:
         self.schedules = ScheduleCache(runtime, pp_group, device, self._loss)
 
     # --------------------------------------------------------------------------------------------------- steps
-    def training_step(self, batch: Any, batch_idx: int, accumulate_grad_batches: int) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int, *, accumulate_grad_batches: int) -> torch.Tensor:
         """Forward *and* backward of the step (the schedule interleaves them); Lightning's backward is skipped."""
         if batch_idx % accumulate_grad_batches == 0:
             for param in self.module.parameters():
@@ -113,13 +114,14 @@ class PipelineEngine:
         losses: list = []
         schedule = self.schedules.get(plan, microbatches[0], training=True)
         try:
-            schedule.step(*self._stage_inputs(plan.count), **self._targets(plan.count), losses=losses,
-                          return_outputs=False)
+            schedule.step(
+                *self._stage_inputs(plan.count), **self._targets(plan.count), losses=losses, return_outputs=False
+            )
         finally:
             self._training = None
         if self.sync_gradients and self.runtime.tied_gradients:
             self.runtime.tied_gradients.sum_gradients(self.module)
-        loss = torch.stack([l.detach() for l in losses]).mean() / step.loss_scale if losses else None
+        loss = torch.stack([loss.detach() for loss in losses]).mean() / step.loss_scale if losses else None
         if loss is not None and self.grad_scaler is not None:
             loss = loss / self.grad_scaler.get_scale()
         return self.publisher.publish(self.module, self.relay, loss, step.logs, objects=False)
@@ -171,7 +173,7 @@ class PipelineEngine:
 
     def _start(self, microbatches: list[Any], method: str, *args: Any) -> None:
         step = getattr(self.module, method)
-        self.runtime.start_step([self.capture.capture(lambda mb=mb: step(mb, *args)) for mb in microbatches])
+        self.runtime.start_step([self.capture.capture(functools.partial(step, mb, *args)) for mb in microbatches])
 
     def _stage_inputs(self, count: int) -> tuple:
         # A placeholder the schedule splits into one row per microbatch; stage 0 counts its microbatches itself.
@@ -182,7 +184,7 @@ class PipelineEngine:
 
     def _replay(self, method: str, args: tuple, microbatch: int, logs: StepLogs) -> Any:
         call = self.runtime.calls[microbatch]
-        step = lambda: getattr(self.module, method)(*args)  # noqa: E731
+        step = lambda: getattr(self.module, method)(*args)
         if self.runtime.inferring:
             # torch's shape-inference trial: neither its logs nor its metric updates are real.
             with self.relay.frozen():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from lightning_mgpu._compat.tensors import TorchDispatchMode
 
+from lightning_mgpu._compat.tensors import TorchDispatchMode
 from lightning_mgpu.demo import GPTLightningModule, TextDataModule
 from tests.helpers.equivalence import fit
 
@@ -73,7 +73,13 @@ def test_host_syncs_per_step_do_not_grow_with_the_number_of_microbatches():
     counts = {}
     for microbatches in (2, 8):
         strategy = {"pipeline_parallel_size": 2, "num_microbatches": microbatches}
-        _, extras = fit(module, lambda: TextDataModule(batch_size=8, block_size=16), strategy, 2, 3,
-                        callbacks_factory=lambda: [_HostSyncs()])
+        _, extras = fit(
+            module,
+            lambda: TextDataModule(batch_size=8, block_size=16),
+            strategy,
+            2,
+            3,
+            callbacks_factory=lambda: [_HostSyncs()],
+        )
         counts[microbatches] = [rank["syncs"][1:] for rank in extras]  # after the shape-inference step
     assert counts[2] == counts[8], counts
