@@ -13,6 +13,13 @@ the strategy hands backward and the optimizer step to this engine:
 - optimizer step: the closure (forward + backward) runs, the ``on_before_optimizer_step`` hooks run, then
   ``engine.step()`` clips by the global norm (``gradient_clipping``) and steps.
 
+Checkpoints keep the engine's loss scaler and step counters beside the torch backend's format (:meth:`state_dict`),
+so an fp16 resume continues the dynamic scale exactly. At teardown :meth:`release` gives the user's module and
+optimizer back as plain torch objects with the trained values (``deepspeed_release``).
+
+The engine config is the user's plus the Trainer's values; unset ZeRO settings keep DeepSpeed's own defaults
+(not Lightning's DeepSpeedStrategy's: a ``ds_config.json`` means here what it means to ``deepspeed.initialize``).
+
 The CPU path uses DeepSpeed's CPU accelerator and the job's gloo group; on GPUs DeepSpeed picks CUDA and the
 job's NCCL group. The first use on CPU compiles DeepSpeed's ``deepspeed_shm_comm`` op once (~30 s, cached in
 ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
