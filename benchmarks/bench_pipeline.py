@@ -28,17 +28,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-from benchmarks import harness  # noqa: E402
-from benchmarks.harness import QUIET_TRAINER, SEED  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import QUIET_TRAINER, SEED
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 TARGET = 1.05
@@ -46,10 +47,10 @@ TARGET = 1.05
 
 def parse_layout(text: str) -> tuple[int, int]:
     """``"pp2"`` -> (2, 1), ``"pp2xdp2"`` -> (2, 2)."""
-    parts = dict((p.rstrip("0123456789"), int(p.lstrip("pdx") or 0)) for p in text.lower().split("x"))
-    if set(parts) - {"pp", "dp"} or parts.get("pp", 0) < 2 or parts.get("dp", 1) < 1:
+    match = re.fullmatch(r"pp(\d+)(?:xdp(\d+))?", text.strip().lower())
+    if match is None or int(match[1]) < 2 or int(match[2] or 1) < 1:
         raise ValueError(f"layout {text!r}: write it as pp<N>[xdp<M>] with N >= 2, e.g. pp2 or pp2xdp2")
-    return parts["pp"], parts.get("dp", 1)
+    return int(match[1]), int(match[2] or 1)
 
 
 def _model_kwargs(args: dict[str, Any]) -> dict[str, Any]:
@@ -72,10 +73,20 @@ def lightning_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict
     from lightning_mgpu.demo import GPTLightningModule
 
     probe = harness.make_step_probe(mem_step=args["steps"], verbose=args["verbose"])
-    strategy = HybridStrategy(pipeline_parallel_size=pp, data_parallel_size=dp, pipeline_schedule=schedule,
-                              num_microbatches=args["microbatches"] or 2 * pp)
-    trainer = L.Trainer(accelerator="cpu", devices=pp * dp, strategy=strategy, max_steps=args["steps"],
-                        callbacks=[probe], **QUIET_TRAINER)
+    strategy = HybridStrategy(
+        pipeline_parallel_size=pp,
+        data_parallel_size=dp,
+        pipeline_schedule=schedule,
+        num_microbatches=args["microbatches"] or 2 * pp,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=pp * dp,
+        strategy=strategy,
+        max_steps=args["steps"],
+        callbacks=[probe],
+        **QUIET_TRAINER,
+    )
     trainer.fit(GPTLightningModule(**_model_kwargs(args), seed=SEED), _datamodule(args, dp))
     return {**probe.result(), "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
 
@@ -140,24 +151,32 @@ def run_by_hand(schedule: str, m: int, pp: int, dp: int, args: dict[str, Any]) -
             for block in module.h.values():
                 replicate(block, mesh=mesh["dp"])
             replicate(module, mesh=mesh["dp"])
-    stages = [PipelineStage(module, s, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
-              for s, module in zip(mine, modules)]
+    stages = [
+        PipelineStage(module, s, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+        for s, module in zip(mine, modules)
+    ]
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)) / m
 
-    pipe = get_schedule_class(schedule)(stages[0] if len(stages) == 1 else stages, m, loss_fn=loss_fn,
-                                        scale_grads=False)
+    pipe = get_schedule_class(schedule)(
+        stages[0] if len(stages) == 1 else stages, m, loss_fn=loss_fn, scale_grads=False
+    )
     params = [p for module in modules for p in module.parameters()]
-    optimizer = torch.optim.AdamW([  # the demo module's configure_optimizers, with its defaults
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ], lr=3e-4, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [  # the demo module's configure_optimizers, with its defaults
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=3e-4,
+        betas=(0.9, 0.95),
+    )
     dm = _datamodule(args, dp)
     dm.setup()
     # The order Lightning trains in: DistributedSampler(shuffle=True) over the data-parallel ranks, seed 0.
-    sampler = DistributedSampler(dm.train_dataset, num_replicas=dp, rank=dp_rank, shuffle=True,
-                                 seed=int(os.getenv("PL_GLOBAL_SEED", 0)))
+    sampler = DistributedSampler(
+        dm.train_dataset, num_replicas=dp, rank=dp_rank, shuffle=True, seed=int(os.getenv("PL_GLOBAL_SEED", 0))
+    )
     loader = DataLoader(dm.train_dataset, batch_size=args["batch_size"] // dp, sampler=sampler)
     timer, loss = harness.LoopTimer(), float("nan")
     for step, (x, y) in enumerate(loader):
@@ -170,7 +189,7 @@ def run_by_hand(schedule: str, m: int, pp: int, dp: int, args: dict[str, Any]) -
             targets = {"target": y, "losses": losses} if num_stages - 1 in mine else {}
             pipe.step(*inputs, **targets)
             if losses:  # what the module's `self.log("train_loss", loss, sync_dist=True)` costs under Lightning
-                reported = torch.stack([l.detach() for l in losses]).sum()
+                reported = torch.stack([loss.detach() for loss in losses]).sum()
                 dist.all_reduce(reported, group=mesh["dp"].get_group())
             optimizer.step()
         if losses:
@@ -183,14 +202,16 @@ class _Recorder:
     """Kept for ``bench_peers.py``'s import of ``_run_hand``; records nothing."""
 
 
-def _run_hand(schedule: str, m: int, args: dict[str, Any], rec: Optional[_Recorder] = None) -> dict[str, Any]:
+def _run_hand(schedule: str, m: int, args: dict[str, Any], rec: _Recorder | None = None) -> dict[str, Any]:
     """``run_by_hand`` at dp 1 in the shape ``bench_peers.py`` reads: ``{"steps": [{wall, cpu, loss}]}``."""
     result = run_by_hand(schedule, m, args["pp"], 1, args)
-    return {"steps": [{"wall": w, "cpu": c, "loss": result["loss"]} for w, c in zip(result["times"], result["cpu_times"])]}
+    return {
+        "steps": [{"wall": w, "cpu": c, "loss": result["loss"]} for w, c in zip(result["times"], result["cpu_times"])]
+    }
 
 
 # ------------------------------------------------------------------------------------------------ the report
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", default="pp2,pp2xdp2", help="comma-separated pp<N>[xdp<M>] (processes: N*M)")
     parser.add_argument("--schedules", default="1F1B", help=f"comma-separated subset of {','.join(SCHEDULES)}")
@@ -231,13 +252,20 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             jobs[f"{name} lightning"] = (lightning_job, pp * dp, (schedule, pp, dp, args))
             pairs.append((f"{name} lightning", f"{name} hand", TARGET))
     load_before = harness.load_average()
-    runs = harness.run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose,
-                                   report=lambda n, o: f"{harness.summarize([o], ns.warmup)['median'] * 1e3:.1f} ms/step")
+    runs = harness.run_interleaved(
+        jobs,
+        ns.repeats,
+        ns.timeout,
+        ns.verbose,
+        report=lambda n, o: f"{harness.summarize([o], ns.warmup)['median'] * 1e3:.1f} ms/step",
+    )
     results = {name: harness.summarize(done, ns.warmup) for name, done in runs.items()}
-    print(f"\nGPT n_layer={ns.n_layer} n_embd={ns.n_embd} block={ns.block_size}, batch {ns.batch_size} per pipeline,"
-          f" m={ns.microbatches or '2*pp'} microbatches; gloo, 1 thread per rank, {os.cpu_count()} cores;"
-          f" {ns.repeats} interleaved repeats x {ns.steps - ns.warmup} timed steps; load {load_before} before,"
-          f" {harness.load_average()} after")
+    print(
+        f"\nGPT n_layer={ns.n_layer} n_embd={ns.n_embd} block={ns.block_size}, batch {ns.batch_size} per pipeline,"
+        f" m={ns.microbatches or '2*pp'} microbatches; gloo, 1 thread per rank, {os.cpu_count()} cores;"
+        f" {ns.repeats} interleaved repeats x {ns.steps - ns.warmup} timed steps; load {load_before} before,"
+        f" {harness.load_average()} after"
+    )
     rows = harness.ratio_table(results, pairs)
     print("\nlast step's loss (mean over dp), Lightning vs by hand:")
     for name, peer, _ in pairs:
