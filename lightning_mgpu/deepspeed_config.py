@@ -113,7 +113,8 @@ def _check_zero_section(zero: dict[str, Any]) -> None:
     try:
         DeepSpeedZeroConfig(**{key: value for key, value in zero.items() if key != "stage"})
     except ValueError as error:  # pydantic's ValidationError
-        errors = error.errors() if callable(getattr(error, "errors", None)) else []
+        errors_of = getattr(error, "errors", None)
+        errors = errors_of() if callable(errors_of) else []
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or str(error)
         raise ValueError(
             f"`deepspeed_config['zero_optimization']` is not valid for DeepSpeed: {problems}. Correct or remove"

@@ -132,7 +132,8 @@ class ParallelOptions:
             )
 
     def check_sizes(
-        self, zero_stage: int, tensor_parallel_size: Any, pipeline_parallel_size: Any, auto: tuple[str, ...] = ()
+        self, zero_stage: Union[int, Literal["auto"]], tensor_parallel_size: Any, pipeline_parallel_size: Any,
+        auto: tuple[str, ...] = (),
     ) -> None:
         """Options that need a given ZeRO stage or parallel size (see the module docstring for the rule).
 
@@ -163,7 +164,9 @@ class ParallelOptions:
             self._check_microbatches(pipeline_parallel_size)
         self._check_deepspeed(zero_stage, tensor_parallel_size, pipeline_parallel_size)
 
-    def _check_deepspeed(self, zero_stage: int, tensor_parallel_size: Any, pipeline_parallel_size: Any) -> None:
+    def _check_deepspeed(
+        self, zero_stage: Union[int, Literal["auto"]], tensor_parallel_size: Any, pipeline_parallel_size: Any
+    ) -> None:
         """The DeepSpeed engine's layouts and config, judged before launch (see ``deepspeed_config``)."""
         if self.zero_backend != "deepspeed":
             if self.deepspeed_config is not None:

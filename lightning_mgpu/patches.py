@@ -155,7 +155,7 @@ class ModuleSnapshot:
             for mine, saved in ((sub._modules, state.modules), (sub._parameters, state.parameters),
                                 (sub._buffers, state.buffers)):
                 mine.clear()
-                mine.update(saved)
+                mine.update(saved)  # type: ignore[arg-type]  # each pair holds one kind (modules, parameters, buffers)
             for key in set(vars(sub)) - state.keys:
                 if key.startswith(_ADDED_PREFIXES) or key in _ADDED_NAMES or key == "forward":
                     del vars(sub)[key]

@@ -45,6 +45,7 @@ from lightning_mgpu._compat.lightning import (
     optimizer_handles_unscaling,
     trainer_precision_flag,
 )
+from lightning_mgpu.parallel.blocks import is_float8_linear
 from lightning_mgpu.parallel.grads import clip_grad_norm_
 
 _PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-mixed"]
@@ -82,6 +83,8 @@ class HybridPrecision(Precision):
     ``"fp8-mixed"``, are given as ``Trainer(plugins=[HybridPrecision(...)])``.
     """
 
+    precision: str  # type: ignore[assignment]  # Lightning's names and "fp8-mixed"
+
     def __init__(
         self,
         precision: Union[_PrecisionName, str] = "32-true",
@@ -96,7 +99,7 @@ class HybridPrecision(Precision):
         precision = str(precision)
         if precision not in SUPPORTED:
             raise ValueError(f"HybridPrecision does not support precision={precision!r}. Choose one of {SUPPORTED}.")
-        self.precision = precision  # type: ignore[assignment]
+        self.precision = precision
         self.param_dtype = _dtype("param_dtype", param_dtype)
         self.reduce_dtype = _dtype("reduce_dtype", reduce_dtype)
         if self.param_dtype is not None and precision not in _AUTOCAST_DTYPE:
@@ -263,10 +266,10 @@ class HybridPrecision(Precision):
     # ------------------------------------------------------------------------------------------- loss scaling
     def scale_loss(self, loss: Tensor) -> Tensor:
         """Multiply ``loss`` by the job's loss scale (``16-mixed``); unchanged otherwise. Pipeline stages call this."""
-        return self.scaler.scale(loss) if self.scaler is not None else loss  # type: ignore[return-value]
+        return self.scaler.scale(loss) if self.scaler is not None else loss
 
     @override
-    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
         return super().pre_backward(self.scale_loss(tensor), module)
 
     @override
@@ -400,9 +403,9 @@ def convert_to_float8(module: nn.Module, emulate: bool, device_type: str) -> int
             and child.out_features % _FP8_MULTIPLE == 0
         )
 
-    before = sum(type(m).__name__ == "Float8Linear" for m in module.modules())
+    before = sum(is_float8_linear(m) for m in module.modules())
     convert_to_float8_training(module, module_filter_fn=eligible, config=Float8LinearConfig(emulate=emulate))
-    converted = sum(type(m).__name__ == "Float8Linear" for m in module.modules()) - before
+    converted = sum(is_float8_linear(m) for m in module.modules()) - before
     if converted == 0:
         rank_zero_warn(
             "fp8-mixed found no nn.Linear layer with both dimensions multiples of 16 to convert; this run is"

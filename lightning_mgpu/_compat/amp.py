@@ -36,7 +36,7 @@ class ScalerHooks(ShardedGradScaler):
         if self.is_enabled() and self._scale is None:
             self._lazy_init_scale_growth_tracker(torch.device(self._device))
 
-    def _unscale_grads_(  # type: ignore[override]
+    def _unscale_grads_(
         self, optimizer: Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool = True
     ) -> dict[torch.device, Tensor]:
         return self.unscale_grads(optimizer, inv_scale, found_inf, allow_fp16)

@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_mgpu._compat import changed, internal
 
-StridedShard: type = internal("torch.distributed.tensor.placement_types", "_StridedShard")
+StridedShard: Any = internal("torch.distributed.tensor.placement_types", "_StridedShard")
 
 
 def strided_shard(dim: int, chunks: int) -> Any:

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 import threading
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -92,7 +93,7 @@ def hf_models(module: nn.Module) -> dict[str, dict[str, str]]:
 class _RecordingWriter(FileSystemWriter):
     """DCP's file writer, remembering the files this rank wrote, to checksum them."""
 
-    written: list[str] = []
+    written: Sequence[str] = ()
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
@@ -157,7 +158,7 @@ class _PendingSave:
         part failed, so that no rank goes on into collectives the others have left."""
         self._done.wait()
         error = self._error
-        failures = [(_rank(), error)] if error is not None else []
+        failures: list[tuple[int, Any]] = [(_rank(), error)] if error is not None else []
         if agree and _distributed():
             reports = _all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
             failures = [(rank, report) for rank, report in enumerate(reports) if report is not None]

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mgpu.checkpoint.states import full_model_state_dict
+from lightning_mgpu.parallel.experts import with_peers_listed_experts
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 
 
@@ -29,11 +30,11 @@ def restore_plain(
     The states are gathered from the parallel module first; then ``patches`` are undone and the snapshot restored.
     """
     module = snapshot.module
-    live_names = {}
+    live_names: dict[nn.Parameter, str] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         live_names.setdefault(param, name)
     optimizer_states = [_plain_states(optimizer) for optimizer in optimizers]
-    state_dict = full_model_state_dict(module, pp_group, everywhere=True)
+    state_dict = with_peers_listed_experts(module, full_model_state_dict(module, pp_group, everywhere=True))
     patches.undo()
     snapshot.restore(state_dict)
     originals = dict(module.named_parameters(remove_duplicate=False))

@@ -29,7 +29,7 @@ def batches_to_skip(trainer: "pl.Trainer") -> tuple[int, int]:
     """``(batches consumed in the interrupted epoch, that epoch)``, from the restored loops; ``(0, epoch)`` when
     the checkpoint was saved at an epoch boundary. Mirrors how Lightning's loops count the restarted epoch."""
     fit_loop = trainer.fit_loop
-    epoch = fit_loop.epoch_progress.current.processed
+    epoch = fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]  # a _ProcessedTracker
     fit_loop.update_restart_stage()  # recomputed by `fit_loop.reset()` as well; only read here
     if not fit_loop.restarted_mid_epoch:
         return 0, epoch

@@ -12,7 +12,7 @@ import operator
 import random
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,9 @@ def full_model_state_dict(
     state (on the parameters' devices where no pipeline splits the model), e.g. to put the plain model back.
     """
     if pp_group is None:
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not everywhere))
-    stage = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not everywhere))
+        return cast(dict[str, torch.Tensor], full)  # a model's full state: tensors only
+    stage: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     stage = {key: value.detach().cpu() for key, value in stage.items()}
     ranks = dist.get_process_group_ranks(pp_group)
     if everywhere:
@@ -360,7 +361,7 @@ def _by_block(keys: list[str], among: list[str]) -> list[str]:
         cut = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
         return key if cut is None else ".".join(parts[: cut + 1]) + ".*"
 
-    sizes = defaultdict(int)
+    sizes: defaultdict[str, int] = defaultdict(int)
     for key in among:
         sizes[block(key)] += 1
     listed: dict[str, list[str]] = defaultdict(list)
@@ -387,7 +388,7 @@ def collect_rng_states() -> dict[str, Any]:
         import numpy as np
     except ImportError:  # pragma: no cover
         return states
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = cast(tuple, np.random.get_state())  # legacy=True: the tuple form
     states["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     return states
 

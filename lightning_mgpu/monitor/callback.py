@@ -204,6 +204,7 @@ class ScalingMonitor(Callback):
             self._log(trainer, step, samples, tokens)
         self._seen += 1
         if self._seen >= self.warmup_steps and (self._seen - self.warmup_steps) % self.every_n_steps == 0:
+            assert self._data is not None  # made with the recorder, in on_train_start
             self._data.install(fit_data_fetcher(trainer))
             if self._collectives is not None:
                 self._collectives.forget()
@@ -304,7 +305,7 @@ def _device_mesh(strategy: Any) -> Optional[Any]:
 def _replicas(trainer: "pl.Trainer") -> int:
     """Ranks that read distinct samples: what the strategy shards the data over."""
     try:
-        return int(trainer.strategy.distributed_sampler_kwargs["num_replicas"])
+        return int(trainer.strategy.distributed_sampler_kwargs["num_replicas"])  # type: ignore[attr-defined]
     except Exception:
         return 1
 

@@ -104,7 +104,7 @@ def _experts(ranks: list[dict[str, Any]]) -> Optional[dict[str, dict[str, Any]]]
 
 
 def _steps(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    common = set.intersection(*(set(s["step"] for s in r["steps"]) for r in ranks)) if ranks else set()
+    common = set.intersection(*({s["step"] for s in r["steps"]} for r in ranks)) if ranks else set()
     steps = []
     for index in sorted(common):
         records = [next(s for s in r["steps"] if s["step"] == index) for r in ranks]
@@ -133,7 +133,7 @@ def _throughput(context: dict[str, Any], ranks: list[dict[str, Any]], step_s: fl
     replicas = context["data_parallel_replicas"]
     samples = replicas * sum(s["samples"] for s in first) / len(first) if first else 0.0
     tokens = replicas * sum(s["tokens"] for s in first) / len(first) if first else 0.0
-    held = {}
+    held: dict[int, int] = {}
     for rank in ranks:  # one rank per pipeline stage holds that stage's parameters (at full size)
         held.setdefault(rank["pp_rank"], rank["params_held"])
     parameters = sum(held.values())

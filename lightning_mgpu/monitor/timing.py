@@ -349,7 +349,8 @@ class DataFetchTimer:
 
     def remove(self) -> None:
         fetcher = self._fetcher
-        if fetcher is not None and fetcher_profiler_hooks(fetcher)[0] is self._wrappers[0]:
+        hooks = fetcher_profiler_hooks(fetcher) if fetcher is not None else None  # one with hooks, as installed
+        if hooks is not None and hooks[0] is self._wrappers[0]:
             set_fetcher_profiler_hooks(fetcher, *self._originals)
         self._fetcher = None
 

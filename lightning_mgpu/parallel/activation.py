@@ -53,7 +53,7 @@ def _saved_ops() -> set[Any]:
     if c10d is not None:
         names += [(c10d, "all_reduce"), (c10d, "reduce_scatter_tensor"), (c10d, "all_gather_into_tensor"),
                   (c10d, "all_to_all_single")]
-    ops = set()
+    ops: set[Any] = set()
     for namespace, name in names:
         packet = getattr(namespace, name, None)
         if packet is not None:
@@ -139,7 +139,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, context_fn: Callable[[], 
     inner = getattr(self, _INNER_FORWARD)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # evaluation: nothing is saved anyway
-    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    extra: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
     return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
 

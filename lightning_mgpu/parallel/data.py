@@ -20,7 +20,7 @@ one block's parameters are unsharded at a time; the root wrap takes every remain
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Collection, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,7 @@ def apply_data_parallel(
     if zero_stage <= 1 and _plain_data_parallel(root, blocks, mp_policy, offload_policy):
         _replicate_with_ddp(root, dp_mesh, zero_stage)
         return
+    wrap: Callable[..., Any]
     if zero_stage <= 1:
         wrap = replicate_with_fsdp
     else:
@@ -129,7 +130,7 @@ def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -
     if zero_stage == 1:
         # Set before DDP's first forward builds the reducer; owners come with the optimizers (OptimizerStateSharding).
         reduce = _OwnerReduce(dp_mesh.get_group())
-        root.register_comm_hook(reduce, _reduce_to_owners)
+        cast(Any, root).register_comm_hook(reduce, _reduce_to_owners)  # a method replicate_ddp gave its class
         root._lightning_mgpu_owner_reduce = reduce  # type: ignore[assignment]
 
 
@@ -137,7 +138,8 @@ def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Optional[Any]:
     """Shard a fused (strided) tensor-parallel weight on dim 1: two strided layouts on one dim cannot be described."""
     from torch.distributed.tensor import Shard
 
-    if isinstance(param, DTensor) and any(is_strided_shard(p) and p.dim == 0 for p in param.placements):
+    if isinstance(param, DTensor) and any(isinstance(p, Shard) and is_strided_shard(p) and p.dim == 0
+                                          for p in param.placements):
         return Shard(1)
     return None  # FSDP2's default, Shard(0)
 
@@ -149,7 +151,7 @@ def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled, recurse=True)
     elif is_ddp_replicated(module):
-        module.set_requires_gradient_sync(enabled)
+        cast(Any, module).set_requires_gradient_sync(enabled)  # a method replicate_ddp gave its class
 
 
 class OptimizerStateSharding:
@@ -166,7 +168,7 @@ class OptimizerStateSharding:
     """
 
     def __init__(
-        self, optimizer: Optimizer, dp_mesh: DeviceMesh, roots: list[nn.Module] = (), precision_plugin: Any = None,
+        self, optimizer: Optimizer, dp_mesh: DeviceMesh, roots: Collection[nn.Module] = (), precision_plugin: Any = None,
         local: Collection[torch.Tensor] = (),
     ) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -183,7 +185,7 @@ class OptimizerStateSharding:
         self._unwrapped_step = optimizer.step
         optimizer.step = self._step  # type: ignore[method-assign]
         # DDP roots reduce each gradient to its owner only; the clip then sums the owners' norms over the group.
-        self._owner_reduces = [_owner_reduce_of(root) for root in roots if _owner_reduce_of(root) is not None]
+        self._owner_reduces = [reduce for root in roots if (reduce := _owner_reduce_of(root)) is not None]
         self._precision_plugin = precision_plugin if self._owner_reduces else None
         for reduce in self._owner_reduces:
             reduce.owner.update({p: self._global_ranks[r] for p, r in self.owned_by.items()})
@@ -244,7 +246,7 @@ class _OwnerReduce:
         self.owner: dict[torch.Tensor, int] = {}
 
 
-def _reduce_to_owners(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks the hook's annotations)
+def _reduce_to_owners(state, bucket):  # untyped: DDP checks the hook's annotations
     """DDP communication hook: one reduce per owner of the bucket's gradients (all-reduce for unowned ones)."""
     buffer = bucket.buffer().div_(state.world)
     segments: dict[Optional[int], list[torch.Tensor]] = {}

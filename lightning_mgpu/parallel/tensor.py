@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
 from functools import partial
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,7 @@ from typing_extensions import override
 
 from lightning_mgpu._compat.dtensor import StyleHooks, strided_shard
 from lightning_mgpu._compat.tensors import has_post_accumulate_grad_hook, version_counter
-from lightning_mgpu.parallel.blocks import tied_parameters
+from lightning_mgpu.parallel.blocks import is_transposed_linear, tied_parameters
 from lightning_mgpu.parallel.tensor_checks import check_divisible, parent_name
 from lightning_mgpu.parallel.tensor_experts import ExpertsParallel, IdentityExpertParallel, place_experts
 from lightning_mgpu.parallel.tensor_plan import (
@@ -58,7 +58,7 @@ SEQUENCE_DIM = 1
 
 def _output_dim(module: nn.Module) -> int:
     """Dimension of the weight indexing output features: 0 for Linear, 1 for GPT-2's transposed Conv1D."""
-    return 1 if type(module).__name__ == "Conv1D" else 0
+    return 1 if is_transposed_linear(module) else 0
 
 
 class _Colwise(StyleHooks, ColwiseParallel):
@@ -129,7 +129,7 @@ class _SharedInput:
 
     def __init__(self) -> None:
         self.open_calls = 0
-        self.source: Optional[Any] = None
+        self.source: Any = None
         self.version = -1
         self.converted: Optional[DTensor] = None
         self.grad_enabled = False
@@ -180,7 +180,7 @@ def _keep_grad_placement(param: nn.Parameter) -> None:
     under sequence parallelism) gets a sharded or partial gradient; a vocabulary-sharded embedding can get a
     replicated one. Left alone, optimizers would redistribute it on every use, or hold it at full size.
     """
-    if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+    if isinstance(param, DTensor) and isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
         param.grad = param.grad.redistribute(placements=param.placements)
 
 
@@ -334,7 +334,7 @@ def apply_tensor_parallel(
         return
     if _already_parallelized(module):
         return  # the user's configure_model applied its own plan with `self.device_mesh`
-    plan = auto_plan(module, sequence_parallel) if tp_plan == "auto" else dict(tp_plan)
+    plan = auto_plan(module, sequence_parallel) if tp_plan == "auto" else dict(cast(dict[str, str], tp_plan))
     if loss_parallel:
         plan = _with_vocab_parallel_head(module, plan)
     matched = _match(module, plan)
