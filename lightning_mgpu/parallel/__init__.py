@@ -9,6 +9,7 @@ from typing_extensions import override
 
 from lightning_mgpu.layout import DP_AXIS, TP_AXIS, ParallelLayout
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
+from lightning_mgpu.parallel.blocks import is_float8_linear
 from lightning_mgpu.parallel.data import apply_data_parallel
 from lightning_mgpu.parallel.pipeline import PipelineRuntime, split_pipeline
 from lightning_mgpu.parallel.tensor import apply_tensor_parallel
@@ -16,25 +17,25 @@ from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_mgpu.options import ParallelOptions
-
 
 def parallelize(
     module: nn.Module,
     layout: ParallelLayout,
     mesh: "DeviceMesh",
-    options: "ParallelOptions",
+    options: Any,
     mp_policy: Optional[Any] = None,
     root: Optional[nn.Module] = None,
 ) -> Optional[PipelineRuntime]:
     """Apply every parallelism of ``layout`` to ``module`` in place: tensor, checkpointing, pipeline, data.
+
+    ``options`` is the strategy's ``ParallelOptions`` (not imported here: the options module is the layer above).
 
     ``mp_policy`` is the precision plugin's FSDP2 ``MixedPrecisionPolicy`` (``HybridPrecision.mp_policy()``) for the
     data-parallel wrap. ``root`` is the module called once per step that the data-parallel root wrap goes on.
     With pipeline parallelism, returns this rank's stages; each stage is then the data-parallel root.
     """
     if layout.tensor_parallel_size > 1:
-        if any(type(m).__name__ == "Float8Linear" for m in module.modules()):
+        if any(is_float8_linear(m) for m in module.modules()):
             raise NotImplementedError("fp8-mixed with tensor_parallel_size > 1 is not supported yet.")
         tp_plan = options.tp_plan
         if options.expert_parallel_size > 1:

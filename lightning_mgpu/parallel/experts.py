@@ -413,6 +413,22 @@ def _set_rng_state(state: tuple[torch.Tensor, Optional[list[torch.Tensor]]]) -> 
         torch.cuda.set_rng_state_all(state[1])
 
 
+def with_peers_listed_experts(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full model ``state`` completed with the torch-MoE experts the other ranks of each ep group hold (each
+    rank holds its own under their plain FQNs): what every rank needs to put the whole plain module back. Collective
+    over the ep groups."""
+    for name, local in module.named_modules():
+        calls = getattr(local, "_lightning_mgpu_calls", None)
+        if not isinstance(local, _LocalExperts) or calls is None:
+            continue
+        mine = {key: value.detach().cpu() for key, value in state.items() if key.startswith(f"{name}.")}
+        device = next(iter(state.values())).device
+        gathered: list[Any] = [None] * calls.ep
+        dist.all_gather_object(gathered, mine, group=calls.group)
+        for part in gathered:
+            state.update({key: value.to(device) for key, value in part.items() if key not in state})
+    return state
+
 # ------------------------------------------------------------------------ per-expert token counts (ScalingMonitor)
 class ExpertTokenCounts:
     """While installed: per MoE layer, how many (token, expert) assignments each expert got from this rank's
