@@ -70,8 +70,8 @@ def _data(args: dict[str, Any]) -> Any:
     from torch.utils.data import DataLoader, TensorDataset
 
     g = torch.Generator().manual_seed(SEED)
-    tokens = torch.randint(0, MODEL["vocab_size"], (args["batch_size"] * DEVICES * (args["steps"] + 2), args["seq_len"]),
-                           generator=g)
+    shape = (args["batch_size"] * DEVICES * (args["steps"] + 2), args["seq_len"])
+    tokens = torch.randint(0, MODEL["vocab_size"], shape, generator=g)
     return DataLoader(TensorDataset(tokens), batch_size=args["batch_size"])
 
 
@@ -139,7 +139,8 @@ def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             from lightning_mgpu.parallel.experts import find_experts
 
-            split = expert_parameters(pl_module) or {p for m in find_experts(pl_module).values() for p in m.parameters()}
+            split = expert_parameters(pl_module) or {p for m in find_experts(pl_module).values()
+                                                     for p in m.parameters()}
             self.expert_params = sum(harness.local_bytes(p) // p.element_size() for p in split)
 
     L.seed_everything(SEED, verbose=False)
