@@ -42,9 +42,10 @@ MAX_CALIBRATION_PARAMS = 200_000_000  # larger real modules are measured one blo
 BATCHES, LARGE = (1, 4, 8), 4  # batch sizes of the timed forward + backward passes; the one the workers run
 # Where the forked probes are not run (``quick_measure``): what ``measure`` found on this repository's 2-core CI
 # machine for the demo GPT (4 blocks, 64 wide; benchmarks/README.md): gloo per process on a core of its own, and the
-# DTensor, FSDP2, DTensor-optimizer and pipeline terms as multiples of the per-block dispatch overhead (1.1 ms
-# there), so that they follow the speed of the machine at hand, which ``quick_measure`` measures.
-DOCUMENTED = {"latency": 300e-6, "bus_bw": 2 * GB, "tp_layer": 18.0, "shard_collective": 1.4, "sharded_step": 8.0,
+# DTensor, FSDP2, DTensor-optimizer and pipeline terms as multiples of the per-block dispatch overhead (0.5-0.75 ms
+# there; medians of three calibrations), so that they follow the speed of the machine at hand, which
+# ``quick_measure`` measures.
+DOCUMENTED = {"latency": 450e-6, "bus_bw": 4 * GB, "tp_layer": 22.0, "shard_collective": 2.4, "sharded_step": 12.0,
               "microbatch": 1.0}
 
 
@@ -176,7 +177,8 @@ def _local(probe: _Probe) -> dict[str, float]:
     src = torch.ones(2**24)
     dst = torch.empty_like(src)
     memory_bw = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src))
-    return {"flops": probe.flops_per_sample / per_sample, "per_sample": per_sample, "time_large": times[LARGE], "wall_large": walls[LARGE],
+    return {"flops": probe.flops_per_sample / per_sample, "per_sample": per_sample, "time_large": times[LARGE],
+            "wall_large": walls[LARGE],
             "layer_overhead": intercept / (probe.layers + 1) if probe.whole else intercept,
             "step_overhead": step, "memory_bw": memory_bw}
 
@@ -203,7 +205,8 @@ def _quick(model: ModelSpec, module: Optional[nn.Module]) -> Measurements:
     return Measurements(local["flops"], local["memory_bw"], DOCUMENTED["latency"], DOCUMENTED["bus_bw"], _memory_gb(),
                         cores, busy, base, DOCUMENTED["tp_layer"] * base,
                         DOCUMENTED["shard_collective"] * base, local["step_overhead"],
-                        DOCUMENTED["sharded_step"] * base, DOCUMENTED["microbatch"] * base, how="quick (gloo and DTensor terms from documented rates)")
+                        DOCUMENTED["sharded_step"] * base, DOCUMENTED["microbatch"] * base,
+                        how="quick (gloo and DTensor terms from documented rates)")
 
 
 def quick_measure(model: ModelSpec, module: Optional[nn.Module] = None) -> Measurements:
