@@ -75,7 +75,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for processes, kwargs, wall, cpu, predicted, work, load in rows:
         name = f"{processes} processes, " + ", ".join(f"{k}={v}" for k, v in kwargs.items())
-        print(f"| {name} | {wall * 1e3:.1f} | {predicted * 1e3:.1f} | {cpu * 1e3:.1f} | {work * 1e3:.1f} | {load:.1f} |")
+        print(f"| {name} | {wall * 1e3:.1f} | {predicted * 1e3:.1f} | {cpu * 1e3:.1f} | {work * 1e3:.1f}"
+              f" | {load:.1f} |")
     if len(rows) > 2:
         print(f"Spearman(predicted, wall) = {spearman([r[4] for r in rows], [r[2] for r in rows]):.2f};"
               f" Spearman(predicted work, CPU) = {spearman([r[5] for r in rows], [r[3] for r in rows]):.2f}"
