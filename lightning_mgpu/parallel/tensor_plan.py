@@ -52,6 +52,13 @@ STYLE_NAMES = ("colwise", "colwise_qkv", "colwise_gate_up", "colwise_gather_outp
                "packed_rowwise")
 
 
+def check_style_names(plan: dict[str, str]) -> None:
+    """The one check that a plan names known styles (run by the options, and again on any plan applied)."""
+    unknown = {glob: style for glob, style in plan.items() if style not in STYLE_NAMES}
+    if unknown:
+        raise ValueError(f"`tp_plan` has unknown styles {unknown}; use one of {list(STYLE_NAMES)}.")
+
+
 def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, str]:
     """Derive ``{fqn: style}`` for ``module``: Hugging Face plans first, GPT-block name rules (or the blocks' data
     flow) for the rest."""
@@ -251,9 +258,8 @@ def _match(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """Expand globs to module FQNs; the most specific (longest) glob wins. A glob matching nothing is an error."""
     names = [name for name, _ in module.named_modules() if name]
     matched: dict[str, tuple[int, str]] = {}
+    check_style_names(plan)
     for glob, style_name in plan.items():
-        if style_name not in STYLE_NAMES:
-            raise ValueError(f"Unknown tensor-parallel style {style_name!r} for {glob!r}. Known: {list(STYLE_NAMES)}.")
         hits = [n for n in names if fnmatch.fnmatchcase(n, glob)]
         if not hits and style_name in PARAMETER_STYLES and names_parameters_only(module, glob):
             continue  # a parameter's placement, read by its experts module's style (tensor_experts.py)
