@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Union
 
-DeepSpeedConfig = Union[None, dict, str, Path]
+DeepSpeedConfig = None | dict | str | Path
 
 # Sections the strategy owns: the optimizer and scheduler come from `configure_optimizers`.
 _REFUSED_SECTIONS = {

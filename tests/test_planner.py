@@ -70,7 +70,7 @@ def test_megatron_table_1(row):
 
 def test_paper_flops_formula():
     """Our FLOP count reproduces Narayanan et al.'s closed form, 96 B s l h^2 (1 + s/6h + V/16lh)."""
-    B, s, l, h, V = 512, 2048, 24, 2304, 51200
+    B, s, l, h, V = 512, 2048, 24, 2304, 51200  # noqa: E741 - the paper's names
     model = _megatron_gpt(h, 24, l)
     closed = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
     assert paper_flops_per_step(model, B, "full") == pytest.approx(closed, rel=1e-12)
@@ -366,5 +366,5 @@ def test_choose_layout_for_a_real_module_keeps_fixed_sizes():
     assert 8 % best.layout.dp == 0 and 4 % best.layout.pp == 0
     tiny = ClusterSpec(gpus=4, gpus_per_node=4, memory_gb=1e-4, peak_tflops=1, intra_node_gbps=1, inter_node_gbps=1,
                        reserved_gb=0)
-    with pytest.raises(ValueError, match="found no layout .* needs .* GB per GPU"):
+    with pytest.raises(ValueError, match=r"found no layout .* needs .* GB per GPU"):
         choose_layout(module, tiny, global_batch=8)

@@ -25,7 +25,7 @@ from lightning_mgpu.monitor.timing import (
     mesh_axes,
 )
 
-FlopsPerStep = Union[float, Callable[[Any], float]]
+FlopsPerStep = float | Callable[[Any], float]
 
 
 class ScalingMonitor(Callback):

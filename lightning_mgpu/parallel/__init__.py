@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from typing_extensions import override
@@ -21,11 +21,11 @@ if TYPE_CHECKING:
 def parallelize(
     module: nn.Module,
     layout: ParallelLayout,
-    mesh: "DeviceMesh",
+    mesh: DeviceMesh,
     options: Any,
-    mp_policy: Optional[Any] = None,
-    root: Optional[nn.Module] = None,
-) -> Optional[PipelineRuntime]:
+    mp_policy: Any | None = None,
+    root: nn.Module | None = None,
+) -> PipelineRuntime | None:
     """Apply every parallelism of ``layout`` to ``module`` in place: tensor, checkpointing, pipeline, data.
 
     ``options`` is the strategy's ``ParallelOptions`` (not imported here: the options module is the layer above).

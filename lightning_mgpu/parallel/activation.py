@@ -35,7 +35,7 @@ from lightning_mgpu._compat.c10d import FUNCTIONAL_OPS
 from lightning_mgpu._compat.tensors import TorchDispatchMode, tree_leaves
 from lightning_mgpu.parallel.blocks import find_blocks
 
-Mode = Union[bool, str, list[type], tuple[type, ...]]
+Mode = bool | str | list[type] | tuple[type, ...]
 
 _INNER_FORWARD = "_mgpu_checkpointed_forward"
 
@@ -105,7 +105,8 @@ def checkpoint_targets(module: nn.Module, mode: Mode, blocks: Optional[list[nn.M
             raise ValueError(f"activation_checkpointing=[{names}] matches no module of {type(module).__name__}.")
         return targets
     raise ValueError(
-        f"`activation_checkpointing` must be False, True, 'full', 'selective' or a list of module classes, got {mode!r}."
+        "`activation_checkpointing` must be False, True, 'full', 'selective' or a list of module classes,"
+        f" got {mode!r}."
     )
 
 

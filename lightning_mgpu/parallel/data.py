@@ -98,7 +98,8 @@ UNIT_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 
 
 def _bucketed(blocks: list[nn.Module], cap_bytes: int) -> list[list[nn.Module]]:
-    """Consecutive blocks grouped until a group holds ``cap_bytes`` of parameters; the last, smaller rest is left out."""
+    """Consecutive blocks grouped until a group holds ``cap_bytes`` of parameters; the last, smaller rest is left
+    out."""
     groups: list[list[nn.Module]] = [[]]
     size = 0
     for block in blocks:

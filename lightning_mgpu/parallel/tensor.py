@@ -5,8 +5,8 @@ extended to GPT-2's ``Conv1D`` (weight stored transposed) and to fused projectio
 (``[q | k | v]`` in one Linear), which are sharded chunk by chunk with ``_StridedShard`` so that each rank holds
 the q, k and v of its own heads and the full tensor keeps its original layout.
 
-``tp_plan="auto"`` (``tensor_plan.py``) takes Hugging Face's own plans (``config.base_model_tp_plan`` and the model class's
-``_tp_plan``) where present, and name rules for GPT-style blocks otherwise.
+``tp_plan="auto"`` (``tensor_plan.py``) takes Hugging Face's own plans (``config.base_model_tp_plan`` and the model
+class's ``_tp_plan``) where present, and name rules for GPT-style blocks otherwise.
 
 What the code between the projections sees (``_global_shape_regions``): modules of a Hugging Face model that
 declares a tensor-parallel plan get plain per-rank tensors, as Hugging Face's own tensor parallelism gives them
@@ -51,7 +51,7 @@ from lightning_mgpu.parallel.tensor_plan import (
 )
 from lightning_mgpu.parallel.tensor_region import install_global_shape_region
 
-Plan = Union[str, dict[str, str], Callable[[nn.Module, DeviceMesh], None]]
+Plan = str | dict[str, str] | Callable[[nn.Module, DeviceMesh], None]
 
 SEQUENCE_DIM = 1
 

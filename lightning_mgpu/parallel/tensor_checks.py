@@ -92,8 +92,9 @@ def _check_fused_chunks(module: nn.Module, matched: dict[str, str]) -> None:
                 f"{name} fuses q, k and v of grouped-query attention ({heads} query heads, {groups} key/value heads"
                 f" in {attention_name}): its chunks differ in size, and 'colwise_qkv' shards three equal chunks."
                 " Fused grouped-query projections cannot be tensor-parallel yet; keep that attention whole with"
-                f" tp_plan entries {{{_glob_hint(name)!r}: 'replicate', {_glob_hint(_sibling_rowwise(matched, name))!r}:"
-                " 'replicate'}} (the MLP stays sharded), or use separate q/k/v projections."
+                f" tp_plan entries {{{_glob_hint(name)!r}: 'replicate',"
+                f" {_glob_hint(_sibling_rowwise(matched, name))!r}: 'replicate'}} (the MLP stays sharded), or use"
+                " separate q/k/v projections."
             )
 
 
