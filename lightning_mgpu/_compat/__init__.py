@@ -12,6 +12,11 @@ internal fails at import with :class:`InternalChanged`, naming it and the instal
 - ``c10d.py``: functional collectives and the pipelining send/receive that the monitor times.
 - ``tensors.py``: pytree, dispatch modes, fake tensors, version counters, module-slot swaps.
 - ``lightning.py``: Lightning's launchers, distributed helpers, precision utilities and trainer internals.
+- ``pipelining.py``: torch.distributed.pipelining internals of the pipeline runtime (its own contract test).
+- ``versions.py``: the import-time guard refusing framework releases the shims were not checked on.
+
+torchmetrics' metric state (the pipeline's log publishing) is the one framework internal still used outside this
+folder; ``tests/_compat/test_private_uses.py`` lists it as pending.
 """
 
 from __future__ import annotations
