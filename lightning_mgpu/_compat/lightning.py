@@ -9,8 +9,9 @@ equivalent for most of them:
   ``_collect_rank_zero_results``, ``_run``) under public names.
 - Distributed helpers (``lightning.fabric.utilities.distributed``): process-group setup and the reduce/gather
   that Lightning's own ``ParallelStrategy`` subclasses use, so that ``self.log(sync_dist=True)`` behaves the same.
-- Strategy internals: ``Strategy._configure_launcher`` (``StrategyHooks``), ``Strategy._layer_sync`` (``Trainer(sync_batchnorm=True)``) and
-  ``_reset_optimizers_and_schedulers`` (what ``Strategy.setup_optimizers`` does before building optimizers).
+- Strategy internals: ``Strategy._configure_launcher`` (``StrategyHooks``), ``Strategy._layer_sync``
+  (``Trainer(sync_batchnorm=True)``) and ``_reset_optimizers_and_schedulers`` (what ``Strategy.setup_optimizers``
+  does before building optimizers).
 - Precision utilities: ``_optimizer_handles_unscaling``, ``_convert_fp_tensor``, ``_DtypeContextManager``,
   ``Precision._after_closure`` (runs ``on_before_optimizer_step`` and clipping after the closure).
 - Trainer internals: ``LightningModule._trainer`` (``.trainer`` raises when detached), the fit loop's data source
@@ -25,11 +26,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from types import FrameType
+from typing import Any, Callable, Optional
 
 from lightning_mgpu._compat import changed, internal
 
-PATH = Union[str, Path]  # Lightning's `_PATH`
+PATH = str | Path  # Lightning's `_PATH`
 
 # ------------------------------------------------------------------------------------------------------ launchers
 _SubprocessScriptLauncher = internal(
@@ -179,7 +181,7 @@ def trainer_precision_flag() -> Optional[str]:
     precision plugin to the strategy). A connector found without its ``precision`` argument raises.
     """
     connector = internal("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector")
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), connector):
             if "precision" not in frame.f_code.co_varnames[: frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]:
