@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 from torch import nn
 
@@ -122,11 +122,12 @@ def layout_candidates(world_size: int, data_parallel_size: Size, tensor_parallel
             dp = world_size // (tp * pp)
             if any(value != "auto" and value != size for value, size in zip(requested.values(), (dp, tp, pp))):
                 continue
-            stages = (0, 1, 2, 3) if zero_stage == "auto" and dp > 1 else (0 if zero_stage == "auto" else zero_stage,)
+            stages = (0, 1, 2, 3) if zero_stage == "auto" and dp > 1 else (0 if zero_stage == "auto" else
+                                                                          cast(int, zero_stage),)
             for zero in stages:
                 if zero >= 2 and pp > 1 and zero_stage == "auto":
                     continue
-                layout = ParallelLayout(dp, tp, pp, zero)  # type: ignore[arg-type]
+                layout = ParallelLayout(dp, tp, pp, zero)
                 if layout not in found:
                     found.append(layout)
     return found
