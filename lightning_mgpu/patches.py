@@ -20,8 +20,9 @@ costs no memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -86,9 +87,9 @@ class _ModuleState:
     names: list[str]  # every FQN it has (a module can be shared)
     cls: type
     hooks: dict[str, Any]
-    modules: dict[str, Optional[nn.Module]]
-    parameters: dict[str, Optional[nn.Parameter]]
-    buffers: dict[str, Optional[Tensor]]
+    modules: dict[str, nn.Module | None]
+    parameters: dict[str, nn.Parameter | None]
+    buffers: dict[str, Tensor | None]
     forward: Any
     keys: frozenset[str]
 
@@ -109,7 +110,7 @@ class ModuleSnapshot:
     released: set[int] = field(default_factory=set)
 
     @classmethod
-    def take(cls, module: nn.Module) -> "ModuleSnapshot":
+    def take(cls, module: nn.Module) -> ModuleSnapshot:
         snapshot = cls(module)
         for name, sub in module.named_modules(remove_duplicate=False):
             if id(sub) in snapshot.states:
@@ -152,8 +153,11 @@ class ModuleSnapshot:
                     current.update(saved)
                 else:
                     setattr(sub, attr, saved)
-            for mine, saved in ((sub._modules, state.modules), (sub._parameters, state.parameters),
-                                (sub._buffers, state.buffers)):
+            for mine, saved in (
+                (sub._modules, state.modules),
+                (sub._parameters, state.parameters),
+                (sub._buffers, state.buffers),
+            ):
                 mine.clear()
                 mine.update(saved)  # type: ignore[arg-type]  # each pair holds one kind (modules, parameters, buffers)
             for key in set(vars(sub)) - state.keys:
@@ -174,12 +178,18 @@ class ModuleSnapshot:
                 for name, tensor in values.items():
                     if tensor is None:
                         continue
-                    value = next((state_dict[f"{p}.{name}" if p else name] for p in state.names
-                                  if (f"{p}.{name}" if p else name) in state_dict), None)
+                    value = next(
+                        (
+                            state_dict[f"{p}.{name}" if p else name]
+                            for p in state.names
+                            if (f"{p}.{name}" if p else name) in state_dict
+                        ),
+                        None,
+                    )
                     self._assign(sub, attr, name, tensor, value)
         self.released.clear()
 
-    def _assign(self, sub: nn.Module, attr: str, name: str, tensor: Tensor, value: Optional[Tensor]) -> None:
+    def _assign(self, sub: nn.Module, attr: str, name: str, tensor: Tensor, value: Tensor | None) -> None:
         param = self.params.get(id(tensor)) if attr == "_parameters" else None
         if value is None:
             if param is not None and id(tensor) in self.released:
@@ -194,4 +204,3 @@ class ModuleSnapshot:
         if param is not None:
             tensor.requires_grad_(param[1].requires_grad)
             tensor.grad = None
-

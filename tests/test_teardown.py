@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import pytest
@@ -43,7 +43,7 @@ def _structure(module: nn.Module) -> dict[str, Any]:
     }
 
 
-def _fit_twice(strategy_kwargs: Optional[dict[str, Any]], batch_size: int) -> dict[str, Any]:
+def _fit_twice(strategy_kwargs: dict[str, Any] | None, batch_size: int) -> dict[str, Any]:
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_mgpu import HybridStrategy
@@ -56,13 +56,22 @@ def _fit_twice(strategy_kwargs: Optional[dict[str, Any]], batch_size: int) -> di
     for _ in range(2):
         recorder = LossRecorder()
         timeout = timedelta(seconds=120)
-        strategy = DDPStrategy(timeout=timeout) if strategy_kwargs is None else HybridStrategy(
-            timeout=timeout, **strategy_kwargs
+        strategy = (
+            DDPStrategy(timeout=timeout)
+            if strategy_kwargs is None
+            else HybridStrategy(timeout=timeout, **strategy_kwargs)
         )
         trainer = L.Trainer(
-            accelerator="cpu", devices=world_size,
-            strategy=strategy, max_steps=STEPS, callbacks=[recorder], logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            accelerator="cpu",
+            devices=world_size,
+            strategy=strategy,
+            max_steps=STEPS,
+            callbacks=[recorder],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
         )
         trainer.fit(module, RandomTokenDataModule(batch_size=batch_size))
         losses.append(recorder.losses)
@@ -143,7 +152,9 @@ def test_fit_twice_then_plain_torch(layout: str) -> None:
     for fit in range(2):
         torch.testing.assert_close(
             torch.tensor(results[0]["losses"][fit], dtype=torch.float64),
-            torch.tensor(reference["losses"][fit], dtype=torch.float64), rtol=TOLERANCE, atol=0.0,
+            torch.tensor(reference["losses"][fit], dtype=torch.float64),
+            rtol=TOLERANCE,
+            atol=0.0,
             msg=lambda m: f"fit {fit + 1}'s losses: {m}",
         )
     for result in results:
@@ -156,6 +167,10 @@ def test_fit_twice_then_plain_torch(layout: str) -> None:
         assert set(result["state_dict"]) == set(reference["state_dict"])
         for key, expected in reference["state_dict"].items():
             torch.testing.assert_close(
-                result["state_dict"][key], expected, rtol=TOLERANCE, atol=TOLERANCE, msg=lambda m: f"rank {rank} {key}: {m}"
+                result["state_dict"][key],
+                expected,
+                rtol=TOLERANCE,
+                atol=TOLERANCE,
+                msg=lambda m: f"rank {rank} {key}: {m}",
             )
         torch.testing.assert_close(result["logits"], reference["logits"], rtol=TOLERANCE, atol=TOLERANCE)

@@ -10,7 +10,7 @@ torch, and a checkpoint saved after ``fit`` describes them under the plain FQNs.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 
 
 def restore_plain(
-    snapshot: ModuleSnapshot, optimizers: list[Optimizer], patches: PatchLog, pp_group: Optional[Any] = None
+    snapshot: ModuleSnapshot, optimizers: list[Optimizer], patches: PatchLog, pp_group: Any | None = None
 ) -> None:
     """Put back ``snapshot.module`` with its trained values and re-point ``optimizers`` at it. Collective.
 
@@ -52,7 +52,9 @@ def _plain_states(optimizer: Optimizer) -> dict[torch.Tensor, dict[str, Any]]:
     }
 
 
-def _repoint(optimizer: Optimizer, states: dict[torch.Tensor, dict[str, Any]], original: dict[Any, nn.Parameter]) -> None:
+def _repoint(
+    optimizer: Optimizer, states: dict[torch.Tensor, dict[str, Any]], original: dict[Any, nn.Parameter]
+) -> None:
     for group in optimizer.param_groups:
         group["params"] = [original.get(param, param) for param in group["params"]]
     optimizer.state = defaultdict(dict, {original.get(param, param): state for param, state in states.items()})
