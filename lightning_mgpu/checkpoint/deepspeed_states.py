@@ -64,7 +64,7 @@ def _full_param(param: nn.Parameter) -> torch.Tensor:
     return full.detach().reshape(_shape(param)).clone()
 
 
-def _shape(param: nn.Parameter) -> torch.Size:
+def _shape(param: Any) -> torch.Size:  # a DeepSpeed-partitioned parameter carries its full shape in ds_shape
     return param.ds_shape if hasattr(param, "ds_id") else param.shape
 
 
@@ -108,6 +108,7 @@ class DeepSpeedStates:
 
         if self._released:
             return states.optimizer_state(model, optimizer, initialize)
+        _relink_optimizer_states(self.runner.engine)
 
         names = self._fqns(model)
         tensor_keys, scalars = self._state_layout(optimizer)
@@ -241,7 +242,7 @@ class DeepSpeedStates:
                     for key, value in example.items()
                 }
                 created = True
-        if created and hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        if created and zero is not None and hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
             zero._hp_optimizer_states_linked = False  # ZeRO-1/2 and bf16: point each parameter at its fragments
             zero._lazy_init_hp_params_optimizer_state()
 
@@ -274,6 +275,19 @@ def _empty(entry: Any) -> Any:
     if isinstance(entry, TensorStorageMetadata):
         return torch.empty(entry.size, dtype=entry.properties.dtype)
     return None  # bytes: DCP replaces the placeholder with the saved object
+
+
+def _relink_optimizer_states(engine: Any) -> None:
+    """Point every parameter's fragment at its group's current optimizer states.
+
+    DeepSpeed's ZeRO-1/2 (and bf16) optimizer links the fragments once, right after stepping its *first* param
+    group (deepspeed 0.19.8, ``stage_1_and_2._optimizer_step``): the other groups' states do not exist yet, so their
+    parameters' fragments stay without ``exp_avg`` and ``safe_get_full_optimizer_state`` fails on one rank (the
+    others then wait in its all-reduce). Linking again is local and cheap (views)."""
+    zero = getattr(engine, "optimizer", None)
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
 
 
 def _refresh_zero3_partitions(engine: Any) -> None:
