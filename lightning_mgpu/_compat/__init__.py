@@ -15,8 +15,7 @@ internal fails at import with :class:`InternalChanged`, naming it and the instal
 - ``pipelining.py``: torch.distributed.pipelining internals of the pipeline runtime (its own contract test).
 - ``versions.py``: the import-time guard refusing framework releases the shims were not checked on.
 
-torchmetrics' metric state (the pipeline's log publishing) is the one framework internal still used outside this
-folder; ``tests/_compat/test_private_uses.py`` lists it as pending.
+Files still being moved behind this layer are listed as pending in ``tests/_compat/test_private_uses.py``.
 """
 
 from __future__ import annotations
