@@ -9,7 +9,7 @@ import gc
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         self.options.check_sizes(zero_stage, tensor_parallel_size, pipeline_parallel_size)
         self._launch_options = LaunchOptions(process_group_backend, timeout, start_method)
         self._process_group_backend = process_group_backend
-        self._timeout = self._launch_options.timeout
+        self._timeout = cast(Optional[timedelta], self._launch_options.timeout)  # LaunchOptions made it a timedelta
         self._start_method = start_method
         self._layout: Optional[ParallelLayout] = None
         # Several layouts the "auto" choices allow: the planner picks one at setup, once the module is known.
@@ -207,13 +207,12 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False
 
-    @override
-    def set_world_ranks(self) -> None:
+    def set_world_ranks(self) -> None:  # called by the Trainer when the strategy has it (ParallelStrategy has not)
         # Called when the Trainer is built, before processes start: the earliest point the world size is known.
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         if self.num_processes:
             world = self.num_nodes * self.num_processes
             choices = planner_auto.layout_candidates(world, *self._requested_sizes)
@@ -250,7 +249,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         wrapped = self.options.cpu_offload or self.precision_plugin.param_dtype is not None
         warn_about_layout(layout, self.num_processes, self.num_nodes, wrapped)
 
-    @property  # type: ignore[override]
+    @property
     @override
     def precision_plugin(self) -> HybridPrecision:
         plugin = self._precision_plugin if self._precision_plugin is not None else Precision()
@@ -325,6 +324,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
             try:
                 cluster = planner_auto.local_cluster(self.world_size, self.num_processes, self.root_device.type)
                 module = self.lightning_module
+                assert module is not None
                 answer = planner_auto.plan_strategy_layout(
                     module, self._layout_choices, cluster, planner_auto.batch_per_replica(module),
                     str(self.precision_plugin.precision), self.options,
@@ -358,6 +358,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None
         assert self.accelerator is not None
+        assert self.lightning_module is not None
         self.accelerator.setup(trainer)
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -384,6 +385,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
             optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self) -> "StepRunner":
+        assert self.lightning_module is not None
         runner = StepRunner(self.lightning_module)
         pipeline = parallelize(
             self.lightning_module,
@@ -422,6 +424,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
                 self._pipeline.guard_zero_grad(optimizer)
         if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1 and self._deepspeed is None:
             dp_mesh = self.device_mesh[DP_AXIS]
+            assert self.lightning_module is not None
             local = expert_parameters(self.lightning_module)  # sharded over their own mesh: each rank steps its own
             self._optimizer_sharding = [
                 OptimizerStateSharding(optimizer, dp_mesh, self._data_parallel_roots, self.precision_plugin, local)
@@ -489,6 +492,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is not None:
             # The schedule already ran backward inside `training_step`; callbacks still get on_after_backward.
+            assert self.lightning_module is not None
             return Precision.post_backward(self.precision_plugin, closure_loss, self.lightning_module)
         if self._deepspeed is not None:
             assert self.lightning_module is not None
@@ -649,6 +653,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         """
         snapshot, self._snapshot = self._snapshot, None
         if self._deepspeed is not None and not self._failed:  # collective: DeepSpeed's changes undone in place
+            assert self.lightning_module is not None
             self._deepspeed.release(self.lightning_module)
             self.model, self._runner = self.lightning_module, None
         if snapshot is None or self._failed:
