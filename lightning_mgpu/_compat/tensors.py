@@ -12,6 +12,8 @@
 - ``swap_parameters``/``restore_parameters``/``set_children``: ``nn.Module._parameters``/``_modules``. Assigning
   a plain tensor over a registered parameter through ``setattr`` raises, and ``del`` + ``register_parameter``
   reorders the parameters (their order is the optimizer's and the checkpoint's); the dicts keep the order.
+- ``in_backward``: ``torch._C._current_graph_task_id`` (-1 outside autograd's engine); no public API tells a
+  forward recomputed by activation checkpointing in backward from a first forward (expert token counts).
 """
 
 from __future__ import annotations

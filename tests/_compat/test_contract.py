@@ -124,6 +124,14 @@ def test_tensor_helpers():
     tensors.set_children(experts, {"2": experts[2], "3": experts[3]})
     _expect([n for n, _ in experts.named_children()] == ["2", "3"], "nn.Module._modules", "torch", "children not set")
 
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: seen.append(tensors.in_backward()))
+    y.sum().backward()
+    _expect(not tensors.in_backward() and seen == [True], "torch._C._current_graph_task_id", "torch",
+            f"in backward: {seen}, outside: {tensors.in_backward()}")
+
 
 def test_dataloader_with_another_sampler():
     loader = torch.utils.data.DataLoader(list(range(6)), batch_size=2)
