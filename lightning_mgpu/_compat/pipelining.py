@@ -1,4 +1,5 @@
-"""``torch.distributed.pipelining`` internals the pipeline runtime uses (checked on torch 2.13.0).
+"""Framework internals the pipeline runtime uses: torch's pipelining (checked on torch 2.13.0) and torchmetrics'
+metric state (checked on torchmetrics 1.9.0).
 
 - ``forward_only_schedule``: ``schedules._ScheduleForwardOnly``, the forward-only schedule for one stage per rank.
   Public stand-in: a schedule's ``eval()``, which also runs forwards only but needs a loss function on the last
@@ -7,6 +8,11 @@
   ``_backward_metadata_inference``, the trial forward/backward torch runs on a schedule's first step to learn the
   shapes a stage sends. Public stand-in: ``PipelineStage(input_args=..., output_args=...)`` with static shapes,
   which the runtime cannot give: shapes come from the user's batches.
+
+- ``metric_*``: a torchmetrics ``Metric``'s private progress (``_update_count``, ``_forward_cache``, ``_computed``),
+  its state names (``_defaults``) and sync flags (``_to_sync``, ``_should_unsync``), which the last stage sends to
+  the other stages after each step so that every rank's copy is the same. Public stand-in: ``metric_state`` and
+  ``merge_state``, which carry the states but not the update count or the forward value a logged metric shows.
 
 ``check()`` (``tests/parallel/test_pipeline_runtime.py``) fails loudly, naming the internal and the version it was
 checked on, when torch renames or drops one of them.
@@ -54,9 +60,47 @@ def stage_class_with_shape_trial(trial: Callable[[nn.Module], AbstractContextMan
     return StageWithShapeTrial
 
 
+_METRIC_ATTRIBUTES = ("_defaults", "_update_count", "_forward_cache", "_computed", "_to_sync", "_should_unsync")
+
+
+def metric_states(metric: Any) -> dict[str, Any]:
+    """The metric's state names and their defaults (``add_state``)."""
+    return metric._defaults
+
+
+def metric_progress(metric: Any) -> tuple[int, Any]:
+    """``(update count, last forward value)``."""
+    return metric._update_count, metric._forward_cache
+
+
+def set_metric_progress(metric: Any, update_count: int, forward_value: Any) -> None:
+    """Set the update count and forward value, dropping a cached ``compute()`` result."""
+    metric._update_count, metric._forward_cache, metric._computed = update_count, forward_value, None
+
+
+def set_metric_forward_value(metric: Any, forward_value: Any) -> None:
+    metric._forward_cache = forward_value
+
+
+def sync_as_in_forward(metric: Any) -> None:
+    """Make the next ``compute()`` sync as torchmetrics' own ``forward`` does: only with ``dist_sync_on_step``."""
+    metric._to_sync, metric._should_unsync = metric.dist_sync_on_step, False
+
+
+def forward_hook_functions(module: nn.Module) -> list[Any]:
+    """The forward hooks registered on ``module`` (nothing public lists them)."""
+    return list(module._forward_hooks.values())
+
+
 def check() -> None:
     """Raise ``InternalChanged`` if an internal used here is gone: the runtime would otherwise misbehave silently."""
     internal("torch.distributed.pipelining.schedules", "_ScheduleForwardOnly")
     for name in _METADATA_HOOKS:
         if not callable(getattr(PipelineStage, name, None)):
             raise InternalChanged(changed(f"PipelineStage.{name}", "torch", "the method is gone"))
+    from torchmetrics.aggregation import SumMetric
+
+    metric = SumMetric()
+    for name in _METRIC_ATTRIBUTES:
+        if not hasattr(metric, name):
+            raise InternalChanged(changed(f"torchmetrics.Metric.{name}", "torchmetrics", "the attribute is gone"))

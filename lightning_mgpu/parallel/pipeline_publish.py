@@ -27,6 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_mgpu._compat.pipelining import (
+    forward_hook_functions,
+    metric_progress,
+    metric_states,
+    set_metric_forward_value,
+    set_metric_progress,
+    sync_as_in_forward,
+)
 from lightning_mgpu._compat.tensors import tree_map
 
 if TYPE_CHECKING:
@@ -92,7 +100,7 @@ class MetricRelay:
 
     def begin(self) -> None:
         """Before the step's replays on the last stage: remember where every metric stands."""
-        self._counts = {name: m._update_count for name, m in self.metrics.items()}
+        self._counts = {name: metric_progress(m)[0] for name, m in self.metrics.items()}
         self._lists = {name: {s: list(getattr(m, s)) for s in _list_states(m)} for name, m in self.metrics.items()}
         self._forward_inputs = {}
         self._recording = True
@@ -108,15 +116,14 @@ class MetricRelay:
         changes = {}
         for name, metric in self.metrics.items():
             # A CompositionalMetric's forward leaves its own count alone (its children's change): it was called.
-            if metric._update_count == self._counts.get(name) and name not in self._forward_inputs:
+            if metric_progress(metric)[0] == self._counts.get(name) and name not in self._forward_inputs:
                 continue
             inputs = self._forward_inputs.get(name, [])
             if len(inputs) > 1:
-                metric._forward_cache = _whole_batch_value(metric, inputs)
+                set_metric_forward_value(metric, _whole_batch_value(metric, inputs))
             changes[name] = {
-                "count": metric._update_count,
-                "forward_cache": metric._forward_cache,
-                "tensors": {s: getattr(metric, s) for s in metric._defaults if s not in self._lists[name]},
+                "progress": metric_progress(metric),
+                "tensors": {s: getattr(metric, s) for s in metric_states(metric) if s not in self._lists[name]},
                 "lists": {s: _list_change(getattr(metric, s), before) for s, before in self._lists[name].items()},
             }
         self._forward_inputs = {}
@@ -131,15 +138,14 @@ class MetricRelay:
             for state, (how, items) in change["lists"].items():
                 items = [t.to(device) for t in items]
                 setattr(metric, state, getattr(metric, state) + items if how == "extend" else items)
-            metric._update_count = change["count"]
-            metric._forward_cache = _to_device(change["forward_cache"], device)
-            metric._computed = None
+            count, forward_value = change["progress"]
+            set_metric_progress(metric, count, _to_device(forward_value, device))
 
     @contextmanager
     def frozen(self) -> Generator[None, None, None]:
         """Undo whatever the block does to the metrics (torch's shape-inference trial replays a step on fake data)."""
         saved = {
-            name: (m._update_count, m._forward_cache, {s: _copy_state(getattr(m, s)) for s in m._defaults})
+            name: (*metric_progress(m), {s: _copy_state(getattr(m, s)) for s in metric_states(m)})
             for name, m in self.metrics.items()
         }
         recording, self._recording = self._recording, False
@@ -151,7 +157,7 @@ class MetricRelay:
                 metric = self.metrics[name]
                 for state, value in states.items():
                     setattr(metric, state, value)
-                metric._update_count, metric._forward_cache, metric._computed = count, forward_cache, None
+                set_metric_progress(metric, count, forward_cache)
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -164,7 +170,7 @@ def _copy_state(value: Any) -> Any:
 
 
 def _list_states(metric: Metric) -> list[str]:
-    return [s for s, default in metric._defaults.items() if isinstance(default, list)]
+    return [s for s, default in metric_states(metric).items() if isinstance(default, list)]
 
 
 def _list_change(now: list, before: list) -> tuple[str, list]:
@@ -178,14 +184,14 @@ def _whole_batch_value(metric: Metric, inputs: list[tuple[tuple, dict]]) -> Any:
     """The value ``metric(batch)`` would have returned for the whole batch: a fresh copy fed every microbatch."""
     group = getattr(metric, "process_group", None)
     memo = {id(group): group} if group is not None else {}
-    for hook in metric._forward_hooks.values():  # our hook refers to the relay: share it, do not copy it
+    for hook in forward_hook_functions(metric):  # our hook refers to the relay: share it, do not copy it
         memo[id(getattr(hook, "__self__", hook))] = getattr(hook, "__self__", hook)
     fresh = copy.deepcopy(metric, memo)
     fresh.reset()
     for args, kwargs in inputs:
         fresh.update(*args, **kwargs)
     # As torchmetrics' own forward: the batch value is synced only with dist_sync_on_step.
-    fresh._to_sync, fresh._should_unsync = fresh.dist_sync_on_step, False
+    sync_as_in_forward(fresh)
     return fresh.compute()
 
 
