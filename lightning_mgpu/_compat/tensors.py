@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -73,7 +74,7 @@ def parameter_slots(module: nn.Module) -> dict[str, Any]:
     return dict(_slots(module, "_parameters"))
 
 
-def set_children(module: nn.Module, children: dict[str, nn.Module]) -> None:
+def set_children(module: nn.Module, children: Mapping[str, nn.Module]) -> None:
     """Make ``children`` the module's only submodules, in this order (an ``nn.ModuleList`` keeps its own names)."""
     slots = _slots(module, "_modules")
     slots.clear()

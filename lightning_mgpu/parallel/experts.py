@@ -122,7 +122,7 @@ def check_expert_layout(options: Any, layout: Any) -> None:
 
 def check_experts(module: nn.Module, ep: int) -> dict[str, nn.Module]:
     """Before training: the model has experts to shard, in counts ``ep`` divides."""
-    experts = {**find_experts(module), **{n: lst for n, (_, lst) in find_expert_lists(module).items()}}
+    experts: dict[str, Any] = {**find_experts(module), **{n: lst for n, (_, lst) in find_expert_lists(module).items()}}
     if not experts:
         raise ValueError(
             f"expert_parallel_size={ep}, but {type(module).__name__} has no mixture-of-experts layer this version"
@@ -163,7 +163,7 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, zero_sta
     check_experts(module, ep)
     ep_mesh = expert_mesh(mesh, ep)
     dp = mesh["dp"].size()
-    units = list(find_experts(module).values())
+    units: list[Any] = list(find_experts(module).values())  # FSDP-wrapped below: methods of the wrapped class
     for unit in units:
         _keep_local_experts(unit, ep_mesh[EP_AXIS])
     for block, experts in find_expert_lists(module).values():
@@ -171,7 +171,9 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, zero_sta
     for experts_module in units:
         # FSDP2 over the replicas (ZeRO-3 for experts at every stage: they are a rank's own); the data-parallel
         # wrap that follows skips modules already wrapped. Their gradients come from all dp ranks' losses.
-        policies = dict(mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy())
+        policies: dict[str, Any] = dict(
+            mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy()
+        )
         if replicate:
             replicate_with_fsdp(experts_module, mesh=ep_mesh[REPLICA_AXIS], **policies)
         else:
@@ -182,7 +184,7 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, zero_sta
     return ep_mesh
 
 
-def _keep_local_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
+def _keep_local_experts(experts: Any, ep_mesh: DeviceMesh) -> None:  # a fused experts module (num_experts)
     ep, total = ep_mesh.size(), experts.num_experts
     local = total // ep
     for name, param in list(experts.named_parameters(recurse=False)):
@@ -292,7 +294,7 @@ def _split_expert_list(block: nn.Module, experts: nn.ModuleList, ep_mesh: Device
     set_children(experts, mine)
     experts.__class__ = _LocalExperts
     calls = _TwoPassCalls(experts, mine, ep_mesh.get_group(), ep, total, tuple(sample.shape[1:]), empty)
-    experts._lightning_mgpu_calls = calls  # for ExpertTokenCounts
+    experts._lightning_mgpu_calls = calls  # type: ignore[assignment]  # for ExpertTokenCounts
     block.register_forward_pre_hook(calls.record, with_kwargs=True)
     block.register_forward_hook(calls.replay, with_kwargs=True, always_call=True)
     return list(mine.values())
@@ -438,6 +440,7 @@ class ExpertTokenCounts:
     def __init__(self, module: nn.Module) -> None:
         self.counts: dict[str, torch.Tensor] = {}
         self._handles: list[Any] = []
+        experts: Any  # a fused experts module: num_experts
         for name, experts in find_experts(module).items():  # called with the routing: count its top-k indices
             total = getattr(experts, _TOTAL, experts.num_experts)
             self.counts[name] = torch.zeros(total, dtype=torch.long)
