@@ -54,7 +54,7 @@ class DeepSpeedRelease:
                 self._release_module(sub)
             for name, param in module.named_parameters(remove_duplicate=False):
                 self._release_param(param, values[name])
-            for name, buffer in module.named_buffers():
+            for buffer in module.buffers():
                 buffer.data = buffer.data.to(self.buffers.get(id(buffer), buffer.dtype))
         if optimizer is not None:
             self._release_optimizer(optimizer, flat, names)
