@@ -43,6 +43,12 @@ class StyleHooks:
     style's layouts: the ``input_fn``/``output_fn`` that ``distribute_module`` takes.
     """
 
+    # The torch style's settings these hooks read (set by its __init__).
+    input_layouts: Any
+    desired_input_layouts: Any
+    output_layouts: Any
+    use_local_output: bool
+
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         return self.apply_style(module, device_mesh)
 
@@ -51,12 +57,12 @@ class StyleHooks:
 
     def prepare_input(self, module: nn.Module, inputs: Any, device_mesh: Any) -> Any:
         return self._prepare_input_fn(  # type: ignore[attr-defined]
-            self.input_layouts, self.desired_input_layouts, module, inputs, device_mesh  # type: ignore[attr-defined]
+            self.input_layouts, self.desired_input_layouts, module, inputs, device_mesh
         )
 
     def prepare_output(self, module: nn.Module, outputs: Any, device_mesh: Any) -> Any:
         return self._prepare_output_fn(  # type: ignore[attr-defined]
-            self.output_layouts, self.use_local_output, module, outputs, device_mesh  # type: ignore[attr-defined]
+            self.output_layouts, self.use_local_output, module, outputs, device_mesh
         )
 
 
