@@ -20,7 +20,8 @@ on a loaded machine the CPU-time ratio is the steadier one. Step time runs from 
 ``on_train_batch_end`` (``benchmarks/harness.py``). Memory per rank right after backward is read with
 ``deepspeed_engine.memory_per_rank`` for both DeepSpeed runs and the harness's probe for the torch backend, and
 printed in bytes per parameter beside the ZeRO formulas. The ZeRO settings in which our engine's config and
-Lightning's differ are printed last. ``python benchmarks/bench_deepspeed.py [--stages 1,2,3] [--repeats 4]``
+Lightning's differ are printed last. ``python benchmarks/bench_deepspeed.py [--stages 1,2,3] [--repeats 4]
+[--profile DIR]`` (``--profile``: rank 0's timed steps under cProfile, one ``.prof`` per configuration).
 """
 
 from __future__ import annotations
@@ -102,6 +103,32 @@ def _memory_probe(mem_step: int) -> Any:
     return DeepSpeedMemory()
 
 
+def _step_profiler(name: str, args: dict[str, Any]) -> Any:
+    """With ``--profile DIR``: global rank 0 runs the timed steps (warm-up left out) under cProfile and writes
+    ``DIR/<configuration>.prof`` (of the last repeat), to compare the configurations' calls with ``pstats``."""
+    import cProfile
+
+    import lightning as L
+
+    class StepProfiler(L.Callback):
+        def __init__(self) -> None:
+            self.profile = cProfile.Profile()
+
+        def on_train_batch_start(self, trainer: Any, *rest: Any) -> None:
+            if trainer.global_rank == 0 and trainer.global_step >= args["warmup"]:
+                self.profile.enable()
+
+        def on_train_batch_end(self, trainer: Any, *rest: Any) -> None:
+            self.profile.disable()
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.global_rank == 0:
+                Path(args["profile"]).mkdir(parents=True, exist_ok=True)
+                self.profile.dump_stats(str(Path(args["profile"]) / f"{name}.prof"))
+
+    return StepProfiler()
+
+
 def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     harness.quiet_worker(args["verbose"])
     import lightning as L
@@ -111,8 +138,9 @@ def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     L.seed_everything(SEED, verbose=False)
     probe = harness.make_step_probe(args["mem_step"], verbose=args["verbose"])
     memory = _memory_probe(args["mem_step"])
+    callbacks = [probe, memory] + ([_step_profiler(name, args)] if args["profile"] else [])
     trainer = L.Trainer(accelerator="cpu", devices=args["devices"], strategy=_strategy(name), max_steps=args["steps"],
-                        callbacks=[probe, memory], **QUIET_TRAINER)
+                        callbacks=callbacks, **QUIET_TRAINER)
     module = GPTLightningModule(block_size=args["block_size"], n_layer=args["n_layer"], n_head=args["n_head"],
                                 n_embd=args["n_embd"], seed=SEED)
     trainer.fit(module, TextDataModule(batch_size=args["batch_size"], block_size=args["block_size"], val_fraction=0.1))
@@ -181,6 +209,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--batch-size", type=int, default=8, help="per rank")
     parser.add_argument("--mem-step", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--profile", default="", help="directory: cProfile of rank 0's timed steps per configuration")
     parser.add_argument("--verbose", action="store_true")
     ns = parser.parse_args(argv)
     args = vars(ns)
