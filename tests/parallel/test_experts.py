@@ -12,11 +12,37 @@ import torch
 from lightning_mgpu import ScalingMonitor
 from lightning_mgpu.parallel.experts import _FUSED, check_experts, find_experts
 from tests.helpers.equivalence import LOSS_RTOL, assert_same_training, fit
+from tests.helpers.modules import RandomTokenDataModule
 from tests.parallel.test_tensor_experts import mixtral, mixtral_without_aux_loss, qwen3_moe
-from tests.parallel.test_tensor_hf_styles import GLOBAL_BATCH, STEPS, TP_WEIGHT_ATOL, _tokens
+from tests.parallel.test_tensor_hf_styles import GLOBAL_BATCH, STEPS, TP_WEIGHT_ATOL
 
 transformers = pytest.importorskip("transformers")
-SEQUENCE = 32  # tokens per sample of RandomTokenDataModule
+SEQUENCE = 16  # tokens per sample
+SMALL = {"hidden_size": 32, "intermediate_size": 64}  # 4 heads of 8 (2 key/value heads: tp 2 splits them too)
+
+
+def _tokens(batch: int) -> RandomTokenDataModule:
+    return RandomTokenDataModule(seq_len=SEQUENCE, batch_size=batch)
+
+
+def _mixtral_without_aux_loss() -> Any:
+    return mixtral(output_router_logits=False, **SMALL)
+
+
+_REFERENCES: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One process's run of a model factory (losses, weights, expert probes and token counts), once per module."""
+    def run(factory: Any) -> Any:
+        if factory.__name__ not in _REFERENCES:
+            path = tmp_path_factory.mktemp(f"one-{factory.__name__}")
+            _REFERENCES[factory.__name__] = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS,
+                                                callbacks_factory=lambda: [ExpertProbe(), ExpertTokens(path)])[0]
+        return _REFERENCES[factory.__name__]
+
+    return run
 
 
 class ExpertProbe(L.Callback):
@@ -185,16 +211,15 @@ TORCH_LAYOUTS = [  # (name, strategy extras, devices)
 
 
 @pytest.mark.parametrize(("name", "extra", "devices"), TORCH_LAYOUTS, ids=[c[0] for c in TORCH_LAYOUTS])
-def test_a_hand_written_torch_moe_splits_over_ep_and_trains_like_one_process(name, extra, devices, tmp_path):
+def test_a_hand_written_torch_moe_splits_over_ep_and_trains_like_one_process(name, extra, devices, one_process,
+                                                                          tmp_path):
     """Experts of an nn.ModuleList: each rank keeps its own under their indices (plain FQNs); the block's gating
     code runs unchanged (twice: calls recorded, then answered after one all-to-all each way). The checkpoint holds
     every expert once and loads strictly into one process."""
     from lightning_mgpu.checkpoint import consolidate
-    from tests.helpers.modules import RandomTokenDataModule
 
-    reference, _ = fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH), None, 1, STEPS,
-                       callbacks_factory=lambda: [ExpertTokens(tmp_path / "one")])
-    result, extras = fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH // devices),
+    reference = one_process(TorchMoEModule)
+    result, extras = fit(TorchMoEModule, lambda: _tokens(GLOBAL_BATCH // devices),
                          {"data_parallel_size": devices, "expert_parallel_size": 2, **extra}, devices, STEPS,
                          callbacks_factory=lambda: [ListedExperts(tmp_path / "ep.ckpt"), ExpertTokens(tmp_path)])
     _assert_same_losses_and_dense_weights(reference, result)
@@ -227,11 +252,11 @@ class ListedExperts(L.Callback):
 def mixtral_with_aux_loss() -> Any:
     """Hugging Face's load-balancing loss weighted so that each rank's own (plain DDP's) would differ from one
     process's by ~3e-4 relative per step: one process's is what ep layouts must reproduce."""
-    return mixtral(router_aux_loss_coef=0.5)
+    return mixtral(router_aux_loss_coef=0.5, **SMALL)
 
 
 def qwen3_moe_with_aux_loss() -> Any:
-    return qwen3_moe(router_aux_loss_coef=0.5)
+    return qwen3_moe(router_aux_loss_coef=0.5, hidden_size=32, head_dim=8)
 
 
 LAYOUTS = [  # (name, model, strategy extras, devices, dp, experts per rank divided by)
@@ -244,7 +269,7 @@ LAYOUTS = [  # (name, model, strategy extras, devices, dp, experts per rank divi
     ("mixtral-dp2xep2-zero2", mixtral_with_aux_loss, {"expert_parallel_size": 2, "zero_stage": 2}, 4, 4, 4),
     # Experts inside pipeline stages, ep over the stage's data-parallel ranks: a rank holds half the experts of
     # half the layers. (Under pipelining the load-balancing loss would see the last stage's layers only: refused.)
-    ("mixtral-pp2xep2-zero1", mixtral_without_aux_loss,
+    ("mixtral-pp2xep2-zero1", _mixtral_without_aux_loss,
      {"expert_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1}, 4, 2, 4),
     # Tensor parallelism of the attention (the model's own plan without its expert entries), experts whole on both
     # tensor-parallel ranks and split over ep.
@@ -254,12 +279,11 @@ LAYOUTS = [  # (name, model, strategy extras, devices, dp, experts per rank divi
 
 
 @pytest.mark.parametrize(("name", "factory", "extra", "devices", "dp", "parts"), LAYOUTS, ids=[c[0] for c in LAYOUTS])
-def test_experts_split_over_ep_train_like_one_process(name, factory, extra, devices, dp, parts, tmp_path):
+def test_experts_split_over_ep_train_like_one_process(name, factory, extra, devices, dp, parts, one_process, tmp_path):
     """Losses (load-balancing loss included: one process's, not each data-parallel rank's own), first gradients and
     final weights of every expert as one process; the checkpoint keeps Hugging Face's names and global shapes and
     loads strictly into one process."""
-    reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS,
-                       callbacks_factory=lambda: [ExpertProbe(), ExpertTokens(tmp_path / "one")])
+    reference = one_process(factory)
     ckpt = tmp_path / "ep.ckpt"
     result, extras = fit(factory, lambda: _tokens(GLOBAL_BATCH // dp), {"data_parallel_size": dp, **extra}, devices,
                          STEPS, callbacks_factory=lambda: [ExpertProbe(ckpt), ExpertTokens(tmp_path)])
@@ -307,17 +331,17 @@ def test_checkpoint_saved_at_ep2_resumes_at_dp2_zero3_and_on_one_process(tmp_pat
     the run that saved it (losses within 1e-5; weights and optimizer states as saved)."""
     from tests.test_checkpoint import CROSS_LAYOUT_RTOL, SaveAt, _assert_same_states, _losses_match, _resume
 
-    factory = mixtral_without_aux_loss
+    factory = _mixtral_without_aux_loss
     data = lambda: _tokens(GLOBAL_BATCH // 2)  # noqa: E731
-    reference, _ = fit(factory, data, {"data_parallel_size": 2, "expert_parallel_size": 2}, 2, 6,
-                       callbacks_factory=lambda: [SaveAt(tmp_path, (3,))])
+    reference, _ = fit(factory, data, {"data_parallel_size": 2, "expert_parallel_size": 2}, 2, 4,
+                       callbacks_factory=lambda: [SaveAt(tmp_path, (2,))])
     for devices, kwargs, batch in ((2, {"zero_stage": 3}, GLOBAL_BATCH // 2), (1, {}, GLOBAL_BATCH)):
         out = tmp_path / f"dp{devices}"
         out.mkdir()
-        resumed = _resume(tmp_path, tmp_path / "step3.ckpt", devices, kwargs, out, factory,
-                          lambda batch=batch: _tokens(batch), 6)
-        _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
-        _assert_same_states(tmp_path / "step3.ckpt", out / "resaved.ckpt")
+        resumed = _resume(tmp_path, tmp_path / "step2.ckpt", devices, kwargs, out, factory,
+                          lambda batch=batch: _tokens(batch), 4)
+        _losses_match(reference.losses, resumed.losses, 2, CROSS_LAYOUT_RTOL)
+        _assert_same_states(tmp_path / "step2.ckpt", out / "resaved.ckpt")
 
 
 def test_hugging_face_moe_layers_are_found_and_the_rest_left_alone():
@@ -339,8 +363,6 @@ def test_hugging_face_moe_layers_are_found_and_the_rest_left_alone():
 
 
 def test_checkpointing_a_torch_moe_block_under_ep_is_refused_at_setup():
-    from tests.helpers.modules import RandomTokenDataModule
-
     with pytest.raises(RuntimeError, match=r"activation checkpointing of TopKMoE.*activation_checkpointing=False"):
         fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=4),
             {"data_parallel_size": 2, "expert_parallel_size": 2, "activation_checkpointing": True}, 2, 1)
