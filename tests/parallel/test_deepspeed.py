@@ -87,11 +87,42 @@ def _ds(stage: int, **kwargs: Any) -> dict[str, Any]:
     return {"zero_backend": "deepspeed", "zero_stage": stage, **kwargs}
 
 
+# ------------------------------------------------------------------------------------------------------ teardown
+def _structure(module: L.LightningModule) -> dict[str, Any]:
+    """What DeepSpeed changes in place: each submodule's class, attributes, hooks, parameter dict and objects, and
+    each parameter's attributes (the LightningModule's own attributes are Lightning's business)."""
+    subs = {name: (type(sub), type(sub._parameters), frozenset(vars(sub)),
+                   [len(getattr(sub, a)) for a in vars(sub) if "hook" in a and isinstance(getattr(sub, a), dict)],
+                   {k: id(p) for k, p in sub._parameters.items()}) for name, sub in module.named_modules() if name}
+    params = {name: (frozenset(vars(p)), p.dtype, tuple(p.shape)) for name, p in module.named_parameters()}
+    return {"modules": subs, "params": params}
+
+
+class _StructureBeforeSetup(L.Callback):
+    """Records the module before the strategy's setup (Lightning calls callbacks' ``setup`` first)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.before = _structure(pl_module)
+
+
+def _check_given_back(trainer: L.Trainer) -> None:
+    module, optimizer = trainer.lightning_module, trainer.optimizers[0]
+    before = next(c for c in trainer.callbacks if isinstance(c, _StructureBeforeSetup)).before
+    assert _structure(module) == before
+    params = list(module.parameters())
+    assert sorted(id(p) for group in optimizer.param_groups for p in group["params"]) == sorted(map(id, params))
+    assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in params)
+
+
 # ------------------------------------------------------------------------------------------------ equivalence
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_stages_train_like_one_process(model):
+    """Each stage like one process; after fit (teardown) the module holds the trained weights as plain tensors,
+    with DeepSpeed's attributes, hooks and gathering parameter dicts gone, and the user's optimizer holds its
+    parameters and their whole states (``_check_given_back``)."""
     reference, = _run(1, [{"model": model}])
-    results = _run(DP, [{"model": model, "strategy": _ds(stage)} for stage in (1, 2, 3)])
+    results = _run(DP, [{"model": model, "strategy": _ds(stage), "after_fit": _check_given_back,
+                         "callbacks": lambda: [_StructureBeforeSetup()]} for stage in (1, 2, 3)])
     for stage, result in zip((1, 2, 3), results):
         try:
             assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
@@ -255,47 +286,6 @@ def _flat_keys(full: dict[str, Any]) -> list[str]:
 
     groups = full["lightning_mgpu"]["optimizer_param_groups"][0]
     return list(native_to_flat(full["optimizer_states"][0], groups))
-
-
-# ------------------------------------------------------------------------------------------------------ teardown
-def _structure(module: L.LightningModule) -> dict[str, Any]:
-    """What DeepSpeed changes in place: each submodule's class, attributes, hooks, parameter dict and objects, and
-    each parameter's attributes (the LightningModule's own attributes are Lightning's business)."""
-    subs = {name: (type(sub), type(sub._parameters), frozenset(vars(sub)),
-                   [len(getattr(sub, a)) for a in vars(sub) if "hook" in a and isinstance(getattr(sub, a), dict)],
-                   {k: id(p) for k, p in sub._parameters.items()}) for name, sub in module.named_modules() if name}
-    params = {name: (frozenset(vars(p)), p.dtype, tuple(p.shape)) for name, p in module.named_parameters()}
-    return {"modules": subs, "params": params}
-
-
-class _StructureBeforeSetup(L.Callback):
-    """Records the module before the strategy's setup (Lightning calls callbacks' ``setup`` first)."""
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.before = _structure(pl_module)
-
-
-def _check_given_back(trainer: L.Trainer) -> None:
-    module, optimizer = trainer.lightning_module, trainer.optimizers[0]
-    before = next(c for c in trainer.callbacks if isinstance(c, _StructureBeforeSetup)).before
-    assert _structure(module) == before
-    params = list(module.parameters())
-    assert [id(p) for group in optimizer.param_groups for p in group["params"]] == [id(p) for p in params]
-    assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in params)
-
-
-def test_fit_gives_the_module_and_optimizer_back_plain():
-    """After fit (teardown) the module holds the trained weights as plain tensors, with DeepSpeed's attributes,
-    hooks and gathering parameter dicts gone, and the user's optimizer holds its parameters and their states."""
-    steps = 3
-    reference, = _run(1, [{"model": "llama", "steps": steps}])
-    results = _run(DP, [{"model": "llama", "strategy": _ds(stage), "steps": steps, "after_fit": _check_given_back,
-                         "callbacks": lambda: [_StructureBeforeSetup()]} for stage in (1, 2, 3)])
-    for stage, result in zip((1, 2, 3), results):
-        try:
-            assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
-        except AssertionError as error:
-            raise AssertionError(f"DeepSpeed ZeRO-{stage}: {error}") from None
 
 
 # ------------------------------------------------------------------------------------------ refused before launch
