@@ -285,7 +285,7 @@ def _relink_optimizer_states(engine: Any) -> None:
     parameters' fragments stay without ``exp_avg`` and ``safe_get_full_optimizer_state`` fails on one rank (the
     others then wait in its all-reduce). Linking again is local and cheap (views)."""
     zero = getattr(engine, "optimizer", None)
-    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+    if zero is not None and hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()
 
