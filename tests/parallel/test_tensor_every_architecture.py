@@ -3,15 +3,17 @@ process, or is refused before training with its reason, or is named below as not
 
 Each model is built from its own configuration class shrunk generically (``_TINY``: widths, layers, heads, experts,
 vocabulary) with random weights, the text model where the plan is declared on a multimodal model's text
-sub-configuration. Affordable as one job: one 2-process job trains every served architecture in turn, sharded as
-``HybridStrategy(tensor_parallel_size=2)`` shards it at dp=1 (``apply_tensor_parallel`` with ``tp_plan="auto"``, steps
-in ``tensor_parallel_context``), in a plain AdamW loop: a Lightning ``Trainer`` per architecture would cost ten times
-the training itself. The reference is the same loop unsharded in the test process. The strategy's own loop is
+sub-configuration. Affordable as one job: two ranks of one 3-process job train every served architecture in turn,
+sharded as ``HybridStrategy(tensor_parallel_size=2)`` shards it at dp=1 (``apply_tensor_parallel`` with
+``tp_plan="auto"``, steps in ``tensor_parallel_context``), in a plain AdamW loop: a Lightning ``Trainer`` per
+architecture would cost ten times the training itself. The reference is the same loop unsharded, in a third process
+of that job: it runs on the cores the two sharded ranks leave idle, instead of after them. The strategy's own loop is
 covered for a dozen of these architectures by test_tensor_hf_styles.py.
 """
 
 from __future__ import annotations
 
+import os
 import traceback
 from typing import Any
 
@@ -240,11 +242,22 @@ def _outcome_before_training(model_type: str) -> tuple[str, str]:
     return "served", f"{_plan_holder(model_type).__name__}/{type(model).__name__}"
 
 
-def _train_every_sharded(model_types: list[str]) -> dict[str, Any]:
-    """In one rank of a tp=2 job: every architecture in turn; an error is recorded and the next one trained."""
+def _outcomes_of_share(model_types: list[str]) -> dict[str, tuple[str, str]]:
+    """In one process of a 2-process job: the outcomes of every other model type (this rank's share)."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return {t: _outcome_before_training(t) for t in model_types[rank::world_size]}
+
+
+def _train_every(model_types: list[str]) -> dict[str, Any]:
+    """In one process of a 3-process job: ranks 0 and 1 form the tp=2 group and train every architecture in turn,
+    sharded (an error is recorded and the next one trained); rank 2 trains each unsharded (the reference) meanwhile.
+    Rank 0 returns the sharded results, rank 2 the references (an error there fails the test), rank 1 nothing."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.distributed.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    if rank == 2:
+        return {model_type: _train(model_type) for model_type in model_types}
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     results: dict[str, Any] = {}
     for model_type in model_types:
@@ -252,12 +265,16 @@ def _train_every_sharded(model_types: list[str]) -> dict[str, Any]:
             results[model_type] = _train(model_type, mesh)
         except Exception:
             results[model_type] = {"error": traceback.format_exc()[-3000:]}
-    return results
+    return results if rank == 0 else {}
 
 
 def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_refused_before_training():
     assert sorted(_declared_plans()) == ARCHITECTURES, "transformers' architectures with a plan changed"
-    outcomes = {t: _outcome_before_training(t) for t in ARCHITECTURES if t not in NOT_BUILDABLE}
+    buildable = [t for t in ARCHITECTURES if t not in NOT_BUILDABLE]
+    for model_type in buildable:  # import each model's module here, once, rather than in every forked process
+        _model_class(_plan_holder(model_type))
+    shares = run_distributed(_outcomes_of_share, 2, buildable, timeout=900)  # both cores build the tiny models
+    outcomes = {t: next(share[t] for share in shares if t in share) for t in buildable}  # in ARCHITECTURES' order
     refused = {t: reason for t, (kind, reason) in outcomes.items() if kind == "refused"}
     for model_type, reason in refused.items():  # a reason the user can act on: the style or the valid degrees
         assert "does not map" in reason or "Valid tensor_parallel_size values" in reason, (model_type, reason)
@@ -267,13 +284,7 @@ def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_
         if kind == "served":
             served.setdefault(holder, []).append(model_type)
     trained = [types[0] for types in served.values()]
-    sharded = run_distributed(_train_every_sharded, 2, trained, timeout=900)[0]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in the ranks; a tiny model gains nothing from more
-    try:
-        expected = {model_type: _train(model_type) for model_type in trained}
-    finally:
-        torch.set_num_threads(threads)
+    sharded, _, expected = run_distributed(_train_every, 3, trained, timeout=900)  # one intra-op thread each
     failures = {}
     for model_type in trained:
         if "error" in sharded[model_type]:
