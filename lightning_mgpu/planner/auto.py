@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Union, cast
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -106,7 +106,7 @@ class StrategyPlan:
 
 
 def layout_candidates(world_size: int, data_parallel_size: Size, tensor_parallel_size: Size,
-                      pipeline_parallel_size: Size, zero_stage: Union[int, str]) -> list[ParallelLayout]:
+                      pipeline_parallel_size: Size, zero_stage: Size) -> list[ParallelLayout]:
     """Every layout the requested sizes allow on ``world_size`` processes; the old rule's (``"auto"`` sizes 1, dp
     taking the rest, ZeRO 0) first, so that it is what a module the planner cannot read falls back to.
 
@@ -114,7 +114,7 @@ def layout_candidates(world_size: int, data_parallel_size: Size, tensor_parallel
     planner's search does; at dp=1 ZeRO has nothing to shard and ``"auto"`` means 0.
     """
     first = ParallelLayout.resolve(world_size, data_parallel_size, tensor_parallel_size, pipeline_parallel_size,
-                                   zero_stage)  # type: ignore[arg-type]
+                                   zero_stage)
     requested = {"dp": data_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
     found = [first]
     for tp in _divisors(world_size):
@@ -122,8 +122,7 @@ def layout_candidates(world_size: int, data_parallel_size: Size, tensor_parallel
             dp = world_size // (tp * pp)
             if any(value != "auto" and value != size for value, size in zip(requested.values(), (dp, tp, pp))):
                 continue
-            stages = (0, 1, 2, 3) if zero_stage == "auto" and dp > 1 else (0 if zero_stage == "auto" else
-                                                                          cast(int, zero_stage),)
+            stages = (0, 1, 2, 3) if zero_stage == "auto" and dp > 1 else (0 if zero_stage == "auto" else zero_stage,)
             for zero in stages:
                 if zero >= 2 and pp > 1 and zero_stage == "auto":
                     continue
