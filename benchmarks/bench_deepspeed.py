@@ -91,6 +91,7 @@ def _memory_probe(mem_step: int) -> Any:
 
     class DeepSpeedMemory(L.Callback):
         memory: Optional[dict[str, int]] = None
+        zero_config: Optional[dict[str, Any]] = None
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             from lightning_mgpu.parallel.deepspeed_engine import memory_per_rank
@@ -99,6 +100,8 @@ def _memory_probe(mem_step: int) -> Any:
                 base = getattr(optimizer, "optimizer", optimizer)  # Lightning hands the DeepSpeed optimizer over
                 self.memory = memory_per_rank(trainer.strategy.model, pl_module, base)
                 self.memory["numel"] = sum(getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters())
+                config = trainer.strategy.model.config  # the engine's (ours gives the module back after fit)
+                self.zero_config = dict(config.get("zero_optimization", {})) if isinstance(config, dict) else None
 
     return DeepSpeedMemory()
 
@@ -149,8 +152,7 @@ def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
         result["memory"] = memory.memory
     elif result.get("memory"):  # the torch backend: the harness's probe (local shards, their grads, states)
         result["memory"]["numel"] = sum(p.numel() for p in module.parameters())
-    config = getattr(trainer.strategy.model, "config", None)  # a DeepSpeed engine's config dict
-    result["zero_config"] = dict(config.get("zero_optimization", {})) if isinstance(config, dict) else None
+    result["zero_config"] = memory.zero_config
     return {**result, "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
 
 
