@@ -27,20 +27,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_mgpu._compat.fsdp import forget_composable_state
+from lightning_mgpu._compat.fsdp import forget_composable_state, is_torch_added_attribute
+from lightning_mgpu._compat.tensors import module_hooks, module_structure, set_module_hooks, set_module_structure
 
 _ABSENT = object()
-
-# Attributes that torch's composable APIs put on the modules they apply to (checked on torch 2.13): FSDP2,
-# DDP's composable ``replicate``, ``distribute_module``. Our own code names its attributes with these prefixes too.
-_ADDED_PREFIXES = ("__composable_api_state_key", "_lightning_mgpu", "_mgpu")
-_ADDED_NAMES = frozenset({"_distribute_module_applied", "_is_fsdp_managed_module", "_fsdp_use_orig_params"})
-# Every hook dictionary (and set, and flag) an ``nn.Module`` keeps, as torch names them.
-_HOOK_ATTRIBUTES = tuple(name for name in vars(nn.Module()) if "hook" in name)
+# The attributes our own code puts on modules start with these.
+_OUR_PREFIXES = ("_lightning_mgpu", "_mgpu")
 
 
-def _copy(value: Any) -> Any:
-    return type(value)(value) if isinstance(value, (dict, set)) else value
+def _added_by_the_run(name: str) -> bool:
+    return name.startswith(_OUR_PREFIXES) or is_torch_added_attribute(name) or name == "forward"
 
 
 class PatchLog:
@@ -116,18 +112,19 @@ class ModuleSnapshot:
             if id(sub) in snapshot.states:
                 snapshot.states[id(sub)][1].names.append(name)
                 continue
+            modules, parameters, buffers = module_structure(sub)
             state = _ModuleState(
                 names=[name],
                 cls=type(sub),
-                hooks={attr: _copy(getattr(sub, attr)) for attr in _HOOK_ATTRIBUTES},
-                modules=dict(sub._modules),
-                parameters=dict(sub._parameters),
-                buffers=dict(sub._buffers),
+                hooks=module_hooks(sub),
+                modules=modules,
+                parameters=parameters,
+                buffers=buffers,
                 forward=vars(sub).get("forward", _ABSENT),
                 keys=frozenset(vars(sub)),
             )
             snapshot.states[id(sub)] = (sub, state)
-            for param in sub._parameters.values():
+            for param in parameters.values():
                 if param is not None:
                     snapshot.params[id(param)] = (param, _ParamState(param.requires_grad, param.device))
         return snapshot
@@ -146,22 +143,10 @@ class ModuleSnapshot:
             if type(sub) is not state.cls:
                 sub.__class__ = state.cls
             forget_composable_state(sub)  # torch refuses a second fully_shard/replicate otherwise
-            for attr, saved in state.hooks.items():
-                current = getattr(sub, attr)
-                if isinstance(saved, (dict, set)):  # in place: handles of hooks registered before stay valid
-                    current.clear()
-                    current.update(saved)
-                else:
-                    setattr(sub, attr, saved)
-            for mine, saved in (
-                (sub._modules, state.modules),
-                (sub._parameters, state.parameters),
-                (sub._buffers, state.buffers),
-            ):
-                mine.clear()
-                mine.update(saved)  # type: ignore[arg-type]  # each pair holds one kind (modules, parameters, buffers)
+            set_module_hooks(sub, state.hooks)  # in place: handles of hooks registered before stay valid
+            set_module_structure(sub, state.modules, state.parameters, state.buffers)
             for key in set(vars(sub)) - state.keys:
-                if key.startswith(_ADDED_PREFIXES) or key in _ADDED_NAMES or key == "forward":
+                if _added_by_the_run(key):
                     del vars(sub)[key]
             if state.forward is not _ABSENT:
                 vars(sub)["forward"] = state.forward
@@ -174,7 +159,7 @@ class ModuleSnapshot:
         """
         self.restore_structure()
         for sub, state in self.states.values():
-            for attr, values in (("_parameters", state.parameters), ("_buffers", state.buffers)):
+            for is_parameter, values in ((True, state.parameters), (False, state.buffers)):
                 for name, tensor in values.items():
                     if tensor is None:
                         continue
@@ -186,11 +171,11 @@ class ModuleSnapshot:
                         ),
                         None,
                     )
-                    self._assign(sub, attr, name, tensor, value)
+                    self._assign(sub, is_parameter, name, tensor, value)
         self.released.clear()
 
-    def _assign(self, sub: nn.Module, attr: str, name: str, tensor: Tensor, value: Tensor | None) -> None:
-        param = self.params.get(id(tensor)) if attr == "_parameters" else None
+    def _assign(self, sub: nn.Module, is_parameter: bool, name: str, tensor: Tensor, value: Tensor | None) -> None:
+        param = self.params.get(id(tensor)) if is_parameter else None
         if value is None:
             if param is not None and id(tensor) in self.released:
                 raise RuntimeError(

@@ -8,9 +8,9 @@ internal fails at import with :class:`InternalChanged`, naming it and the instal
 - ``amp.py``: GradScaler internals (lazy scale init, the settings a job-wide scaler copies, the unscale kernel).
 - ``dcp.py``: torch.distributed.checkpoint helpers (FQNs through wrappers, loading without a process group).
 - ``dtensor.py``: DTensor's strided shard and parallel-style hooks, DeviceMesh unflatten.
-- ``fsdp.py``: the composable ``replicate`` APIs (DDP and FSDP2-based).
+- ``fsdp.py``: the composable ``replicate`` APIs (DDP and FSDP2-based), un-applying composable APIs.
 - ``c10d.py``: functional collectives and the pipelining send/receive that the monitor times.
-- ``tensors.py``: pytree, dispatch modes, fake tensors, version counters, module-slot swaps.
+- ``tensors.py``: pytree, dispatch modes, fake tensors, version counters, module-slot swaps and restores, hooks.
 - ``lightning.py``: Lightning's launchers, distributed helpers, precision utilities and trainer internals.
 - ``pipelining.py``: torch.distributed.pipelining internals of the pipeline runtime (its own contract test).
 - ``versions.py``: the import-time guard refusing framework releases the shims were not checked on.

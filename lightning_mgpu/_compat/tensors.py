@@ -12,6 +12,12 @@
 - ``swap_parameters``/``restore_parameters``/``set_children``: ``nn.Module._parameters``/``_modules``. Assigning
   a plain tensor over a registered parameter through ``setattr`` raises, and ``del`` + ``register_parameter``
   reorders the parameters (their order is the optimizer's and the checkpoint's); the dicts keep the order.
+- ``HOOK_ATTRIBUTES``/``module_hooks``/``set_module_hooks``: ``nn.Module``'s hook dictionaries (``_forward_hooks``,
+  ``_backward_pre_hooks``, ..., found as the ``*hook*`` entries of a fresh module's ``__dict__``). Torch's
+  composable APIs register hooks without handing back handles, and nothing public lists or removes them.
+- ``module_structure``/``set_module_structure``: ``nn.Module._modules``/``_parameters``/``_buffers`` as a whole,
+  to put a module tree back as it was after a run changed it in place (``register_module``/``register_parameter``
+  keep existing entries and append new ones, so they cannot restore names, ``None`` slots and order).
 - ``in_backward``: ``torch._C._current_graph_task_id`` (-1 outside autograd's engine); no public API tells a
   forward recomputed by activation checkpointing in backward from a first forward (expert token counts).
 """
@@ -79,6 +85,45 @@ def set_children(module: nn.Module, children: Mapping[str, nn.Module]) -> None:
     slots = _slots(module, "_modules")
     slots.clear()
     slots.update(children)
+
+
+HOOK_ATTRIBUTES: tuple[str, ...] = tuple(name for name in vars(nn.Module()) if "hook" in name)
+
+
+def module_hooks(module: nn.Module) -> dict[str, Any]:
+    """Copies of every hook dictionary (and set, and flag) ``module`` keeps, by attribute name."""
+    return {name: _copy(getattr(module, name)) for name in HOOK_ATTRIBUTES}
+
+
+def set_module_hooks(module: nn.Module, saved: Mapping[str, Any]) -> None:
+    """Make ``module``'s hooks what :func:`module_hooks` returned; dictionaries and sets are refilled in place, so
+    the handles of hooks registered before stay valid."""
+    for name, value in saved.items():
+        current = getattr(module, name)
+        if isinstance(value, (dict, set)):
+            current.clear()
+            current.update(value)
+        else:
+            setattr(module, name, value)
+
+
+def module_structure(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Copies of the module's own (children, parameters, buffers) slots, in order, ``None`` slots included."""
+    return (dict(_slots(module, "_modules")), dict(_slots(module, "_parameters")), dict(_slots(module, "_buffers")))
+
+
+def set_module_structure(
+    module: nn.Module, children: Mapping[str, Any], parameters: Mapping[str, Any], buffers: Mapping[str, Any]
+) -> None:
+    """Make the module's own children, parameters and buffers exactly these (what :func:`module_structure` returned)."""
+    for name, saved in (("_modules", children), ("_parameters", parameters), ("_buffers", buffers)):
+        slots = _slots(module, name)
+        slots.clear()
+        slots.update(saved)
+
+
+def _copy(value: Any) -> Any:
+    return type(value)(value) if isinstance(value, (dict, set)) else value
 
 
 def in_backward() -> bool:

@@ -124,6 +124,20 @@ def test_tensor_helpers():
     tensors.set_children(experts, {"2": experts[2], "3": experts[3]})
     _expect([n for n, _ in experts.named_children()] == ["2", "3"], "nn.Module._modules", "torch", "children not set")
 
+    model = nn.Sequential(nn.Linear(1, 1))
+    model.register_buffer("scale", torch.ones(1))
+    kept, hooks = tensors.module_structure(model), tensors.module_hooks(model)
+    handle = model.register_forward_hook(lambda *_: None)
+    _expect(tensors.module_hooks(model) != hooks and "_forward_hooks" in tensors.HOOK_ATTRIBUTES,
+            "nn.Module._forward_hooks", "torch", f"a forward hook is not in {tensors.HOOK_ATTRIBUTES}")
+    model.add_module("1", nn.ReLU())
+    model.scale = None
+    tensors.set_module_hooks(model, hooks)
+    tensors.set_module_structure(model, *kept)
+    _expect(not model._forward_hooks and handle.id not in tensors.module_hooks(model)["_forward_hooks"]
+            and [n for n, _ in model.named_children()] == ["0"] and model.scale is kept[2]["scale"],
+            "nn.Module._modules/_parameters/_buffers/_forward_hooks", "torch", "the module tree not put back")
+
     seen = []
     x = torch.ones(2, requires_grad=True)
     y = x * 2
@@ -177,6 +191,7 @@ def _distributed_contract() -> dict:
     shared = nn.Linear(2, 2)
     fsdp.replicate_with_fsdp(shared, mesh=mesh)
     out["fsdp"] = (fsdp.is_ddp_replicated(ddp), not fsdp.is_ddp_replicated(shared), isinstance(shared.weight, DTensor))
+    out["unapply"] = [_reapplies(mesh, forget) for forget in (False, True)]
 
     group = mesh.get_group()
     out["c10d"] = (c10d.group_name(group) == group.group_name, hasattr(c10d.functional_collectives(), "all_reduce"),
@@ -186,6 +201,30 @@ def _distributed_contract() -> dict:
     return out
 
 
+def _reapplies(mesh, forget: bool) -> bool:
+    """``fully_shard`` applies again to a module put back by hand, with its composable state forgotten or not."""
+    from torch.distributed.fsdp import fully_shard
+
+    module = nn.Linear(2, 2)
+    cls, keys, params = type(module), set(vars(module)), dict(module.named_parameters())
+    fully_shard(module, mesh=mesh)
+    added = set(vars(module)) - keys
+    assert added and all(fsdp.is_torch_added_attribute(name) for name in added), _compat.changed(
+        "attributes fully_shard sets", "torch", f"unknown: {sorted(added)}")
+    module.__class__ = cls
+    for name in added:
+        del vars(module)[name]
+    if forget:
+        fsdp.forget_composable_state(module)
+    module.register_parameter("weight", params["weight"])
+    module.register_parameter("bias", params["bias"])
+    try:
+        fully_shard(module, mesh=mesh)
+    except AssertionError:
+        return False
+    return True
+
+
 def test_distributed_shims_in_a_process_group():
     out = run_distributed(_distributed_contract, 1)[0]
     _expect(out["strided"] == (True, 2, 1, True), "placement_types._StridedShard", "torch", str(out["strided"]))
@@ -193,6 +232,8 @@ def test_distributed_shims_in_a_process_group():
     _expect(all(out["style"][1:]), "ColwiseParallel._prepare_input_fn/_prepare_output_fn", "torch", str(out["style"]))
     _expect(out["unflatten"], "DeviceMesh._unflatten", "torch", "dimension names differ")
     _expect(all(out["fsdp"]), "torch.distributed._composable.replicate(_with_fsdp)", "torch", str(out["fsdp"]))
+    _expect(out["unapply"] == [False, True], "_composable_state._module_state_mapping", "torch",
+            f"fully_shard applied again without/with forgetting: {out['unapply']}")
     _expect(all(out["c10d"]), "_functional_collectives/_resolve_group_name/schedules._batch_p2p", "torch",
             str(out["c10d"]))
     _expect(out["lightning"] == (1.0, torch.Size([1, 1])), "_sync_ddp_if_available/_all_gather_ddp_if_available",

@@ -34,8 +34,6 @@ _MACHINERY = {"_abc_impl", "_is_protocol", "_is_runtime_protocol"}
 # Files another change in flight rewrites (their offenders are reported as a warning). Remove an entry once its
 # file is clean: `test_pending_entries_still_needed` then says so.
 PENDING: dict[str, str] = {
-    "lightning_mgpu/patches.py": "module snapshots (nn.Module slots, composable state) of the reversible patches"
-    " (#18 item 2)",
     "lightning_mgpu/parallel/deepspeed_release.py": "nn.Module parameter slots, in progress with the DeepSpeed backend",
 }
 
