@@ -139,7 +139,8 @@ def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Optional[Any]:
     """Shard a fused (strided) tensor-parallel weight on dim 1: two strided layouts on one dim cannot be described."""
     from torch.distributed.tensor import Shard
 
-    if isinstance(param, DTensor) and any(isinstance(p, Shard) and is_strided_shard(p) and p.dim == 0
+    # torch 2.13's _StridedShard is not a Shard subclass: test for it alone, then read its dim.
+    if isinstance(param, DTensor) and any(is_strided_shard(p) and getattr(p, "dim", None) == 0
                                           for p in param.placements):
         return Shard(1)
     return None  # FSDP2's default, Shard(0)
@@ -247,7 +248,7 @@ class _OwnerReduce:
         self.owner: dict[torch.Tensor, int] = {}
 
 
-def _reduce_to_owners(state, bucket):  # untyped: DDP checks the hook's annotations
+def _reduce_to_owners(state, bucket):  # type: ignore[no-untyped-def]  # untyped: DDP checks the hook's annotations
     """DDP communication hook: one reduce per owner of the bucket's gradients (all-reduce for unowned ones)."""
     buffer = bucket.buffer().div_(state.world)
     segments: dict[Optional[int], list[torch.Tensor]] = {}
