@@ -53,7 +53,7 @@ def names_parameters_only(module: nn.Module, glob: str) -> bool:
     return any(fnmatch.fnmatchcase(n, glob) for n in names)
 
 
-def parameter_placement(style_name: str, name: str, param: torch.Tensor) -> Shard:
+def parameter_placement(style_name: str, name: str, param: torch.Tensor) -> Placement:
     """Hugging Face's meaning of a parameter style, as a DTensor placement of that parameter.
 
     A weight [..., out, in]: ``colwise`` shards ``out`` (dim -2), ``rowwise`` shards ``in`` (dim -1); ``packed_*``
@@ -76,7 +76,7 @@ def expert_placements(module: nn.Module, plan: dict[str, str], matched: dict[str
     belong to a 'moe_tp_experts' module, and every parameter of such a module must be placed."""
     parameter_globs = {g: s for g, s in plan.items() if s in PARAMETER_STYLES and names_parameters_only(module, g)
                        and not any(fnmatch.fnmatchcase(n, g) for n, _ in module.named_modules())}
-    placements: dict[str, dict[str, Shard]] = {fqn: {} for fqn, s in matched.items() if s == EXPERTS_STYLE}
+    placements: dict[str, dict[str, Placement]] = {fqn: {} for fqn, s in matched.items() if s == EXPERTS_STYLE}
     for name, param in module.named_parameters():
         owner, _, leaf = name.rpartition(".")
         for glob, style_name in parameter_globs.items():
@@ -100,9 +100,10 @@ def expert_placements(module: nn.Module, plan: dict[str, str], matched: dict[str
     return placements
 
 
-def check_expert_sizes(module: nn.Module, placements: dict[str, dict[str, Shard]], tp: int) -> None:
+def check_expert_sizes(module: nn.Module, placements: dict[str, dict[str, Placement]], tp: int) -> None:
     """Before training: each sharded expert dimension divisible by the degree (twice over for a packed one)."""
     problems, sizes = [], []
+    placement: Any  # a Shard or a _StridedShard (not a Shard subclass in torch 2.13): both have `dim`
     for owner, placed in placements.items():
         for leaf, placement in placed.items():
             param = module.get_submodule(owner).get_parameter(leaf)
