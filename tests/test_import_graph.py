@@ -23,8 +23,6 @@ LOWER = ("lightning_mgpu.parallel", "lightning_mgpu.checkpoint", "lightning_mgpu
 # Circles that a change in flight removes: (module, module) pairs of one circle; remove an entry once its circle is
 # gone (`test_no_import_circles` then reports it in a skip message).
 PENDING_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({"lightning_mgpu.parallel.pipeline", "lightning_mgpu.parallel.pipeline_ties"}):
-        "the pipeline runtime's split (#18 item 3)",
     frozenset({"lightning_mgpu.parallel.deepspeed_engine", "lightning_mgpu.parallel.deepspeed_release"}):
         "the DeepSpeed backend's teardown, in progress (engine <-> release <-> checkpoint.deepspeed_states)",
 }

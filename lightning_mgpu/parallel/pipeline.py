@@ -30,6 +30,7 @@ from torch import nn
 from lightning_mgpu._compat.tensors import tree_map
 from lightning_mgpu.layout import PP_AXIS
 from lightning_mgpu.parallel.blocks import find_block_container
+from lightning_mgpu.parallel.pipeline_ties import TiedGradients, find_cross_stage_ties
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 LOOP_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
@@ -110,6 +111,13 @@ class PipelineSplit:
     def blocks_of(self, stage: int) -> range:
         end = self.starts[stage + 1] if stage + 1 < len(self.starts) else self.num_blocks
         return range(self.starts[stage], end)
+
+    def module_stages(self) -> dict[str, int]:
+        """The stage of each module the split places, by FQN (the modules under one go with it)."""
+        stages = {f"{self.container_fqn}.{i}": s for s in range(len(self.starts)) for i in self.blocks_of(s)}
+        stages.update(dict.fromkeys(self.before, 0))
+        stages.update(dict.fromkeys(self.after, len(self.starts) - 1))
+        return stages
 
 
 def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> PipelineSplit:
@@ -428,15 +436,13 @@ class PipelineRuntime:
 
 def split_pipeline(module: nn.Module, mesh: Any, options: Any) -> PipelineRuntime:
     """Keep this rank's stages of ``module`` (in place) and return them. Collective over the whole ``mesh``."""
-    from lightning_mgpu.parallel.pipeline_ties import TiedGradients, find_cross_stage_ties
-
     schedule, pp_mesh = options.pipeline_schedule, mesh[PP_AXIS]
     per_rank = stages_per_rank(schedule, options.stages_per_rank)
     pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     num_stages = pp_size * per_rank
     split = plan_split(module, num_stages, options.pipeline_split)
     ties = find_cross_stage_ties(
-        module, split, [stage_owner(schedule, s, pp_size, per_rank) for s in range(num_stages)]
+        module, split.module_stages(), [stage_owner(schedule, s, pp_size, per_rank) for s in range(num_stages)]
     )
     runtime = PipelineRuntime(module, split, stage_indices(schedule, pp_rank, pp_size, per_rank), num_stages)
     runtime.tied_gradients = TiedGradients(ties, mesh, pp_rank)

@@ -9,6 +9,7 @@ Gradient norms count the weight once, on its first holder.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +24,6 @@ from lightning_mgpu.parallel.blocks import tied_parameters
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_mgpu.parallel.pipeline import PipelineSplit
-
 
 @dataclass(frozen=True)
 class CrossStageTie:
@@ -34,18 +33,14 @@ class CrossStageTie:
     pp_ranks: tuple[int, ...]
 
 
-def find_cross_stage_ties(module: nn.Module, split: PipelineSplit, stage_ranks: list[int]) -> list[CrossStageTie]:
+def find_cross_stage_ties(
+    module: nn.Module, stage_of: Mapping[str, int], stage_ranks: list[int]
+) -> list[CrossStageTie]:
     """The tied parameters of ``module`` (before it is split) used by more than one stage.
 
-    ``stage_ranks[s]`` is the pipeline rank that runs stage ``s``.
+    ``stage_of`` maps the FQN of each module the split places to its stage (modules under it go with it; the
+    split's ``module_stages``); ``stage_ranks[s]`` is the pipeline rank that runs stage ``s``.
     """
-    last = len(stage_ranks) - 1
-    stage_of: dict[str, int] = {}
-    for stage in range(len(stage_ranks)):
-        for index in split.blocks_of(stage):
-            stage_of[f"{split.container_fqn}.{index}"] = stage
-    stage_of.update(dict.fromkeys(split.before, 0))
-    stage_of.update(dict.fromkeys(split.after, last))
     ties = []
     for holders in tied_parameters(module):
         stages = {_stage_of(holder, stage_of) for holder, _ in holders} - {None}
@@ -55,7 +50,7 @@ def find_cross_stage_ties(module: nn.Module, split: PipelineSplit, stage_ranks: 
     return ties
 
 
-def _stage_of(module_name: str, stage_of: dict[str, int]) -> int | None:
+def _stage_of(module_name: str, stage_of: Mapping[str, int]) -> int | None:
     for prefix, stage in stage_of.items():
         if module_name == prefix or module_name.startswith(prefix + "."):
             return stage
