@@ -18,6 +18,9 @@
 - ``module_structure``/``set_module_structure``: ``nn.Module._modules``/``_parameters``/``_buffers`` as a whole,
   to put a module tree back as it was after a run changed it in place (``register_module``/``register_parameter``
   keep existing entries and append new ones, so they cannot restore names, ``None`` slots and order).
+- ``plain_parameter_slots``: ``nn.Module._parameters`` replaced by a ``dict`` subclass (DeepSpeed ZeRO-3 puts one
+  that gathers on access), made a plain ``dict`` again with the same entries, read without the subclass's hooks;
+  ``named_parameters``/``_parameters[...]`` would trigger them, and nothing public replaces the slot dict.
 - ``in_backward``: ``torch._C._current_graph_task_id`` (-1 outside autograd's engine); no public API tells a
   forward recomputed by activation checkpointing in backward from a first forward (expert token counts).
 """
@@ -120,6 +123,13 @@ def set_module_structure(
         slots = _slots(module, name)
         slots.clear()
         slots.update(saved)
+
+
+def plain_parameter_slots(module: nn.Module) -> None:
+    """Make the module's parameter slots a plain ``dict`` again if something replaced them by a subclass."""
+    slots = _slots(module, "_parameters")
+    if type(slots) is not dict:
+        module.__dict__["_parameters"] = dict(dict.items(slots))
 
 
 def _copy(value: Any) -> Any:

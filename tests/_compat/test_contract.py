@@ -138,6 +138,20 @@ def test_tensor_helpers():
             and [n for n, _ in model.named_children()] == ["0"] and model.scale is kept[2]["scale"],
             "nn.Module._modules/_parameters/_buffers/_forward_hooks", "torch", "the module tree not put back")
 
+    class Gathering(dict):  # like DeepSpeed ZeRO-3's parameter dict: reading through it has effects
+        def __getitem__(self, key):
+            raise AssertionError("read through the subclass")
+
+        def items(self):
+            raise AssertionError("read through the subclass")
+
+    linear = nn.Linear(1, 1)
+    weight = linear.weight
+    linear.__dict__["_parameters"] = Gathering(linear.__dict__["_parameters"])
+    tensors.plain_parameter_slots(linear)
+    _expect(type(linear.__dict__["_parameters"]) is dict and linear.weight is weight, "nn.Module._parameters",
+            "torch", "the parameter slots are not a plain dict with the same entries")
+
     seen = []
     x = torch.ones(2, requires_grad=True)
     y = x * 2
