@@ -47,6 +47,7 @@ from lightning_mgpu.parallel.tensor_plan import (
     _with_vocab_parallel_head,
     auto_plan,
 )
+from lightning_mgpu.parallel.tensor_local import marking_shards, owned_local, watch_shard_parameters
 from lightning_mgpu.parallel.tensor_region import install_global_shape_region
 
 Plan = Union[str, dict[str, str], Callable[[nn.Module, DeviceMesh], None]]
@@ -88,6 +89,8 @@ class _Colwise(ColwiseParallel):
             output_fn = _keep_output if self.global_shapes else _local_output
         else:
             output_fn = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+        if not self.global_shapes:  # a plain shard: its readers' replicated parameters get partial gradients
+            output_fn = marking_shards(output_fn)
         distribute_module(
             module,
             device_mesh,
@@ -208,6 +211,12 @@ class _Rowwise(RowwiseParallel):
             self._input_fn,
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: DTensor,
+                           device_mesh: DeviceMesh) -> Any:
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, False, mod, outputs, device_mesh)
+        return owned_local(outputs) if use_local_output else outputs
 
     def _input_fn(self, module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> Any:
         # From a global-shape region the input is already a DTensor, normally sharded on its last dimension; one in
@@ -347,6 +356,7 @@ def apply_tensor_parallel(
     if sequence_parallel:
         _replicate_remaining(module, tp_mesh)
     _retie(module, tied)
+    watch_shard_parameters(module, sorted(set(_regions(module, matched)[1].values())), set(matched), tp_mesh)
     for child in module.modules():
         if any(isinstance(p, DTensor) for p in child.parameters(recurse=False)):
             child.register_forward_pre_hook(_arm_gradient_layout)
@@ -384,7 +394,12 @@ def _already_parallelized(module: nn.Module) -> bool:
 
 
 def _global_shape_regions(module: nn.Module, matched: dict[str, str]) -> dict[str, str]:
-    """``{column-parallel projection: module whose forward is its global-shape region}``, Hugging Face's excepted.
+    return _regions(module, matched)[0]
+
+
+def _regions(module: nn.Module, matched: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """``{column-parallel projection: module whose forward is its global-shape region}``, and the same for the
+    projections of Hugging Face models, whose region runs on plain per-rank shards.
 
     The region of a projection is its nearest ancestor that also holds a row-parallel projection (the attention or
     MLP between the two), or its parent where none does.
@@ -399,12 +414,9 @@ def _global_shape_regions(module: nn.Module, matched: dict[str, str]) -> dict[st
     local_prefixes = [prefix for prefix, _ in _hugging_face_models(module)]
     rowwise = [name for name, style_name in matched.items() if style_name == "rowwise"]
     regions: dict[str, str] = {}
+    local: dict[str, str] = {}
     for name, style_name in matched.items():
         if style_name not in ("colwise", "colwise_qkv", "colwise_gate_up") or "." not in name:
-            continue
-        # A packed gate|up is split by chunk(2), which only a region serves without gathering: Hugging Face's too.
-        if style_name != "colwise_gate_up" and any(prefix == "" or name.startswith(prefix + ".")
-                                                   for prefix in local_prefixes):
             continue
         region = ancestor = parent_name(name)
         while ancestor:
@@ -412,8 +424,13 @@ def _global_shape_regions(module: nn.Module, matched: dict[str, str]) -> dict[st
                 region = ancestor
                 break
             ancestor = parent_name(ancestor)
-        regions[name] = region
-    return regions
+        # A packed gate|up is split by chunk(2), which only a region serves without gathering: Hugging Face's too.
+        if style_name != "colwise_gate_up" and any(prefix == "" or name.startswith(prefix + ".")
+                                                   for prefix in local_prefixes):
+            local[name] = region
+        else:
+            regions[name] = region
+    return regions, local
 
 
 @contextmanager

@@ -105,19 +105,15 @@ NOT_BUILDABLE = {  # model type -> why it is not trained here
 # Served by tp_plan='auto' but not yet training like one process (found by this matrix): each a library gap to close.
 # The test fails when one of them starts to pass (remove it here) or another one fails.
 KNOWN_DIVERGENT = {
-    "apertus": "xIELU's learnable alpha_p/alpha_n act on each rank's shard of the MLP: their gradients are partial"
-               " sums that nothing all-reduces, so the replicated parameters drift apart",
     "esmc": "q/k LayerNorm over the full width (normalized_shape=[64]) applied to a rank's half of q/k",
     "doge": "its attention's dynamic mask is sized from the configuration's global head count",
     "neomme": "exclusive self-attention combines per-head tensors with a key/value head count from the configuration",
-    "llama4": "an in-place op on the plain tensor handed back by DTensor.to_local() (a view made in a custom Function)",
     "muse_glimmer": "an assertion inside the model's forward fails on the sharded sizes",
     "muse_spark": "an assertion inside the model's forward fails on the sharded sizes",
     "gemma3n": "losses differ by ~1e-3 relative (AltUp / per-layer inputs around the sharded blocks; not diagnosed)",
     "gemma4": "losses differ by ~4e-4 relative (per-layer inputs around the sharded blocks; not diagnosed)",
     "gemma4_unified": "losses differ by ~1e-3 relative (per-layer inputs around the sharded blocks; not diagnosed)",
     "inkling2": "losses differ by ~2e-4 relative (not diagnosed)",
-    "qwen3_vl_moe": "per-head q_norm weight drifts up to ~5e-3 after 10 steps though the losses match (not diagnosed)",
 }
 
 
