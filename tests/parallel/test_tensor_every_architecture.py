@@ -111,7 +111,9 @@ KNOWN_DIVERGENT = {
     "muse_glimmer": "an assertion inside the model's forward fails on the sharded sizes",
     "muse_spark": "an assertion inside the model's forward fails on the sharded sizes",
     "gemma3n": "losses differ by ~1e-3 relative (AltUp / per-layer inputs around the sharded blocks; not diagnosed)",
-    "gemma4": "losses differ by ~4e-4 relative (per-layer inputs around the sharded blocks; not diagnosed)",
+    "gemma4": "losses differ by ~4e-4 relative after 10 steps; the first step's loss is equal and every gradient"
+              " within 1e-5 relative (largest on k_proj, which also feeds the values: v_proj is None), so the drift"
+              " builds up over the steps (not diagnosed further)",
     "gemma4_unified": "losses differ by ~1e-3 relative (per-layer inputs around the sharded blocks; not diagnosed)",
     "inkling2": "losses differ by ~2e-4 relative (not diagnosed)",
 }
