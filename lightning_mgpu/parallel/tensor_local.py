@@ -87,7 +87,8 @@ class _ShardParameters:
             return
         for param in module.parameters(recurse=False):
             # Checked at each call: module.to() and FSDP2's unsharded parameters are new tensors without the hook.
-            if param.requires_grad and not isinstance(param, DTensor) and self._sum not in (param._backward_hooks or {}).values():
+            armed = (param._backward_hooks or {}).values()
+            if param.requires_grad and not isinstance(param, DTensor) and self._sum not in armed:
                 param.register_hook(self._sum)
 
 
