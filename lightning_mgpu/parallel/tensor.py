@@ -40,13 +40,9 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_mgpu.parallel.blocks import tied_parameters
 from lightning_mgpu.parallel.tensor_checks import check_divisible, parent_name
+from lightning_mgpu.parallel.tensor_embedding import VocabParallelEmbedding, reduce_lookups_in_forward
 from lightning_mgpu.parallel.tensor_experts import ExpertsParallel, IdentityExpertParallel, place_experts
-from lightning_mgpu.parallel.tensor_plan import (
-    _hugging_face_models,
-    _match,
-    _with_vocab_parallel_head,
-    auto_plan,
-)
+from lightning_mgpu.parallel.tensor_plan import _hugging_face_models, _match, _with_vocab_parallel_head, auto_plan
 from lightning_mgpu.parallel.tensor_local import marking_shards, owned_local, watch_shard_parameters
 from lightning_mgpu.parallel.tensor_region import install_global_shape_region
 
@@ -200,8 +196,8 @@ class _Rowwise(RowwiseParallel):
     """Row-wise sharding of Linear/Conv1D inputs; the partial outputs are all-reduced (or reduce-scattered)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, nn.Embedding):
-            return super()._apply(module, device_mesh)
+        if isinstance(module, nn.Embedding):  # vocabulary-parallel, as 'embedding_rowwise' (tensor_embedding.py)
+            return reduce_lookups_in_forward(super()._apply(module, device_mesh), self.output_layouts)
         self.desired_input_layouts = (Shard(-1),)
         placements = {"weight": Shard(1 - _output_dim(module)), "bias": Replicate()}
         return distribute_module(
@@ -293,8 +289,8 @@ def style(name: str, sequence_parallel: bool, global_shapes: bool = False) -> Op
         "rowwise_split_input": lambda: _Rowwise(input_layouts=replicated, output_layouts=stream,
                                                 use_local_output=not sequence_parallel),
         "replicated_with_grad_allreduce": lambda: _ReplicatedOnLocalHeads(),
-        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=replicated, output_layouts=stream,
-                                                     use_local_output=not sequence_parallel),
+        "embedding_rowwise": lambda: VocabParallelEmbedding(input_layouts=replicated, output_layouts=stream,
+                                                            use_local_output=not sequence_parallel),
         "embedding_colwise": lambda: ColwiseParallel(input_layouts=replicated, output_layouts=stream,
                                                      use_local_output=not sequence_parallel),
         "sequence_parallel": lambda: SequenceParallel(use_local_output=False) if sequence_parallel else None,
