@@ -8,18 +8,20 @@
   for every such module whether the plan names it or not. Which calls read a shard is seen at run time: a
   column-parallel output (or a view of it) is marked, so a module of the same attention/MLP that reads the block's
   replicated input (a latent-attention down-projection, its norm) is left alone.
+- A module whose parameters span the whole width of what it reads a shard of (ESMC's q/k LayerNorm over all heads)
+  runs on the gathered input and hands on this rank's shard of its output.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 _SHARD_MARK = "_lightning_mgpu_rank_shard"
 
@@ -65,31 +67,68 @@ def marking_shards(output_fn: Callable) -> Callable:
     return marked
 
 
-def _reads_shard(args: tuple, kwargs: dict) -> bool:
-    return any(torch.is_tensor(a) and not isinstance(a, DTensor) and getattr(_root(a), _SHARD_MARK, False)
-               for a in (*args, *kwargs.values()))
+def _shard_read(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The first argument that is this rank's shard of a column-parallel output (or a view of one), if any."""
+    for a in (*args, *kwargs.values()):
+        if torch.is_tensor(a) and not isinstance(a, DTensor) and getattr(_root(a), _SHARD_MARK, False):
+            return a
+    return None
+
+
+def _spans_all_shards(module: nn.Module, shard: torch.Tensor, tp: int) -> bool:
+    """Whether ``module``'s parameters are as wide as the whole of what ``shard`` is one part of (ESMC's q/k
+    LayerNorm over the full ``num_heads * head_dim`` applied to the q_proj output)."""
+    params = list(module.parameters(recurse=False))
+    return bool(params) and shard.dim() > 0 and all(
+        p.dim() > 0 and p.shape[-1] == shard.shape[-1] * tp != shard.shape[-1] for p in params)
 
 
 class _ShardParameters:
-    """Forward pre-hook of a module with plain parameters inside a tensor-parallel attention/MLP: when it reads a
-    rank's shard, its parameters' gradients are summed over ``mesh`` (before accumulation, so gradient accumulation
-    and data-parallel reduction see the full gradient)."""
+    """Forward hooks of a module with plain parameters inside a tensor-parallel attention/MLP, for its calls on a
+    rank's shard.
+
+    - Parameters as wide as the shard: its gradients are partial sums, summed over ``mesh`` (before accumulation,
+      so gradient accumulation and data-parallel reduction see the full gradient).
+    - Parameters as wide as all the shards together (a norm over the full width): the module runs on the gathered
+      input, and its output, as wide, is handed on as this rank's shard again. Every rank then computes the same
+      full module, so its gradients are whole (no sum); backward all-gathers the output's gradient.
+    """
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
+        self._gathered: list[int] = []  # per call in flight: the gathered width, 0 for none
 
     def _sum(self, grad: torch.Tensor) -> torch.Tensor:
         reduced = funcol.all_reduce(grad, "sum", self.mesh)
         return reduced.wait() if isinstance(reduced, AsyncCollectiveTensor) else reduced
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled() or not _reads_shard(args, kwargs):
-            return
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        shard = _shard_read(args, kwargs)
+        if shard is not None and _spans_all_shards(module, shard, self.mesh.size()):
+            full = DTensor.from_local(shard, self.mesh, [Shard(-1)], run_check=False)
+            full = full.redistribute(placements=[Replicate()]).to_local()
+            self._gathered.append(full.shape[-1])
+            swap = {id(shard): full}
+            return (tuple(swap.get(id(a), a) for a in args),
+                    {k: swap.get(id(v), v) for k, v in kwargs.items()})
+        self._gathered.append(0)
+        if shard is None or not torch.is_grad_enabled():
+            return None
         for param in module.parameters(recurse=False):
             # Checked at each call: module.to() and FSDP2's unsharded parameters are new tensors without the hook.
             armed = (param._backward_hooks or {}).values()
             if param.requires_grad and not isinstance(param, DTensor) and self._sum not in armed:
                 param.register_hook(self._sum)
+        return None
+
+    def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        width = self._gathered.pop() if self._gathered else 0
+        if not width or not torch.is_tensor(output) or output.shape[-1] != width:
+            return None
+        output = DTensor.from_local(output, self.mesh, [Replicate()], run_check=False)
+        output = output.redistribute(placements=[Shard(-1)]).to_local()
+        setattr(_root(output), _SHARD_MARK, True)
+        return output
 
 
 def watch_shard_parameters(module: nn.Module, regions: list[str], sharded: set[str],
@@ -102,6 +141,7 @@ def watch_shard_parameters(module: nn.Module, regions: list[str], sharded: set[s
         for name, child in module.get_submodule(region).named_modules(prefix=region):
             if name in sharded or not any(not isinstance(p, DTensor) for p in child.parameters(recurse=False)):
                 continue
-            child.register_forward_pre_hook(hook, with_kwargs=True)
+            child.register_forward_pre_hook(hook.before, with_kwargs=True)
+            child.register_forward_hook(hook.after, with_kwargs=True, always_call=True)
             watched.append(name)
     return watched

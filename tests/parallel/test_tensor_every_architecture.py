@@ -105,7 +105,6 @@ NOT_BUILDABLE = {  # model type -> why it is not trained here
 # Served by tp_plan='auto' but not yet training like one process (found by this matrix): each a library gap to close.
 # The test fails when one of them starts to pass (remove it here) or another one fails.
 KNOWN_DIVERGENT = {
-    "esmc": "q/k LayerNorm over the full width (normalized_shape=[64]) applied to a rank's half of q/k",
     "doge": "its attention's dynamic mask is sized from the configuration's global head count",
     "neomme": "exclusive self-attention combines per-head tensors with a key/value head count from the configuration",
     "muse_spark": "losses differ by ~1.4e-3 relative (its MoE's rowwise_split_input pre/post-expert projections;"
