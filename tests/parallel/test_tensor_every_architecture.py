@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.equivalence import RunResult, assert_same_training
+from tests.helpers.equivalence import LOSS_RTOL, RunResult, assert_same_training
 from tests.parallel.test_tensor_hf_styles import _declared_plans
 
 transformers = pytest.importorskip("transformers")
@@ -105,17 +105,22 @@ NOT_BUILDABLE = {  # model type -> why it is not trained here
 # Served by tp_plan='auto' but not yet training like one process (found by this matrix): each a library gap to close.
 # The test fails when one of them starts to pass (remove it here) or another one fails.
 KNOWN_DIVERGENT = {
-    "doge": "its attention's dynamic mask is sized from the configuration's global head count",
-    "neomme": "exclusive self-attention combines per-head tensors with a key/value head count from the configuration",
-    "muse_spark": "losses differ by ~1.4e-3 relative (its MoE's rowwise_split_input pre/post-expert projections;"
-                  " not diagnosed)",
-    "gemma3n": "losses differ by ~1e-3 relative (AltUp / per-layer inputs around the sharded blocks; not diagnosed)",
-    "gemma4": "losses differ by ~4e-4 relative after 10 steps; the first step's loss is equal and every gradient"
-              " within 1e-5 relative (largest on k_proj, which also feeds the values: v_proj is None), so the drift"
-              " builds up over the steps (not diagnosed further)",
-    "gemma4_unified": "losses differ by ~1e-3 relative (per-layer inputs around the sharded blocks; not diagnosed)",
-    "inkling2": "losses differ by ~2e-4 relative (not diagnosed)",
+    "doge": "Hugging Face's plan makes dt_proj rowwise, so its output (one value per key/value head) is all-reduced"
+            " whole while the rank attends with its own heads only: the dynamic mask would need dt_proj's output"
+            " reduce-scattered over heads and the per-head parameter A sharded alike",
+    "neomme": "the exclusive self-attention's per-head parameter alpha (num_attention_heads wide) is applied to the"
+              " rank's own heads: it would need sharding over heads inside a module the plan does not name",
+    "gemma3n": "losses differ by ~1e-3 relative (AltUp / per-layer inputs around the sharded blocks; not diagnosed;"
+               " not chaotic: 1e-7 weight noise moves its losses by <1e-5)",
+    "inkling2": "losses differ by ~2.5e-5 relative from the first step (not chaotic; not diagnosed)",
 }
+
+# Training these is chaotic in one process already: weights perturbed by 1e-7 relative (rounding noise) move their
+# losses by ~1e-3 within the 10 steps (``_rounding_drift``), so no sharded run, whose sums round differently, can
+# stay within 1e-5 of them to the end. Held instead to: the first step's loss within 1e-5, every later loss within
+# CHAOTIC_MARGIN times the drift that rounding noise alone causes; the test fails if one of them stops being chaotic.
+CHAOTIC = {"gemma4", "gemma4_unified", "muse_spark"}
+CHAOTIC_MARGIN = 10.0
 
 
 # ------------------------------------------------------------------------------------------------- tiny models
@@ -208,7 +213,7 @@ def _readout(hidden: torch.Tensor) -> torch.Tensor:
     return hidden.float() @ matrix
 
 
-def _train(model_type: str, tp_mesh: Any = None) -> dict[str, Any]:
+def _train(model_type: str, tp_mesh: Any = None, noise: float = 0.0) -> dict[str, Any]:
     """10 AdamW steps of the tiny model, sharded over ``tp_mesh`` as ``HybridStrategy(tensor_parallel_size)`` does
     (``apply_tensor_parallel`` with ``tp_plan="auto"``, each step and its backward in ``tensor_parallel_context``)."""
     from torch.distributed.tensor import DTensor
@@ -217,6 +222,9 @@ def _train(model_type: str, tp_mesh: Any = None) -> dict[str, Any]:
 
     torch.manual_seed(SEED)
     model = _tiny_model(model_type)
+    with torch.no_grad():  # ``noise``: relative perturbation of every weight (``_rounding_drift``)
+        for param in model.parameters() if noise else ():
+            param.mul_(1 + noise * torch.randn(param.shape, generator=torch.Generator().manual_seed(SEED)))
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh, "auto", sequence_parallel=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -261,6 +269,20 @@ def _train_every_sharded(model_types: list[str]) -> dict[str, Any]:
     return results
 
 
+def _relative(reference: list[float], other: list[float]) -> list[float]:
+    return [abs(a - b) / abs(a) for a, b in zip(reference, other)]
+
+
+def _assert_within_rounding_drift(expected: list[float], noisy: list[float], losses: list[float]) -> None:
+    """A CHAOTIC model: ``noisy`` is the reference trained from weights perturbed by 1e-7 relative."""
+    drift, gap = max(_relative(expected, noisy)), _relative(expected, losses)
+    assert drift > LOSS_RTOL, f"not chaotic any more (1e-7 weight noise moves losses {drift:.1e}): remove from CHAOTIC"
+    assert gap[0] <= LOSS_RTOL, f"the first step's loss differs by {gap[0]:.1e} relative"
+    assert max(gap) <= CHAOTIC_MARGIN * drift, (
+        f"losses differ by up to {max(gap):.1e} relative, more than {CHAOTIC_MARGIN:g} x the {drift:.1e} that 1e-7"
+        " weight noise alone causes")
+
+
 def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_refused_before_training():
     assert sorted(_declared_plans()) == ARCHITECTURES, "transformers' architectures with a plan changed"
     outcomes = {t: _outcome_before_training(t) for t in ARCHITECTURES if t not in NOT_BUILDABLE}
@@ -278,6 +300,7 @@ def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_
     torch.set_num_threads(1)  # as in the ranks; a tiny model gains nothing from more
     try:
         expected = {model_type: _train(model_type) for model_type in trained}
+        noisy = {t: _train(t, noise=1e-7)["losses"] for t in CHAOTIC if t in trained}
     finally:
         torch.set_num_threads(threads)
     failures = {}
@@ -287,11 +310,17 @@ def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_
             continue
         result = sharded[model_type]
         try:
-            assert_same_training(RunResult(**expected[model_type]), RunResult(**result), weight_atol=TP_WEIGHT_ATOL)
+            if model_type in CHAOTIC:
+                _assert_within_rounding_drift(expected[model_type]["losses"], noisy[model_type], result["losses"])
+            else:
+                assert_same_training(RunResult(**expected[model_type]), RunResult(**result),
+                                     weight_atol=TP_WEIGHT_ATOL)
         except AssertionError as error:
             failures[model_type] = " ".join(str(error).split())[:400]
+    chaotic = len(CHAOTIC & set(trained) - set(failures))
     summary = (f"tp=2 trains like one process: {len(trained) - len(failures)} of {len(trained)} model classes"
-               f" ({sum(map(len, served.values()))} model types); known divergent: {len(failures)}; refused before"
+               f" ({sum(map(len, served.values()))} model types; {chaotic} of them chaotic, held to their rounding"
+               f" drift); known divergent: {len(failures)}; refused before"
                f" training: {len(refused)}; not buildable tiny: {len(NOT_BUILDABLE)}")
     print(summary)
     fixed = sorted(set(KNOWN_DIVERGENT) - set(failures))
