@@ -42,8 +42,8 @@ from lightning_mgpu.parallel.blocks import tied_parameters
 from lightning_mgpu.parallel.tensor_checks import check_divisible, parent_name
 from lightning_mgpu.parallel.tensor_embedding import VocabParallelEmbedding, reduce_lookups_in_forward
 from lightning_mgpu.parallel.tensor_experts import ExpertsParallel, IdentityExpertParallel, place_experts
-from lightning_mgpu.parallel.tensor_plan import _hugging_face_models, _match, _with_vocab_parallel_head, auto_plan
 from lightning_mgpu.parallel.tensor_local import marking_shards, owned_local, watch_shard_parameters
+from lightning_mgpu.parallel.tensor_plan import _hugging_face_models, _match, _with_vocab_parallel_head, auto_plan
 from lightning_mgpu.parallel.tensor_region import install_global_shape_region
 
 Plan = Union[str, dict[str, str], Callable[[nn.Module, DeviceMesh], None]]
