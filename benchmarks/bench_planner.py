@@ -1,13 +1,14 @@
-"""Benchmark the planner's step-time model on this machine: predicted (after ``--calibrate``-style measurements)
-against measured step times of eight layouts, and the rank correlation of the two orders.
+"""Benchmark the planner's step-time model on this machine: predicted (after ``plan --calibrate``'s measurements)
+against measured step times of ten layouts, and the rank correlation of the two orders.
 
 Every layout fits the demo GPT with Lightning's ``Trainer`` and ``HybridStrategy`` in its own set of forked gloo
-processes (``tests/helpers/distributed.run_distributed``) with the same model, data, seed and global batch; the
-layouts are those whose memory ``tests/test_planner.py`` checks (ZeRO 0-3, tensor and pipeline parallel, at 2 and 4
-processes). Measured per step: wall time ``on_train_batch_start`` -> ``on_train_batch_end`` and process CPU time of
-the same span, the slowest rank, median over the steps after ``--warmup``. Predicted: ``planner.estimate`` on the
-machine as ``lightning_mgpu.planner.calibrate.measure`` sees it (one-process FLOP/s of the real module, memory
-bandwidth, gloo latency and bandwidth; processes beyond the cores share them).
+processes (``tests/helpers/equivalence.fit``) with the same model, data, seed and global batch; the layouts are those
+``tests/test_planner.py`` checks (ZeRO 0-3, tensor and pipeline parallel, mixes, at 2 and 4 processes). Measured per
+step: wall time ``on_train_batch_start`` -> ``on_train_batch_end`` and process CPU time of the same span, the slowest
+rank, median over the steps after ``--warmup``. Predicted: ``planner.estimate`` on the machine as
+``lightning_mgpu.planner.calibrate.measure`` saw it just before (dispatch cost and FLOP/s of the real module, what
+tensor parallelism and FSDP2 add, gloo latency and bandwidth, the cores and other jobs' load), at each layout's own
+number of processes; "work" is the prediction before the slowdown of sharing the cores, to set beside CPU time.
 
 Run ``python benchmarks/bench_planner.py --help`` for the flags.
 """
@@ -15,14 +16,10 @@ Run ``python benchmarks/bench_planner.py --help`` for the flags.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import statistics
 import sys
-import time
-import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -30,98 +27,60 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402, F401  (imported before forking: each job's start is fast)
 
-from benchmarks.bench_zero import QUIET_TRAINER, run_or_report  # noqa: E402
-from tests.test_planner import MEASURED_BATCH, MEASURED_GPT, MEASURED_LAYOUTS  # noqa: E402
-
-SEED = 1234
-
-
-def fit_job(kwargs: dict[str, Any], batch: int, steps: int) -> dict[str, Any]:
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torch.distributed"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    from datetime import timedelta
-
-    import lightning as L
-
-    from lightning_mgpu import HybridStrategy
-    from lightning_mgpu.demo import GPTLightningModule, TextDataModule
-
-    class Timer(L.Callback):
-        def __init__(self) -> None:
-            self.wall: list[float] = []
-            self.cpu: list[float] = []
-
-        def on_train_batch_start(self, *args: Any) -> None:
-            self._wall, self._cpu = time.perf_counter(), time.process_time()
-
-        def on_train_batch_end(self, *args: Any) -> None:
-            self.wall.append(time.perf_counter() - self._wall)
-            self.cpu.append(time.process_time() - self._cpu)
-
-    L.seed_everything(SEED, verbose=False)
-    timer = Timer()
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
-                        strategy=HybridStrategy(timeout=timedelta(seconds=120), **kwargs), max_steps=steps,
-                        callbacks=[timer], **QUIET_TRAINER)
-    dp = trainer.strategy.layout.data_parallel_size  # type: ignore[attr-defined]
-    trainer.fit(GPTLightningModule(**MEASURED_GPT, seed=SEED),
-                TextDataModule(batch_size=batch // dp, block_size=MEASURED_GPT["block_size"]))
-    return {"wall": timer.wall, "cpu": timer.cpu}
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(xs: list[float]) -> list[int]:
-        order = sorted(range(len(xs)), key=xs.__getitem__)
-        out = [0] * len(xs)
-        for r, i in enumerate(order):
-            out[i] = r
-        return out
-
-    ra, rb, n = ranks(a), ranks(b), len(a)
-    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+from tests.test_planner import (  # noqa: E402
+    MEASURED_BATCH,
+    MEASURED_GPT,
+    MEASURED_LAYOUTS,
+    StepTimer,
+    spearman,
+    step_medians,
+)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=300)
     args = parser.parse_args(argv)
 
-    from lightning_mgpu.demo import GPTLightningModule
+    from lightning_mgpu.demo import GPTLightningModule, TextDataModule
     from lightning_mgpu.planner import Training, estimate, spec_from_module
     from lightning_mgpu.planner.calibrate import measure
     from lightning_mgpu.planner.search import layout_from_options
+    from tests.helpers.equivalence import fit
 
-    module = GPTLightningModule(**MEASURED_GPT)
+    vocab = TextDataModule(batch_size=1, block_size=MEASURED_GPT["block_size"]).vocab_size
+    module = GPTLightningModule(**MEASURED_GPT, vocab_size=vocab)
     spec = spec_from_module(module)
-    machine = measure(spec, module)
+    machine = measure(spec, module, processes=max(p for p, _ in MEASURED_LAYOUTS))
     training = Training(global_batch=MEASURED_BATCH, precision="32-true")
     rows = []
     for processes, kwargs in MEASURED_LAYOUTS:
-        outputs = run_or_report(str(kwargs), fit_job, processes, kwargs, MEASURED_BATCH, args.steps,
-                                timeout=args.timeout, verbose=False)
-        if outputs is None:
+        dp = processes // (kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1))
+        try:
+            _, extras = fit(lambda: GPTLightningModule(**MEASURED_GPT), lambda dp=dp: TextDataModule(
+                batch_size=MEASURED_BATCH // dp, block_size=MEASURED_GPT["block_size"]), kwargs, processes,
+                args.steps, callbacks_factory=lambda: [StepTimer()])
+        except Exception as error:  # noqa: BLE001 - one failed layout is reported, the others still run
+            print(f"{processes} processes {kwargs}: FAILED: {str(error).strip().splitlines()[-1]}", flush=True)
             continue
-        wall = statistics.median([max(s) for s in zip(*(o["wall"] for o in outputs))][args.warmup:])
-        cpu = statistics.median([max(s) for s in zip(*(o["cpu"] for o in outputs))][args.warmup:])
+        wall, cpu = step_medians(extras, args.warmup)
         cluster, efficiency = machine.as_cluster(processes)
-        layout = layout_from_options(processes, MEASURED_BATCH, **kwargs)
-        predicted = estimate(spec, cluster, training, layout, efficiency).time["step"]
-        rows.append((processes, kwargs, wall, cpu, predicted))
-        print(f"{processes} processes {kwargs}: wall {wall * 1e3:.1f} ms, cpu {cpu * 1e3:.1f} ms,"
-              f" predicted {predicted * 1e3:.1f} ms", flush=True)
+        predicted = estimate(spec, cluster, training, layout_from_options(processes, MEASURED_BATCH, **kwargs),
+                             efficiency).time["step"]
+        rows.append((processes, kwargs, wall, cpu, predicted, predicted / cluster.contention, os.getloadavg()[0]))
     print()
-    print(machine.as_cluster(2)[1].source)
-    print(f"{'layout':<56} {'wall ms':>8} {'cpu ms':>8} {'pred ms':>8}")
-    for processes, kwargs, wall, cpu, predicted in rows:
-        name = f"{processes} processes " + ", ".join(f"{k}={v}" for k, v in kwargs.items())
-        print(f"{name:<56} {wall * 1e3:>8.1f} {cpu * 1e3:>8.1f} {predicted * 1e3:>8.1f}")
+    print(machine.as_cluster(4)[1].source)
+    print(f"| layout | measured wall ms | predicted ms | measured CPU ms | predicted work ms | load |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for processes, kwargs, wall, cpu, predicted, work, load in rows:
+        name = f"{processes} processes, " + ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        print(f"| {name} | {wall * 1e3:.1f} | {predicted * 1e3:.1f} | {cpu * 1e3:.1f} | {work * 1e3:.1f}"
+              f" | {load:.1f} |")
     if len(rows) > 2:
-        predicted = [r[4] for r in rows]
-        print(f"Spearman(predicted, wall) = {spearman(predicted, [r[2] for r in rows]):.2f};"
-              f" Spearman(predicted, cpu) = {spearman(predicted, [r[3] for r in rows]):.2f} (target >= 0.8)")
+        print(f"Spearman(predicted, wall) = {spearman([r[4] for r in rows], [r[2] for r in rows]):.2f};"
+              f" Spearman(predicted work, CPU) = {spearman([r[5] for r in rows], [r[3] for r in rows]):.2f}"
+              " (target >= 0.8)")
 
 
 if __name__ == "__main__":

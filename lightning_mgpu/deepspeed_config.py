@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Union
 
-DeepSpeedConfig = Union[None, dict, str, Path]
+DeepSpeedConfig = None | dict | str | Path
 
 # Sections the strategy owns: the optimizer and scheduler come from `configure_optimizers`.
 _REFUSED_SECTIONS = {
@@ -100,6 +100,26 @@ def check_config(config: DeepSpeedConfig, zero_stage: Union[int, str]) -> None:
                 f" DeepSpeed does at ZeRO stage 3 only; HybridStrategy has zero_stage={zero_stage}. Set zero_stage=3"
                 " or remove offload_param."
             )
+    _check_zero_section(zero)
+
+
+def _check_zero_section(zero: dict[str, Any]) -> None:
+    """DeepSpeed's own validation of the ZeRO section (unknown or misspelt keys, wrong types), run when the
+    strategy is built instead of inside every rank's ``deepspeed.initialize``."""
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except ImportError:
+        return  # the engine reports the missing package when it is built
+    try:
+        DeepSpeedZeroConfig(**{key: value for key, value in zero.items() if key != "stage"})
+    except ValueError as error:  # pydantic's ValidationError
+        errors_of = getattr(error, "errors", None)
+        errors = errors_of() if callable(errors_of) else []
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or str(error)
+        raise ValueError(
+            f"`deepspeed_config['zero_optimization']` is not valid for DeepSpeed: {problems}. Correct or remove"
+            " these keys (DeepSpeed's ZeRO configuration reference lists the valid ones)."
+        ) from None
 
 
 def build_config(
@@ -165,6 +185,8 @@ def _fill_precision(config: dict[str, Any], precision: str) -> None:
             f" {', '.join(map(repr, _PRECISION_SECTIONS))}, or zero_backend='torch'."
         )
     wanted = _PRECISION_SECTIONS[precision]
+    if wanted == "fp16":
+        _check_fp16_supported(precision)
     for section in ("bf16", "fp16"):
         enabled = section == wanted
         given = config.get(section, {})
@@ -177,3 +199,17 @@ def _fill_precision(config: dict[str, Any], precision: str) -> None:
                 " precision with Trainer(precision=...)."
             )
         config[section] = {**given, "enabled": enabled}
+
+
+def _check_fp16_supported(precision: str) -> None:
+    """DeepSpeed refuses fp16 on a device without fp16 kernels (a CPU whose oneDNN has none) only inside
+    ``deepspeed.initialize``, with no way out named; say it here, with the alternatives."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        raise ValueError(
+            f"Trainer(precision={precision!r}) runs DeepSpeed in fp16, which DeepSpeed does not support on this"
+            f" {accelerator.device_name()} device. Use precision='bf16-mixed', or zero_backend='torch' (its 16-mixed"
+            " runs here)."
+        )

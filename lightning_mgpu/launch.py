@@ -25,15 +25,18 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import (
+    ChildProcessObserver,
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+    WorkerOutput,
+    set_num_threads_if_needed,
+)
 from lightning_mgpu.failures import (
     FAILURE_DIR_ENV,
     RankFailedError,
@@ -68,7 +71,7 @@ _CHECKPOINT_PATHS = "lightning_mgpu_checkpoint_paths"
 _CHECKPOINT_PATH_ATTRIBUTES = ("last_model_path", "best_model_path", "best_k_models", "kth_best_model_path",
                                "best_model_score", "kth_value")
 
-class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
+class HybridSubprocessScriptLauncher(SubprocessScriptLauncher):
     """Lightning's launcher for ``python train.py`` that reports a failed rank first, once, and leaves no orphans.
 
     Three changes to Lightning's: each child dies with this process (``PR_SET_PDEATHSIG``, so killing the main
@@ -102,12 +105,12 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
             os.environ[FAILURE_DIR_ENV] = self.failure_dir  # like Lightning's MASTER_PORT: for this process's ranks
             os.environ[_PARENT_PID_ENV] = str(os.getpid())
             try:
-                self._call_children_scripts()
+                self.call_children_scripts()
             finally:
                 del os.environ[_PARENT_PID_ENV]
             _FailureObserver(self).start()
             atexit.register(self._wait_for_children)
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
     @override
@@ -160,7 +163,7 @@ class HybridSubprocessScriptLauncher(_SubprocessScriptLauncher):
             self.report_failure()
 
 
-class _FailureObserver(_ChildProcessObserver):
+class _FailureObserver(ChildProcessObserver):
     """Lightning's watcher of the children, polling every second: on a failure it reports, then ends the job."""
 
     def __init__(self, launcher: HybridSubprocessScriptLauncher) -> None:
@@ -168,8 +171,8 @@ class _FailureObserver(_ChildProcessObserver):
         self._launcher = launcher
 
     @override
-    def _run(self) -> bool:
-        codes = [proc.poll() for proc in self._child_processes]
+    def check_children(self) -> bool:
+        codes = [proc.poll() for proc in self.child_processes]
         if all(code == 0 for code in codes):
             return True
         if not any(codes):
@@ -201,7 +204,7 @@ _die_with_launcher()
 
 
 # ------------------------------------------------------------------------------------------ notebooks (fork, spawn)
-class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
+class HybridMultiProcessingLauncher(MultiProcessingLauncher):
     """Lightning's fork/spawn launcher, returning the *unsharded* weights to the main process.
 
     A failed rank raises :class:`RankFailedError` here after the report is printed to stderr (torch's own error
@@ -211,7 +214,7 @@ class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
     @property
     @override
     def is_interactive_compatible(self) -> bool:
-        return self._start_method == "fork"
+        return self.start_method == "fork"
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
@@ -222,12 +225,12 @@ class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except (ProcessRaisedException, ProcessExitedException):
             # torch's join has ended every process by now (SIGTERM, SIGKILL after 30 s).
-            first = self._strategy.node_rank * self._strategy.num_processes
+            first = self.strategy.node_rank * self.strategy.num_processes
             headline, report = format_report(
-                self._strategy.num_processes * self._strategy.num_nodes,
+                self.strategy.num_processes * self.strategy.num_nodes,
                 read_records(failure_dir),
                 {first + i: proc.exitcode for i, proc in enumerate(self.procs)},
-                _describe_rank(self._strategy),
+                _describe_rank(self.strategy),
             )
             print(report, file=sys.stderr, flush=True)
             raise RankFailedError(headline) from None
@@ -239,15 +242,15 @@ class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
             shutil.rmtree(failure_dir, ignore_errors=True)
 
     @override
-    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
-        if self._start_method == "fork":
+    def run_worker(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        if self.start_method == "fork":
             # A forked child that uses the parent's already-started OpenMP pool can hang (a notebook has usually
             # run torch ops before `fit`): one intra-op thread per process is safe, and right when processes
             # share the machine's cores.
             os.environ["OMP_NUM_THREADS"] = "1"
             torch.set_num_threads(1)
         try:
-            super()._wrapping_function(process_idx, *args, **kwargs)
+            super().run_worker(process_idx, *args, **kwargs)
         except BaseException as error:
             if isinstance(error, KeyboardInterrupt) or (
                 isinstance(error, SystemExit) and not error.code and not isinstance(error, SIGTERMException)
@@ -257,7 +260,7 @@ class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
             # (A rank stopped by torch's SIGTERM ends in Lightning's SIGTERMException: recorded as an echo.) From
             # here on SIGTERM is ignored: Lightning's handler would run a collective with the failed ranks.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            rank = self._strategy.node_rank * self._strategy.num_processes + process_idx
+            rank = self.strategy.node_rank * self.strategy.num_processes + process_idx
             record, written = record_failure(error, rank, os.environ.get(FAILURE_DIR_ENV))
             if not written:
                 print(record.traceback, file=sys.stderr)
@@ -266,7 +269,7 @@ class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
             os._exit(1)
 
     @override
-    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
+    def collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[WorkerOutput]:
         strategy: Any = trainer.strategy  # a HybridStrategy
         state_dict = strategy.full_state_dict()  # collective: every rank takes part
         if strategy.global_rank != 0:
@@ -277,7 +280,7 @@ class HybridMultiProcessingLauncher(_MultiProcessingLauncher):
         if trainer.state.fn == TrainerFn.FITTING:
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             torch.save(state_dict, weights_path)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+        return WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
     @override
     def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:

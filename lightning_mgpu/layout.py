@@ -22,7 +22,7 @@ MESH_AXES = (PP_AXIS, DP_AXIS, TP_AXIS)
 
 ZERO_STAGES = (0, 1, 2, 3)
 
-Size = Union[int, Literal["auto"]]
+Size = int | Literal["auto"]
 
 
 def _check_size(name: str, value: object, allow_auto: bool) -> None:

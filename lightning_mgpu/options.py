@@ -60,16 +60,14 @@ class ParallelOptions:
                 f" got {self.tp_plan!r}."
             )
         if isinstance(self.tp_plan, dict):
-            from lightning_mgpu.parallel.tensor_plan import STYLE_NAMES
+            from lightning_mgpu.parallel.tensor_plan import check_style_names
 
             not_globs = [glob for glob in self.tp_plan if not isinstance(glob, str) or not glob]
             if not_globs:
                 raise ValueError(
                     f"`tp_plan` keys are module-name globs (str, e.g. 'model.layers.*.mlp.up_proj'), got {not_globs}."
                 )
-            unknown = {glob: s for glob, s in self.tp_plan.items() if s not in STYLE_NAMES}
-            if unknown:
-                raise ValueError(f"`tp_plan` has unknown styles {unknown}; use one of {list(STYLE_NAMES)}.")
+            check_style_names(self.tp_plan)
         if not (self.pipeline_split == "auto" or _is_list_of_str(self.pipeline_split)):
             raise ValueError(
                 f"`pipeline_split` must be 'auto' or a list of module names where stages begin,"
@@ -132,7 +130,8 @@ class ParallelOptions:
             )
 
     def check_sizes(
-        self, zero_stage: int, tensor_parallel_size: Any, pipeline_parallel_size: Any, auto: tuple[str, ...] = ()
+        self, zero_stage: Union[int, Literal["auto"]], tensor_parallel_size: Any, pipeline_parallel_size: Any,
+        auto: tuple[str, ...] = (),
     ) -> None:
         """Options that need a given ZeRO stage or parallel size (see the module docstring for the rule).
 
@@ -163,7 +162,9 @@ class ParallelOptions:
             self._check_microbatches(pipeline_parallel_size)
         self._check_deepspeed(zero_stage, tensor_parallel_size, pipeline_parallel_size)
 
-    def _check_deepspeed(self, zero_stage: int, tensor_parallel_size: Any, pipeline_parallel_size: Any) -> None:
+    def _check_deepspeed(
+        self, zero_stage: Union[int, Literal["auto"]], tensor_parallel_size: Any, pipeline_parallel_size: Any
+    ) -> None:
         """The DeepSpeed engine's layouts and config, judged before launch (see ``deepspeed_config``)."""
         if self.zero_backend != "deepspeed":
             if self.deepspeed_config is not None:

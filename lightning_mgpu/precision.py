@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import sys
 from collections import defaultdict
 from collections.abc import Generator, Set as AbstractSet
 from contextlib import contextmanager, nullcontext
@@ -27,8 +26,6 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -36,11 +33,19 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mgpu._compat.amp import ScalerHooks, non_finite_check_and_unscale_, sparse_values
+from lightning_mgpu._compat.lightning import (
+    DtypeContextManager,
+    after_closure,
+    convert_fp_tensor,
+    optimizer_handles_unscaling,
+    trainer_precision_flag,
+)
+from lightning_mgpu.parallel.blocks import is_float8_linear
 from lightning_mgpu.parallel.grads import clip_grad_norm_
 
 _PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-mixed"]
@@ -78,6 +83,8 @@ class HybridPrecision(Precision):
     ``"fp8-mixed"``, are given as ``Trainer(plugins=[HybridPrecision(...)])``.
     """
 
+    precision: str  # type: ignore[assignment]  # Lightning's names and "fp8-mixed"
+
     def __init__(
         self,
         precision: Union[_PrecisionName, str] = "32-true",
@@ -92,7 +99,7 @@ class HybridPrecision(Precision):
         precision = str(precision)
         if precision not in SUPPORTED:
             raise ValueError(f"HybridPrecision does not support precision={precision!r}. Choose one of {SUPPORTED}.")
-        self.precision = precision  # type: ignore[assignment]
+        self.precision = precision
         self.param_dtype = _dtype("param_dtype", param_dtype)
         self.reduce_dtype = _dtype("reduce_dtype", reduce_dtype)
         if self.param_dtype is not None and precision not in _AUTOCAST_DTYPE:
@@ -145,9 +152,10 @@ class HybridPrecision(Precision):
         if isinstance(plugin, MixedPrecision):
             converted = cls(plugin.precision, device_type)
             if plugin.scaler is not None and converted.scaler is not None:
-                # Keep the user's scaler settings, but one job-wide scaler state.
-                for name in ("_init_scale", "_growth_factor", "_backoff_factor", "_growth_interval"):
-                    setattr(converted.scaler, name, getattr(plugin.scaler, name))
+                # Keep the user's scaler settings (initial scale, growth and backoff), but one job-wide scaler state.
+                settings = plugin.scaler.state_dict()
+                if settings:
+                    converted.scaler.load_state_dict(settings)
             return converted
         if isinstance(plugin, HalfPrecision):
             return cls(plugin.precision, device_type)
@@ -188,7 +196,7 @@ class HybridPrecision(Precision):
             plugin._check_device()
         if not (isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"):
             return plugin
-        if _trainer_precision_flag() != "16-mixed":
+        if trainer_precision_flag() != "16-mixed":
             return plugin
         rank_zero_warn(
             "HybridStrategy honours `precision='16-mixed'` on CPU: fp16 autocast with loss scaling (Lightning's"
@@ -225,7 +233,7 @@ class HybridPrecision(Precision):
 
     @override
     def tensor_init_context(self) -> Any:
-        return _DtypeContextManager(self.true_dtype) if self.true_dtype is not None else nullcontext()
+        return DtypeContextManager(self.true_dtype) if self.true_dtype is not None else nullcontext()
 
     @override
     def module_init_context(self) -> Any:
@@ -235,7 +243,7 @@ class HybridPrecision(Precision):
     def convert_input(self, data: Any) -> Any:
         if self.true_dtype is None:
             return data
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.true_dtype)
+        return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=self.true_dtype)
 
     @contextmanager
     def autocast(self) -> Generator[None, None, None]:
@@ -244,7 +252,7 @@ class HybridPrecision(Precision):
             with torch.autocast(self.device_type, dtype=self.autocast_dtype):
                 yield
         elif self.true_dtype is not None:
-            with _DtypeContextManager(self.true_dtype):  # tensors made inside forward get the half dtype
+            with DtypeContextManager(self.true_dtype):  # tensors made inside forward get the half dtype
                 yield
         else:
             yield
@@ -258,10 +266,10 @@ class HybridPrecision(Precision):
     # ------------------------------------------------------------------------------------------- loss scaling
     def scale_loss(self, loss: Tensor) -> Tensor:
         """Multiply ``loss`` by the job's loss scale (``16-mixed``); unchanged otherwise. Pipeline stages call this."""
-        return self.scaler.scale(loss) if self.scaler is not None else loss  # type: ignore[return-value]
+        return self.scaler.scale(loss) if self.scaler is not None else loss
 
     @override
-    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
         return super().pre_backward(self.scale_loss(tensor), module)
 
     @override
@@ -275,11 +283,11 @@ class HybridPrecision(Precision):
         closure_result = closure()
         # Backward was skipped (training_step returned None): nothing to unscale or step.
         skip = closure_result is None and model.automatic_optimization
-        if not skip and not _optimizer_handles_unscaling(optimizer):
+        if not skip and not optimizer_handles_unscaling(optimizer):
             # Unscale before `on_before_optimizer_step` and clipping, which must see true gradients. This is where
             # the found-inf flag is all-reduced over the whole job.
             self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
-        self._after_closure(model, optimizer)
+        after_closure(self, model, optimizer)
         if skip:
             return closure_result
         # Skips `optimizer.step()` on every rank alike when any rank found an inf/nan.
@@ -294,7 +302,7 @@ class HybridPrecision(Precision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        if self.scaler is not None and clip_val > 0 and _optimizer_handles_unscaling(optimizer):
+        if self.scaler is not None and clip_val > 0 and optimizer_handles_unscaling(optimizer):
             raise RuntimeError(
                 f"{type(optimizer).__qualname__} unscales gradients inside `step` (a fused optimizer?), so gradients"
                 " cannot be clipped under 16-mixed."
@@ -318,7 +326,7 @@ class HybridPrecision(Precision):
             self.scaler.load_state_dict(state_dict)
 
 
-class JobGradScaler(ShardedGradScaler):
+class JobGradScaler(ScalerHooks):
     """torch's ``ShardedGradScaler`` with the found-inf flag all-reduced over the *whole job*.
 
     Pipeline stages and tensor-parallel ranks hold different gradient shards, so the data-parallel group is not
@@ -332,15 +340,14 @@ class JobGradScaler(ShardedGradScaler):
 
     @override
     def unscale_(self, optimizer: Optimizer) -> None:
-        if self._enabled and self._scale is None:
-            # Pipeline stages before the last never scale a loss themselves, yet hold scaled gradients.
-            self._lazy_init_scale_growth_tracker(torch.device(self._device))
+        # Pipeline stages before the last never scale a loss themselves, yet hold scaled gradients.
+        self.ensure_scale()
         if dist.is_available() and dist.is_initialized():
             return super().unscale_(optimizer)
-        return torch.amp.GradScaler.unscale_(self, optimizer)  # single process: nothing to agree on
+        return self.unscale_locally(optimizer)  # single process: nothing to agree on
 
     @override
-    def _unscale_grads_(  # type: ignore[override]
+    def unscale_grads(
         self, optimizer: Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool = True
     ) -> dict[torch.device, Tensor]:
         grads: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(lambda: defaultdict(list))
@@ -352,14 +359,14 @@ class JobGradScaler(ShardedGradScaler):
                         continue
                     grad = grad.to_local() if isinstance(grad, DTensor) else grad
                     if grad.is_sparse:
-                        grad = grad._values()
+                        grad = sparse_values(grad)
                     grads[grad.device][grad.dtype].append(grad)
             found: dict[torch.device, Tensor] = {}
             for device, by_dtype in grads.items():
                 found[device] = found_inf.to(device)
                 device_inv_scale = inv_scale.to(device)
                 for tensors in by_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], device_inv_scale)
+                    non_finite_check_and_unscale_(tensors, found[device], device_inv_scale)
         if not found:  # a rank without gradients still takes part in the all-reduce
             found[found_inf.device] = found_inf
         return found
@@ -396,9 +403,9 @@ def convert_to_float8(module: nn.Module, emulate: bool, device_type: str) -> int
             and child.out_features % _FP8_MULTIPLE == 0
         )
 
-    before = sum(type(m).__name__ == "Float8Linear" for m in module.modules())
+    before = sum(is_float8_linear(m) for m in module.modules())
     convert_to_float8_training(module, module_filter_fn=eligible, config=Float8LinearConfig(emulate=emulate))
-    converted = sum(type(m).__name__ == "Float8Linear" for m in module.modules()) - before
+    converted = sum(is_float8_linear(m) for m in module.modules()) - before
     if converted == 0:
         rank_zero_warn(
             "fp8-mixed found no nn.Linear layer with both dimensions multiples of 16 to convert; this run is"
@@ -415,20 +422,3 @@ def _dtype(name: str, value: Optional[Union[str, torch.dtype]]) -> Optional[torc
     if str(value).lower() in _DTYPES:
         return _DTYPES[str(value).lower()]
     raise ValueError(f"`{name}` must be a torch dtype or one of {sorted(_DTYPES)}, got {value!r}.")
-
-
-def _trainer_precision_flag() -> Optional[str]:
-    """The ``precision`` argument the user gave ``Trainer``, read from the accelerator connector's ``__init__``."""
-    from lightning.fabric.connector import _convert_precision_to_unified_args
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), _AcceleratorConnector):
-            raw = frame.f_locals.get("precision")
-            try:
-                return _convert_precision_to_unified_args(raw) if raw is not None else None
-            except ValueError:
-                return None
-        frame = frame.f_back
-    return None

@@ -5,26 +5,17 @@ It owns Lightning's hooks and hands every piece of parallel work to ``layout``, 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _all_gather_ddp_if_available,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -35,13 +26,31 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
+from lightning_mgpu._compat.lightning import (
+    IS_INTERACTIVE,
+    PATH,
+    StrategyHooks,
+    all_gather_ddp_if_available,
+    attached_trainer,
+    default_process_group_backend,
+    init_dist_connection,
+    layer_sync,
+    materialize_distributed_module,
+    optimizers_to_device,
+    reset_optimizers_and_schedulers,
+    sync_ddp_if_available,
+)
+from lightning_mgpu.checkpoint.plain import restore_plain
 from lightning_mgpu.failures import handle_rank_failure
 from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size, warn_about_layout
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
+from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
+from lightning_mgpu.parallel.deepspeed_engine import CHECKPOINT_KEY as DEEPSPEED_KEY
 from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
+from lightning_mgpu.parallel.experts import expert_parameters
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
 from lightning_mgpu.planner import auto as planner_auto
@@ -53,7 +62,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.accelerators import Accelerator
     from torch.distributed.device_mesh import DeviceMesh
 
-class HybridStrategy(ParallelStrategy):
+class HybridStrategy(StrategyHooks, ParallelStrategy):
     """Data, tensor and pipeline parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
 
     Arguments: the README's "HybridStrategy arguments" table. Sizes multiply to ``devices x num_nodes``;
@@ -93,6 +102,7 @@ class HybridStrategy(ParallelStrategy):
         cluster_environment: Optional["ClusterEnvironment"] = None,
         checkpoint_io: Optional["CheckpointIO"] = None,
         precision_plugin: Optional[Precision] = None,
+        restore_module_on_teardown: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -125,7 +135,7 @@ class HybridStrategy(ParallelStrategy):
         self.options.check_sizes(zero_stage, tensor_parallel_size, pipeline_parallel_size)
         self._launch_options = LaunchOptions(process_group_backend, timeout, start_method)
         self._process_group_backend = process_group_backend
-        self._timeout = self._launch_options.timeout
+        self._timeout = cast(Optional[timedelta], self._launch_options.timeout)  # LaunchOptions made it a timedelta
         self._start_method = start_method
         self._layout: Optional[ParallelLayout] = None
         # Several layouts the "auto" choices allow: the planner picks one at setup, once the module is known.
@@ -140,6 +150,11 @@ class HybridStrategy(ParallelStrategy):
         state_access = sharded_checkpoint.DeepSpeedStates(self._deepspeed) if self._deepspeed is not None else None
         self._checkpointer = sharded_checkpoint.Checkpointer(checkpoint_format, async_checkpoint, state_access)
         self.num_nodes = 1
+        # Every patch on the user's objects during one run, and the module as it was, undone in `teardown`.
+        self._restore_module = restore_module_on_teardown
+        self._patches = PatchLog()
+        self._snapshot: Optional[ModuleSnapshot] = None
+        self._failed = False
 
     # ----------------------------------------------------------------------------------------------- layout / mesh
     @property
@@ -192,13 +207,12 @@ class HybridStrategy(ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False
 
-    @override
-    def set_world_ranks(self) -> None:
+    def set_world_ranks(self) -> None:  # called by the Trainer when the strategy has it (ParallelStrategy has not)
         # Called when the Trainer is built, before processes start: the earliest point the world size is known.
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         if self.num_processes:
             world = self.num_nodes * self.num_processes
             choices = planner_auto.layout_candidates(world, *self._requested_sizes)
@@ -224,7 +238,7 @@ class HybridStrategy(ParallelStrategy):
         """
         assert self.parallel_devices is not None
         self._launch_options.check_device(self.parallel_devices[0].type)
-        if self._layer_sync is not None:  # set from Trainer(sync_batchnorm=True) just before this call
+        if layer_sync(self) is not None:  # set from Trainer(sync_batchnorm=True) just before this call
             raise NotImplementedError(
                 "HybridStrategy does not implement Trainer(sync_batchnorm=True) yet: BatchNorm statistics would stay"
                 " per rank. Remove sync_batchnorm=True (or use GroupNorm/LayerNorm, which need no synchronization)."
@@ -235,7 +249,7 @@ class HybridStrategy(ParallelStrategy):
         wrapped = self.options.cpu_offload or self.precision_plugin.param_dtype is not None
         warn_about_layout(layout, self.num_processes, self.num_nodes, wrapped)
 
-    @property  # type: ignore[override]
+    @property
     @override
     def precision_plugin(self) -> HybridPrecision:
         plugin = self._precision_plugin if self._precision_plugin is not None else Precision()
@@ -256,13 +270,13 @@ class HybridStrategy(ParallelStrategy):
 
     # ---------------------------------------------------------------------------------------------- launch / setup
     @override
-    def _configure_launcher(self) -> None:
+    def configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:
             return
         start_method = self._start_method
         if start_method == "auto":
-            start_method = "fork" if _IS_INTERACTIVE else "popen"
+            start_method = "fork" if IS_INTERACTIVE else "popen"
         if start_method == "popen":
             self._launcher = HybridSubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes, self, self._timeout
@@ -276,6 +290,7 @@ class HybridStrategy(ParallelStrategy):
         # launcher's main process prints it for all its ranks.
         mesh_shape = self._layout.mesh_shape if self._layout is not None else (1, self.world_size, 1)
         report = getattr(self._launcher, "report_failure", None)
+        self._failed = True  # teardown then runs no collective (the module is not gathered back)
         handle_rank_failure(exception, self.global_rank, self.world_size, mesh_shape, report)
 
     @override
@@ -284,11 +299,11 @@ class HybridStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+        self._process_group_backend = self._process_group_backend or default_process_group_backend(
             self.root_device
         )
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
+        init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         if self._layout is None:  # several layouts possible: the planner chooses, with the module at hand
@@ -309,6 +324,7 @@ class HybridStrategy(ParallelStrategy):
             try:
                 cluster = planner_auto.local_cluster(self.world_size, self.num_processes, self.root_device.type)
                 module = self.lightning_module
+                assert module is not None
                 answer = planner_auto.plan_strategy_layout(
                     module, self._layout_choices, cluster, planner_auto.batch_per_replica(module),
                     str(self.precision_plugin.precision), self.options,
@@ -342,15 +358,21 @@ class HybridStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None
         assert self.accelerator is not None
+        assert self.lightning_module is not None
         self.accelerator.setup(trainer)
-        _materialize_distributed_module(self.model, self.root_device)
+        materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._runner is not None and self._runner.module is self.lightning_module:
             self.model = self._runner  # already parallelized by an earlier fit/validate with this Trainer
         else:
+            self._failed = False
+            if self._restore_module and self._deepspeed is None:
+                self._snapshot = ModuleSnapshot.take(self.lightning_module)
             self.model = self._runner = self._parallelize()
-        reduce_metrics_over(self.lightning_module, self.device_mesh[DP_AXIS].get_group())
+            if self._snapshot is not None:
+                self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains
+        reduce_metrics_over(self.lightning_module, self.device_mesh[DP_AXIS].get_group(), self._patches)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -360,9 +382,10 @@ class HybridStrategy(ParallelStrategy):
             )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self) -> "StepRunner":
+        assert self.lightning_module is not None
         runner = StepRunner(self.lightning_module)
         pipeline = parallelize(
             self.lightning_module,
@@ -379,6 +402,7 @@ class HybridStrategy(ParallelStrategy):
                 pp_mesh.get_group(), self.root_device,
             )
             self._pipeline.share_with(self.precision_plugin)
+            self._patches.add(self._pipeline.remove)
         return runner
 
     @property
@@ -390,17 +414,20 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        self._reset_optimizers_and_schedulers()
+        reset_optimizers_and_schedulers(self)
         for sharding in self._optimizer_sharding:
             sharding.remove()
         super().setup_optimizers(trainer)
         if self._pipeline is not None:
             for optimizer in self.optimizers:
+                self._patches.keep_attribute(optimizer, "zero_grad")
                 self._pipeline.guard_zero_grad(optimizer)
         if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1 and self._deepspeed is None:
             dp_mesh = self.device_mesh[DP_AXIS]
+            assert self.lightning_module is not None
+            local = expert_parameters(self.lightning_module)  # sharded over their own mesh: each rank steps its own
             self._optimizer_sharding = [
-                OptimizerStateSharding(optimizer, dp_mesh, self._data_parallel_roots, self.precision_plugin)
+                OptimizerStateSharding(optimizer, dp_mesh, self._data_parallel_roots, self.precision_plugin, local)
                 for optimizer in self.optimizers
             ]
 
@@ -465,6 +492,7 @@ class HybridStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is not None:
             # The schedule already ran backward inside `training_step`; callbacks still get on_after_backward.
+            assert self.lightning_module is not None
             return Precision.post_backward(self.precision_plugin, closure_loss, self.lightning_module)
         if self._deepspeed is not None:
             assert self.lightning_module is not None
@@ -515,28 +543,28 @@ class HybridStrategy(ParallelStrategy):
         group = self._data_parallel_group(group)
         if not isinstance(tensor, Tensor) or (group is not None and dist.get_world_size(group) == 1):
             return tensor  # nothing to reduce (dp=1 under tp/pp): skip Lightning's barrier + all-reduce per log
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         # ModelCheckpoint/EarlyStopping: the vote is over every rank (Lightning compares it with the world size).
-        votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
+        votes = sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
         return bool(votes == self.world_size) if all else bool(votes)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         """Gather over the data-parallel group by default, one entry per distinct data shard."""
-        return _all_gather_ddp_if_available(tensor, group=self._data_parallel_group(group), sync_grads=sync_grads)
+        return all_gather_ddp_if_available(tensor, group=self._data_parallel_group(group), sync_grads=sync_grads)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
+        if _distributed():
             nccl = dist.get_backend() == "nccl"
             dist.barrier(device_ids=[self.root_device.index] if nccl else None)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not _distributed():
             return obj
         container = [obj]
         dist.broadcast_object_list(container, src)
@@ -565,24 +593,29 @@ class HybridStrategy(ParallelStrategy):
         return self._checkpointer
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
         assert self.lightning_module is not None
+        if self._deepspeed is not None:  # the engine's loss scaler and step counters
+            checkpoint = {**checkpoint, DEEPSPEED_KEY: self._deepspeed.state_dict()}
         self.checkpointer.save(checkpoint, filepath, self.lightning_module, list(self.optimizers), self.layout)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
-        fitting = module._trainer is None or module.trainer.state.fn == TrainerFn.FITTING
-        return self.checkpointer.load(
+        fitting = attached_trainer(module) is None or module.trainer.state.fn == TrainerFn.FITTING
+        loaded = self.checkpointer.load(
             checkpoint_path, module, list(self.optimizers), strict=module.strict_loading, weights_only=weights_only,
             fitting=fitting,
         )
+        if self._deepspeed is not None and fitting:
+            self._deepspeed.load_state_dict(loaded.get(DEEPSPEED_KEY))
+        return loaded
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: PATH) -> None:
         self.checkpointer.remove(filepath)
 
     @override
@@ -606,10 +639,30 @@ class HybridStrategy(ParallelStrategy):
         for sharding in self._optimizer_sharding:
             sharding.remove()
         self._optimizer_sharding = []
+        if self._restore_module:
+            self._restore_user_objects()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+    def _restore_user_objects(self) -> None:
+        """Undo every patch on the user's objects and give back the plain module with the trained values.
+
+        After a failure only what needs no collective is undone; the module stays parallelized.
+        """
+        snapshot, self._snapshot = self._snapshot, None
+        if self._deepspeed is not None and not self._failed:  # collective: DeepSpeed's changes undone in place
+            assert self.lightning_module is not None
+            self._deepspeed.release(self.lightning_module)
+            self.model, self._runner = self.lightning_module, None
+        if snapshot is None or self._failed:
+            self._patches.undo()
+            return
+        pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
+        restore_plain(snapshot, list(self.optimizers), self._patches, pp_group)
+        self.model, self._runner, self._pipeline = self.lightning_module, None, None
+        gc.collect()  # DDP's reducer (its autograd hooks on the parameters) goes with the step runner
 
     @classmethod
     @override
@@ -619,3 +672,7 @@ class HybridStrategy(ParallelStrategy):
             strategy_registry.register(
                 f"hybrid_zero{stage}", cls, description=f"lightning-mgpu HybridStrategy, ZeRO stage {stage}", zero_stage=stage
             )
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()

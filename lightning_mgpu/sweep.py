@@ -207,6 +207,8 @@ def _add_predictions(args: argparse.Namespace, results: list[dict[str, Any]]) ->
         peak, _ = device_peak_flops(torch.device(args.accelerator), args.precision)
     except Exception:
         return
+    if peak is None:  # no peak known for this device: nothing to predict with
+        return
     for run in results:
         n, dp, tp, pp = run["devices"], run["dp"], run["tp"], run["pp"]
         try:

@@ -384,7 +384,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_resumable(uninter
             callbacks_factory=callbacks, fit_kwargs={})
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [".epoch=0-step=4.ckpt.partial", "epoch=0-step=2.ckpt", "last.ckpt"], names
-    with pytest.raises(FileNotFoundError, match="An unfinished save was found at .*epoch=0-step=4.ckpt.partial"):
+    with pytest.raises(FileNotFoundError, match=r"An unfinished save was found at .*epoch=0-step=4.ckpt.partial"):
         Checkpointer().load(tmp_path / "epoch=0-step=4.ckpt", ResumeModule(), [], fitting=False)
     resumed, _ = fit(ResumeModule, _data(2), {"zero_stage": 1}, 2, STEPS,
                      fit_kwargs={"ckpt_path": str(tmp_path / "last.ckpt")})
@@ -544,10 +544,10 @@ def test_loading_names_missing_entries_and_respects_strict(uninterrupted, tmp_pa
     # A weights-only file initializes a model but cannot resume training.
     write_consolidated(directory / "step3.ckpt", tmp_path / "weights.ckpt", weights_only=True)
     plain = ResumeModule()
-    with pytest.raises(CheckpointError, match="has no state for optimizer 0 .*save_weights_only"):
+    with pytest.raises(CheckpointError, match=r"has no state for optimizer 0 .*save_weights_only"):
         Checkpointer().load(tmp_path / "weights.ckpt", plain, [plain.configure_optimizers()["optimizer"]])
     (tmp_path / "broken.ckpt").write_bytes((tmp_path / "weights.ckpt").read_bytes()[:1000])
-    with pytest.raises(CheckpointError, match="broken.ckpt could not be read, it is truncated or corrupt"):
+    with pytest.raises(CheckpointError, match=r"broken.ckpt could not be read, it is truncated or corrupt"):
         Checkpointer().load(tmp_path / "broken.ckpt", plain, [], fitting=False)
 
 
@@ -628,7 +628,7 @@ def test_fast_forward_skips_indices_of_map_style_data_and_batches_of_iterables()
 
 
 def test_async_checkpoint_needs_the_sharded_format():
-    with pytest.raises(ValueError, match="`async_checkpoint=True` .* needs `checkpoint_format='sharded'`, got 'full'"):
+    with pytest.raises(ValueError, match=r"`async_checkpoint=True` .* needs `checkpoint_format='sharded'`, got 'full'"):
         HybridStrategy(async_checkpoint=True, checkpoint_format="full")
 
 

@@ -263,7 +263,7 @@ def test_communication_errors_are_echoes():
         try:
             raise RuntimeError("Connection closed by peer")
         except RuntimeError:
-            raise KeyError("while handling")
+            raise KeyError("while handling")  # noqa: B904 - the implicit chain (__context__) is what is tested
     except KeyError as chained:
         assert is_secondary(chained)
     assert not is_secondary(ValueError("boom"))

@@ -89,7 +89,7 @@ def test_the_fuzzer_draws_every_dimension():
     @settings(max_examples=300, derandomize=True, deadline=None, database=None)
     @given(layouts())
     def draw(drawn):
-        model, strategy, world, dp, precision = drawn
+        _model, strategy, world, dp, precision = drawn
         assert strategy["pipeline_parallel_size"] * strategy["tensor_parallel_size"] * dp == world
         seen["schedule"].add(strategy.get("pipeline_schedule"))
         seen["zero"].add(strategy["zero_stage"])

@@ -219,6 +219,6 @@ def test_diagnoses_name_the_axis_the_bubble_and_the_memory_headroom():
 
 @pytest.mark.parametrize("kwargs", [{"every_n_steps": 0}, {"warmup_steps": -1}, {"peak_flops": 0.0}])
 def test_bad_arguments_are_refused_with_the_value(kwargs):
-    name, value = next(iter(kwargs.items()))
+    name, _ = next(iter(kwargs.items()))
     with pytest.raises(ValueError, match=name):
         ScalingMonitor(**kwargs)

@@ -180,12 +180,14 @@ CASES = [
     # An "auto" size the world size determines (dp fixed) is checked as resolved; where several layouts are possible
     # the planner chooses at setup among those the options run with, and only none running is refused here.
     ("auto-tp-sp", dict(tensor_parallel_size="auto", data_parallel_size=2, sequence_parallel=True), {}, "trainer",
-     r"`sequence_parallel=True` .*needs tensor_parallel_size > 1, got 1 \(tensor_parallel_size='auto' resolved to 1\)"),
+     r"`sequence_parallel=True` .*needs tensor_parallel_size > 1, got 1"
+     r" \(tensor_parallel_size='auto' resolved to 1\)"),
     ("auto-tp-lp", dict(tensor_parallel_size="auto", data_parallel_size=2, loss_parallel=True), {}, "trainer",
      r"`loss_parallel=True` .*\(tensor_parallel_size='auto' resolved to 1\)"),
     ("auto-pp-microbatches", dict(pipeline_parallel_size="auto", data_parallel_size=2, num_microbatches=4), {},
      "trainer",
-     r"`num_microbatches=4` .*needs pipeline_parallel_size > 1, got 1 \(pipeline_parallel_size='auto' resolved to 1\)"),
+     r"`num_microbatches=4` .*needs pipeline_parallel_size > 1, got 1"
+     r" \(pipeline_parallel_size='auto' resolved to 1\)"),
     ("auto-pp-schedule", dict(pipeline_parallel_size="auto", data_parallel_size=2, pipeline_schedule="GPipe"), {},
      "trainer", r"`pipeline_schedule='GPipe'` .*\(pipeline_parallel_size='auto' resolved to 1\)"),
     ("auto-no-layout-runs", dict(tensor_parallel_size="auto", pipeline_parallel_size="auto", sequence_parallel=True,

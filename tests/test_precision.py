@@ -169,7 +169,7 @@ def test_scaler_state_round_trips_through_the_plugin():
 def test_fp8_refusals_are_clear(monkeypatch):
     pytest.importorskip("torchao")
     # The device is known once the strategy has it, when the Trainer is built: before any process starts.
-    with pytest.raises(ValueError, match="no float8 matmul kernels on CPU. Pass `fp8_emulate=True`"):
+    with pytest.raises(ValueError, match=r"no float8 matmul kernels on CPU. Pass `fp8_emulate=True`"):
         L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(), plugins=[HybridPrecision("fp8-mixed")],
                   logger=False)
     plugin = HybridPrecision.from_lightning(HybridPrecision("fp8-mixed", fp8_emulate=True), "cpu")

@@ -77,7 +77,7 @@ def test_trainer_precision_selects_hybrid_precision(precision, expected):
 
 def test_unsupported_precision_is_named():
     with pytest.raises(ValueError, match="does not support the precision '64-true'"):
-        _trainer(strategy=HybridStrategy(), precision="64-true").strategy.precision_plugin
+        _trainer(strategy=HybridStrategy(), precision="64-true").strategy.precision_plugin  # noqa: B018 - raises
 
 
 def _collectives_worker():

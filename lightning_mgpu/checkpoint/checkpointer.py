@@ -7,6 +7,7 @@ import dataclasses
 import sys
 import threading
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -17,6 +18,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.optim import Optimizer
 
+from lightning_mgpu._compat.dcp import flatten_state_dict
+from lightning_mgpu._compat.lightning import attached_trainer
 from lightning_mgpu.checkpoint import format as fmt
 from lightning_mgpu.checkpoint import resume, states
 from lightning_mgpu.checkpoint.format import INFO_KEY, LAYOUT_KEY, MODEL_KEY, OPTIMIZER_KEY, CheckpointError
@@ -75,15 +78,6 @@ def layout_record(layout: "ParallelLayout") -> dict[str, int]:
     return record
 
 
-def describe_layout(record: Any) -> str:
-    if not isinstance(record, dict):
-        return str(record)
-    return (
-        f"dp={record['data_parallel_size']} x tp={record['tensor_parallel_size']} x"
-        f" pp={record['pipeline_parallel_size']} (zero_stage={record['zero_stage']})"
-    )
-
-
 def hf_models(module: nn.Module) -> dict[str, dict[str, str]]:
     """Children of the LightningModule that are Hugging Face ``PreTrainedModel``s: their prefix and config."""
     transformers = sys.modules.get("transformers")
@@ -99,7 +93,7 @@ def hf_models(module: nn.Module) -> dict[str, dict[str, str]]:
 class _RecordingWriter(FileSystemWriter):
     """DCP's file writer, remembering the files this rank wrote, to checksum them."""
 
-    written: list[str] = []
+    written: Sequence[str] = ()
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
@@ -164,7 +158,7 @@ class _PendingSave:
         part failed, so that no rank goes on into collectives the others have left."""
         self._done.wait()
         error = self._error
-        failures = [(_rank(), error)] if error is not None else []
+        failures: list[tuple[int, Any]] = [(_rank(), error)] if error is not None else []
         if agree and _distributed():
             reports = _all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
             failures = [(rank, report) for rank, report in enumerate(reports) if report is not None]
@@ -334,7 +328,7 @@ class Checkpointer:
 
 def _fit_goes_on(model: nn.Module) -> bool:
     """Whether training continues after this save: a background save after `fit` returned would never finish."""
-    trainer = getattr(model, "_trainer", None)
+    trainer = attached_trainer(model)
     return trainer is not None and trainer.state.status == TrainerStatus.RUNNING
 
 
@@ -353,8 +347,6 @@ def _check_intact(path: Path) -> None:
 
 def _flatten_full(checkpoint: dict[str, Any], model: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:
     """A full file's model and optimizer states as DCP-flattened entries, to be served by ``FlatReader``."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
     nested: dict[str, Any] = {MODEL_KEY: checkpoint[MODEL_KEY]}
     saved = checkpoint.get(OPTIMIZER_KEY)
     if optimizers and saved:

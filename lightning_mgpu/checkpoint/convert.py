@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zipfile
 from pathlib import Path
@@ -9,10 +10,9 @@ from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from lightning_mgpu._compat.dcp import load_without_process_group
 from lightning_mgpu.checkpoint import format as fmt
 from lightning_mgpu.checkpoint import states
 from lightning_mgpu.checkpoint.format import INFO_KEY, LAYOUT_KEY, MODEL_KEY, OPTIMIZER_KEY, CheckpointError
@@ -24,10 +24,7 @@ _WEIGHTS_ONLY_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "hype
 
 def _read_shards(path: Path, keys: Optional[set[str]] = None) -> dict[str, Any]:
     """Every (or the listed top-level) entry of a DCP directory as full tensors, in this process only."""
-    state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys),
-                     no_dist=True)
-    return state
+    return load_without_process_group(path, keys)
 
 
 def consolidate_directory(path: Path, meta: dict[str, Any], weights_only: bool = False) -> dict[str, Any]:
@@ -125,10 +122,17 @@ def write_consolidated(
 
 
 # ------------------------------------------------------------------------------------------------------- inspect
+def _describe_layout(record: Any) -> str:
+    """A saved layout record (``checkpointer.layout_record``) as ``ParallelLayout.describe`` says it."""
+    from lightning_mgpu.layout import ParallelLayout
+
+    if not isinstance(record, dict):
+        return str(record)
+    return ParallelLayout(**{field.name: record[field.name] for field in dataclasses.fields(ParallelLayout)}).describe()
+
+
 def describe(path: Path, show_optimizer: bool = False, load_weights_only: Optional[bool] = None) -> str:
     """What ``lightning-mgpu inspect`` prints: format, layout, progress, and the tensors with their shapes."""
-    from lightning_mgpu.checkpoint.checkpointer import describe_layout
-
     meta = fmt.read_metadata(path, load_weights_only)
     info = meta.get(INFO_KEY, {})
     if path.is_dir():
@@ -153,7 +157,7 @@ def describe(path: Path, show_optimizer: bool = False, load_weights_only: Option
     layout = meta.get(LAYOUT_KEY)
     lines = [
         f"{path}: {kind}, format version {info.get('format_version', '-')}",
-        f"layout: {describe_layout(layout) if layout else 'unknown'}"
+        f"layout: {_describe_layout(layout) if layout else 'unknown'}"
         + (f", {layout['world_size']} processes" if isinstance(layout, dict) else ""),
         f"progress: epoch {meta.get('epoch', '-')}, global step {meta.get('global_step', '-')}",
         f"checksums: {verified}",

@@ -7,6 +7,13 @@ as whole tensors (DCP writes each once); loading reads whole tensors and scatter
 ``safe_set_full_*``. So a DeepSpeed run resumes under the torch backend, any layout, and the other way round, and
 ``lightning-mgpu inspect/consolidate`` read it like any other checkpoint.
 
+Cost of a save: every rank gathers each parameter's fp32 master and optimizer states whole (``safe_get_full_*``
+all-reduce a zero-filled full tensor, one parameter and state at a time) and holds them until DCP has written,
+which it does once per tensor: transiently 12 bytes per parameter of the whole model per rank (fp32 AdamW: master
+and two moments), and about 3 x 4N x 2(dp-1)/dp bytes sent per rank. Writing shard-wise would need DeepSpeed's
+partitions re-cut first: they split parameters at arbitrary flat offsets, which DCP's chunk metadata (an N-d box
+per chunk) cannot describe.
+
 An object of :class:`DeepSpeedStates` stands in for the ``states`` module in ``Checkpointer`` (same functions).
 """
 
@@ -57,7 +64,7 @@ def _full_param(param: nn.Parameter) -> torch.Tensor:
     return full.detach().reshape(_shape(param)).clone()
 
 
-def _shape(param: nn.Parameter) -> torch.Size:
+def _shape(param: Any) -> torch.Size:  # a DeepSpeed-partitioned parameter carries its full shape in ds_shape
     return param.ds_shape if hasattr(param, "ds_id") else param.shape
 
 
@@ -71,9 +78,17 @@ class DeepSpeedStates:
     def __init__(self, runner: "DeepSpeedEngineRunner") -> None:
         self.runner = runner
 
+    @property
+    def _released(self) -> bool:
+        """After ``fit`` the engine is gone and the module and optimizer are plain torch objects again
+        (``deepspeed_release``): a save then reads them like the torch backend's unsharded ones."""
+        return self.runner.engine is None
+
     # ------------------------------------------------------------------------------------------------------ save
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         """Every entry of ``model.state_dict()``, parameters as whole fp32 masters. Collective."""
+        if self._released:
+            return states.model_state(model)
         params = dict(model.named_parameters(remove_duplicate=False))
         gathered: dict[nn.Parameter, torch.Tensor] = {}
         state = {}
@@ -90,6 +105,10 @@ class DeepSpeedStates:
     def optimizer_state(self, model: nn.Module, optimizer: Optimizer, initialize: bool = False) -> dict[str, Any]:
         """The torch backend's flattened optimizer state, per parameter FQN. Collective."""
         from deepspeed.utils import safe_get_full_optimizer_state
+
+        if self._released:
+            return states.optimizer_state(model, optimizer, initialize)
+        _relink_optimizer_states(self.runner.engine)
 
         names = self._fqns(model)
         tensor_keys, scalars = self._state_layout(optimizer)
@@ -111,6 +130,8 @@ class DeepSpeedStates:
         return flat
 
     def group_fqns(self, model: nn.Module, optimizer: Optimizer, flat_state: dict[str, Any]) -> list[list[str]]:
+        if self._released:
+            return states.group_fqns(model, optimizer, flat_state)
         names = self._fqns(model)
         return [[names[param] for param in params] for params in self.runner.param_groups]
 
@@ -221,7 +242,7 @@ class DeepSpeedStates:
                     for key, value in example.items()
                 }
                 created = True
-        if created and hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        if created and zero is not None and hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
             zero._hp_optimizer_states_linked = False  # ZeRO-1/2 and bf16: point each parameter at its fragments
             zero._lazy_init_hp_params_optimizer_state()
 
@@ -254,6 +275,19 @@ def _empty(entry: Any) -> Any:
     if isinstance(entry, TensorStorageMetadata):
         return torch.empty(entry.size, dtype=entry.properties.dtype)
     return None  # bytes: DCP replaces the placeholder with the saved object
+
+
+def _relink_optimizer_states(engine: Any) -> None:
+    """Point every parameter's fragment at its group's current optimizer states.
+
+    DeepSpeed's ZeRO-1/2 (and bf16) optimizer links the fragments once, right after stepping its *first* param
+    group (deepspeed 0.19.8, ``stage_1_and_2._optimizer_step``): the other groups' states do not exist yet, so their
+    parameters' fragments stay without ``exp_avg`` and ``safe_get_full_optimizer_state`` fails on one rank (the
+    others then wait in its all-reduce). Linking again is local and cheap (views)."""
+    zero = getattr(engine, "optimizer", None)
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
 
 
 def _refresh_zero3_partitions(engine: Any) -> None:

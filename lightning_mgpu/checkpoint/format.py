@@ -197,7 +197,9 @@ def verify(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
         return [str(error)]
     if records is None:
         if rank == 0:
-            warnings.warn(f"{path} has no {MANIFEST_FILE} (saved by an earlier version): its files are not verified.")
+            warnings.warn(
+                f"{path} has no {MANIFEST_FILE} (saved by an earlier version): its files are not verified.", stacklevel=2
+            )
         return []
     problems = []
     for name in sorted(records)[rank::world_size]:

@@ -12,13 +12,14 @@ checkpointer passes every checkpoint through :func:`align_loops_with_data` when 
 
 from __future__ import annotations
 
-import copy
 import itertools
 from typing import TYPE_CHECKING, Any, Iterator
 
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_mgpu._compat.data import with_sampler
+from lightning_mgpu._compat.lightning import set_sampler_epoch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -28,7 +29,7 @@ def batches_to_skip(trainer: "pl.Trainer") -> tuple[int, int]:
     """``(batches consumed in the interrupted epoch, that epoch)``, from the restored loops; ``(0, epoch)`` when
     the checkpoint was saved at an epoch boundary. Mirrors how Lightning's loops count the restarted epoch."""
     fit_loop = trainer.fit_loop
-    epoch = fit_loop.epoch_progress.current.processed
+    epoch = fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]  # a _ProcessedTracker
     fit_loop.update_restart_stage()  # recomputed by `fit_loop.reset()` as well; only read here
     if not fit_loop.restarted_mid_epoch:
         return 0, epoch
@@ -92,7 +93,7 @@ class FastForward:
             return iter(self.loader)
         skip, self.skip = self.skip, 0
         with isolate_rng():
-            _set_sampler_epoch(self.loader, self.epoch)
+            set_sampler_epoch(self.loader, self.epoch)
             return _skipping_iterator(self.loader, skip)
 
     def __len__(self) -> int:
@@ -114,12 +115,9 @@ class FastForward:
 def _skipping_iterator(loader: Any, skip: int) -> Iterator[Any]:
     if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset):
         # Skip indices, not batches: nothing is loaded for the skipped part, worker processes included.
-        clone = copy.copy(loader)
-        attribute = "batch_sampler" if loader._auto_collation else "sampler"
+        attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
         # DataLoader refuses to set these after __init__; the clone is private to this one iterator.
-        clone.__dict__[attribute] = _SkipFirst(getattr(loader, attribute), skip)
-        clone.__dict__["_iterator"] = None
-        return iter(clone)
+        return iter(with_sampler(loader, attribute, _SkipFirst(getattr(loader, attribute), skip)))
     # Iterable datasets and other iterables: the skipped batches have to be produced and dropped.
     return itertools.islice(iter(loader), skip, None)
 

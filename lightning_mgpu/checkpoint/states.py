@@ -12,7 +12,7 @@ import operator
 import random
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -35,21 +35,29 @@ _STATE = "state."
 _GROUPS = "param_groups."
 
 
-def full_model_state_dict(model: nn.Module, pp_group: Optional[Any] = None) -> dict[str, torch.Tensor]:
+def full_model_state_dict(
+    model: nn.Module, pp_group: Optional[Any] = None, everywhere: bool = False
+) -> dict[str, torch.Tensor]:
     """The unsharded model state on CPU, on global rank 0 (other ranks get ``{}``). Collective.
 
     With pipeline stages (``pp_group``), every rank first gathers its stage's data/tensor-parallel shards, then
-    global rank 0 collects the stages, which hold disjoint parameters.
+    global rank 0 collects the stages, which hold disjoint parameters. ``everywhere``: every rank gets the whole
+    state (on the parameters' devices where no pipeline splits the model), e.g. to put the plain model back.
     """
     if pp_group is None:
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    stage = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not everywhere))
+        return cast(dict[str, torch.Tensor], full)  # a model's full state: tensors only
+    stage: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     stage = {key: value.detach().cpu() for key, value in stage.items()}
     ranks = dist.get_process_group_ranks(pp_group)
-    gathered: Optional[list] = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
-    dist.gather_object(stage, gathered, dst=ranks[0], group=pp_group)
-    if dist.get_rank() != 0:
-        return {}
+    if everywhere:
+        gathered: Optional[list] = [None] * len(ranks)
+        dist.all_gather_object(gathered, stage, group=pp_group)
+    else:
+        gathered = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
+        dist.gather_object(stage, gathered, dst=ranks[0], group=pp_group)
+        if dist.get_rank() != 0:
+            return {}
     return {key: value for part in gathered or [] for key, value in part.items()}
 
 
@@ -63,8 +71,7 @@ def describable(state: dict[str, Any]) -> dict[str, Any]:
     Only the fused q|k|v weights are concerned (a small part of the model); every other placement is kept.
     """
     from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor.placement_types import _StridedShard
-
+    from lightning_mgpu._compat.dtensor import is_strided_shard
     from lightning_mgpu.layout import TP_AXIS
 
     def convert(value: Any) -> Any:
@@ -72,7 +79,7 @@ def describable(state: dict[str, Any]) -> dict[str, Any]:
             return value
         names = value.device_mesh.mesh_dim_names or ()
         placements = [
-            Replicate() if isinstance(p, _StridedShard) and i < len(names) and names[i] == TP_AXIS else p
+            Replicate() if is_strided_shard(p) and i < len(names) and names[i] == TP_AXIS else p
             for i, p in enumerate(value.placements)
         ]
         return value if list(value.placements) == placements else value.redistribute(placements=placements)
@@ -122,13 +129,11 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, initialize: bool = F
 
 
 def _fqns_of(model: nn.Module) -> dict[nn.Parameter, list[str]]:
-    try:
-        from torch.distributed.checkpoint.state_dict import _get_fqns
-    except ImportError:  # pragma: no cover - older/newer torch: names are plain for our wrappers anyway
-        _get_fqns = None
+    from lightning_mgpu._compat.dcp import parameter_fqns
+
     names: dict[nn.Parameter, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
-        names[param].extend(sorted(_get_fqns(model, name)) if _get_fqns is not None else [name])
+        names[param].extend(sorted(parameter_fqns(model, name)))
     return names
 
 
@@ -356,7 +361,7 @@ def _by_block(keys: list[str], among: list[str]) -> list[str]:
         cut = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
         return key if cut is None else ".".join(parts[: cut + 1]) + ".*"
 
-    sizes = defaultdict(int)
+    sizes: defaultdict[str, int] = defaultdict(int)
     for key in among:
         sizes[block(key)] += 1
     listed: dict[str, list[str]] = defaultdict(list)
@@ -383,7 +388,7 @@ def collect_rng_states() -> dict[str, Any]:
         import numpy as np
     except ImportError:  # pragma: no cover
         return states
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = cast(tuple, np.random.get_state())  # legacy=True: the tuple form
     states["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     return states
 

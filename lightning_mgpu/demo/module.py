@@ -76,7 +76,7 @@ class GPTLightningModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         """AdamW with nanoGPT's grouping: decay matrices and embeddings, never biases or norm weights."""
-        hp = self.hparams
+        hp: Any = self.hparams  # AttributeDict: the saved init arguments, read as attributes
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},

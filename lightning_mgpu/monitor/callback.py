@@ -12,7 +12,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import fit_data_fetcher
 from lightning_mgpu.monitor import measures, report as reporting
+from lightning_mgpu.parallel.experts import ExpertTokenCounts
 from lightning_mgpu.monitor.timing import (
     FORWARD_BACKWARD,
     OPTIMIZER,
@@ -23,7 +25,7 @@ from lightning_mgpu.monitor.timing import (
     mesh_axes,
 )
 
-FlopsPerStep = Union[float, Callable[[Any], float]]
+FlopsPerStep = float | Callable[[Any], float]
 
 
 class ScalingMonitor(Callback):
@@ -85,6 +87,7 @@ class ScalingMonitor(Callback):
         self._steps: list[dict[str, Any]] = []
         self._memory: dict[str, Any] = {"activations": 0}
         self._flops: Optional[float] = None
+        self._expert_tokens: Optional[ExpertTokenCounts] = None
 
     # --------------------------------------------------------------------------------------------- start / end
     @override
@@ -99,6 +102,9 @@ class ScalingMonitor(Callback):
             # synchronization points (Lightning's per-step stop-signal broadcast) that wait for the slowest rank.
             self._collectives = CollectiveTimer(self._recorder, axes, world_axis="sync" if axes else "dp")
             self._collectives.install()
+        self._expert_tokens = ExpertTokenCounts(pl_module)  # per-expert token counts, if the model has experts
+        if not self._expert_tokens.counts:
+            self._expert_tokens = None
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -143,6 +149,8 @@ class ScalingMonitor(Callback):
             self._collectives = None
         if self._data is not None:
             self._data.remove()
+        if self._expert_tokens is not None:
+            self._expert_tokens.remove()
         self._close_activations()
 
     # ---------------------------------------------------------------------------------------------------- steps
@@ -196,7 +204,8 @@ class ScalingMonitor(Callback):
             self._log(trainer, step, samples, tokens)
         self._seen += 1
         if self._seen >= self.warmup_steps and (self._seen - self.warmup_steps) % self.every_n_steps == 0:
-            self._data.install(getattr(trainer.fit_loop, "_data_fetcher", None))  # type: ignore[union-attr]
+            assert self._data is not None  # made with the recorder, in on_train_start
+            self._data.install(fit_data_fetcher(trainer))
             if self._collectives is not None:
                 self._collectives.forget()
             recorder.begin(end)
@@ -235,6 +244,7 @@ class ScalingMonitor(Callback):
             "rank": trainer.global_rank,
             "pp_rank": pp_rank,
             "params_held": measures.parameters_held(pl_module),
+            "expert_tokens": _expert_tokens(self._expert_tokens, mesh),
             "steps": self._steps,
             "memory": memory,
         }
@@ -273,6 +283,14 @@ class ScalingMonitor(Callback):
         }
 
 
+def _expert_tokens(counter: Optional[ExpertTokenCounts], mesh: Any) -> dict[str, list[int]]:
+    """This rank's per-expert token counts per MoE layer; empty on tensor-parallel peers (they see the same tokens)."""
+    tp_peer = mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].get_local_rank() > 0
+    if counter is None or tp_peer:
+        return {}
+    return {name: counts.tolist() for name, counts in counter.counts.items()}
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -287,7 +305,7 @@ def _device_mesh(strategy: Any) -> Optional[Any]:
 def _replicas(trainer: "pl.Trainer") -> int:
     """Ranks that read distinct samples: what the strategy shards the data over."""
     try:
-        return int(trainer.strategy.distributed_sampler_kwargs["num_replicas"])
+        return int(trainer.strategy.distributed_sampler_kwargs["num_replicas"])  # type: ignore[attr-defined]
     except Exception:
         return 1
 

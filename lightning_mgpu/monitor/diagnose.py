@@ -64,8 +64,9 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
                 "message": f"The pipeline idles {measured:.0%} of its time, more than {pipeline['schedule']}'s"
                            f" theory of {theory:.0%} for {pipeline['pp']} stages and {m} microbatches: stages are"
                            " unbalanced or wait on communication.",
-                "change": f"Balance the stages (pipeline_split at other blocks), raise num_microbatches (e.g. {2 * m}),"
-                          " or use an interleaved or zero-bubble schedule (Interleaved1F1B, ZBVZeroBubble).",
+                "change": "Balance the stages (pipeline_split at other blocks), raise num_microbatches"
+                          f" (e.g. {2 * m}), or use an interleaved or zero-bubble schedule (Interleaved1F1B,"
+                          " ZBVZeroBubble).",
             })
     found.extend(_memory(report))
     return found

@@ -61,7 +61,7 @@ def _measured_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 51
 def batch_size_and_tokens(batch: Any) -> tuple[int, int]:
     """Samples in ``batch`` (dim 0 of its first tensor) and tokens (elements of its first integer tensor with a
     sequence dimension; otherwise one per sample)."""
-    from torch.utils._pytree import tree_leaves
+    from lightning_mgpu._compat.tensors import tree_leaves
 
     tensors = [t for t in tree_leaves(batch) if torch.is_tensor(t) and t.dim() > 0]
     if not tensors:
@@ -80,7 +80,7 @@ def parameters_held(module: nn.Module) -> int:
 
 def local_bytes(tensor: Any) -> int:
     """Bytes this rank stores for ``tensor`` (its local shard when it is a DTensor)."""
-    local = getattr(tensor, "_local_tensor", tensor)
+    local = _local(tensor)
     return local.numel() * local.element_size() if torch.is_tensor(local) else 0
 
 
@@ -148,8 +148,17 @@ class SavedActivations(AbstractContextManager):
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
-    local = getattr(tensor, "_local_tensor", tensor)
-    return local.untyped_storage().data_ptr()
+    return _local(tensor).untyped_storage().data_ptr()
+
+
+def _local(tensor: Any) -> Any:
+    """A DTensor's local shard (without autograd: ``to_local`` under no_grad is the stored tensor itself)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,9 @@ FIELDS = {
     "per_rank": "per rank: step_s and parts_s as in time_split, for that rank alone",
     "steps": "per measured step: step (batch index), wall_s and parts_s (mean over ranks), timed_calls (the most"
              " collectives, waits and data fetches one rank timed)",
+    "experts": "models with mixture-of-experts layers: per layer, tokens (the (token, expert) assignments each expert"
+               " got over all training steps, summed over data-parallel and expert-parallel ranks) and max_over_mean"
+               " (1 = balanced); null otherwise",
     "diagnoses": "list of {kind, message, change}: data_bound, communication_bound_<axis>, imbalance,"
                  " bubble_above_theory,"
                  " memory_tight, memory_headroom",
@@ -83,14 +86,25 @@ def build_report(context: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[s
         "memory": [dict(rank=r["rank"], **r["memory"]) for r in ranks],
         "per_rank": [_rank_summary(r) for r in ranks],
         "steps": steps,
+        "experts": _experts(ranks),
     }
     report["diagnoses"] = diagnose(report)
     report["fields"] = FIELDS
     return report
 
 
+def _experts(ranks: list[dict[str, Any]]) -> Optional[dict[str, dict[str, Any]]]:
+    """Per MoE layer: tokens routed to each expert, summed over the ranks (all training steps), and max / mean."""
+    layers: dict[str, list[int]] = {}
+    for rank in ranks:
+        for name, counts in rank.get("expert_tokens", {}).items():
+            layers[name] = [a + b for a, b in zip(layers.get(name, [0] * len(counts)), counts)]
+    return {name: {"tokens": counts, "max_over_mean": max(counts) * len(counts) / sum(counts) if sum(counts) else None}
+            for name, counts in layers.items()} or None
+
+
 def _steps(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    common = set.intersection(*(set(s["step"] for s in r["steps"]) for r in ranks)) if ranks else set()
+    common = set.intersection(*({s["step"] for s in r["steps"]} for r in ranks)) if ranks else set()
     steps = []
     for index in sorted(common):
         records = [next(s for s in r["steps"] if s["step"] == index) for r in ranks]
@@ -119,7 +133,7 @@ def _throughput(context: dict[str, Any], ranks: list[dict[str, Any]], step_s: fl
     replicas = context["data_parallel_replicas"]
     samples = replicas * sum(s["samples"] for s in first) / len(first) if first else 0.0
     tokens = replicas * sum(s["tokens"] for s in first) / len(first) if first else 0.0
-    held = {}
+    held: dict[int, int] = {}
     for rank in ranks:  # one rank per pipeline stage holds that stage's parameters (at full size)
         held.setdefault(rank["pp_rank"], rank["params_held"])
     parameters = sum(held.values())
@@ -184,6 +198,8 @@ def format_table(report: dict[str, Any]) -> str:
     for rank in report["memory"]:
         values = " ".join(f"{rank.get(p, 0) / MIB:>8.1f}" for p in (*_MEMORY_PARTS, "peak"))
         lines.append(f"             {rank['rank']:>4} {values}")
+    for name, layer in (report.get("experts") or {}).items():
+        lines.append(f"  experts {name}: tokens {layer['tokens']} (max/mean {layer['max_over_mean'] or 0:.2f})")
     for item in report["diagnoses"]:
         lines.append(f"  ! {item['message']} Try: {item['change']}")
     return "\n".join(lines)

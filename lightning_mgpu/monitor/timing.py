@@ -31,6 +31,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_mgpu._compat.c10d import functional_collectives, group_name, pipelining_p2p
+from lightning_mgpu._compat.lightning import fetcher_profiler_hooks, set_fetcher_profiler_hooks
+
 FORWARD_BACKWARD = "forward_backward"
 OPTIMIZER = "optimizer"
 OTHER = "other"
@@ -163,8 +166,7 @@ class CollectiveTimer:
 
     # ------------------------------------------------------------------------------------------ install / remove
     def install(self) -> None:
-        import torch.distributed._functional_collectives as funcol
-
+        funcol = functional_collectives()
         for name in _DIST_CALLS:
             if hasattr(dist, name):
                 self._patch(dist, name, self._wrap_dist(getattr(dist, name), name == "batch_isend_irecv"))
@@ -172,12 +174,11 @@ class CollectiveTimer:
             if hasattr(funcol, name):
                 self._patch(funcol, name, self._wrap_funcol(getattr(funcol, name)))
         self._patch(funcol, "wait_tensor", self._wrap_wait_tensor(funcol.wait_tensor))
-        from torch.distributed.pipelining import schedules
-
-        if hasattr(schedules, "_batch_p2p"):  # torch's pipelining sends and receives through it
-            self._patch(schedules, "_batch_p2p", self._wrap_dist(schedules._batch_p2p, p2p=True))
-        work = torch._C._distributed_c10d.Work
-        self._patch(work, "wait", self._wrap_work_wait(work.wait))
+        p2p = pipelining_p2p()
+        if p2p is not None:  # torch's pipelining sends and receives through it
+            owner, name = p2p
+            self._patch(owner, name, self._wrap_dist(getattr(owner, name), p2p=True))
+        self._patch(dist.Work, "wait", self._wrap_work_wait(dist.Work.wait))
 
     def remove(self) -> None:
         for owner, name, original in reversed(self._undo):
@@ -325,13 +326,14 @@ class DataFetchTimer:
         self._wrappers: tuple[Callable, Callable] = (_nothing, _nothing)
 
     def install(self, fetcher: Any) -> None:
-        if fetcher is None or not hasattr(fetcher, "_start_profiler"):
+        hooks = fetcher_profiler_hooks(fetcher) if fetcher is not None else None
+        if hooks is None:
             return
-        if fetcher is self._fetcher and fetcher._start_profiler is self._wrappers[0]:
+        if fetcher is self._fetcher and hooks[0] is self._wrappers[0]:
             return
         self.remove()
         recorder = self.recorder
-        before, after = fetcher._start_profiler, fetcher._stop_profiler
+        before, after = hooks
         token: list[Any] = [None]
 
         def start() -> None:
@@ -342,13 +344,14 @@ class DataFetchTimer:
             recorder.close(token[0], DATA_WAIT)
             after()
 
-        fetcher._start_profiler, fetcher._stop_profiler = start, stop
+        set_fetcher_profiler_hooks(fetcher, start, stop)
         self._fetcher, self._originals, self._wrappers = fetcher, (before, after), (start, stop)
 
     def remove(self) -> None:
         fetcher = self._fetcher
-        if fetcher is not None and fetcher._start_profiler is self._wrappers[0]:
-            fetcher._start_profiler, fetcher._stop_profiler = self._originals
+        hooks = fetcher_profiler_hooks(fetcher) if fetcher is not None else None  # one with hooks, as installed
+        if hooks is not None and hooks[0] is self._wrappers[0]:
+            set_fetcher_profiler_hooks(fetcher, *self._originals)
         self._fetcher = None
 
 
@@ -387,6 +390,4 @@ def _group_argument(args: tuple, kwargs: dict) -> Any:
 
 
 def _funcol_group_name(group: Any) -> Optional[str]:
-    import torch.distributed._functional_collectives as funcol
-
-    return str(funcol._resolve_group_name(group))
+    return group_name(group)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from typing_extensions import override
 
 from lightning_mgpu.layout import DP_AXIS, TP_AXIS, ParallelLayout
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
+from lightning_mgpu.parallel.blocks import is_float8_linear
 from lightning_mgpu.parallel.data import apply_data_parallel
 from lightning_mgpu.parallel.pipeline import PipelineRuntime, split_pipeline
 from lightning_mgpu.parallel.tensor import apply_tensor_parallel
@@ -16,28 +17,33 @@ from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_mgpu.options import ParallelOptions
-
 
 def parallelize(
     module: nn.Module,
     layout: ParallelLayout,
-    mesh: "DeviceMesh",
-    options: "ParallelOptions",
-    mp_policy: Optional[Any] = None,
-    root: Optional[nn.Module] = None,
-) -> Optional[PipelineRuntime]:
+    mesh: DeviceMesh,
+    options: Any,
+    mp_policy: Any | None = None,
+    root: nn.Module | None = None,
+) -> PipelineRuntime | None:
     """Apply every parallelism of ``layout`` to ``module`` in place: tensor, checkpointing, pipeline, data.
+
+    ``options`` is the strategy's ``ParallelOptions`` (not imported here: the options module is the layer above).
 
     ``mp_policy`` is the precision plugin's FSDP2 ``MixedPrecisionPolicy`` (``HybridPrecision.mp_policy()``) for the
     data-parallel wrap. ``root`` is the module called once per step that the data-parallel root wrap goes on.
     With pipeline parallelism, returns this rank's stages; each stage is then the data-parallel root.
     """
     if layout.tensor_parallel_size > 1:
-        if any(type(m).__name__ == "Float8Linear" for m in module.modules()):
+        if any(is_float8_linear(m) for m in module.modules()):
             raise NotImplementedError("fp8-mixed with tensor_parallel_size > 1 is not supported yet.")
+        tp_plan = options.tp_plan
+        if options.expert_parallel_size > 1:
+            from lightning_mgpu.parallel.experts import plan_without_experts
+
+            tp_plan = plan_without_experts(module, tp_plan, options.sequence_parallel)  # experts: split over ep
         apply_tensor_parallel(
-            module, mesh[TP_AXIS], options.tp_plan, options.sequence_parallel, loss_parallel=options.loss_parallel
+            module, mesh[TP_AXIS], tp_plan, options.sequence_parallel, loss_parallel=options.loss_parallel
         )
     if options.activation_checkpointing is not False:
         # Before the pipeline split: its gate around each owned block must stay *outside* the checkpointed region,
@@ -60,7 +66,20 @@ def parallelize(
         from lightning_mgpu.parallel.experts import apply_expert_parallel
 
         # Before the data-parallel wrap, which then leaves the experts (wrapped over their replicas) out.
-        apply_expert_parallel(module, mesh, options.expert_parallel_size, layout.zero_stage, mp_policy, offload_policy)
+        if runtime is not None:
+            from lightning_mgpu.parallel.router_loss import check_no_router_loss
+
+            sizes = f"expert_parallel_size={options.expert_parallel_size}, pipeline_parallel_size=" + str(
+                layout.pipeline_parallel_size)
+            check_no_router_loss(module, f"{sizes}: the last stage would compute it from its own layers' logits only")
+        # Under pipelining at ZeRO 0/1 the schedule reduces the gradients of `replicate` wraps only.
+        apply_expert_parallel(module, mesh, options.expert_parallel_size, layout.zero_stage, mp_policy, offload_policy,
+                              replicate=runtime is not None and layout.zero_stage <= 1)
+    if layout.data_parallel_size > 1 and runtime is None:
+        from lightning_mgpu.parallel.router_loss import apply_global_router_loss
+
+        # A Hugging Face load-balancing loss on the whole batch, as one process computes it (not each rank's own).
+        apply_global_router_loss(module, mesh[DP_AXIS].get_group())
     if torch_data_parallel and (layout.data_parallel_size > 1 or offload_policy is not None or casts):
         # With pipelining each stage is a root of its own: the schedule drives each stage's gradient sync
         # (no-sync on all but the last backward of a step), also when a rank holds several stages.

@@ -31,9 +31,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_mgpu._compat.c10d import FUNCTIONAL_OPS
+from lightning_mgpu._compat.tensors import TorchDispatchMode, tree_leaves
 from lightning_mgpu.parallel.blocks import find_blocks
 
-Mode = Union[bool, str, list[type], tuple[type, ...]]
+Mode = bool | str | list[type] | tuple[type, ...]
 
 _INNER_FORWARD = "_mgpu_checkpointed_forward"
 
@@ -47,11 +49,11 @@ def _saved_ops() -> set[Any]:
         (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
         (aten, "_flash_attention_forward"), (aten, "_efficient_attention_forward"),
     ]
-    c10d = getattr(torch.ops, "_c10d_functional", None)
+    c10d = FUNCTIONAL_OPS
     if c10d is not None:
         names += [(c10d, "all_reduce"), (c10d, "reduce_scatter_tensor"), (c10d, "all_gather_into_tensor"),
                   (c10d, "all_to_all_single")]
-    ops = set()
+    ops: set[Any] = set()
     for namespace, name in names:
         packet = getattr(namespace, name, None)
         if packet is not None:
@@ -103,7 +105,8 @@ def checkpoint_targets(module: nn.Module, mode: Mode, blocks: Optional[list[nn.M
             raise ValueError(f"activation_checkpointing=[{names}] matches no module of {type(module).__name__}.")
         return targets
     raise ValueError(
-        f"`activation_checkpointing` must be False, True, 'full', 'selective' or a list of module classes, got {mode!r}."
+        "`activation_checkpointing` must be False, True, 'full', 'selective' or a list of module classes,"
+        f" got {mode!r}."
     )
 
 
@@ -137,7 +140,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, context_fn: Callable[[], 
     inner = getattr(self, _INNER_FORWARD)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # evaluation: nothing is saved anyway
-    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    extra: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
     return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
 
@@ -152,8 +155,6 @@ class ActivationMemory:
     """
 
     def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         tracker = self
 
         class _Mode(TorchDispatchMode):
@@ -176,13 +177,12 @@ class ActivationMemory:
     def _record(self, out: Any) -> None:
         from torch.distributed.tensor import DTensor
         from torch.multiprocessing.reductions import StorageWeakRef
-        from torch.utils._pytree import tree_leaves
-
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor):
                 continue
             if isinstance(tensor, DTensor):
-                tensor = tensor._local_tensor
+                with torch.no_grad():  # the stored local tensor itself, no autograd view
+                    tensor = tensor.to_local()
             if tensor.device.type == "meta":
                 continue
             storage = tensor.untyped_storage()
@@ -196,7 +196,8 @@ class ActivationMemory:
         """Bytes of the recorded storages still alive, leaving out tensors in ``exclude`` (e.g. parameters)."""
         from torch.distributed.tensor import DTensor
 
-        excluded = {(t._local_tensor if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in exclude}
+        with torch.no_grad():  # to_local: the stored local tensor itself
+            excluded = {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in exclude}
         for key in [k for k, (ref, _) in self._storages.items() if ref.expired()]:
             del self._storages[key]
         return sum(size for key, (_, size) in self._storages.items() if key not in excluded)

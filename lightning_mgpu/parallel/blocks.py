@@ -6,6 +6,8 @@ weights (one Parameter held by several modules, which every split must keep one 
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 
@@ -41,3 +43,32 @@ def tied_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
         for param_name, param in child.named_parameters(recurse=False):
             holders.setdefault(id(param), []).append((name, param_name))
     return [group for group in holders.values() if len(group) > 1]
+
+
+# --------------------------------------------------------------------------------------- layer kinds, in one place
+def _loaded_class(module_name: str, class_name: str) -> tuple[type, ...]:
+    """A library's class if that library is loaded (a model using it has imported it), else nothing to match."""
+    module = sys.modules.get(module_name)
+    found = getattr(module, class_name, None)
+    return (found,) if isinstance(found, type) else ()
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): a Linear whose weight is stored ``(in, out)``."""
+    return isinstance(module, _loaded_class("transformers.pytorch_utils", "Conv1D"))
+
+
+def is_projection(module: nn.Module) -> bool:
+    """A layer tensor parallelism shards by rows or columns: ``nn.Linear`` or a transposed one."""
+    return isinstance(module, nn.Linear) or is_transposed_linear(module)
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """torchao's ``Float8Linear`` (what ``fp8-mixed`` swaps ``nn.Linear`` for)."""
+    return isinstance(module, _loaded_class("torchao.float8.float8_linear", "Float8Linear"))
+
+
+def block_glob(name: str, blocks_fqn: str) -> str:
+    """``transformer.h.3.attn.c_attn`` -> ``transformer.h.*.attn.c_attn``."""
+    rest = name[len(blocks_fqn) + 1:].split(".", 1)
+    return f"{blocks_fqn}.*.{rest[1]}" if len(rest) == 2 else f"{blocks_fqn}.*"

@@ -20,7 +20,7 @@ one block's parameters are unsharded at a time; the root wrap takes every remain
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_mgpu._compat.dtensor import is_strided_shard
+from lightning_mgpu._compat.fsdp import is_ddp_replicated, replicate_ddp, replicate_with_fsdp
 from lightning_mgpu.parallel.blocks import find_blocks
+
+if TYPE_CHECKING:
+    from lightning_mgpu.patches import PatchLog
 
 
 def apply_data_parallel(
@@ -56,7 +61,6 @@ def apply_data_parallel(
     ``mp_policy`` (FSDP2 ``MixedPrecisionPolicy``) and ``offload_policy`` (``OffloadPolicy``/``CPUOffloadPolicy``)
     pass through to FSDP2 unchanged.
     """
-    from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs: dict[str, Any] = {
@@ -68,8 +72,9 @@ def apply_data_parallel(
     if zero_stage <= 1 and _plain_data_parallel(root, blocks, mp_policy, offload_policy):
         _replicate_with_ddp(root, dp_mesh, zero_stage)
         return
+    wrap: Callable[..., Any]
     if zero_stage <= 1:
-        wrap = replicate
+        wrap = replicate_with_fsdp
     else:
         wrap = fully_shard
         kwargs["reshard_after_forward"] = zero_stage == 3 if reshard_blocks is None else reshard_blocks and zero_stage == 3
@@ -93,7 +98,8 @@ UNIT_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 
 
 def _bucketed(blocks: list[nn.Module], cap_bytes: int) -> list[list[nn.Module]]:
-    """Consecutive blocks grouped until a group holds ``cap_bytes`` of parameters; the last, smaller rest is left out."""
+    """Consecutive blocks grouped until a group holds ``cap_bytes`` of parameters; the last, smaller rest is left
+    out."""
     groups: list[list[nn.Module]] = [[]]
     size = 0
     for block in blocks:
@@ -119,37 +125,34 @@ def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -
 
     Gradients are views into the buckets (no copy). DDP builds its reducer on the first forward.
     """
-    from torch.distributed._composable.replicate import replicate as ddp_replicate
-
     # find_unused_parameters: a step may leave parameters without a gradient (unused heads, routed experts), as
     # FSDP2 allows; DDP then marks them ready itself instead of failing the next step.
-    ddp_replicate(root, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True, find_unused_parameters=True)
+    replicate_ddp(root, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True, find_unused_parameters=True)
     if zero_stage == 1:
         # Set before DDP's first forward builds the reducer; owners come with the optimizers (OptimizerStateSharding).
         reduce = _OwnerReduce(dp_mesh.get_group())
-        root.register_comm_hook(reduce, _reduce_to_owners)
+        cast(Any, root).register_comm_hook(reduce, _reduce_to_owners)  # a method replicate_ddp gave its class
         root._lightning_mgpu_owner_reduce = reduce  # type: ignore[assignment]
 
 
 def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Optional[Any]:
     """Shard a fused (strided) tensor-parallel weight on dim 1: two strided layouts on one dim cannot be described."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements):
+    if isinstance(param, DTensor) and any(isinstance(p, Shard) and is_strided_shard(p) and p.dim == 0
+                                          for p in param.placements):
         return Shard(1)
     return None  # FSDP2's default, Shard(0)
 
 
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     """Turn gradient reduction on or off, e.g. off on the non-final micro-steps of gradient accumulation."""
-    from torch.distributed._composable.replicate import DDP
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled, recurse=True)
-    elif isinstance(module, DDP):
-        module.set_requires_gradient_sync(enabled)
+    elif is_ddp_replicated(module):
+        cast(Any, module).set_requires_gradient_sync(enabled)  # a method replicate_ddp gave its class
 
 
 class OptimizerStateSharding:
@@ -160,10 +163,14 @@ class OptimizerStateSharding:
     parameters owned elsewhere, so torch optimizers neither create state for nor update them, steps, and finally
     every owner broadcasts its updated parameters in one flattened message. ``param_groups`` stay untouched, so LR
     schedulers, clipping and ``state_dict`` see the optimizer the user built.
+
+    ``local`` parameters are stepped by every rank on its own shard (experts under expert parallelism: sharded
+    over their own mesh, not replicated over data parallelism), never broadcast.
     """
 
     def __init__(
-        self, optimizer: Optimizer, dp_mesh: DeviceMesh, roots: list[nn.Module] = (), precision_plugin: Any = None
+        self, optimizer: Optimizer, dp_mesh: DeviceMesh, roots: Collection[nn.Module] = (), precision_plugin: Any = None,
+        local: Collection[torch.Tensor] = (),
     ) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
@@ -173,12 +180,13 @@ class OptimizerStateSharding:
         self._group = dp_mesh.get_group()
         self._rank = dp_mesh.get_local_rank()
         self._global_ranks = dist.get_process_group_ranks(self._group)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        local = set(local)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p not in local]
         self.owned_by = _balance(params, dp_mesh.size())
         self._unwrapped_step = optimizer.step
         optimizer.step = self._step  # type: ignore[method-assign]
         # DDP roots reduce each gradient to its owner only; the clip then sums the owners' norms over the group.
-        self._owner_reduces = [_owner_reduce_of(root) for root in roots if _owner_reduce_of(root) is not None]
+        self._owner_reduces = [reduce for root in roots if (reduce := _owner_reduce_of(root)) is not None]
         self._precision_plugin = precision_plugin if self._owner_reduces else None
         for reduce in self._owner_reduces:
             reduce.owner.update({p: self._global_ranks[r] for p, r in self.owned_by.items()})
@@ -220,10 +228,10 @@ class OptimizerStateSharding:
             tensors = [_local(p) for p, o in self.owned_by.items() if o == owner]
             if not tensors:
                 continue
-            flat = torch._utils._flatten_dense_tensors(tensors)
+            flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
             dist.broadcast(flat, src=global_rank, group=self._group)
             if owner != self._rank:
-                for tensor, update in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+                for tensor, update in zip(tensors, _unflatten(flat, tensors)):
                     tensor.copy_(update)
 
 
@@ -239,7 +247,7 @@ class _OwnerReduce:
         self.owner: dict[torch.Tensor, int] = {}
 
 
-def _reduce_to_owners(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks the hook's annotations)
+def _reduce_to_owners(state, bucket):  # untyped: DDP checks the hook's annotations
     """DDP communication hook: one reduce per owner of the bucket's gradients (all-reduce for unowned ones)."""
     buffer = bucket.buffer().div_(state.world)
     segments: dict[Optional[int], list[torch.Tensor]] = {}
@@ -261,7 +269,7 @@ def _reduce_to_owners(state, bucket):  # type: ignore[no-untyped-def]  (DDP chec
 
     def unpack(_: Any) -> torch.Tensor:
         for flat, views in mine:
-            for view, value in zip(views, torch._utils._unflatten_dense_tensors(flat, views)):
+            for view, value in zip(views, _unflatten(flat, views)):
                 view.copy_(value)
         return buffer
 
@@ -270,6 +278,11 @@ def _reduce_to_owners(state, bucket):  # type: ignore[no-untyped-def]  (DDP chec
 
 def _owner_reduce_of(root: nn.Module) -> Optional[_OwnerReduce]:
     return getattr(root, "_lightning_mgpu_owner_reduce", None)
+
+
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` (the concatenation of ``like``, flattened) in the shapes of ``like``."""
+    return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -288,10 +301,12 @@ def _balance(params: list[torch.Tensor], num_ranks: int) -> dict[torch.Tensor, i
     return {p: owner[p] for p in params}
 
 
-def reduce_metrics_over(module: torch.nn.Module, group: Any) -> None:
-    """Make torchmetrics objects sync over the data-parallel group, not the whole world."""
+def reduce_metrics_over(module: torch.nn.Module, group: Any, patches: Optional["PatchLog"] = None) -> None:
+    """Make torchmetrics objects sync over the data-parallel group, not the whole world (undone by ``patches``)."""
     from torchmetrics import Metric
 
     for submodule in module.modules():
         if isinstance(submodule, Metric):
+            if patches is not None:
+                patches.keep_attribute(submodule, "process_group")
             submodule.process_group = group

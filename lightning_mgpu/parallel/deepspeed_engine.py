@@ -13,6 +13,13 @@ the strategy hands backward and the optimizer step to this engine:
 - optimizer step: the closure (forward + backward) runs, the ``on_before_optimizer_step`` hooks run, then
   ``engine.step()`` clips by the global norm (``gradient_clipping``) and steps.
 
+Checkpoints keep the engine's loss scaler and step counters beside the torch backend's format (:meth:`state_dict`),
+so an fp16 resume continues the dynamic scale exactly. At teardown :meth:`release` gives the user's module and
+optimizer back as plain torch objects with the trained values (``deepspeed_release``).
+
+The engine config is the user's plus the Trainer's values; unset ZeRO settings keep DeepSpeed's own defaults
+(not Lightning's DeepSpeedStrategy's: a ``ds_config.json`` means here what it means to ``deepspeed.initialize``).
+
 The CPU path uses DeepSpeed's CPU accelerator and the job's gloo group; on GPUs DeepSpeed picks CUDA and the
 job's NCCL group. The first use on CPU compiles DeepSpeed's ``deepspeed_shm_comm`` op once (~30 s, cached in
 ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
@@ -23,14 +30,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
+from lightning_mgpu._compat.lightning import call_callback_hooks, call_lightning_module_hook, fit_data_source
 from lightning_mgpu.deepspeed_config import DeepSpeedConfig, build_config
+from lightning_mgpu.parallel.deepspeed_release import DeepSpeedRelease
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -66,6 +74,8 @@ class DeepSpeedEngineRunner:
         self.optimizer: Optional[Optimizer] = None
         self._stepping = False  # inside Lightning's optimizer step: its backward ends the accumulation window
         self.param_groups: list[list[nn.Parameter]] = []  # the user's groups, before DeepSpeed flattens them
+        self._release: Optional[DeepSpeedRelease] = None
+        self._released_state: dict[str, Any] = {}
 
     def initialize(
         self, runner: nn.Module, optimizers: list[Optimizer], trainer: "pl.Trainer", layout: "ParallelLayout",
@@ -113,12 +123,22 @@ class DeepSpeedEngineRunner:
             )
         optimizer = optimizers[0] if optimizers else None
         self.param_groups = [list(group["params"]) for group in optimizer.param_groups] if optimizer else []
+        self._release, self._released_state = DeepSpeedRelease(runner, optimizer), {}
         self.optimizer = optimizer
         self.engine, *_ = deepspeed.initialize(
             model=runner, optimizer=optimizer, config=config, mpu=_DataParallelGroups(dp_group),
             dist_init_required=False,
         )
         return self.engine
+
+    def release(self, module: nn.Module) -> None:
+        """The user's module and optimizer back as plain torch objects holding the trained values, the engine
+        destroyed (``deepspeed_release``); a later fit or validate builds a new engine. Collective."""
+        if self.engine is None or self._release is None:
+            return
+        self._released_state = self.state_dict()  # a save after fit still records the loss scaler and counters
+        self._release.release(self, module)
+        self.engine, self.optimizer, self.param_groups, self._release = None, None, [], None
 
     def backward(self, loss: Tensor, module: "pl.LightningModule", precision: Precision) -> Tensor:
         """Callbacks' ``on_before/after_backward`` around the engine's backward (which owns loss scaling)."""
@@ -137,13 +157,57 @@ class DeepSpeedEngineRunner:
             self._stepping = False
         trainer = module.trainer
         # Lightning's clipping is skipped: the gradients are DeepSpeed's partitions, which it clips itself.
-        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+        call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         if result is None and module.automatic_optimization:
             return result  # training_step returned None: no backward ran, nothing to step
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         return result
+
+
+    def state_dict(self) -> dict[str, Any]:
+        """What DeepSpeed's own checkpoints keep beside weights and optimizer states: the loss scaler (its scale,
+        iteration and hysteresis counters under fp16; a fixed scale otherwise) and the engine's step counters.
+        The same on every rank (overflows are agreed over the group), so rank 0's copy in the checkpoint serves all."""
+        if self.engine is None:
+            return dict(self._released_state)
+        state: dict[str, Any] = {name: getattr(self.engine, name) for name in _ENGINE_COUNTERS}
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        if scaler is not None:
+            state["loss_scaler"] = {
+                key: value.clone() if isinstance(value, Tensor) else value
+                for key, value in vars(scaler).items() if isinstance(value, (bool, int, float, Tensor))
+            }
+        return state
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        """Put back :meth:`state_dict`'s values (a checkpoint of the torch backend has none: nothing changes)."""
+        if not state or self.engine is None:
+            return
+        for name in _ENGINE_COUNTERS:
+            if name in state:
+                setattr(self.engine, name, state[name])
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        saved = state.get("loss_scaler") or {}
+        if scaler is None or not saved:
+            return
+        if bool(saved.get("dynamic")) != bool(getattr(scaler, "dynamic", False)):
+            rank_zero_warn(
+                "The checkpoint's DeepSpeed loss scaler is "
+                f"{'dynamic' if saved.get('dynamic') else 'static'}, this run's is not: it starts afresh."
+            )
+            return
+        for key, value in saved.items():
+            if key in vars(scaler):
+                setattr(scaler, key, value.clone() if isinstance(value, Tensor) else value)
+
+
+# Counters DeepSpeed's engine keeps and its own checkpoints restore.
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+# Where a checkpoint's Lightning dict keeps `DeepSpeedEngineRunner.state_dict()`.
+CHECKPOINT_KEY = "deepspeed_engine"
 
 
 class _DataParallelGroups:
@@ -177,12 +241,20 @@ class _DataParallelGroups:
 
 def _micro_batch_size(trainer: "pl.Trainer") -> int:
     """The train dataloader's batch size (as Lightning's DeepSpeedStrategy reads it); 1 when it has none."""
-    source = trainer.fit_loop._data_source
+    source = fit_data_source(trainer)
     if not source.is_defined():
         return 1
     loader = source.dataloader()
     batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
     return batch_size if isinstance(batch_size, int) and batch_size > 0 else 1
+
+
+def zero_bytes_per_param(stage: int, dp: int) -> dict[str, float]:
+    """The ZeRO paper's bytes per parameter on each of ``dp`` ranks for fp32 AdamW under DeepSpeed, right after
+    backward: K = 12 (an fp32 master partition and two moments; DeepSpeed keeps the master beside the fp32 module
+    even in fp32 training). At the accumulation boundary ZeRO-1 moves the reduced gradients into its partition, so
+    after backward it holds ZeRO-2's gradient memory; ZeRO-3 also partitions the parameters."""
+    return {"params": 4 / dp if stage == 3 else 4.0, "grads": 4 / dp, "optim": 12 / dp}
 
 
 def memory_per_rank(engine: Any, module: nn.Module, optimizer: Optimizer) -> dict[str, int]:

@@ -36,6 +36,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from lightning_mgpu._compat.dtensor import unflatten_mesh
+from lightning_mgpu._compat.tensors import in_backward, restore_parameters, set_children, swap_parameters
+
 EP_AXIS = "ep"
 REPLICA_AXIS = "dp_replicate"  # the data-parallel ranks that hold the same experts
 _FUSED = ("gate_up_proj", "down_proj")
@@ -53,6 +56,36 @@ def find_experts(module: nn.Module) -> dict[str, nn.Module]:
                                           for p in params) and _routed_call(sub):
             found[name] = sub
     return found
+
+
+def expert_parameters(module: nn.Module) -> set[nn.Parameter]:
+    """The parameters of experts split over ep (each rank holds its own, sharded over their own mesh)."""
+    split = [m for m in find_experts(module).values() if hasattr(m, _TOTAL)]
+    split += [m for m in module.modules() if isinstance(m, _LocalExperts)]
+    return {p for m in split for p in m.parameters()}
+
+
+def plan_without_experts(module: nn.Module, tp_plan: Any, sequence_parallel: bool) -> Any:
+    """A tensor-parallel plan (``"auto"`` or a dict) without entries for the experts: under ``ep`` they are split by
+    expert over the data-parallel ranks, whole on every tensor-parallel rank (tensor parallelism of the rest)."""
+    import fnmatch
+
+    from lightning_mgpu.parallel.tensor_plan import auto_plan
+
+    if callable(tp_plan):
+        return tp_plan
+    plan = auto_plan(module, sequence_parallel) if tp_plan == "auto" else dict(tp_plan)
+    containers = [*find_experts(module), *(_list_name(block, mod, experts)
+                                          for block, (mod, experts) in find_expert_lists(module).items())]
+    names = [n for n, _ in module.named_modules()] + [n for n, _ in module.named_parameters()]
+    inside = [n for n in names if any(n == c or n.startswith(c + ".") for c in containers)]
+    return {glob: style for glob, style in plan.items() if not any(fnmatch.fnmatchcase(n, glob) for n in inside)}
+
+
+def _list_name(block_name: str, block: nn.Module, experts: nn.ModuleList) -> str:
+    """The FQN of a torch MoE block's list of experts."""
+    child = next(n for n, c in block.named_children() if c is experts)
+    return f"{block_name}.{child}" if block_name else child
 
 
 def _routed_call(experts: nn.Module) -> bool:
@@ -73,23 +106,23 @@ def check_expert_layout(options: Any, layout: Any) -> None:
             f" data-parallel ranks. Choose expert_parallel_size from {valid}, or give data parallelism more devices."
         )
     unsupported = {
-        "tensor_parallel_size": layout.tensor_parallel_size > 1,
-        "pipeline_parallel_size": layout.pipeline_parallel_size > 1,
-        "zero_stage=1": layout.zero_stage == 1,
+        "sequence_parallel": options.sequence_parallel,
         "zero_backend='deepspeed'": options.zero_backend != "torch",
     }
     named = [name for name, bad in unsupported.items() if bad]
     if named:
         raise NotImplementedError(
-            f"expert_parallel_size={ep} does not compose with {', '.join(named)} yet (ZeRO-1's broadcast of updated"
-            " parameters would run over data-parallel ranks that hold different experts). Expert parallelism runs"
-            " with data parallelism at zero_stage 0, 2 or 3 (torch backend); set expert_parallel_size=1 otherwise."
+            f"expert_parallel_size={ep} does not compose with {', '.join(named)} yet: sequence parallelism would"
+            " hand each tensor-parallel rank part of the tokens its experts are routed; the DeepSpeed engine shards"
+            " over every data-parallel rank, which hold different experts. Expert parallelism runs with data"
+            " parallelism at ZeRO 0-3 (torch backend), tensor parallelism (without sequence_parallel) and"
+            " pipeline parallelism; set sequence_parallel=False, zero_backend='torch', or expert_parallel_size=1."
         )
 
 
 def check_experts(module: nn.Module, ep: int) -> dict[str, nn.Module]:
     """Before training: the model has experts to shard, in counts ``ep`` divides."""
-    experts = {**find_experts(module), **{n: lst for n, (_, lst) in find_expert_lists(module).items()}}
+    experts: dict[str, Any] = {**find_experts(module), **{n: lst for n, (_, lst) in find_expert_lists(module).items()}}
     if not experts:
         raise ValueError(
             f"expert_parallel_size={ep}, but {type(module).__name__} has no mixture-of-experts layer this version"
@@ -110,19 +143,27 @@ def check_experts(module: nn.Module, ep: int) -> dict[str, nn.Module]:
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     """The ``(dp_replicate, ep)`` sub-mesh of this rank: ``dp`` unflattened, ``ep`` consecutive ranks per group."""
     dp = mesh["dp"].size()
-    full = mesh._unflatten("dp", (dp // ep, ep), (REPLICA_AXIS, EP_AXIS))
+    full = unflatten_mesh(mesh, "dp", (dp // ep, ep), (REPLICA_AXIS, EP_AXIS))
     return full[REPLICA_AXIS, EP_AXIS]
 
 
 def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, zero_stage: int,
-                          mp_policy: Optional[Any] = None, offload_policy: Optional[Any] = None) -> DeviceMesh:
-    """Keep this rank's experts in every MoE layer, route tokens to them, and wrap them over their replicas."""
+                          mp_policy: Optional[Any] = None, offload_policy: Optional[Any] = None,
+                          replicate: bool = False) -> DeviceMesh:
+    """Keep this rank's experts in every MoE layer, route tokens to them, and wrap them over their replicas.
+
+    ``replicate``: the experts are replicated over their replicas (FSDP2's ``replicate``) instead of sharded: the
+    data-parallel wrap is a ``replicate`` whose gradient reduction a pipeline schedule drives (ZeRO 0/1 with
+    pipelining), and it reduces only the states of its own kind.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from lightning_mgpu._compat.fsdp import replicate_with_fsdp
 
     check_experts(module, ep)
     ep_mesh = expert_mesh(mesh, ep)
     dp = mesh["dp"].size()
-    units = list(find_experts(module).values())
+    units: list[Any] = list(find_experts(module).values())  # FSDP-wrapped below: methods of the wrapped class
     for unit in units:
         _keep_local_experts(unit, ep_mesh[EP_AXIS])
     for block, experts in find_expert_lists(module).values():
@@ -130,15 +171,20 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, zero_sta
     for experts_module in units:
         # FSDP2 over the replicas (ZeRO-3 for experts at every stage: they are a rank's own); the data-parallel
         # wrap that follows skips modules already wrapped. Their gradients come from all dp ranks' losses.
-        fully_shard(experts_module, mesh=ep_mesh[REPLICA_AXIS], reshard_after_forward=zero_stage == 3,
-                    mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy())
+        policies: dict[str, Any] = dict(
+            mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy()
+        )
+        if replicate:
+            replicate_with_fsdp(experts_module, mesh=ep_mesh[REPLICA_AXIS], **policies)
+        else:
+            fully_shard(experts_module, mesh=ep_mesh[REPLICA_AXIS], reshard_after_forward=zero_stage == 3, **policies)
         experts_module.set_gradient_divide_factor(float(dp))
         # A plain sum, then the division: gloo has no pre-multiplied sum (and the NCCL one is not zero-copy).
         experts_module.set_force_sum_reduction_for_comms(ep_mesh[REPLICA_AXIS].size() > 1)
     return ep_mesh
 
 
-def _keep_local_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
+def _keep_local_experts(experts: Any, ep_mesh: DeviceMesh) -> None:  # a fused experts module (num_experts)
     ep, total = ep_mesh.size(), experts.num_experts
     local = total // ep
     for name, param in list(experts.named_parameters(recurse=False)):
@@ -180,9 +226,9 @@ class _Routing:
         local_index = torch.repeat_interleave(
             torch.arange(self.local, device=flat.device).repeat(self.ep), recv_counts.reshape(-1))
         # The module's own forward runs on this rank's experts: the local shards of its DTensor parameters.
-        originals = {name: p for name, p in module._parameters.items() if isinstance(p, DTensor)}
-        for name, param in originals.items():
-            module._parameters[name] = param.to_local()  # a differentiable view: the gradient reaches the DTensor
+        # Differentiable views: the gradient reaches the DTensor.
+        local = {name: p.to_local() for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+        originals = swap_parameters(module, local)
         self.stack.append((originals, tokens, weights.reshape(-1)[order], send, recv, hidden.shape[0]))
         ones = torch.ones(local_index.shape[0], 1, dtype=weights.dtype, device=weights.device)
         return (inputs, local_index[:, None], ones, *args[3:])
@@ -191,7 +237,7 @@ class _Routing:
         if not self.stack:
             return output
         originals, tokens, weights, send, recv, num_tokens = self.stack.pop()
-        module._parameters.update(originals)
+        restore_parameters(module, originals)
         if not torch.is_tensor(output):
             return output  # None when the forward raised (this hook always runs)
         back = _all_to_all(output, send, recv, self.group)
@@ -245,10 +291,10 @@ def _split_expert_list(block: nn.Module, experts: nn.ModuleList, ep_mesh: Device
     empty = torch.zeros(0, _router_input_size(block, total), dtype=weight.dtype, device=weight.device)
     with torch.no_grad():  # the output's trailing shape, for the first pass's placeholders
         sample = next(iter(mine.values()))(empty)
-    experts._modules.clear()
-    experts._modules.update(mine)
+    set_children(experts, mine)
     experts.__class__ = _LocalExperts
     calls = _TwoPassCalls(experts, mine, ep_mesh.get_group(), ep, total, tuple(sample.shape[1:]), empty)
+    experts._lightning_mgpu_calls = calls  # type: ignore[assignment]  # for ExpertTokenCounts
     block.register_forward_pre_hook(calls.record, with_kwargs=True)
     block.register_forward_hook(calls.replay, with_kwargs=True, always_call=True)
     return list(mine.values())
@@ -259,8 +305,8 @@ class _LocalExperts(nn.ModuleList):
 
     def __getitem__(self, idx: Any) -> Any:
         if isinstance(idx, slice):
-            return nn.ModuleList(list(self._modules.values())[idx])
-        return list(self._modules.values())[idx]
+            return nn.ModuleList(list(self.children())[idx])
+        return list(self.children())[idx]
 
 
 class _ExpertCall(nn.Module):
@@ -308,8 +354,7 @@ class _TwoPassCalls:
     def record(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
         self.recorded, self.answers = [], None
         self.rng = _rng_state()
-        self.experts._modules.clear()
-        self.experts._modules.update(self.proxies)
+        set_children(self.experts, self.proxies)
 
     def replay(self, block: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self.answers is not None or output is None:  # the second pass, or the first one raised
@@ -323,8 +368,7 @@ class _TwoPassCalls:
             self._restore()
 
     def _restore(self) -> None:
-        self.experts._modules.clear()
-        self.experts._modules.update(self.mine)
+        set_children(self.experts, self.mine)
         self.recorded, self.answers = [], None
 
     def _exchange(self) -> dict[int, list[torch.Tensor]]:
@@ -369,3 +413,68 @@ def _set_rng_state(state: tuple[torch.Tensor, Optional[list[torch.Tensor]]]) -> 
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
+
+
+def with_peers_listed_experts(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full model ``state`` completed with the torch-MoE experts the other ranks of each ep group hold (each
+    rank holds its own under their plain FQNs): what every rank needs to put the whole plain module back. Collective
+    over the ep groups."""
+    for name, local in module.named_modules():
+        calls = getattr(local, "_lightning_mgpu_calls", None)
+        if not isinstance(local, _LocalExperts) or calls is None:
+            continue
+        mine = {key: value.detach().cpu() for key, value in state.items() if key.startswith(f"{name}.")}
+        device = next(iter(state.values())).device
+        gathered: list[Any] = [None] * calls.ep
+        dist.all_gather_object(gathered, mine, group=calls.group)
+        for part in gathered:
+            state.update({key: value.to(device) for key, value in part.items() if key not in state})
+    return state
+
+# ------------------------------------------------------------------------ per-expert token counts (ScalingMonitor)
+class ExpertTokenCounts:
+    """While installed: per MoE layer, how many (token, expert) assignments each expert got from this rank's
+    forwards, whether or not the experts are split over ep. Recomputations during backward (activation
+    checkpointing) are not counted. ``remove()`` takes the hooks off."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.counts: dict[str, torch.Tensor] = {}
+        self._handles: list[Any] = []
+        experts: Any  # a fused experts module: num_experts
+        for name, experts in find_experts(module).items():  # called with the routing: count its top-k indices
+            total = getattr(experts, _TOTAL, experts.num_experts)
+            self.counts[name] = torch.zeros(total, dtype=torch.long)
+            # Prepended: under ep, the dispatch hook replaces the indices by this rank's received local ones.
+            self._handles.append(experts.register_forward_pre_hook(self._routed(name), prepend=True))
+        for name, (block, experts) in find_expert_lists(module).items():  # a torch MoE, not split: hook each expert
+            self._count_calls(_list_name(name, block, experts), list(experts), None)
+        for name, local in module.named_modules():
+            calls = getattr(local, "_lightning_mgpu_calls", None)
+            if isinstance(local, _LocalExperts) and calls is not None:  # split over ep: the block's expert calls
+                self._count_calls(name, [calls.proxies[str(i)] for i in range(calls.total)], calls)
+
+    def _routed(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if not _in_backward():
+                flat = args[1].reshape(-1).to("cpu")
+                self.counts[name] += torch.bincount(flat, minlength=self.counts[name].numel())
+        return hook
+
+    def _count_calls(self, name: str, experts: list[nn.Module], calls: Optional["_TwoPassCalls"]) -> None:
+        self.counts[name] = torch.zeros(len(experts), dtype=torch.long)
+        for index, expert in enumerate(experts):
+            def hook(module: nn.Module, args: tuple, index: int = index) -> None:
+                # A split list's block runs twice per forward: count the first (recording) pass only.
+                if not _in_backward() and (calls is None or calls.answers is None):
+                    self.counts[name][index] += args[0].shape[0]
+            self._handles.append(expert.register_forward_pre_hook(hook))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward (where activation checkpointing recomputes forwards)."""
+    return in_backward()

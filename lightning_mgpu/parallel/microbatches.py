@@ -9,11 +9,11 @@ mean of the microbatch losses, and the gradients, equal to the whole batch's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
+from lightning_mgpu._compat.tensors import tree_leaves, tree_map
 from lightning_mgpu.parallel.pipeline import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 
 # Schedules that run any number of microbatches, one per stage placement: a batch that the chosen schedule cannot
@@ -25,7 +25,7 @@ def _placement(schedule: str) -> str:
     return "single" if schedule in SINGLE_STAGE_SCHEDULES else "v" if schedule in V_SCHEDULES else "looped"
 
 
-def microbatch_count_error(schedule: str, count: int, pp_size: int, num_stages: int) -> Optional[str]:
+def microbatch_count_error(schedule: str, count: int, pp_size: int, num_stages: int) -> str | None:
     """Why torch 2.13's ``schedule`` refuses ``count`` microbatches (``None`` when it runs them)."""
     if schedule in ("1F1B", "DualPipeV") and count < num_stages:
         return f"{schedule} needs at least as many microbatches as stages ({num_stages}), got {count}"
@@ -83,11 +83,10 @@ def split_microbatches(batch: Any, count: int) -> list[Any]:
             f"The per-data-parallel-rank batch of {size} samples does not split into num_microbatches={count}"
             f" equal microbatches. Use a num_microbatches in {valid}, or a batch size divisible by {count}."
         )
-    return [tree_map(lambda t, k=k: t.chunk(count)[k] if torch.is_tensor(t) and t.dim() else t, batch)
-            for k in range(count)]
+    return [
+        tree_map(lambda t, k=k: t.chunk(count)[k] if torch.is_tensor(t) and t.dim() else t, batch) for k in range(count)
+    ]
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
     return [t for t in tree_leaves(tree) if torch.is_tensor(t)]

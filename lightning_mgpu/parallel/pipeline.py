@@ -7,23 +7,27 @@ parameter-free stand-ins), and a stage runs the user's *whole* network call with
   the right shape (computed on the meta device), which the stage then ignores;
 - the stage's first block takes the activation received from the previous stage instead of its input;
 - the stage's last block ends the call by raising ``_StageDone`` with its output, except on the last stage, whose
-  call runs to the end (norm, head) and returns the network's real output.
+  call runs to the end (norm, head) and returns the network's real output. (An exception, because the rest of the
+  user's network code must not run on this stage and only raising leaves it; nothing else uses one.)
 
 Because every rank of a pipeline reads the same batch, each stage knows the network call's arguments for every
 microbatch (captured by running the user's step up to the network call): position ids, masks and rotary
 embeddings are computed as usual on every stage.
+
+Everything the split does to the user's module (stand-ins in place of other ranks' modules, the gate on each kept
+block's ``forward``) is recorded and undone by ``PipelineRuntime.unsplit``.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from lightning_mgpu._compat.tensors import tree_map
 from lightning_mgpu.layout import PP_AXIS
 from lightning_mgpu.parallel.blocks import find_block_container
 
@@ -40,11 +44,13 @@ class _StageDone(Exception):
         self.output = output
 
 
-def stages_per_rank(schedule: str, requested: Optional[int]) -> int:
+def stages_per_rank(schedule: str, requested: int | None) -> int:
     """Virtual stages per rank: 1 for GPipe/1F1B, 2 for interleaved and V schedules unless given."""
     if schedule in SINGLE_STAGE_SCHEDULES:
         if requested not in (None, 1):
-            raise ValueError(f"pipeline_schedule={schedule!r} runs one stage per rank; got stages_per_rank={requested}.")
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} runs one stage per rank; got stages_per_rank={requested}."
+            )
         return 1
     if schedule in V_SCHEDULES and requested not in (None, 2):
         raise ValueError(f"pipeline_schedule={schedule!r} places two stages per rank (a V); got {requested}.")
@@ -117,7 +123,7 @@ def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> Pipel
     split = PipelineSplit(container_fqn, len(container), before, after)
     if pipeline_split == "auto":
         costs = [sum(p.numel() for p in block.parameters()) for block in container]
-        size = lambda names: sum(p.numel() for n in names for p in module.get_submodule(n).parameters())  # noqa: E731
+        size = lambda names: sum(p.numel() for n in names for p in module.get_submodule(n).parameters())
         split.starts = balance(costs, num_stages, size(before), size(after))
     else:
         split.starts = _explicit_starts(list(pipeline_split), container_fqn, len(container), num_stages)
@@ -146,16 +152,19 @@ def _stage_container(module: nn.Module, pipeline_split: Any) -> tuple[str, nn.Mo
     return found
 
 
-def _submodule_or_none(module: nn.Module, name: str) -> Optional[nn.Module]:
+def _submodule_or_none(module: nn.Module, name: str) -> nn.Module | None:
     try:
         return module.get_submodule(name)
     except AttributeError:
         return None
 
 
-def _largest_sequential(module: nn.Module) -> Optional[tuple[str, nn.Sequential]]:
-    candidates = [(sum(p.numel() for p in child.parameters()), name, child) for name, child in module.named_modules()
-                  if isinstance(child, nn.Sequential) and sum(1 for c in child if any(True for _ in c.parameters())) >= 2]
+def _largest_sequential(module: nn.Module) -> tuple[str, nn.Sequential] | None:
+    candidates = [
+        (sum(p.numel() for p in child.parameters()), name, child)
+        for name, child in module.named_modules()
+        if isinstance(child, nn.Sequential) and sum(1 for c in child if any(True for _ in c.parameters())) >= 2
+    ]
     if not candidates:
         return None
     _, name, child = max(candidates, key=lambda candidate: candidate[0])
@@ -164,9 +173,11 @@ def _largest_sequential(module: nn.Module) -> Optional[tuple[str, nn.Sequential]
 
 def _around(module: nn.Module, container_fqn: str) -> tuple[list[str], list[str]]:
     """Modules with parameters registered before/after the path to the blocks: the network's prologue/epilogue."""
-    before, after = [], []
+    before: list[str] = []
+    after: list[str] = []
     parts = container_fqn.split(".")
-    node, prefix = module, ""
+    node: Any = module  # indexed by position below when the path goes through a ModuleList
+    prefix = ""
     for part in parts:
         seen = False
         for name, child in node.named_children():
@@ -225,10 +236,12 @@ class _Placeholder(nn.Module):
         autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)) if device else None
         key = (tuple((tuple(t.shape), t.dtype) for t in tensors), autocast)
         if key not in self._outputs:
-            to_meta = lambda t: t.to("meta") if torch.is_tensor(t) else t  # noqa: E731
+            to_meta = lambda t: t.to("meta") if torch.is_tensor(t) else t
             self._outputs[key] = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if torch.is_tensor(t) else t,
-                        self._outputs[key])
+        return tree_map(
+            lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if torch.is_tensor(t) else t,
+            self._outputs[key],
+        )
 
 
 class _Unreachable(nn.Module):
@@ -278,18 +291,19 @@ class Stage(nn.Module):
     parameters and no others, even when one rank runs two stages of one model.
     """
 
-    def __init__(self, runtime: "PipelineRuntime", index: int, blocks: list[nn.Module], ends: list[nn.Module]) -> None:
+    def __init__(self, runtime: PipelineRuntime, index: int, blocks: list[nn.Module], ends: list[nn.Module]) -> None:
         super().__init__()
         self._runtime = [runtime]  # not a submodule
         self.index = index
+        self.block_range = runtime.split.blocks_of(index)
         self.blocks = list(blocks)
         self.owned = nn.ModuleList([*blocks, *ends])
-        self.received: Optional[torch.Tensor] = None
+        self.received: torch.Tensor | None = None
         self.inferring = False  # set while torch's pipelining infers shapes with a trial forward
         self._next_microbatch = 0
 
     @property
-    def runtime(self) -> "PipelineRuntime":
+    def runtime(self) -> PipelineRuntime:
         return self._runtime[0]
 
     @property
@@ -303,14 +317,12 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.inferring:
             microbatch = 0  # a shape-inference trial: run microbatch 0, count nothing, keep nothing
-            self.received = None if self.is_first else x
-        elif self.is_first:
-            microbatch = int(x.reshape(-1)[0])  # stage 0 receives the microbatch index
         else:
-            # Schedules run a stage's forwards in microbatch order.
-            microbatch, self.received = self._next_microbatch, x
-        if not self.inferring:
-            self._next_microbatch = microbatch + 1
+            # Schedules run a stage's forwards in microbatch order: count them (stage 0's input is a placeholder,
+            # so no microbatch index is read back from the device).
+            microbatch = self._next_microbatch
+            self._next_microbatch += 1
+        self.received = None if self.is_first else x
         call = self.runtime.calls[microbatch]
         self.runtime.active = self
         try:
@@ -334,7 +346,7 @@ def _main_tensor(output: Any) -> torch.Tensor:
     """The tensor the schedule tracks for the last stage's output (logits of a Hugging Face output)."""
     if torch.is_tensor(output):
         return output
-    for value in (output.values() if isinstance(output, dict) else output):
+    for value in output.values() if isinstance(output, dict) else output:
         if torch.is_tensor(value) and value.is_floating_point():
             return value
     raise TypeError("The network's output holds no floating-point tensor; pipeline parallelism needs one.")
@@ -350,26 +362,29 @@ class PipelineRuntime:
         self.outputs: dict[int, Any] = {}
         self.trial_output: Any = None  # the last stage's output in torch's shape-inference trial
         self.inferring = False
-        self.active: Optional[Stage] = None
-        self.tied_gradients: Optional[Any] = None  # TiedGradients, set by `split_pipeline`
+        self.active: Stage | None = None
+        self.tied_gradients: Any | None = None  # TiedGradients, set by `split_pipeline`
         owns_first, owns_last = 0 in my_stages, num_stages - 1 in my_stages
-        container = module.get_submodule(split.container_fqn)
+        container: Any = module.get_submodule(split.container_fqn)  # a ModuleList/Sequential: indexed by block
         mine = {i for s in my_stages for i in split.blocks_of(s)}
-        standins: list[tuple[nn.Module, nn.Module]] = []  # (stand-in, the module it replaced)
+        # What the split changed on the user's module, for `unsplit`: (fqn, stand-in, the module it replaced)
+        # and (block, its instance `forward` before the gate, if it had one).
+        self._replaced: list[tuple[str, nn.Module, nn.Module]] = []
+        self._gated: list[tuple[nn.Module, Any | None]] = []
         for index in range(split.num_blocks):
+            fqn = f"{split.container_fqn}.{index}"
             if index in mine:
+                self._gated.append((container[index], vars(container[index]).get("forward")))
                 _gate(container[index], index, self)
             else:
-                standins.append((_PassThrough(), container[index]))
-                container[index] = standins[-1][0]
+                self._replace(module, fqn, _PassThrough())
         for fqn in split.before:
             if not owns_first:
-                standins.append((_Placeholder(module.get_submodule(fqn)), module.get_submodule(fqn)))
-                _replace(module, fqn, standins[-1][0])
+                self._replace(module, fqn, _Placeholder(module.get_submodule(fqn)))
         for fqn in split.after:
             if not owns_last:
-                standins.append((_Unreachable(), module.get_submodule(fqn)))
-                _replace(module, fqn, standins[-1][0])
+                self._replace(module, fqn, _Unreachable())
+        standins = [(standin, original) for _, standin, original in self._replaced]
         _keep_tied_names(module, standins)
         self.stages = []
         for stage in my_stages:
@@ -378,9 +393,32 @@ class PipelineRuntime:
             self.stages.append(Stage(self, stage, [container[i] for i in split.blocks_of(stage)], ends))
         for standin, _ in standins:  # a stand-in holding a tied weight goes with the stage that uses the weight
             held = list(standin.parameters(recurse=False))
-            stage = next((s for s in self.stages if any(p is held[0] for p in s.owned.parameters())), None) if held else None
-            if stage is not None:
-                stage.owned.append(standin)
+            holder = (
+                next((s for s in self.stages if any(p is held[0] for p in s.owned.parameters())), None)
+                if held
+                else None
+            )
+            if holder is not None:
+                holder.owned.append(standin)
+
+    def _replace(self, module: nn.Module, fqn: str, standin: nn.Module) -> None:
+        self._replaced.append((fqn, standin, module.get_submodule(fqn)))
+        _replace(module, fqn, standin)
+
+    def unsplit(self, module: nn.Module) -> None:
+        """Undo the split on ``module``: the replaced modules back in place, the blocks' gates off.
+
+        The modules of other ranks' stages come back with the weights they had when the model was split (this rank
+        never trained them); ``HybridStrategy.full_state_dict()`` or a checkpoint holds the trained model.
+        """
+        for fqn, _, original in reversed(self._replaced):
+            _replace(module, fqn, original)
+        for block, forward in self._gated:
+            if forward is None:
+                vars(block).pop("forward", None)
+            else:
+                block.forward = forward
+        self._replaced, self._gated = [], []
 
     def start_step(self, calls: list[NetworkCall]) -> None:
         self.calls, self.outputs = calls, {}
@@ -397,7 +435,9 @@ def split_pipeline(module: nn.Module, mesh: Any, options: Any) -> PipelineRuntim
     pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     num_stages = pp_size * per_rank
     split = plan_split(module, num_stages, options.pipeline_split)
-    ties = find_cross_stage_ties(module, split, [stage_owner(schedule, s, pp_size, per_rank) for s in range(num_stages)])
+    ties = find_cross_stage_ties(
+        module, split, [stage_owner(schedule, s, pp_size, per_rank) for s in range(num_stages)]
+    )
     runtime = PipelineRuntime(module, split, stage_indices(schedule, pp_rank, pp_size, per_rank), num_stages)
     runtime.tied_gradients = TiedGradients(ties, mesh, pp_rank)
     return runtime
@@ -411,7 +451,7 @@ def _gate(block: nn.Module, index: int, runtime: PipelineRuntime) -> None:
         stage = runtime.active
         if stage is None:
             return forward(*args, **kwargs)
-        blocks = runtime.split.blocks_of(stage.index)
+        blocks = stage.block_range
         if index not in blocks:
             return args[0] if args else next(iter(kwargs.values()))  # another stage of this rank
         if index == blocks.start and stage.received is not None:
@@ -421,7 +461,7 @@ def _gate(block: nn.Module, index: int, runtime: PipelineRuntime) -> None:
             raise _StageDone(output)
         return output
 
-    block.forward = gated  # type: ignore[method-assign]
+    block.forward = gated
 
 
 def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:

@@ -10,8 +10,9 @@ global rank 0 (which holds the first stage) logs what a single process would:
   is right everywhere; a Metric logged ``on_step`` shows its value over the whole batch (the step's inputs are fed
   to a fresh copy), not over the last microbatch.
 
-The steady state costs one small tensor broadcast per step: names, options and metrics go as pickled objects only
-when they change or when Metric objects are involved.
+The steady state costs one small tensor broadcast per step, built and read on the device (one host sync per step,
+none per microbatch): names, options and metrics go as pickled objects only when they change or when Metric objects
+are involved.
 """
 
 from __future__ import annotations
@@ -20,11 +21,24 @@ import copy
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_mgpu._compat.pipelining import (
+    forward_hook_functions,
+    metric_progress,
+    metric_states,
+    set_metric_forward_value,
+    set_metric_progress,
+    sync_as_in_forward,
+)
+from lightning_mgpu._compat.tensors import tree_map
+
+if TYPE_CHECKING:
+    from torchmetrics import Metric
 
 
 @dataclass
@@ -43,30 +57,32 @@ class StepLogs:
             self.values.append((name, value, kwargs))
         else:
             raise TypeError(
-                f"`self.log({name!r}, ...)` needs a tensor, a number or a torchmetrics Metric, got {type(value).__name__}."
+                f"`self.log({name!r}, ...)` needs a tensor, a number or a torchmetrics Metric,"
+                f" got {type(value).__name__}."
             )
 
-    def means(self) -> dict[str, tuple[float, dict]]:
-        grouped: dict[str, list[float]] = {}
+    def means(self, device: torch.device) -> dict[str, tuple[torch.Tensor, dict]]:
+        """Each logged name's mean over the microbatches, as a float64 scalar on ``device`` (no host sync)."""
+        grouped: dict[str, list[torch.Tensor]] = {}
         options: dict[str, dict] = {}
         for name, value, kwargs in self.values:
-            grouped.setdefault(name, []).append(_as_float(value))
+            grouped.setdefault(name, []).append(_as_tensor(value, device))
             options[name] = kwargs
-        return {name: (sum(values) / len(values), options[name]) for name, values in grouped.items()}
+        return {name: (torch.stack(values).mean(), options[name]) for name, values in grouped.items()}
 
 
-def _as_float(value: Any) -> float:
+def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
     if not torch.is_tensor(value):
-        return float(value)
+        return torch.tensor(float(value), dtype=torch.float64, device=device)
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
         value = value.full_tensor()
-    return float(value.detach())
+    return value.detach().reshape(()).to(device=device, dtype=torch.float64)
 
 
 class MetricRelay:
-    """Tracks the torchmetrics objects of a module during a step on the last stage and replays their changes elsewhere."""
+    """Tracks a module's torchmetrics objects during a step on the last stage; replays their changes elsewhere."""
 
     def __init__(self, module: nn.Module) -> None:
         from torchmetrics import Metric
@@ -84,7 +100,7 @@ class MetricRelay:
 
     def begin(self) -> None:
         """Before the step's replays on the last stage: remember where every metric stands."""
-        self._counts = {name: m._update_count for name, m in self.metrics.items()}
+        self._counts = {name: metric_progress(m)[0] for name, m in self.metrics.items()}
         self._lists = {name: {s: list(getattr(m, s)) for s in _list_states(m)} for name, m in self.metrics.items()}
         self._forward_inputs = {}
         self._recording = True
@@ -100,15 +116,14 @@ class MetricRelay:
         changes = {}
         for name, metric in self.metrics.items():
             # A CompositionalMetric's forward leaves its own count alone (its children's change): it was called.
-            if metric._update_count == self._counts.get(name) and name not in self._forward_inputs:
+            if metric_progress(metric)[0] == self._counts.get(name) and name not in self._forward_inputs:
                 continue
             inputs = self._forward_inputs.get(name, [])
             if len(inputs) > 1:
-                metric._forward_cache = _whole_batch_value(metric, inputs)
+                set_metric_forward_value(metric, _whole_batch_value(metric, inputs))
             changes[name] = {
-                "count": metric._update_count,
-                "forward_cache": metric._forward_cache,
-                "tensors": {s: getattr(metric, s) for s in metric._defaults if s not in self._lists[name]},
+                "progress": metric_progress(metric),
+                "tensors": {s: getattr(metric, s) for s in metric_states(metric) if s not in self._lists[name]},
                 "lists": {s: _list_change(getattr(metric, s), before) for s, before in self._lists[name].items()},
             }
         self._forward_inputs = {}
@@ -123,15 +138,14 @@ class MetricRelay:
             for state, (how, items) in change["lists"].items():
                 items = [t.to(device) for t in items]
                 setattr(metric, state, getattr(metric, state) + items if how == "extend" else items)
-            metric._update_count = change["count"]
-            metric._forward_cache = _to_device(change["forward_cache"], device)
-            metric._computed = None
+            count, forward_value = change["progress"]
+            set_metric_progress(metric, count, _to_device(forward_value, device))
 
     @contextmanager
     def frozen(self) -> Generator[None, None, None]:
         """Undo whatever the block does to the metrics (torch's shape-inference trial replays a step on fake data)."""
         saved = {
-            name: (m._update_count, m._forward_cache, {s: _copy_state(getattr(m, s)) for s in m._defaults})
+            name: (*metric_progress(m), {s: _copy_state(getattr(m, s)) for s in metric_states(m)})
             for name, m in self.metrics.items()
         }
         recording, self._recording = self._recording, False
@@ -143,40 +157,41 @@ class MetricRelay:
                 metric = self.metrics[name]
                 for state, value in states.items():
                     setattr(metric, state, value)
-                metric._update_count, metric._forward_cache, metric._computed = count, forward_cache, None
+                set_metric_progress(metric, count, forward_cache)
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        self._hooks = []
 
 
 def _copy_state(value: Any) -> Any:
     return list(value) if isinstance(value, list) else value.clone()
 
 
-def _list_states(metric: nn.Module) -> list[str]:
-    return [s for s, default in metric._defaults.items() if isinstance(default, list)]
+def _list_states(metric: Metric) -> list[str]:
+    return [s for s, default in metric_states(metric).items() if isinstance(default, list)]
 
 
 def _list_change(now: list, before: list) -> tuple[str, list]:
     """List states only grow within a step (unless reset): send the new items, or everything after a reset."""
     if len(now) >= len(before) and all(a is b for a, b in zip(now, before)):
-        return "extend", now[len(before):]
+        return "extend", now[len(before) :]
     return "replace", list(now)
 
 
-def _whole_batch_value(metric: nn.Module, inputs: list[tuple[tuple, dict]]) -> Any:
+def _whole_batch_value(metric: Metric, inputs: list[tuple[tuple, dict]]) -> Any:
     """The value ``metric(batch)`` would have returned for the whole batch: a fresh copy fed every microbatch."""
     group = getattr(metric, "process_group", None)
     memo = {id(group): group} if group is not None else {}
-    for hook in metric._forward_hooks.values():  # our hook refers to the relay: share it, do not copy it
+    for hook in forward_hook_functions(metric):  # our hook refers to the relay: share it, do not copy it
         memo[id(getattr(hook, "__self__", hook))] = getattr(hook, "__self__", hook)
     fresh = copy.deepcopy(metric, memo)
     fresh.reset()
     for args, kwargs in inputs:
         fresh.update(*args, **kwargs)
     # As torchmetrics' own forward: the batch value is synced only with dist_sync_on_step.
-    fresh._to_sync, fresh._should_unsync = fresh.dist_sync_on_step, False
+    sync_as_in_forward(fresh)
     return fresh.compute()
 
 
@@ -187,47 +202,70 @@ class Publisher:
         self.group = group
         self.source = source
         self.device = device
-        self._structure: Optional[tuple] = None  # what the last object broadcast sent, known to every rank
+        self._structure: tuple | None = None  # what the last object broadcast sent, known to every rank
 
-    def send(self, result: Any, logs: Optional[StepLogs], relay: Optional[MetricRelay], objects: bool) -> tuple:
+    def publish(self, module: Any, relay: MetricRelay, result: Any, logs: StepLogs, objects: bool) -> Any:
+        """Send the last stage's result, logs and metric changes; log them on every rank. Returns the result."""
+        sending = dist.get_rank() == self.source
+        result, means, metric_logs, changes = self.send(
+            result, logs if sending else None, relay if sending else None, objects
+        )
+        if not sending:
+            relay.apply(changes, self.device)
+        for name, (value, kwargs) in means.items():
+            module.log(name, value.to(torch.get_default_dtype()), **kwargs)  # as a number logged would be
+        for name, (metric_name, kwargs) in metric_logs.items():
+            module.log(name, relay.metrics[metric_name], **kwargs)
+        return result
+
+    def send(self, result: Any, logs: StepLogs | None, relay: MetricRelay | None, objects: bool) -> tuple:
         """Collective over the pipeline group. Returns ``(result, mean logs, metric logs, metric changes)``.
 
-        ``objects=False`` allows the fast path for a scalar (or absent) result: a flat tensor of numbers when the
-        logged names and options are those of the previous step and no Metric is involved.
+        ``objects=False`` allows the fast path for a scalar (or absent) result: a flat tensor of numbers, built and
+        read on the device, when the logged names and options are those of the previous step and no Metric is
+        involved; the only host sync is reading its "fast path taken" flag, once per step.
         """
         sending = dist.get_rank() == self.source
-        payload: Optional[tuple] = None
+        payload: tuple | None = None
         if sending:
             assert logs is not None
             metric_logs = {name: (relay.name_of(m) if relay else "", kw) for name, (m, kw) in logs.metrics.items()}
             changes = relay.end() if relay is not None else {}
-            payload = (_to_cpu(result), logs.means(), metric_logs, _to_cpu(changes))  # unpickled on rank's device
+            payload = (result, logs.means(self.device), metric_logs, changes)
         if not objects and self._structure is not None:
-            numbers = torch.zeros(2 + len(self._structure[0]), dtype=torch.float64, device=self.device)
-            if sending and _structure(payload) == self._structure:
-                numbers[0] = 1.0
-                numbers[1] = float(payload[0]) if payload[0] is not None else 0.0
-                numbers[2:] = torch.tensor([value for value, _ in payload[1].values()], dtype=torch.float64)
+            names = self._structure[0]
+            fast = sending and _structure(payload) == self._structure
+            numbers = torch.zeros(2 + len(names), dtype=torch.float64, device=self.device)
+            if fast:
+                assert payload is not None
+                numbers = torch.stack(
+                    [
+                        numbers.new_ones(()),
+                        payload[0].detach().to(numbers) if payload[0] is not None else numbers.new_zeros(()),
+                        *(value for value, _ in payload[1].values()),
+                    ]
+                )
             dist.broadcast(numbers, src=self.source, group=self.group)
-            if numbers[0] == 1.0:
-                return self._rebuild(numbers.cpu().tolist())
-        box = [payload]
+            if bool(numbers[0] == 1.0):  # the one host sync of a step
+                return self._rebuild(numbers)
+        box = [_to_cpu(payload) if sending else None]  # unpickled on each rank's device below
         dist.broadcast_object_list(box, src=self.source, group=self.group)
         payload = box[0]
         assert payload is not None
         if not objects:
             self._structure = _structure(payload)
-        return _to_device(payload[0], self.device), payload[1], payload[2], payload[3]
+        result, means, metric_logs, changes = _to_device(payload, self.device)
+        return result, means, metric_logs, changes
 
-    def _rebuild(self, numbers: list[float]) -> tuple:
+    def _rebuild(self, numbers: torch.Tensor) -> tuple:
         assert self._structure is not None
         names, options, result_dtype = self._structure
-        result = None if result_dtype is None else torch.tensor(numbers[1], dtype=result_dtype, device=self.device)
-        means = {name: (value, dict(kwargs)) for name, kwargs, value in zip(names, options, numbers[2:])}
+        result = None if result_dtype is None else numbers[1].to(result_dtype)
+        means = {name: (numbers[2 + i], dict(kwargs)) for i, (name, kwargs) in enumerate(zip(names, options))}
         return result, means, {}, {}
 
 
-def _structure(payload: Any) -> Optional[tuple]:
+def _structure(payload: Any) -> tuple | None:
     """The shape of a payload that the fast path can carry as numbers, or None if it cannot."""
     result, means, metric_logs, changes = payload
     if metric_logs or changes:
@@ -243,12 +281,8 @@ def _structure(payload: Any) -> Optional[tuple]:
 
 
 def _to_cpu(tree: Any) -> Any:
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda t: t.detach().cpu().clone() if torch.is_tensor(t) else t, tree)  # clone: no view's storage
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, tree)

@@ -34,9 +34,7 @@ class CrossStageTie:
     pp_ranks: tuple[int, ...]
 
 
-def find_cross_stage_ties(
-    module: nn.Module, split: "PipelineSplit", stage_ranks: list[int]
-) -> list[CrossStageTie]:
+def find_cross_stage_ties(module: nn.Module, split: PipelineSplit, stage_ranks: list[int]) -> list[CrossStageTie]:
     """The tied parameters of ``module`` (before it is split) used by more than one stage.
 
     ``stage_ranks[s]`` is the pipeline rank that runs stage ``s``.
@@ -46,8 +44,8 @@ def find_cross_stage_ties(
     for stage in range(len(stage_ranks)):
         for index in split.blocks_of(stage):
             stage_of[f"{split.container_fqn}.{index}"] = stage
-    stage_of.update({fqn: 0 for fqn in split.before})
-    stage_of.update({fqn: last for fqn in split.after})
+    stage_of.update(dict.fromkeys(split.before, 0))
+    stage_of.update(dict.fromkeys(split.after, last))
     ties = []
     for holders in tied_parameters(module):
         stages = {_stage_of(holder, stage_of) for holder, _ in holders} - {None}
@@ -71,7 +69,8 @@ class TiedGradients:
     pipeline ranks and per (data, tensor) coordinate, so each holder meets the copy of the same shard.
     """
 
-    def __init__(self, ties: list[CrossStageTie], mesh: "DeviceMesh", pp_rank: int) -> None:
+    def __init__(self, ties: list[CrossStageTie], mesh: DeviceMesh, pp_rank: int) -> None:
+        assert mesh.mesh_dim_names is not None, "the job's mesh names its dimensions"
         pp_axis = mesh.mesh_dim_names.index(PP_AXIS)
         columns = mesh.mesh.movedim(pp_axis, 0).reshape(mesh.mesh.shape[pp_axis], -1)
         my_rank = dist.get_rank()

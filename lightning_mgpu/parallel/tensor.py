@@ -5,8 +5,8 @@ extended to GPT-2's ``Conv1D`` (weight stored transposed) and to fused projectio
 (``[q | k | v]`` in one Linear), which are sharded chunk by chunk with ``_StridedShard`` so that each rank holds
 the q, k and v of its own heads and the full tensor keeps its original layout.
 
-``tp_plan="auto"`` (``tensor_plan.py``) takes Hugging Face's own plans (``config.base_model_tp_plan`` and the model class's
-``_tp_plan``) where present, and name rules for GPT-style blocks otherwise.
+``tp_plan="auto"`` (``tensor_plan.py``) takes Hugging Face's own plans (``config.base_model_tp_plan`` and the model
+class's ``_tp_plan``) where present, and name rules for GPT-style blocks otherwise.
 
 What the code between the projections sees (``_global_shape_regions``): modules of a Hugging Face model that
 declares a tensor-parallel plan get plain per-rank tensors, as Hugging Face's own tensor parallelism gives them
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
 from functools import partial
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +35,12 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
+from typing_extensions import override
 
-from lightning_mgpu.parallel.blocks import tied_parameters
+from lightning_mgpu._compat.dtensor import StyleHooks, strided_shard
+from lightning_mgpu._compat.tensors import has_post_accumulate_grad_hook, version_counter
+from lightning_mgpu.parallel.blocks import is_transposed_linear, tied_parameters
 from lightning_mgpu.parallel.tensor_checks import check_divisible, parent_name
 from lightning_mgpu.parallel.tensor_embedding import VocabParallelEmbedding, reduce_lookups_in_forward
 from lightning_mgpu.parallel.tensor_experts import ExpertsParallel, IdentityExpertParallel, place_experts
@@ -46,17 +48,17 @@ from lightning_mgpu.parallel.tensor_local import marking_shards, owned_local, wa
 from lightning_mgpu.parallel.tensor_plan import _hugging_face_models, _match, _with_vocab_parallel_head, auto_plan
 from lightning_mgpu.parallel.tensor_region import install_global_shape_region
 
-Plan = Union[str, dict[str, str], Callable[[nn.Module, DeviceMesh], None]]
+Plan = str | dict[str, str] | Callable[[nn.Module, DeviceMesh], None]
 
 SEQUENCE_DIM = 1
 
 
 def _output_dim(module: nn.Module) -> int:
     """Dimension of the weight indexing output features: 0 for Linear, 1 for GPT-2's transposed Conv1D."""
-    return 1 if type(module).__name__ == "Conv1D" else 0
+    return 1 if is_transposed_linear(module) else 0
 
 
-class _Colwise(ColwiseParallel):
+class _Colwise(StyleHooks, ColwiseParallel):
     """Column-wise sharding of Linear/Conv1D outputs; ``chunks > 1`` shards each of a fused projection's chunks.
 
     A fused projection's bias stays replicated (DTensor slices it to match the output) so that data-parallel
@@ -71,20 +73,21 @@ class _Colwise(ColwiseParallel):
         self.global_shapes = global_shapes
         self.shared: Optional[_SharedInput] = None  # set when siblings read the same input (see _share_inputs)
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    @override
+    def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Embedding):
-            return super()._apply(module, device_mesh)
+            return super().apply_style(module, device_mesh)
         dim = _output_dim(module)
         fused = self.chunks > 1
         placements = (
-            {"weight": _StridedShard(dim, split_factor=self.chunks), "bias": Replicate()}
+            {"weight": strided_shard(dim, self.chunks), "bias": Replicate()}
             if fused
             else {"weight": Shard(dim), "bias": Shard(0)}
         )
-        if fused:  # _StridedShard output: to_local gives [q | k | v] of this rank's heads
+        if fused:  # strided-shard output: to_local gives [q | k | v] of this rank's heads
             output_fn = _keep_output if self.global_shapes else _local_output
         else:
-            output_fn = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+            output_fn = self.prepare_output
         if not self.global_shapes:  # a plain shard: its readers' replicated parameters get partial gradients
             output_fn = marking_shards(output_fn)
         distribute_module(
@@ -100,7 +103,7 @@ class _Colwise(ColwiseParallel):
         shared = self.shared
         if shared is not None and shared.hit(inputs[0]):
             return shared.converted
-        converted = self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, module, inputs, device_mesh)
+        converted = self.prepare_input(module, inputs, device_mesh)
         if shared is not None:
             shared.keep(inputs[0], converted)
         return converted
@@ -125,7 +128,7 @@ class _SharedInput:
 
     def __init__(self) -> None:
         self.open_calls = 0
-        self.source: Optional[Any] = None
+        self.source: Any = None
         self.version = -1
         self.converted: Optional[DTensor] = None
         self.grad_enabled = False
@@ -140,12 +143,12 @@ class _SharedInput:
 
     def hit(self, tensor: Any) -> bool:
         return (self.open_calls > 0 and tensor is self.source and self.grad_enabled == torch.is_grad_enabled()
-                and tensor._version == self.version)
+                and version_counter(tensor) == self.version)
 
     def keep(self, tensor: Any, converted: DTensor) -> None:
         # Inference tensors (Lightning's evaluation under inference_mode) have no version counter: not shared.
         if self.open_calls > 0 and torch.is_tensor(tensor) and not tensor.is_inference():
-            self.source, self.version, self.converted = tensor, tensor._version, converted
+            self.source, self.version, self.converted = tensor, version_counter(tensor), converted
             self.grad_enabled = torch.is_grad_enabled()  # a no_grad conversion must not serve a grad-enabled sibling
 
 
@@ -162,11 +165,10 @@ class _LossParallelHead(_Colwise):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(output_layouts=Shard(-1), use_local_output=False, **kwargs)
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: DTensor,
-                           device_mesh: DeviceMesh) -> Any:
+    @override
+    def prepare_output(self, module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) -> Any:
         if _loss_parallel_depth > 0:
-            return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+            return super().prepare_output(module, outputs, device_mesh)
         return outputs.redistribute(placements=(Replicate(),)).to_local()
 
 
@@ -177,7 +179,7 @@ def _keep_grad_placement(param: nn.Parameter) -> None:
     under sequence parallelism) gets a sharded or partial gradient; a vocabulary-sharded embedding can get a
     replicated one. Left alone, optimizers would redistribute it on every use, or hold it at full size.
     """
-    if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+    if isinstance(param, DTensor) and isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
         param.grad = param.grad.redistribute(placements=param.placements)
 
 
@@ -188,16 +190,17 @@ def _arm_gradient_layout(module: nn.Module, args: Any) -> None:
     and FSDP2 registers its own unsharded parameters during forward.
     """
     for param in module.parameters(recurse=False):
-        if isinstance(param, DTensor) and param.requires_grad and not param._post_accumulate_grad_hooks:
+        if isinstance(param, DTensor) and param.requires_grad and not has_post_accumulate_grad_hook(param):
             param.register_post_accumulate_grad_hook(_keep_grad_placement)
 
 
-class _Rowwise(RowwiseParallel):
+class _Rowwise(StyleHooks, RowwiseParallel):
     """Row-wise sharding of Linear/Conv1D inputs; the partial outputs are all-reduced (or reduce-scattered)."""
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    @override
+    def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Embedding):  # vocabulary-parallel, as 'embedding_rowwise' (tensor_embedding.py)
-            return reduce_lookups_in_forward(super()._apply(module, device_mesh), self.output_layouts)
+            return reduce_lookups_in_forward(super().apply_style(module, device_mesh), self.output_layouts)
         self.desired_input_layouts = (Shard(-1),)
         placements = {"weight": Shard(1 - _output_dim(module)), "bias": Replicate()}
         return distribute_module(
@@ -205,14 +208,14 @@ class _Rowwise(RowwiseParallel):
             device_mesh,
             partial(_distribute_parameters, placements, self.src_data_rank),
             self._input_fn,
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            self.prepare_output,
         )
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: DTensor,
-                           device_mesh: DeviceMesh) -> Any:
-        outputs = RowwiseParallel._prepare_output_fn(output_layouts, False, mod, outputs, device_mesh)
-        return owned_local(outputs) if use_local_output else outputs
+    @override
+    def prepare_output(self, module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
+        if tuple(outputs.placements) != tuple(self.output_layouts):  # as torch's RowwiseParallel
+            outputs = outputs.redistribute(placements=self.output_layouts, async_op=True)
+        return owned_local(outputs) if self.use_local_output else outputs
 
     def _input_fn(self, module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> Any:
         # From a global-shape region the input is already a DTensor, normally sharded on its last dimension; one in
@@ -221,10 +224,10 @@ class _Rowwise(RowwiseParallel):
         if isinstance(first, DTensor):
             wanted = (Shard(first.dim() - 1),)
             return first if tuple(first.placements) == wanted else first.redistribute(placements=wanted)
-        return self._prepare_input_fn(self.input_layouts, self.desired_input_layouts, module, inputs, device_mesh)
+        return self.prepare_input(module, inputs, device_mesh)
 
 
-class _ReplicatedOnLocalHeads(ParallelStyle):
+class _ReplicatedOnLocalHeads(StyleHooks, ParallelStyle):
     """A replicated module applied to this rank's heads only (Qwen3's per-head ``q_norm``/``k_norm`` between a
     column- and a row-parallel projection): its parameters become replicated DTensors and its plain input this
     rank's shard of the heads (dimension -2 of ``[..., heads, head_dim]``), so the parameter gradient is a partial
@@ -232,7 +235,8 @@ class _ReplicatedOnLocalHeads(ParallelStyle):
     The forward needs no communication; the module returns plain tensors, as it did.
     """
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    @override
+    def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         placements = {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
         return distribute_module(module, device_mesh, partial(_distribute_parameters, placements, 0),
                                  self._input_fn, self._output_fn)
@@ -335,7 +339,7 @@ def apply_tensor_parallel(
         return
     if _already_parallelized(module):
         return  # the user's configure_model applied its own plan with `self.device_mesh`
-    plan = auto_plan(module, sequence_parallel) if tp_plan == "auto" else dict(tp_plan)
+    plan = auto_plan(module, sequence_parallel) if tp_plan == "auto" else dict(cast(dict[str, str], tp_plan))
     if loss_parallel:
         plan = _with_vocab_parallel_head(module, plan)
     matched = _match(module, plan)

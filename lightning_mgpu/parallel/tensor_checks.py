@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, cast
 
+import torch
 from torch import nn
 
-from lightning_mgpu.parallel.tensor_plan import _is_projection
+from lightning_mgpu.parallel.blocks import is_projection
 
 # Attributes an attention module keeps about its global size: checked against the degree before training.
 _HEAD_COUNT_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads",
@@ -19,11 +20,11 @@ def check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None
     sizes: dict[str, int] = {}  # what each sharded size is, by the words naming it
     for name, style_name in matched.items():
         child = module.get_submodule(name)
-        if style_name.startswith("colwise") and _is_projection(child):
+        if style_name.startswith("colwise") and is_projection(child):
             chunks = {"colwise_qkv": 3, "colwise_gate_up": 2}.get(style_name, 1)
             per = {3: " per q/k/v", 2: " per gate/up"}.get(chunks, "")
             sizes[f"{name}: {{}} output features{per}"] = _features(child)[1] // chunks
-        elif style_name.startswith("rowwise") and _is_projection(child):
+        elif style_name.startswith("rowwise") and is_projection(child):
             sizes[f"{name}: {{}} input features"] = _features(child)[0]
         elif style_name.startswith("embedding") and isinstance(child, nn.Embedding):
             row = style_name == "embedding_rowwise"
@@ -91,8 +92,9 @@ def _check_fused_chunks(module: nn.Module, matched: dict[str, str]) -> None:
                 f"{name} fuses q, k and v of grouped-query attention ({heads} query heads, {groups} key/value heads"
                 f" in {attention_name}): its chunks differ in size, and 'colwise_qkv' shards three equal chunks."
                 " Fused grouped-query projections cannot be tensor-parallel yet; keep that attention whole with"
-                f" tp_plan entries {{{_glob_hint(name)!r}: 'replicate', {_glob_hint(_sibling_rowwise(matched, name))!r}:"
-                " 'replicate'}} (the MLP stays sharded), or use separate q/k/v projections."
+                f" tp_plan entries {{{_glob_hint(name)!r}: 'replicate',"
+                f" {_glob_hint(_sibling_rowwise(matched, name))!r}: 'replicate'}} (the MLP stays sharded), or use"
+                " separate q/k/v projections."
             )
 
 
@@ -111,7 +113,8 @@ def _features(module: nn.Module) -> tuple[int, int]:
     """(in_features, out_features) of a Linear or a Conv1D."""
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
-    return module.weight.shape[0], module.weight.shape[1]
+    weight = cast(torch.Tensor, module.weight)  # Conv1D's; nn.Module types attributes as Tensor | Module
+    return weight.shape[0], weight.shape[1]
 
 
 def _attention_modules(module: nn.Module, matched: dict[str, str]) -> list[tuple[str, nn.Module]]:

@@ -23,13 +23,15 @@ logged so that it can be pinned as an explicit ``tp_plan``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+
+from lightning_mgpu._compat.tensors import fake_tensor_mode, tree_flatten
+from lightning_mgpu.parallel.blocks import block_glob, is_projection
 
 _INPUT = "<block input>"
 _TRACE_SHAPE = (2, 4)  # (batch, sequence) of the fake hidden states
@@ -39,15 +41,13 @@ _FUSED_STYLES = {3: "colwise_qkv", 2: "colwise_gate_up"}
 
 def derive_block_plan(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
     """``{glob over every block: style}`` for the blocks in ``blocks_fqn``, derived from block 0's data flow."""
-    from lightning_mgpu.parallel.tensor_plan import _block_glob, _is_projection
-
     block_fqn = f"{blocks_fqn}.0"
     block = module.get_submodule(block_fqn)
-    projections = {name: child for name, child in block.named_modules() if name and _is_projection(child)}
+    projections = {name: child for name, child in block.named_modules() if name and is_projection(child)}
     if not projections:
         raise ValueError(f"tp_plan='auto' found no Linear layers to shard in the blocks {blocks_fqn!r}. Pass"
                          " `tp_plan` as a dict {module_glob: style} or a callable (module, tp_mesh).")
-    glob = {name: _block_glob(f"{block_fqn}.{name}", blocks_fqn) for name in projections}
+    glob = {name: block_glob(f"{block_fqn}.{name}", blocks_fqn) for name in projections}
     width = _stream_width(block, projections)
     try:
         reads, output, fused = _trace(block, projections, width)
@@ -89,7 +89,8 @@ def _features(projection: nn.Module) -> tuple[int, int]:
     """(in, out) features of a Linear, or of GPT-2's Conv1D (weight stored transposed)."""
     if isinstance(projection, nn.Linear):
         return projection.in_features, projection.out_features
-    return projection.weight.shape[0], projection.weight.shape[1]
+    weight = cast(torch.Tensor, projection.weight)  # Conv1D's; nn.Module types attributes as Tensor | Module
+    return weight.shape[0], weight.shape[1]
 
 
 def _guess_by_shape(projection: nn.Module, width: int) -> str:
@@ -162,11 +163,10 @@ def _trace(block: nn.Module, projections: dict[str, nn.Module],
            width: int) -> tuple[dict[str, set], frozenset, dict[str, int]]:
     """Run ``block`` on fake hidden states: each projection's input sources, the output's sources, and the fused
     projections with their number of parts."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     weights = {id(p.weight): name for name, p in projections.items()}
     dtype = next(block.parameters()).dtype
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+    with fake_tensor_mode(allow_non_fake_inputs=True), torch.no_grad():
         hidden = torch.zeros(*_TRACE_SHAPE, width, dtype=dtype)
         flow = _DataFlow(weights)
         flow.mark(hidden, frozenset((_INPUT,)))

@@ -20,7 +20,7 @@ of the residual stream, exactly what the output hook hands on, and no masked val
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.overrides import TorchFunctionMode
+from typing_extensions import override
+
+from lightning_mgpu._compat.dtensor import StyleHooks
 
 _LOOKUPS = (F.embedding, torch.embedding)
 
@@ -40,7 +43,7 @@ class _ReducedLookups(TorchFunctionMode):
         super().__init__()
         self.placements = placements
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         result = func(*args, **(kwargs or {}))
         if func in _LOOKUPS and isinstance(result, DTensor) and any(isinstance(p, Partial) for p in result.placements):
             return result.redistribute(placements=self.placements)
@@ -66,8 +69,9 @@ def reduce_lookups_in_forward(module: nn.Module, placements: tuple) -> nn.Module
     return module
 
 
-class VocabParallelEmbedding(RowwiseParallel):
+class VocabParallelEmbedding(StyleHooks, RowwiseParallel):
     """torch's row-wise (vocabulary-parallel) embedding, its lookups reduced inside the module's forward."""
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return reduce_lookups_in_forward(super()._apply(module, device_mesh), self.output_layouts)
+    @override
+    def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return reduce_lookups_in_forward(super().apply_style(module, device_mesh), self.output_layouts)

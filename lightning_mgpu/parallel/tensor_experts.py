@@ -29,7 +29,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
+from typing_extensions import override
+
+from lightning_mgpu._compat.dtensor import StyleHooks, strided_chunks, strided_shard
+from lightning_mgpu._compat.tensors import restore_parameters, swap_parameters
 
 # Styles a plan may give a parameter of a 'moe_tp_experts' module (Hugging Face's meaning on parameters).
 PARAMETER_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise")
@@ -50,7 +53,7 @@ def names_parameters_only(module: nn.Module, glob: str) -> bool:
     return any(fnmatch.fnmatchcase(n, glob) for n in names)
 
 
-def parameter_placement(style_name: str, name: str, param: torch.Tensor) -> Placement:
+def parameter_placement(style_name: str, name: str, param: torch.Tensor) -> Shard:
     """Hugging Face's meaning of a parameter style, as a DTensor placement of that parameter.
 
     A weight [..., out, in]: ``colwise`` shards ``out`` (dim -2), ``rowwise`` shards ``in`` (dim -1); ``packed_*``
@@ -65,7 +68,7 @@ def parameter_placement(style_name: str, name: str, param: torch.Tensor) -> Plac
             " Keep this experts module whole: give it (and its parameters) 'replicate' in `tp_plan`."
         )
     dim = last if is_bias or style_name in ("rowwise", "packed_rowwise") else last - 1
-    return _StridedShard(dim, split_factor=_PACKED) if style_name.startswith("packed") else Shard(dim)
+    return strided_shard(dim, _PACKED) if style_name.startswith("packed") else Shard(dim)
 
 
 def expert_placements(module: nn.Module, plan: dict[str, str], matched: dict[str, str]) -> dict[str, dict]:
@@ -73,7 +76,7 @@ def expert_placements(module: nn.Module, plan: dict[str, str], matched: dict[str
     belong to a 'moe_tp_experts' module, and every parameter of such a module must be placed."""
     parameter_globs = {g: s for g, s in plan.items() if s in PARAMETER_STYLES and names_parameters_only(module, g)
                        and not any(fnmatch.fnmatchcase(n, g) for n, _ in module.named_modules())}
-    placements: dict[str, dict[str, Placement]] = {fqn: {} for fqn, s in matched.items() if s == EXPERTS_STYLE}
+    placements: dict[str, dict[str, Shard]] = {fqn: {} for fqn, s in matched.items() if s == EXPERTS_STYLE}
     for name, param in module.named_parameters():
         owner, _, leaf = name.rpartition(".")
         for glob, style_name in parameter_globs.items():
@@ -97,13 +100,13 @@ def expert_placements(module: nn.Module, plan: dict[str, str], matched: dict[str
     return placements
 
 
-def check_expert_sizes(module: nn.Module, placements: dict[str, dict[str, Placement]], tp: int) -> None:
+def check_expert_sizes(module: nn.Module, placements: dict[str, dict[str, Shard]], tp: int) -> None:
     """Before training: each sharded expert dimension divisible by the degree (twice over for a packed one)."""
     problems, sizes = [], []
     for owner, placed in placements.items():
         for leaf, placement in placed.items():
             param = module.get_submodule(owner).get_parameter(leaf)
-            chunks = placement.split_factor if isinstance(placement, _StridedShard) else 1
+            chunks = strided_chunks(placement)
             size = param.shape[placement.dim] // chunks
             sizes.append(size)
             if param.shape[placement.dim] % (chunks * tp):
@@ -144,7 +147,7 @@ def _check_router_logits_stay_inside(module: nn.Module) -> None:
         )
 
 
-class ExpertsParallel(ParallelStyle):
+class ExpertsParallel(StyleHooks, ParallelStyle):
     """'moe_tp_experts': the module's parameters sharded by ``placements``, its forward run on their local shards
     between a replicated input (partial gradients) and a partial output (see the module docstring)."""
 
@@ -152,7 +155,8 @@ class ExpertsParallel(ParallelStyle):
         super().__init__()
         self.placements = dict(placements or {})
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    @override
+    def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, placement in self.placements.items():
             owner, _, leaf = name.rpartition(".")
             holder = module.get_submodule(owner)
@@ -167,11 +171,12 @@ class ExpertsParallel(ParallelStyle):
         return module
 
 
-class IdentityExpertParallel(ParallelStyle):
+class IdentityExpertParallel(StyleHooks, ParallelStyle):
     """'moe_identity_expert': an expert that returns its input (LongCat-Flash's zero experts) inside a
     'moe_tp_experts' module, whose output the ranks sum: each rank contributes ``1/tp`` of it."""
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    @override
+    def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
 
         def divide(mod: nn.Module, args: tuple) -> tuple:
@@ -196,17 +201,16 @@ class _LocalShardsCall:
         layout = tuple(first.placements) if isinstance(first, DTensor) else None
         args = tuple(self._replicated(a) for a in args)
         kwargs = {k: self._replicated(v) for k, v in kwargs.items()}
-        originals = {name: p for name, p in module._parameters.items() if isinstance(p, DTensor)}
-        self.stack.append((originals, layout))
-        for name, param in originals.items():
-            module._parameters[name] = param.to_local()  # a differentiable view: the gradient reaches the DTensor
+        # Differentiable views: the gradient reaches the DTensor.
+        local = {name: p.to_local() for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+        self.stack.append((swap_parameters(module, local), layout))
         return args, kwargs
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if not self.stack:
             return output
         originals, layout = self.stack.pop()
-        module._parameters.update(originals)
+        restore_parameters(module, originals)
         if not torch.is_tensor(output):
             return output  # None when the forward raised (this hook always runs)
         summed = DTensor.from_local(output, self.mesh, [Partial()], run_check=False)

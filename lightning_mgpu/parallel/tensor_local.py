@@ -14,7 +14,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -67,7 +68,7 @@ def marking_shards(output_fn: Callable) -> Callable:
     return marked
 
 
-def _shard_read(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+def _shard_read(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The first argument that is this rank's shard of a column-parallel output (or a view of one), if any."""
     for a in (*args, *kwargs.values()):
         if torch.is_tensor(a) and not isinstance(a, DTensor) and getattr(_root(a), _SHARD_MARK, False):
@@ -79,8 +80,11 @@ def _spans_all_shards(module: nn.Module, shard: torch.Tensor, tp: int) -> bool:
     """Whether ``module``'s parameters are as wide as the whole of what ``shard`` is one part of (ESMC's q/k
     LayerNorm over the full ``num_heads * head_dim`` applied to the q_proj output)."""
     params = list(module.parameters(recurse=False))
-    return bool(params) and shard.dim() > 0 and all(
-        p.dim() > 0 and p.shape[-1] == shard.shape[-1] * tp != shard.shape[-1] for p in params)
+    return (
+        bool(params)
+        and shard.dim() > 0
+        and all(p.dim() > 0 and p.shape[-1] == shard.shape[-1] * tp != shard.shape[-1] for p in params)
+    )
 
 
 class _ShardParameters:
@@ -109,8 +113,7 @@ class _ShardParameters:
             full = full.redistribute(placements=[Replicate()]).to_local()
             self._gathered.append(full.shape[-1])
             swap = {id(shard): full}
-            return (tuple(swap.get(id(a), a) for a in args),
-                    {k: swap.get(id(v), v) for k, v in kwargs.items()})
+            return (tuple(swap.get(id(a), a) for a in args), {k: swap.get(id(v), v) for k, v in kwargs.items()})
         self._gathered.append(0)
         if shard is None or not torch.is_grad_enabled():
             return None
@@ -131,8 +134,7 @@ class _ShardParameters:
         return output
 
 
-def watch_shard_parameters(module: nn.Module, regions: list[str], sharded: set[str],
-                           mesh: DeviceMesh) -> list[str]:
+def watch_shard_parameters(module: nn.Module, regions: list[str], sharded: set[str], mesh: DeviceMesh) -> list[str]:
     """Arm ``_ShardParameters`` on the modules under ``regions`` (attention/MLP modules of Hugging Face models that
     hold column- and row-parallel projections) that have plain parameters of their own and are not ``sharded``."""
     hook = _ShardParameters(mesh)

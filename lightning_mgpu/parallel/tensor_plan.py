@@ -8,10 +8,11 @@ themselves are built in ``tensor.py``.
 from __future__ import annotations
 
 import fnmatch
+from typing import Any
 
 from torch import nn
 
-from lightning_mgpu.parallel.blocks import find_block_container, tied_parameters
+from lightning_mgpu.parallel.blocks import block_glob, find_block_container, is_projection, tied_parameters
 from lightning_mgpu.parallel.tensor_experts import PARAMETER_STYLES, names_parameters_only, owned_by_experts
 
 # Leaf names of projections in GPT-style blocks (nanoGPT, litgpt, GPT-2, Llama-likes without a HF plan).
@@ -51,8 +52,11 @@ STYLE_NAMES = ("colwise", "colwise_qkv", "colwise_gate_up", "colwise_gather_outp
                "packed_rowwise")
 
 
-def _is_projection(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+def check_style_names(plan: dict[str, str]) -> None:
+    """The one check that a plan names known styles (run by the options, and again on any plan applied)."""
+    unknown = {glob: style for glob, style in plan.items() if style not in STYLE_NAMES}
+    if unknown:
+        raise ValueError(f"`tp_plan` has unknown styles {unknown}; use one of {list(STYLE_NAMES)}.")
 
 
 def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, str]:
@@ -67,7 +71,7 @@ def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, s
     if found is not None and not any(found[0].startswith(c) for c in covered):
         plan.update(_block_rules(module, found[0]))
     if not plan:
-        linears = [name for name, child in module.named_modules() if _is_projection(child)]
+        linears = [name for name, child in module.named_modules() if is_projection(child)]
         raise ValueError(
             "tp_plan='auto' found neither a Hugging Face tensor-parallel plan nor a list of repeated blocks to shard."
             f" Linear layers in the model: {linears[:12]}{' ...' if len(linears) > 12 else ''}. Pass `tp_plan` as a"
@@ -79,7 +83,7 @@ def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, s
 
 
 def _hugging_face_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    models = []
+    models: list[tuple[str, nn.Module]] = []
     for name, child in module.named_modules():
         plan = getattr(getattr(child, "config", None), "base_model_tp_plan", None)
         if plan and hasattr(child, "base_model_prefix") and not any(name.startswith(p + ".") for p, _ in models):
@@ -87,7 +91,7 @@ def _hugging_face_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return models
 
 
-def _hugging_face_plan(prefix: str, hf_model: nn.Module, root: nn.Module) -> dict[str, str]:
+def _hugging_face_plan(prefix: str, hf_model: Any, root: nn.Module) -> dict[str, str]:
     head = f"{prefix}." if prefix else ""
     # transformers >= 4.5x merges the class plan and config.base_model_tp_plan into the instance's `_tp_plan`.
     plan = dict(getattr(hf_model, "_tp_plan", None) or {})
@@ -175,10 +179,10 @@ def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
     plan: dict[str, str] = {}
     unplaced: list[str] = []
     for name, child in module.named_modules():
-        if not name.startswith(blocks_fqn + ".") or not _is_projection(child):
+        if not name.startswith(blocks_fqn + ".") or not is_projection(child):
             continue
         leaf = name.rsplit(".", 1)[-1]
-        glob = _block_glob(name, blocks_fqn)
+        glob = block_glob(name, blocks_fqn)
         if leaf in _FUSED_QKV:
             plan[glob] = "colwise_qkv"
         elif leaf in _COLWISE:
@@ -199,12 +203,6 @@ def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
     return plan
 
 
-def _block_glob(name: str, blocks_fqn: str) -> str:
-    """``transformer.h.3.attn.c_attn`` -> ``transformer.h.*.attn.c_attn``."""
-    rest = name[len(blocks_fqn) + 1:].split(".", 1)
-    return f"{blocks_fqn}.*.{rest[1]}" if len(rest) == 2 else f"{blocks_fqn}.*"
-
-
 def _sequence_parallel_rules(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """Norms run on sequence shards; the token embedding scatters its output and the head gathers its input."""
     rules: dict[str, str] = {}
@@ -218,7 +216,7 @@ def _sequence_parallel_rules(module: nn.Module, plan: dict[str, str]) -> dict[st
             rules[name] = "sequence_parallel"
         elif isinstance(child, nn.Embedding) and leaf in _TOKEN_EMBEDDINGS:
             rules[name] = "embedding_rowwise"
-        elif _is_projection(child) and leaf in _HEADS and not any(fnmatch.fnmatchcase(name, g) for g in plan):
+        elif is_projection(child) and leaf in _HEADS and not any(fnmatch.fnmatchcase(name, g) for g in plan):
             rules[name] = "colwise_gather_output"
     if not any(s.startswith("embedding") for s in (*plan.values(), *rules.values())):
         raise ValueError(  # its norms would take every rank's whole sequence for a shard of it
@@ -237,7 +235,7 @@ def _with_vocab_parallel_head(module: nn.Module, plan: dict[str, str]) -> dict[s
             for glob, s in plan.items()}
     if "colwise_loss_parallel" not in plan.values():
         for name, child in module.named_modules():
-            if _is_projection(child) and name.rsplit(".", 1)[-1] in _HEADS:
+            if is_projection(child) and name.rsplit(".", 1)[-1] in _HEADS:
                 if not any(fnmatch.fnmatchcase(name, glob) for glob in plan):
                     plan[name] = "colwise_loss_parallel"
     if "colwise_loss_parallel" not in plan.values():
@@ -264,9 +262,8 @@ def _match(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """Expand globs to module FQNs; the most specific (longest) glob wins. A glob matching nothing is an error."""
     names = [name for name, _ in module.named_modules() if name]
     matched: dict[str, tuple[int, str]] = {}
+    check_style_names(plan)
     for glob, style_name in plan.items():
-        if style_name not in STYLE_NAMES:
-            raise ValueError(f"Unknown tensor-parallel style {style_name!r} for {glob!r}. Known: {list(STYLE_NAMES)}.")
         hits = [n for n in names if fnmatch.fnmatchcase(n, glob)]
         if not hits and style_name in PARAMETER_STYLES and names_parameters_only(module, glob):
             continue  # a parameter's placement, read by its experts module's style (tensor_experts.py)

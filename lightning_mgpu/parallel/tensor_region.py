@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+
+from lightning_mgpu._compat.dtensor import is_strided_shard
+from lightning_mgpu._compat.tensors import tree_map
 
 _SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes, torch.Tensor.chunk, torch.chunk)
 _SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -98,8 +99,8 @@ def _split_fused(func: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
     tensor = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
     if not isinstance(tensor, DTensor) or len(tensor.placements) != 1:
         return None
-    placement = tensor.placements[0]
-    if not isinstance(placement, _StridedShard):
+    placement: Any = tensor.placements[0]  # a _StridedShard once checked: split_factor, dim
+    if not is_strided_shard(placement):
         return None
     chunked = func in (torch.Tensor.chunk, torch.chunk)
     names = ("chunks",) if chunked else ("split_size", "split_size_or_sections", "split_sizes")
@@ -114,7 +115,7 @@ def _split_fused(func: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
     elif isinstance(sizes, int):
         matches = sizes * factor == total
     else:
-        matches = len(sizes) == factor and all(size * factor == total for size in sizes)
+        matches = sizes is not None and len(sizes) == factor and all(size * factor == total for size in sizes)
     if not matches:
         key = (tuple(tensor.shape), str(sizes))
         if key not in _warned:
@@ -156,7 +157,8 @@ def _attention_on_local_heads(args: tuple, kwargs: dict) -> Any:
         per_rank = mask.size(-3) // tp
         mask = mask.narrow(mask.dim() - 3, mesh.get_local_rank() * per_rank, per_rank)
     bound["attn_mask"] = mask
-    out = F.scaled_dot_product_attention(*local, **bound)
+    local_query, local_key, local_value = local
+    out = F.scaled_dot_product_attention(local_query, local_key, local_value, **bound)
     return DTensor.from_local(out, mesh, target, run_check=False)
 
 

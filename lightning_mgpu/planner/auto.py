@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Union, cast
 
 from torch import nn
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 def local_cluster(world_size: int, devices_per_node: int, accelerator: str = "cpu") -> ClusterSpec:
     """This job's devices as a :class:`ClusterSpec`: a known GPU's preset with its real memory, or CPU processes
-    sharing the machine's memory (rough rates: ``plan --calibrate`` measures them)."""
+    sharing the machine's memory and cores (placeholder rates: :func:`plan_strategy_layout` measures them)."""
     if accelerator in ("cuda", "gpu"):
         import torch
 
@@ -42,7 +42,17 @@ def local_cluster(world_size: int, devices_per_node: int, accelerator: str = "cp
         total = 16.0
     return ClusterSpec(gpus=world_size, gpus_per_node=devices_per_node, memory_gb=total / devices_per_node,
                        peak_tflops=0.02, intra_node_gbps=1.0, inter_node_gbps=0.1, hbm_gbps=10.0, reserved_gb=0.0,
-                       name="cpu")
+                       name="cpu", cores_per_node=float(_cores()))
+
+
+def measured_cpu(cluster: ClusterSpec, module: nn.Module) -> tuple[ClusterSpec, Efficiency]:
+    """CPU processes with this machine's rates for ``module``: ``calibrate.quick_measure`` (in this process, on a
+    copy of the module, about a second, cached per model shape) with its documented gloo and DTensor rates."""
+    from lightning_mgpu.planner.calibrate import quick_measure
+
+    machine = quick_measure(spec_from_module(module), module)
+    measured, efficiency = machine.as_cluster(cluster.gpus_per_node)
+    return replace(measured, gpus=cluster.gpus, memory_gb=cluster.memory_gb), efficiency
 
 
 def choose_layout(module: nn.Module, cluster: ClusterSpec, global_batch: int, precision: str = "bf16-mixed",
@@ -112,11 +122,12 @@ def layout_candidates(world_size: int, data_parallel_size: Size, tensor_parallel
             dp = world_size // (tp * pp)
             if any(value != "auto" and value != size for value, size in zip(requested.values(), (dp, tp, pp))):
                 continue
-            stages = (0, 1, 2, 3) if zero_stage == "auto" and dp > 1 else (0 if zero_stage == "auto" else zero_stage,)
+            stages = (0, 1, 2, 3) if zero_stage == "auto" and dp > 1 else (0 if zero_stage == "auto" else
+                                                                          cast(int, zero_stage),)
             for zero in stages:
                 if zero >= 2 and pp > 1 and zero_stage == "auto":
                     continue
-                layout = ParallelLayout(dp, tp, pp, zero)  # type: ignore[arg-type]
+                layout = ParallelLayout(dp, tp, pp, zero)
                 if layout not in found:
                     found.append(layout)
     return found
@@ -149,7 +160,8 @@ def plan_strategy_layout(module: nn.Module, candidates: list[ParallelLayout], cl
                          efficiency: Optional[Efficiency] = None) -> StrategyPlan:
     """The candidate (already checked against the strategy's options) that the cost model predicts fastest among
     those that fit, each at the global batch it will really run (``batch_per_replica x dp``: Lightning's batch size
-    is per data-parallel rank), with the strategy's schedule, microbatches and checkpointing.
+    is per data-parallel rank), with the strategy's schedule, microbatches and checkpointing. CPU processes
+    (``cluster.cores_per_node`` set) without an ``efficiency`` are measured first (:func:`measured_cpu`).
 
     A module the planner cannot read falls back to the first candidate, saying why. Raises ``ValueError`` when none
     fits, naming what does not.
@@ -161,6 +173,8 @@ def plan_strategy_layout(module: nn.Module, candidates: list[ParallelLayout], cl
     if precision not in PRECISIONS:
         return StrategyPlan(candidates[0], reason=f"the cost model has no precision {precision!r}")
     per_replica = batch_per_replica or 1
+    if efficiency is None and cluster.cores_per_node is not None:
+        cluster, efficiency = measured_cpu(cluster, module)
     efficiency = efficiency or Efficiency()
     fitting, problems = [], []
     for candidate in candidates:
@@ -200,8 +214,10 @@ def batch_per_replica(module: Any) -> Optional[int]:
     it). ``None`` when unknown."""
     from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 
-    trainer = getattr(module, "_trainer", None)
-    source = getattr(getattr(getattr(trainer, "fit_loop", None), "_data_source", None), "instance", None)
+    from lightning_mgpu._compat.lightning import attached_trainer, fit_data_source
+
+    trainer = attached_trainer(module)
+    source = getattr(fit_data_source(trainer), "instance", None) if trainer is not None else None
     size = getattr(source, "batch_size", None)
     if _positive(size):
         return size
@@ -227,6 +243,13 @@ class StepClock:
         if len(starts) < 2:
             return None
         return (starts[-1] - starts[0]) / (len(starts) - 1)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def _divisors(n: int) -> list[int]:

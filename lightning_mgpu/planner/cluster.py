@@ -24,6 +24,10 @@ class ClusterSpec:
     hbm_gbps: float = 2000.0
     reserved_gb: float = 1.5  # CUDA context, NCCL buffers, allocator slack that training cannot use
     name: str = "custom"
+    # CPU processes: the cores a node's processes share with ``busy_cores`` of other jobs' work; with more of both
+    # than cores every process runs ``(processes + busy) / cores`` times slower. None: a device each (GPUs).
+    cores_per_node: Optional[float] = None
+    busy_cores: float = 0.0  # cores other jobs keep busy on each node (CPU; measured by ``plan --calibrate``)
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node"):
@@ -33,6 +37,8 @@ class ClusterSpec:
         for name in ("memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "hbm_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"`--{name.replace('_', '-')}` must be positive, got {getattr(self, name)!r}.")
+        if self.cores_per_node is not None and not self.cores_per_node > 0:
+            raise ValueError(f"`cores_per_node` must be positive, got {self.cores_per_node!r}.")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ValueError(f"--gpus {self.gpus} is not a whole number of nodes of {self.gpus_per_node} GPUs:"
                              f" use a multiple of {self.gpus_per_node}.")
@@ -44,6 +50,13 @@ class ClusterSpec:
     @property
     def usable_bytes(self) -> float:
         return (self.memory_gb - self.reserved_gb) * GB
+
+    @property
+    def contention(self) -> float:
+        """How many times slower each process runs because the node's processes share fewer cores (1 on GPUs)."""
+        if self.cores_per_node is None:
+            return 1.0
+        return max(1.0, (min(self.gpus, self.gpus_per_node) + self.busy_cores) / self.cores_per_node)
 
     def one_node(self) -> "ClusterSpec":
         return replace(self, gpus=min(self.gpus, self.gpus_per_node))
@@ -63,6 +76,15 @@ class Efficiency:
     elementwise work (norms, softmax, GELU, dropout, residuals) whose share grows as the hidden size per GPU shrinks.
     ``comm``: bus bandwidth reached by collectives. ``dp_overlap``: part of the data-parallel traffic hidden behind
     backward compute. ``latency_s``: fixed cost of one collective or send.
+
+    Fixed costs that dominate small models on CPU, measured by ``plan --calibrate`` (0 on GPUs, where kernels
+    queue behind each other and hide them), all for one process on a core of its own: ``layer_overhead_s``: the
+    operator dispatch of one block's forward + backward for one microbatch (the embedding and the head count as one
+    more block); ``tp_layer_overhead_s``: what tensor parallelism (DTensor dispatch, redistributions) adds to that;
+    ``shard_collective_s``: what each FSDP2 all-gather or reduce-scatter adds to a collective's latency (hooks,
+    copies in and out); ``step_overhead_s``: the optimizer step and the training loop, per step;
+    ``sharded_step_overhead_s``: what the optimizer step adds when the parameters are DTensors (ZeRO-2/3, tp);
+    ``microbatch_overhead_s``: what a pipeline schedule spends per microbatch and stage (sends, bookkeeping).
     """
 
     gemm: float = 0.70
@@ -70,6 +92,12 @@ class Efficiency:
     comm: float = 0.75
     dp_overlap: float = 0.7
     latency_s: float = 20e-6
+    layer_overhead_s: float = 0.0
+    tp_layer_overhead_s: float = 0.0
+    shard_collective_s: float = 0.0
+    step_overhead_s: float = 0.0
+    sharded_step_overhead_s: float = 0.0
+    microbatch_overhead_s: float = 0.0
     source: str = "defaults"
 
 

@@ -69,7 +69,7 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
                  "hbm_gbps": args.hbm_gbps}
     if overrides["gpus_per_node"] is not None:
         overrides["gpus_per_node"] = int(overrides["gpus_per_node"])
-    return preset(args.gpu, gpus=args.gpus, **overrides)  # type: ignore[arg-type]
+    return preset(args.gpu, gpus=args.gpus, **overrides)
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -6,6 +6,11 @@ gradients and optimizer states. Time follows Narayanan et al. (2021): the transf
 fraction of peak, plus the elementwise work at HBM speed, tensor-parallel collectives on the links the group
 spans, pipeline sends and bubble per schedule, data-parallel gradient traffic (partly hidden behind backward)
 and ZeRO-3's parameter gathers.
+
+Small models on CPU processes are bound by fixed costs instead, which ``plan --calibrate`` measures into the
+:class:`Efficiency` (0 for GPUs): operator dispatch per block and microbatch, what DTensor adds under tensor
+parallelism, what FSDP2 adds per collective, what a pipeline schedule spends per microbatch, the optimizer step;
+and processes that outnumber the cores (with other jobs' load) slow every part down (``ClusterSpec.contention``).
 """
 
 from __future__ import annotations
@@ -222,48 +227,62 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: Training, layout
     if ckpt == "selective" and not training.flash_attention:
         flops += 4.0 * s * h * tokens / t  # the attention scores, recomputed
     moved = activation_bytes_per_layer(model, training, layout, "none") * eff.memory_passes * passes
-    block_compute = flops / peak + moved / hbm
+    block_compute = flops / peak + moved / hbm + eff.layer_overhead_s
     collectives = {"none": 4, "selective": 4, "full": 6}[ckpt]  # 2 all-reduces forward (+2 recompute), 2 backward
     tp_bw = _bandwidth(1, t, cluster)
-    block_tp = collectives * _ring(t, a_bytes * tokens * h, tp_bw, eff)
+    block_tp = collectives * _ring(t, a_bytes * tokens * h, tp_bw, eff) + (eff.tp_layer_overhead_s if t > 1 else 0.0)
     layers = math.ceil(model.layers / p)
     head = 3 * head_flops * tokens / t / peak + eff.memory_passes * 3 * 4 * tokens * model.vocab / t / hbm
+    head += eff.layer_overhead_s  # the embedding's and the head's dispatch: one more block's
     # ZeRO-3 gathers each block's parameters in forward and backward and reduce-scatters its gradients per microbatch.
     dp_bw = _bandwidth(t, d, cluster)
-    zero3 = 0.0
+    zero3 = zero3_root = 0.0
+    collective = eff.latency_s + eff.shard_collective_s  # one FSDP2 all-gather or reduce-scatter, data aside
     if layout.zero_stage == 3 and d > 1:
         block_bytes = model.params_per_layer / t
         zero3 = (2 * block_bytes * p_bytes + block_bytes * g_bytes) * (d - 1) / d / (dp_bw * GB * eff.comm)
-        zero3 += 3 * eff.latency_s  # two gathers and one reduce-scatter per block
+        zero3 += 3 * collective  # two gathers and one reduce-scatter per block
         zero3 = max(zero3 - eff.dp_overlap * block_compute, (1 - eff.dp_overlap) * zero3)
-    stage = layers * (block_compute + block_tp + zero3) + head  # the last stage, which runs the head too
+        zero3_root = 3 * collective * (1 - eff.dp_overlap)  # the root's wrap: embedding, head, final norm
+    stage = layers * (block_compute + block_tp + zero3) + head + zero3_root  # the last stage, which runs the head
     p2p = 0.0
     if p > 1:
         pp_bw = _bandwidth(t * d, p, cluster)
         send = a_bytes * tokens * h / t / (pp_bw * GB * eff.comm) + eff.latency_s
-        p2p = 2 * v * send  # one activation forward, one gradient backward, per virtual stage
+        p2p = 2 * v * send + v * eff.microbatch_overhead_s  # one activation forward, one gradient backward
     per_microbatch = stage + p2p
     pipeline = (m + (p - 1) / v) * per_microbatch
     # Data-parallel gradient traffic, hidden behind the last microbatch's backward as far as it overlaps.
     stage_params = max(local_params(model, layout).values())
+    # This library replicates with DDP only plain parameters outside a pipeline; otherwise FSDP2 wraps every block
+    # (ZeRO-2 outside a pipeline: consecutive blocks of a bucket's size) and the root, parameters become DTensors.
+    fsdp = d > 1 and (layout.zero_stage >= 2 or p > 1 or t > 1)
     dp = 0.0
     if d > 1 and layout.zero_stage < 3:
         nbytes = stage_params * g_bytes if layout.zero_stage == 0 else stage_params * (g_bytes + p_bytes) / 2
         dp = _ring(d, nbytes, dp_bw, eff)
         if layout.zero_stage == 2:  # FSDP2 gathers the parameters once more at the start of the step
             dp += stage_params * p_bytes * (d - 1) / d / (dp_bw * GB * eff.comm)
-            dp += 2 * (layers + 1) * eff.latency_s  # one gather and one reduce-scatter per block and the root
+            units = layers + 1 if p > 1 else stage_params * p_bytes // DP_BUCKET_BYTES + 1
+            dp += 2 * units * collective  # one gather and one reduce-scatter per unit
+        elif fsdp:
+            dp += (layers + 1) * collective  # one all-reduce per block and the root
         else:
             dp += math.ceil(nbytes / DP_BUCKET_BYTES) * eff.latency_s  # one all-reduce per bucket
         window = stage * 2 / passes
         dp = dp - eff.dp_overlap * min(dp, window)
     shards = d if layout.zero_stage >= 1 else 1
     optimizer = stage_params / shards * (p_bytes + g_bytes + 16 + 4 + 8) / hbm  # read p, g, m, v; write p, m, v
+    optimizer += eff.step_overhead_s
+    if t > 1 or fsdp:  # the parameters are DTensors
+        optimizer += eff.sharded_step_overhead_s
     compute_only = m * layers * block_compute + m * head
-    total = pipeline + dp + optimizer
-    return {"compute": compute_only, "tensor_parallel": m * layers * block_tp, "zero3_gather": m * layers * zero3,
-            "pipeline_p2p": (m + (p - 1) / v) * p2p, "bubble": pipeline - m * per_microbatch,
-            "data_parallel": dp, "optimizer": optimizer, "step": total}
+    times = {"compute": compute_only, "tensor_parallel": m * layers * block_tp,
+             "zero3_gather": m * (layers * zero3 + zero3_root), "pipeline_p2p": (m + (p - 1) / v) * p2p,
+             "bubble": pipeline - m * per_microbatch, "data_parallel": dp, "optimizer": optimizer,
+             "step": pipeline + dp + optimizer}
+    # Processes beyond the cores share them (CPU): every part of the step, collectives included, runs that much slower.
+    return {kind: seconds * cluster.contention for kind, seconds in times.items()}
 
 
 def paper_flops_per_step(model: ModelSpec, global_batch: int, checkpointing: str = "full") -> float:

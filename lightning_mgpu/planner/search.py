@@ -226,6 +226,6 @@ def layout_from_options(world_size: int, global_batch: int, tensor_parallel_size
     stages = pp * (2 if schedule == "Interleaved1F1B" else 1)
     m = (num_microbatches or stages) if pp > 1 else 1
     names = {False: "none", True: "full", "full": "full", "selective": "selective"}
-    ckpt = names.get(activation_checkpointing, "full")  # type: ignore[call-overload]  # module classes: full
+    ckpt = names.get(activation_checkpointing, "full")  # module classes: full
     return Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, schedule=schedule, microbatch_size=max(1, per_rank // m),
                   num_microbatches=m, checkpointing=ckpt, sequence_parallel=sequence_parallel and tp > 1)

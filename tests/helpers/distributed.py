@@ -91,7 +91,7 @@ def run_distributed(
             except Exception:
                 dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in results]
                 if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {processes[dead[0]].exitcode}")
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {processes[dead[0]].exitcode}") from None
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")

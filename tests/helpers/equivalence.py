@@ -6,13 +6,18 @@ global batches. The distributed run's per-rank batch is the global batch divided
 
 from __future__ import annotations
 
+import copy
+import functools
+import hashlib
+import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any
 
 import lightning as L
-from lightning.pytorch.strategies import DDPStrategy
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 
 from tests.helpers.distributed import run_distributed
 
@@ -42,14 +47,14 @@ class RunResult:
 def _fit_worker(
     module_factory: Callable[[], L.LightningModule],
     datamodule_factory: Callable[[], L.LightningDataModule],
-    strategy_kwargs: Optional[dict[str, Any]],
+    strategy_kwargs: dict[str, Any] | None,
     devices: int,
     max_steps: int,
     seed: int,
     trainer_kwargs: dict[str, Any],
-    callbacks_factory: Optional[Callable[[], list[L.Callback]]],
-    fit_kwargs: Optional[dict[str, Any]] = None,
-    after_fit: Optional[Callable[[L.Trainer], Any]] = None,
+    callbacks_factory: Callable[[], list[L.Callback]] | None,
+    fit_kwargs: dict[str, Any] | None = None,
+    after_fit: Callable[[L.Trainer], Any] | None = None,
 ) -> dict[str, Any]:
     """One fit in this process (a rank of a ``run_distributed`` job); ``after_fit(trainer)`` runs once it returned."""
     from lightning_mgpu import HybridStrategy
@@ -100,18 +105,24 @@ _TIMEOUT = timedelta(seconds=120)  # a collective that waits longer fails the ru
 def fit(
     module_factory: Callable[[], L.LightningModule],
     datamodule_factory: Callable[[], L.LightningDataModule],
-    strategy_kwargs: Optional[dict[str, Any]] = None,
+    strategy_kwargs: dict[str, Any] | None = None,
     devices: int = 1,
     max_steps: int = 10,
     seed: int = 1234,
-    trainer_kwargs: Optional[dict[str, Any]] = None,
-    callbacks_factory: Optional[Callable[[], list[L.Callback]]] = None,
-    fit_kwargs: Optional[dict[str, Any]] = None,
+    trainer_kwargs: dict[str, Any] | None = None,
+    callbacks_factory: Callable[[], list[L.Callback]] | None = None,
+    fit_kwargs: dict[str, Any] | None = None,
 ) -> tuple[RunResult, list[dict[str, Any]]]:
     """Fit in ``devices`` forked processes; return global rank 0's result and every rank's extras.
 
-    ``fit_kwargs`` go to ``trainer.fit`` (e.g. ``ckpt_path``).
+    ``fit_kwargs`` go to ``trainer.fit`` (e.g. ``ckpt_path``). A one-process reference (no strategy, no callbacks,
+    no fit arguments) is computed once per test session for each distinct run: see ``_reference_key``.
     """
+    key = None
+    if strategy_kwargs is None and devices == 1 and callbacks_factory is None and not fit_kwargs:
+        key = _reference_key(module_factory, datamodule_factory, max_steps, seed, trainer_kwargs or {})
+        if key is not None and key in _REFERENCES:
+            return copy.deepcopy(_REFERENCES[key])
     outputs = run_distributed(
         _fit_worker,
         devices,
@@ -126,7 +137,91 @@ def fit(
         fit_kwargs,
     )
     rank0 = next(o for o in outputs if o["rank"] == 0)
-    return RunResult(rank0["losses"], rank0["state_dict"], rank0["extra"]), [o["extra"] for o in outputs]
+    result = RunResult(rank0["losses"], rank0["state_dict"], rank0["extra"]), [o["extra"] for o in outputs]
+    if key is not None:
+        _REFERENCES[key] = copy.deepcopy(result)
+    return result
+
+
+# ------------------------------------------------------------------------------------ one-process reference memo
+_REFERENCES: dict[tuple, tuple[RunResult, list[dict[str, Any]]]] = {}
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
+class _Undescribable(Exception):
+    """A value whose behaviour a key cannot pin down: that run is not memoized."""
+
+
+def _reference_key(*parts: Any) -> tuple | None:
+    """A key that is equal for two runs only if they compute the same thing, else None (then no memo).
+
+    Functions are described by what they compute: their code (bytecode, constants, names, nested code) and the
+    values they close over, default to, or read as module globals, so that ``lambda: data(8)`` in two test files is
+    one key and ``lambda: data(4)`` another; ``functools.partial`` by its function and arguments; classes and modules
+    by their qualified names; containers by their items. Anything else (a bound method, an object with state) makes
+    the run unmemoized rather than risk two runs sharing a key.
+    """
+    try:
+        return _describe(parts, set())
+    except _Undescribable:
+        return None
+
+
+def _describe(value: Any, seen: set[int]) -> Any:
+    if isinstance(value, _PLAIN):
+        return (type(value).__name__, value)
+    if isinstance(value, (tuple, list, frozenset, set)):
+        items = [_describe(v, seen) for v in value]
+        return (type(value).__name__, tuple(sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items))
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise _Undescribable(value)
+        return ("dict", tuple(sorted((k, _describe(v, seen)) for k, v in value.items())))
+    if isinstance(value, functools.partial):
+        return ("partial", _describe(value.func, seen), _describe(value.args, seen), _describe(value.keywords, seen))
+    if isinstance(value, type):
+        if "<locals>" in value.__qualname__:  # one name for classes made per call, each perhaps different
+            raise _Undescribable(value)
+        return ("class", value.__module__, value.__qualname__)
+    if isinstance(value, types.ModuleType):
+        return ("module", value.__name__)
+    if isinstance(value, types.FunctionType):
+        return _describe_function(value, seen)
+    raise _Undescribable(value)
+
+
+def _describe_function(fn: types.FunctionType, seen: set[int]) -> Any:
+    name = ("function", fn.__module__, fn.__qualname__)
+    if id(fn) in seen:  # recursion: the outer description already holds its code
+        return name
+    seen = seen | {id(fn)}
+    code = fn.__code__
+    digest = hashlib.sha256(repr(_code_parts(code)).encode()).hexdigest()
+    cells = tuple(_describe(cell.cell_contents, seen) for cell in fn.__closure__ or ())
+    read_globals = tuple(
+        (n, _describe(fn.__globals__[n], seen)) for n in sorted(_global_names(code)) if n in fn.__globals__
+    )
+    return (
+        "function",
+        digest,
+        _describe(fn.__defaults__, seen),
+        _describe(fn.__kwdefaults__, seen),
+        cells,
+        read_globals,
+    )
+
+
+def _code_parts(code: types.CodeType) -> tuple:
+    consts = tuple(_code_parts(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts)
+    return code.co_code, consts, code.co_names
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
 
 
 def assert_same_training(
@@ -151,5 +246,9 @@ def assert_same_training(
     )
     for key, expected in reference.state_dict.items():
         torch.testing.assert_close(
-            result.state_dict[key].float(), expected.float(), rtol=weight_rtol, atol=weight_atol, msg=lambda m: f"{key}: {m}"
+            result.state_dict[key].float(),
+            expected.float(),
+            rtol=weight_rtol,
+            atol=weight_atol,
+            msg=lambda m: f"{key}: {m}",
         )

@@ -58,7 +58,7 @@ def test_checkpointing_keeps_names_and_gradients(model, mode):
 
 
 def test_checkpointing_refuses_what_it_cannot_do():
-    with pytest.raises(ValueError, match="found no repeated blocks .* activation_checkpointing=\\[MyBlock\\]"):
+    with pytest.raises(ValueError, match=r"found no repeated blocks .* activation_checkpointing=\[MyBlock\]"):
         apply_activation_checkpointing(CNNModule(), True)
     with pytest.raises(ValueError, match="matches no module"):
         apply_activation_checkpointing(CNNModule(), [nn.LSTM])

@@ -15,12 +15,14 @@ from typing import Any, Callable
 import lightning as L
 import pytest
 import torch
+from typing_extensions import override
 
 from lightning_mgpu import HybridStrategy
 from tests.helpers.distributed import run_distributed
 from tests.helpers.equivalence import RunResult, _fit_worker, assert_same_training
 from tests.helpers.modules import GPT2Module, LlamaModule, RandomTokenDataModule
 from tests.helpers.nanogpt import NanoGPTModule
+from tests.helpers.probes import MemoryProbe
 
 pytest.importorskip("deepspeed")
 
@@ -57,11 +59,21 @@ def _fits(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     results = []
     for run in runs:
         after_fit = run.get("after_fit")
+        if run.get("fp16_on_cpu"):
+            _allow_fp16_on_cpu()
         results.append(_fit_worker(
             MODELS[run["model"]], _data(GLOBAL_BATCH // run["devices"]), run.get("strategy"), run["devices"],
             run.get("steps", STEPS), 1234, run.get("trainer", {}), run.get("callbacks"), run.get("fit"), after_fit,
         ))
     return results
+
+
+def _allow_fp16_on_cpu() -> None:
+    """DeepSpeed refuses fp16 where oneDNN has no fp16 kernels (this CPU); torch computes fp16 there anyway, so
+    the test lifts the check in its worker process (exited after the test) to exercise the fp16 loss scaler."""
+    from deepspeed.accelerator import get_accelerator
+
+    type(get_accelerator()).is_fp16_supported = lambda self: True
 
 
 def _run(devices: int, runs: list[dict[str, Any]]) -> list[RunResult]:
@@ -75,11 +87,42 @@ def _ds(stage: int, **kwargs: Any) -> dict[str, Any]:
     return {"zero_backend": "deepspeed", "zero_stage": stage, **kwargs}
 
 
+# ------------------------------------------------------------------------------------------------------ teardown
+def _structure(module: L.LightningModule) -> dict[str, Any]:
+    """What DeepSpeed changes in place: each submodule's class, attributes, hooks, parameter dict and objects, and
+    each parameter's attributes (the LightningModule's own attributes are Lightning's business)."""
+    subs = {name: (type(sub), type(sub._parameters), frozenset(vars(sub)),
+                   [len(getattr(sub, a)) for a in vars(sub) if "hook" in a and isinstance(getattr(sub, a), dict)],
+                   {k: id(p) for k, p in sub._parameters.items()}) for name, sub in module.named_modules() if name}
+    params = {name: (frozenset(vars(p)), p.dtype, tuple(p.shape)) for name, p in module.named_parameters()}
+    return {"modules": subs, "params": params}
+
+
+class _StructureBeforeSetup(L.Callback):
+    """Records the module before the strategy's setup (Lightning calls callbacks' ``setup`` first)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.before = _structure(pl_module)
+
+
+def _check_given_back(trainer: L.Trainer) -> None:
+    module, optimizer = trainer.lightning_module, trainer.optimizers[0]
+    before = next(c for c in trainer.callbacks if isinstance(c, _StructureBeforeSetup)).before
+    assert _structure(module) == before
+    params = list(module.parameters())
+    assert sorted(id(p) for group in optimizer.param_groups for p in group["params"]) == sorted(map(id, params))
+    assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in params)
+
+
 # ------------------------------------------------------------------------------------------------ equivalence
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_stages_train_like_one_process(model):
+    """Each stage like one process; after fit (teardown) the module holds the trained weights as plain tensors,
+    with DeepSpeed's attributes, hooks and gathering parameter dicts gone, and the user's optimizer holds its
+    parameters and their whole states (``_check_given_back``)."""
     reference, = _run(1, [{"model": model}])
-    results = _run(DP, [{"model": model, "strategy": _ds(stage)} for stage in (1, 2, 3)])
+    results = _run(DP, [{"model": model, "strategy": _ds(stage), "after_fit": _check_given_back,
+                         "callbacks": lambda: [_StructureBeforeSetup()]} for stage in (1, 2, 3)])
     for stage, result in zip((1, 2, 3), results):
         try:
             assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
@@ -115,46 +158,58 @@ class DeepSpeedMemoryProbe(L.Callback):
             return
         from lightning_mgpu.parallel.deepspeed_engine import memory_per_rank
 
-        held = memory_per_rank(trainer.strategy.model, pl_module, optimizer)
         sizes = [getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters()]
-        self.results = {"numel": sum(sizes), "largest_numel": max(sizes), "param_bytes": held["params"],
-                        "grad_bytes": held["grads"], "optim_bytes": held["optim"]}
+        self.results = {"numel": sum(sizes), "largest_numel": max(sizes),
+                        **memory_per_rank(trainer.strategy.model, pl_module, optimizer)}
 
 
-# fp32 AdamW, bytes per parameter on each of `dp` ranks after backward (Rajbhandari et al.'s formulas with K = 12:
-# DeepSpeed keeps an fp32 master partition beside the fp32 module even in fp32 training). At the accumulation
-# boundary DeepSpeed's ZeRO-1 moves the reduced gradients into its partition, so after backward it holds ZeRO-2's
-# gradient memory (4 + 16/dp in all).
-DEEPSPEED_FORMULAS = {
-    1: {"param_bytes": lambda dp: 4, "grad_bytes": lambda dp: 4 / dp, "optim_bytes": lambda dp: 12 / dp},
-    2: {"param_bytes": lambda dp: 4, "grad_bytes": lambda dp: 4 / dp, "optim_bytes": lambda dp: 12 / dp},
-    3: {"param_bytes": lambda dp: 4 / dp, "grad_bytes": lambda dp: 4 / dp, "optim_bytes": lambda dp: 12 / dp},
-}
-# The torch backend at the same point (tests/parallel/test_data.py): no master copy, FSDP2 reshards after backward.
-TORCH_FORMULAS = {1: "8 + 8/dp", 2: "16/dp", 3: "16/dp"}
+class TorchMemoryProbe(MemoryProbe):
+    """The same three numbers for the torch backend (local shards, their gradients, the optimizer's states)."""
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        if self.results and "params" not in self.results:
+            self.results.update({k: self.results.pop(f"{k.rstrip('s')}_bytes") for k in ("params", "grads", "optim")})
+
+
+# The torch backend at the same point (tests/parallel/test_data.py): no fp32 master copy; ZeRO-1 under DDP keeps
+# whole parameters and gradients, FSDP2 (ZeRO-2/3) has resharded both by then.
+TORCH_BYTES_PER_PARAM = {1: lambda dp: 8 + 8 / dp, 2: lambda dp: 16 / dp, 3: lambda dp: 16 / dp}
 PADDING = 0.02  # DeepSpeed pads partitions to an alignment
 # ZeRO-1/2 keep the reduced gradients of every parameter that overlaps the partition, whole: up to one more tensor.
-WHOLE_PARAMS = {(1, "grad_bytes"), (2, "grad_bytes")}
+WHOLE_PARAMS = {(1, "grads"), (2, "grads")}
 
 
 def test_memory_per_rank_follows_zero_formulas(capsys):
-    runs = [{"model": "nanogpt", "strategy": _ds(stage), "steps": 2,
-             "callbacks": lambda: [DeepSpeedMemoryProbe()]} for stage in (1, 2, 3)]
+    """DeepSpeed's parameters, gradients and optimizer state per rank after backward follow the ZeRO formulas
+    (K = 12, ``zero_bytes_per_param``); the torch backend's, measured in the same spawn, are printed beside."""
+    from lightning_mgpu.parallel.deepspeed_engine import zero_bytes_per_param
+
+    stages = (1, 2, 3)
+    runs = [{"model": "nanogpt", "strategy": _ds(stage), "steps": 2, "callbacks": lambda: [DeepSpeedMemoryProbe()]}
+            for stage in stages]
+    runs += [{"model": "nanogpt", "strategy": {"zero_stage": stage}, "steps": 2,
+              "callbacks": lambda: [TorchMemoryProbe()]} for stage in stages]
     results = _run(DP, runs)
-    lines = []
-    for stage, result in zip((1, 2, 3), results):
-        measured = result.extra
-        numel = measured["numel"]
-        for kind, formula in DEEPSPEED_FORMULAS[stage].items():
-            expected = formula(DP) * numel
+    lines = [f"bytes/param per rank after backward, dp={DP}, fp32 AdamW: params + grads + optimizer = total"]
+    for stage, ours, torch_backend in zip(stages, results[:3], results[3:]):
+        measured, numel = ours.extra, ours.extra["numel"]
+        formula = zero_bytes_per_param(stage, DP)
+        for kind, per_param in formula.items():
+            expected = per_param * numel
             if (stage, kind) in WHOLE_PARAMS:
                 assert expected <= measured[kind] <= expected + 4 * measured["largest_numel"], (stage, kind, measured)
             else:
                 assert measured[kind] == pytest.approx(expected, rel=PADDING), (stage, kind, measured)
-        held = sum(measured[k] for k in DEEPSPEED_FORMULAS[stage]) / numel
-        lines.append(f"ZeRO-{stage} dp={DP}: deepspeed {held:.2f} B/param (formula"
-                     f" {sum(f(DP) for f in DEEPSPEED_FORMULAS[stage].values()):.2f}), torch backend"
-                     f" {TORCH_FORMULAS[stage]} = {eval(TORCH_FORMULAS[stage].replace('dp', str(DP))):.2f}")
+        theirs = torch_backend.extra
+        torch_total = sum(theirs[k] for k in formula) / theirs["numel"]
+        assert theirs["numel"] == numel
+        assert torch_total == pytest.approx(TORCH_BYTES_PER_PARAM[stage](DP), abs=8 * theirs["largest_numel"] / numel)
+        row = lambda held: " + ".join(f"{held[k] / numel:.2f}" for k in formula)  # noqa: E731
+        lines.append(f"ZeRO-{stage}: deepspeed {row(measured)} = {sum(measured[k] for k in formula) / numel:.2f}"
+                     f" (formula {sum(formula.values()):.2f}); torch backend {row(theirs)} = {torch_total:.2f}"
+                     f" (formula {TORCH_BYTES_PER_PARAM[stage](DP):.2f})")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
 
@@ -195,6 +250,37 @@ def test_checkpoints_cross_backends_and_resume_exactly(tmp_path):
     assert "model.transformer.wte.weight" in describe(tmp_path / "ds2.ckpt")
 
 
+class _LossScale(L.Callback):
+    """DeepSpeed's loss scale and skipped-step count after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {"scales": [], "skipped": 0}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        engine = trainer.strategy.model
+        self.results["scales"].append(float(engine.optimizer.loss_scaler.cur_scale))
+        self.results["skipped"] = engine.skipped_steps
+
+
+def test_fp16_resume_continues_the_loss_scaler(tmp_path):
+    """16-mixed: DeepSpeed's dynamic loss scaler (scale, window and hysteresis counters, skipped steps) is saved
+    and restored, so a resumed fp16 run skips and rescales exactly where the uninterrupted one did."""
+    half, ckpt = 3, str(tmp_path / "fp16.ckpt")
+    # A high first scale that overflows and a short window: the scale moves both ways within the run.
+    config = {"fp16": {"initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}}
+    run = {"model": "llama", "strategy": _ds(2, deepspeed_config=config), "trainer": {"precision": "16-mixed"},
+           "fp16_on_cpu": True, "callbacks": lambda: [_LossScale()]}
+    whole, first, resumed = _run(DP, [
+        run, {**run, "steps": half, "after_fit": _save_to(ckpt)}, {**run, "fit": {"ckpt_path": ckpt}},
+    ])
+    scales = whole.extra["scales"]
+    # The scaler has state to lose: at the save its scale is not the first one, and steps were skipped.
+    assert whole.extra["skipped"] > 0 and scales[half - 1] != scales[0], scales
+    assert first.extra["scales"] + resumed.extra["scales"] == scales
+    assert resumed.extra["skipped"] == whole.extra["skipped"]
+    assert first.losses + resumed.losses == whole.losses  # bit for bit
+
+
 def _flat_keys(full: dict[str, Any]) -> list[str]:
     from lightning_mgpu.checkpoint.states import native_to_flat
 
@@ -210,6 +296,11 @@ def _flat_keys(full: dict[str, Any]) -> list[str]:
      r"offloads to NVMe .* without a path. Add zero_optimization.offload_param.nvme_path"),
     (dict(zero_stage=2, deepspeed_config={"zero_optimization": {"offload_param": {"device": "cpu"}}}),
      r"offloads parameters .* at ZeRO stage 3 only"),
+    (dict(zero_stage=2, deepspeed_config={"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}),
+     r"zero_optimization.offload_optimizer.device='nvme'\) without a path"),
+    (dict(zero_stage=2, deepspeed_config={"zero_optimization": {"reduce_bucket_sise": 5}}),
+     r"not valid for DeepSpeed: reduce_bucket_sise: Extra inputs are not permitted"),
+    (dict(pipeline_parallel_size=2, zero_stage=1), r"pipeline_parallel_size=2 would need DeepSpeed's own"),
     (dict(deepspeed_config={"optimizer": {"type": "Adam"}}), r"optimizer comes from the LightningModule"),
     (dict(tensor_parallel_size=2), r"tensor_parallel_size=2 shards parameters as DTensors"),
     (dict(pipeline_parallel_size=2, zero_stage=3), r"pipeline_parallel_size=2 would need DeepSpeed's own"),
@@ -226,6 +317,12 @@ def test_deepspeed_config_needs_the_deepspeed_backend():
         HybridStrategy(deepspeed_config={})
 
 
+def _cpu_has_fp16() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
 CONTRADICTIONS = [
     ({"gradient_accumulation_steps": 4}, {"accumulate_grad_batches": 2},
      r"gradient_accumulation_steps=4 but Trainer\(accumulate_grad_batches\) gives 2"),
@@ -234,7 +331,13 @@ CONTRADICTIONS = [
      r"bf16.enabled=True but Trainer\(precision='32-true'\) means bf16.enabled=False"),
     ({}, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, r"clips by the global norm only"),
     ({"train_micro_batch_size_per_gpu": 16}, {}, r"train_micro_batch_size_per_gpu=16 but the train dataloader"),
+    ({"train_batch_size": 64}, {},
+     r"train_batch_size=64 but batch_size x accumulate_grad_batches x data_parallel_size gives 8"),
+    ({"fp16": {"enabled": True}}, {"precision": "bf16-mixed"},
+     r"fp16.enabled=True but Trainer\(precision='bf16-mixed'\) means fp16.enabled=False"),
 ]
+if not _cpu_has_fp16():  # then 16-mixed is refused before training, naming the alternatives
+    CONTRADICTIONS.append(({}, {"precision": "16-mixed"}, r"not support on this cpu device. Use precision='bf16-mixed'"))
 
 
 class _StepCounter(L.Callback):

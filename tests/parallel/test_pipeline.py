@@ -55,16 +55,30 @@ def _reference(model: str, trainer_kwargs: dict):
     key = (model, tuple(sorted(trainer_kwargs.items())))
     if key not in _references:
         module, data = MODELS[model]
-        _references[key] = fit(module, lambda: data(GLOBAL_BATCH), None, 1, STEPS, trainer_kwargs=trainer_kwargs,
-                               callbacks_factory=lambda: [MetricRecorder()])
+        _references[key] = fit(
+            module,
+            lambda: data(GLOBAL_BATCH),
+            None,
+            1,
+            STEPS,
+            trainer_kwargs=trainer_kwargs,
+            callbacks_factory=lambda: [MetricRecorder()],
+        )
     return _references[key]
 
 
 def _check(model: str, strategy: dict, devices: int, dp: int = 1, trainer_kwargs: dict = TRAINER) -> None:
     module, data = MODELS[model]
     reference, reference_extras = _reference(model, trainer_kwargs)
-    result, extras = fit(module, lambda: data(GLOBAL_BATCH // dp), strategy, devices, STEPS,
-                         trainer_kwargs=trainer_kwargs, callbacks_factory=lambda: [MetricRecorder()])
+    result, extras = fit(
+        module,
+        lambda: data(GLOBAL_BATCH // dp),
+        strategy,
+        devices,
+        STEPS,
+        trainer_kwargs=trainer_kwargs,
+        callbacks_factory=lambda: [MetricRecorder()],
+    )
     assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
     # Validation (sanity check included) reaches global rank 0, which holds the first stage, as in one process.
     expected, got = reference_extras[0]["val_losses"], extras[0]["val_losses"]
@@ -72,14 +86,22 @@ def _check(model: str, strategy: dict, devices: int, dp: int = 1, trainer_kwargs
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
-SCHEDULES = [("GPipe", 2), ("GPipe", 4), ("1F1B", 2), ("1F1B", 4), ("Interleaved1F1B", 4), ("LoopedBFS", 4),
-             ("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 4), ("DualPipeV", 4)]
+SCHEDULES = [
+    ("GPipe", 2),
+    ("GPipe", 4),
+    ("1F1B", 2),
+    ("1F1B", 4),
+    ("Interleaved1F1B", 4),
+    ("LoopedBFS", 4),
+    ("InterleavedZeroBubble", 4),
+    ("ZBVZeroBubble", 4),
+    ("DualPipeV", 4),
+]
 
 
 @pytest.mark.parametrize(("schedule", "microbatches"), SCHEDULES, ids=[f"{s}-m{m}" for s, m in SCHEDULES])
 def test_every_schedule_trains_like_one_process(schedule, microbatches):
-    _check("nanogpt", {"pipeline_parallel_size": 2, "pipeline_schedule": schedule,
-                       "num_microbatches": microbatches}, 2)
+    _check("nanogpt", {"pipeline_parallel_size": 2, "pipeline_schedule": schedule, "num_microbatches": microbatches}, 2)
 
 
 LAYOUTS = [  # (model, strategy, devices, dp)
@@ -92,15 +114,26 @@ LAYOUTS = [  # (model, strategy, devices, dp)
     ("nanogpt", {"pipeline_parallel_size": 2, "zero_stage": 3}, 4, 2),
     ("nanogpt", {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1}, 8, 2),
     # Two stages per rank with data parallelism: each stage is its own data-parallel root.
-    ("nanogpt", {"pipeline_parallel_size": 2, "pipeline_schedule": "Interleaved1F1B", "num_microbatches": 2,
-                 "zero_stage": 1}, 4, 2),
-    ("nanogpt", {"pipeline_parallel_size": 2, "pipeline_schedule": "DualPipeV", "num_microbatches": 4,
-                 "zero_stage": 2}, 4, 2),
+    (
+        "nanogpt",
+        {"pipeline_parallel_size": 2, "pipeline_schedule": "Interleaved1F1B", "num_microbatches": 2, "zero_stage": 1},
+        4,
+        2,
+    ),
+    (
+        "nanogpt",
+        {"pipeline_parallel_size": 2, "pipeline_schedule": "DualPipeV", "num_microbatches": 4, "zero_stage": 2},
+        4,
+        2,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("model", "strategy", "devices", "dp"), LAYOUTS,
-                         ids=["-".join(f"{k[0]}{v}" for k, v in s.items()) + f"-{m}" for m, s, _, _ in LAYOUTS])
+@pytest.mark.parametrize(
+    ("model", "strategy", "devices", "dp"),
+    LAYOUTS,
+    ids=["-".join(f"{k[0]}{v}" for k, v in s.items()) + f"-{m}" for m, s, _, _ in LAYOUTS],
+)
 def test_layouts_train_like_one_process(model, strategy, devices, dp):
     _check(model, strategy, devices, dp)
 
@@ -122,11 +155,22 @@ class _ShardedBetweenSteps(L.Callback):
 
 def test_zero3_with_two_stages_per_rank_trains_and_frees_gathered_stages():
     """ZBV (V placement, zero bubble) at ZeRO-3: the schedule gathers each stage for its work and frees it after."""
-    strategy = {"pipeline_parallel_size": 2, "pipeline_schedule": "ZBVZeroBubble", "num_microbatches": 4,
-                "zero_stage": 3}
+    strategy = {
+        "pipeline_parallel_size": 2,
+        "pipeline_schedule": "ZBVZeroBubble",
+        "num_microbatches": 4,
+        "zero_stage": 3,
+    }
     reference, _ = _reference("nanogpt", TRAINER)
-    result, extras = fit(_nanogpt, lambda: _text(GLOBAL_BATCH // 2), strategy, 4, STEPS, trainer_kwargs=TRAINER,
-                         callbacks_factory=lambda: [_ShardedBetweenSteps()])
+    result, extras = fit(
+        _nanogpt,
+        lambda: _text(GLOBAL_BATCH // 2),
+        strategy,
+        4,
+        STEPS,
+        trainer_kwargs=TRAINER,
+        callbacks_factory=lambda: [_ShardedBetweenSteps()],
+    )
     assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
     for rank_extras in extras:
         assert rank_extras["sharded"] == [True] * STEPS
@@ -138,8 +182,14 @@ def test_clipping_and_accumulation_across_stages():
 
 
 def test_each_rank_keeps_only_its_stages_parameters():
-    _, extras = fit(_nanogpt, lambda: _text(GLOBAL_BATCH), {"pipeline_parallel_size": 2}, 2, 2,
-                    callbacks_factory=lambda: [MemoryProbe(step=1)])
+    _, extras = fit(
+        _nanogpt,
+        lambda: _text(GLOBAL_BATCH),
+        {"pipeline_parallel_size": 2},
+        2,
+        2,
+        callbacks_factory=lambda: [MemoryProbe(step=1)],
+    )
     module = _nanogpt()
     blocks = sum(p.numel() for p in module.model.transformer.h.parameters())
     embeddings = sum(p.numel() for n in ("wte", "wpe") for p in getattr(module.model.transformer, n).parameters())
@@ -150,14 +200,19 @@ def test_each_rank_keeps_only_its_stages_parameters():
 
 class _TwoCalls(GPTLightningModule):
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        x, _ = batch
         return self(x).mean() + self(x).mean()
 
 
 def test_a_second_network_call_is_refused_with_the_fix():
     with pytest.raises(RuntimeError, match="may call the network once"):
-        fit(lambda: _TwoCalls(block_size=32, n_layer=2, n_head=4, n_embd=32), lambda: _text(8),
-            {"pipeline_parallel_size": 2}, 2, 1)
+        fit(
+            lambda: _TwoCalls(block_size=32, n_layer=2, n_head=4, n_embd=32),
+            lambda: _text(8),
+            {"pipeline_parallel_size": 2},
+            2,
+            1,
+        )
 
 
 class _Predicting(GPTLightningModule):
@@ -171,8 +226,14 @@ def _predict_worker(strategy_kwargs):
     L.seed_everything(7)
     module = _Predicting(block_size=32, n_layer=2, n_head=4, n_embd=32)
     strategy = HybridStrategy(**strategy_kwargs) if strategy_kwargs else "auto"
-    trainer = L.Trainer(accelerator="cpu", devices=2 if strategy_kwargs else 1, strategy=strategy, logger=False,
-                        enable_progress_bar=False, limit_predict_batches=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2 if strategy_kwargs else 1,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        limit_predict_batches=2,
+    )
     data = _text(4)
     data.setup()
     return trainer.predict(module, data.val_dataloader())
@@ -226,9 +287,13 @@ class _CheckpointScore(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         callback = trainer.checkpoint_callback
-        self.results = {"best": float(callback.best_model_score), "stopped": trainer.early_stopping_callback.wait_count,
-                        "scores": {k: float(v) for k, v in callback.best_k_models.items()}, "step": trainer.global_step,
-                        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+        self.results = {
+            "best": float(callback.best_model_score),
+            "stopped": trainer.early_stopping_callback.wait_count,
+            "scores": {k: float(v) for k, v in callback.best_k_models.items()},
+            "step": trainer.global_step,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        }
 
 
 def test_model_checkpoint_and_early_stopping_monitor_validation_loss(tmp_path):
@@ -236,14 +301,31 @@ def test_model_checkpoint_and_early_stopping_monitor_validation_loss(tmp_path):
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     def callbacks(directory):
-        return lambda: [ModelCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=1),
-                EarlyStopping(monitor="val_loss", patience=5), _CheckpointScore()]
+        return lambda: [
+            ModelCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=1),
+            EarlyStopping(monitor="val_loss", patience=5),
+            _CheckpointScore(),
+        ]
 
     kwargs = {**TRAINER, "enable_checkpointing": True}
-    _, reference = fit(_nanogpt, lambda: _text(GLOBAL_BATCH), None, 1, STEPS, trainer_kwargs=kwargs,
-                       callbacks_factory=callbacks(tmp_path / "reference"))
-    _, result = fit(_nanogpt, lambda: _text(GLOBAL_BATCH), {"pipeline_parallel_size": 2}, 2, STEPS,
-                    trainer_kwargs=kwargs, callbacks_factory=callbacks(tmp_path / "pipeline"))
+    _, reference = fit(
+        _nanogpt,
+        lambda: _text(GLOBAL_BATCH),
+        None,
+        1,
+        STEPS,
+        trainer_kwargs=kwargs,
+        callbacks_factory=callbacks(tmp_path / "reference"),
+    )
+    _, result = fit(
+        _nanogpt,
+        lambda: _text(GLOBAL_BATCH),
+        {"pipeline_parallel_size": 2},
+        2,
+        STEPS,
+        trainer_kwargs=kwargs,
+        callbacks_factory=callbacks(tmp_path / "pipeline"),
+    )
     assert result[0]["best"] == pytest.approx(reference[0]["best"], rel=1e-5), (result[0], reference[0])
     assert result[0]["stopped"] == reference[0]["stopped"]
     assert [path.name for path in (tmp_path / "pipeline").iterdir()] == ["epoch=0-step=10.ckpt"]
@@ -259,8 +341,9 @@ class _AfterBackward(L.Callback):
 
 
 def test_on_after_backward_fires_once_per_step_with_gradients():
-    _, extras = fit(_nanogpt, lambda: _text(8), {"pipeline_parallel_size": 2}, 2, 3,
-                    callbacks_factory=lambda: [_AfterBackward()])
+    _, extras = fit(
+        _nanogpt, lambda: _text(8), {"pipeline_parallel_size": 2}, 2, 3, callbacks_factory=lambda: [_AfterBackward()]
+    )
     assert [e["after_backward_with_grads"] for e in extras] == [3, 3]
 
 
@@ -327,16 +410,34 @@ class _MetricSnapshots(L.Callback):
         self.results["train_acc"] = float(trainer.callback_metrics["train_acc"])
 
 
-@pytest.mark.parametrize(("strategy", "devices", "dp"), [
-    ({"pipeline_parallel_size": 2, "num_microbatches": 4}, 2, 1),
-    ({"pipeline_parallel_size": 2, "zero_stage": 1}, 4, 2),
-], ids=["pp2-m4", "pp2-dp2"])
+@pytest.mark.parametrize(
+    ("strategy", "devices", "dp"),
+    [
+        ({"pipeline_parallel_size": 2, "num_microbatches": 4}, 2, 1),
+        ({"pipeline_parallel_size": 2, "zero_stage": 1}, 4, 2),
+    ],
+    ids=["pp2-m4", "pp2-dp2"],
+)
 def test_torchmetrics_objects_reach_rank0_with_single_process_values(strategy, devices, dp):
     trainer_kwargs = {**TRAINER, "max_epochs": 1, "limit_train_batches": STEPS}
-    _, expected = fit(_WithMetrics, lambda: _text(GLOBAL_BATCH), None, 1, STEPS, trainer_kwargs=trainer_kwargs,
-                      callbacks_factory=lambda: [_MetricSnapshots()])
-    _, got = fit(_WithMetrics, lambda: _text(GLOBAL_BATCH // dp), strategy, devices, STEPS,
-                 trainer_kwargs=trainer_kwargs, callbacks_factory=lambda: [_MetricSnapshots()])
+    _, expected = fit(
+        _WithMetrics,
+        lambda: _text(GLOBAL_BATCH),
+        None,
+        1,
+        STEPS,
+        trainer_kwargs=trainer_kwargs,
+        callbacks_factory=lambda: [_MetricSnapshots()],
+    )
+    _, got = fit(
+        _WithMetrics,
+        lambda: _text(GLOBAL_BATCH // dp),
+        strategy,
+        devices,
+        STEPS,
+        trainer_kwargs=trainer_kwargs,
+        callbacks_factory=lambda: [_MetricSnapshots()],
+    )
     expected, got = expected[0], got[0]
     assert len(got["validation"]) == len(expected["validation"]) == 2
     got_validation, expected_validation = torch.tensor(got["validation"]), torch.tensor(expected["validation"])
@@ -347,8 +448,9 @@ def test_torchmetrics_objects_reach_rank0_with_single_process_values(strategy, d
     torch.testing.assert_close(got_validation[:, rank], expected_validation[:, rank], rtol=0, atol=1e-4)
     torch.testing.assert_close(got["train_acc"], expected["train_acc"], rtol=1e-5, atol=1e-6)
     if dp == 1:  # on_step values are per rank (each data-parallel rank's half batch), as with Lightning's DDP
-        torch.testing.assert_close(torch.tensor(got["train_f1"]), torch.tensor(expected["train_f1"]), rtol=1e-5,
-                                   atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(got["train_f1"]), torch.tensor(expected["train_f1"]), rtol=1e-5, atol=1e-6
+        )
 
 
 class _ObjectBroadcasts(L.Callback):
@@ -377,8 +479,14 @@ class _ObjectBroadcasts(L.Callback):
 
 
 def test_steady_state_steps_send_numbers_not_pickled_objects():
-    _, extras = fit(_nanogpt, lambda: _text(GLOBAL_BATCH), {"pipeline_parallel_size": 2}, 2, 4,
-                    callbacks_factory=lambda: [_ObjectBroadcasts()])
+    _, extras = fit(
+        _nanogpt,
+        lambda: _text(GLOBAL_BATCH),
+        {"pipeline_parallel_size": 2},
+        2,
+        4,
+        callbacks_factory=lambda: [_ObjectBroadcasts()],
+    )
     # The first step sends the logged names and options once; later steps only a small tensor of numbers.
     for rank_extras in extras:
         assert rank_extras["object_broadcasts"] == [1, 0, 0, 0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_mgpu.demo import GPTLightningModule
 from lightning_mgpu.parallel.microbatches import MicrobatchPlan, plan_microbatches
@@ -38,8 +38,7 @@ def test_ragged_batches_get_equal_microbatches_the_schedule_can_run():
 
 def _tokens(num_samples: int):
     # 27 samples: batches of 8, 8, 8 and a ragged 3 (train and validation) in one process.
-    return lambda batch: RandomTokenDataModule(vocab_size=256, num_samples=num_samples, batch_size=batch,
-                                               with_val=True)
+    return lambda batch: RandomTokenDataModule(vocab_size=256, num_samples=num_samples, batch_size=batch, with_val=True)
 
 
 _references: dict = {}
@@ -48,11 +47,25 @@ _references: dict = {}
 def _check(strategy: dict, devices: int, dp: int, num_samples: int) -> None:
     data = _tokens(num_samples)
     if num_samples not in _references:
-        _references[num_samples] = fit(_nanogpt, lambda: data(GLOBAL_BATCH), None, 1, -1, trainer_kwargs=EPOCHS,
-                                       callbacks_factory=lambda: [MetricRecorder()])
+        _references[num_samples] = fit(
+            _nanogpt,
+            lambda: data(GLOBAL_BATCH),
+            None,
+            1,
+            -1,
+            trainer_kwargs=EPOCHS,
+            callbacks_factory=lambda: [MetricRecorder()],
+        )
     reference, reference_extras = _references[num_samples]
-    result, extras = fit(_nanogpt, lambda: data(GLOBAL_BATCH // dp), strategy, devices, -1, trainer_kwargs=EPOCHS,
-                         callbacks_factory=lambda: [MetricRecorder()])
+    result, extras = fit(
+        _nanogpt,
+        lambda: data(GLOBAL_BATCH // dp),
+        strategy,
+        devices,
+        -1,
+        trainer_kwargs=EPOCHS,
+        callbacks_factory=lambda: [MetricRecorder()],
+    )
     assert len(reference.losses) == 8  # two epochs of four batches, the last ragged
     assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
     expected, got = reference_extras[0]["val_losses"], extras[0]["val_losses"]
@@ -69,8 +82,11 @@ RAGGED = [  # (strategy, devices, dp, samples): 27 = 3 x 8 + 3; 26 = 2 ranks x (
 ]
 
 
-@pytest.mark.parametrize(("strategy", "devices", "dp", "samples"), RAGGED,
-                         ids=["pp2-m2", "pp2-m4", "pp2-dp2-zero1", "pp2-tp2", "dp2-tp2-zero3"])
+@pytest.mark.parametrize(
+    ("strategy", "devices", "dp", "samples"),
+    RAGGED,
+    ids=["pp2-m2", "pp2-m4", "pp2-dp2-zero1", "pp2-tp2", "dp2-tp2-zero3"],
+)
 def test_ragged_last_batches_train_and_validate_like_one_process(strategy, devices, dp, samples):
     _check(strategy, devices, dp, samples)
 
@@ -100,7 +116,7 @@ class _VaryingLengths(torch.utils.data.Sampler):
             by_length.setdefault(length, []).append(index)
         for indices in by_length.values():
             for start in range(0, len(indices), self.batch_size):
-                yield indices[start:start + self.batch_size]
+                yield indices[start : start + self.batch_size]
 
     def __len__(self) -> int:
         return sum(-(-self.lengths.count(n) // self.batch_size) for n in set(self.lengths))
@@ -133,8 +149,14 @@ class _OddData(L.LightningDataModule):
 def test_iterable_data_and_changing_sequence_lengths(kind):
     trainer_kwargs = {**EPOCHS, "use_distributed_sampler": False}  # the data is the same on every rank
     reference, _ = fit(_nanogpt, lambda: _OddData(kind, GLOBAL_BATCH), None, 1, -1, trainer_kwargs=trainer_kwargs)
-    result, _ = fit(_nanogpt, lambda: _OddData(kind, GLOBAL_BATCH), {"pipeline_parallel_size": 2}, 2, -1,
-                    trainer_kwargs=trainer_kwargs)
+    result, _ = fit(
+        _nanogpt,
+        lambda: _OddData(kind, GLOBAL_BATCH),
+        {"pipeline_parallel_size": 2},
+        2,
+        -1,
+        trainer_kwargs=trainer_kwargs,
+    )
     assert len(reference.losses) == 8 if kind == "iterable" else 12
     assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
 
@@ -155,8 +177,14 @@ def _evaluate_worker(strategy_kwargs):
     L.seed_everything(7)
     module = _Evaluated(block_size=32, n_layer=4, n_head=4, n_embd=32)
     strategy = HybridStrategy(**strategy_kwargs) if strategy_kwargs else "auto"
-    trainer = L.Trainer(accelerator="cpu", devices=2 if strategy_kwargs else 1, strategy=strategy, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2 if strategy_kwargs else 1,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     data = _tokens(27)(GLOBAL_BATCH)  # validation data of 27 samples: 8, 8, 8 and a ragged 3
     tested = trainer.test(module, data.val_dataloader(), verbose=False)[0]["test_loss"]
     validated = trainer.validate(module, data.val_dataloader(), verbose=False)[0]["val_loss"]

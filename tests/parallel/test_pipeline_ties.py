@@ -31,17 +31,32 @@ def _check(model: str, strategy: dict, devices: int, dp: int = 1, trainer_kwargs
     factory, (embedding, head) = TIED[model]
     key = (model, tuple(sorted(trainer_kwargs.items())))
     if key not in _references:
-        _references[key] = fit(factory, lambda: _data(GLOBAL_BATCH), None, 1, STEPS, trainer_kwargs=trainer_kwargs,
-                               callbacks_factory=lambda: [MetricRecorder()])
+        _references[key] = fit(
+            factory,
+            lambda: _data(GLOBAL_BATCH),
+            None,
+            1,
+            STEPS,
+            trainer_kwargs=trainer_kwargs,
+            callbacks_factory=lambda: [MetricRecorder()],
+        )
     reference, reference_extras = _references[key]
     assert torch.equal(reference.state_dict[embedding], reference.state_dict[head])  # really tied
-    result, extras = fit(factory, lambda: _data(GLOBAL_BATCH // dp), strategy, devices, STEPS,
-                         trainer_kwargs=trainer_kwargs, callbacks_factory=lambda: [MetricRecorder()])
+    result, extras = fit(
+        factory,
+        lambda: _data(GLOBAL_BATCH // dp),
+        strategy,
+        devices,
+        STEPS,
+        trainer_kwargs=trainer_kwargs,
+        callbacks_factory=lambda: [MetricRecorder()],
+    )
     assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
     # The copies on the first and the last stage are gathered from their own ranks: they must still be equal.
     assert torch.equal(result.state_dict[embedding], result.state_dict[head])
-    torch.testing.assert_close(torch.tensor(extras[0]["val_losses"]), torch.tensor(reference_extras[0]["val_losses"]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(extras[0]["val_losses"]), torch.tensor(reference_extras[0]["val_losses"]), rtol=1e-5, atol=0
+    )
 
 
 LAYOUTS = [  # (model, strategy, devices, dp)
@@ -59,15 +74,26 @@ LAYOUTS = [  # (model, strategy, devices, dp)
     ("nanogpt", {"pipeline_parallel_size": 2, "pipeline_schedule": "Interleaved1F1B", "num_microbatches": 4}, 2, 1),
     # V schedules put the first and the last stage on one rank: one Parameter, used by two stages of one rank.
     ("nanogpt", {"pipeline_parallel_size": 2, "pipeline_schedule": "ZBVZeroBubble", "num_microbatches": 4}, 2, 1),
-    ("nanogpt", {"pipeline_parallel_size": 2, "pipeline_schedule": "DualPipeV", "num_microbatches": 4,
-                 "zero_stage": 1}, 4, 2),
-    ("nanogpt", {"pipeline_parallel_size": 2, "pipeline_schedule": "ZBVZeroBubble", "num_microbatches": 4,
-                 "zero_stage": 3}, 4, 2),
+    (
+        "nanogpt",
+        {"pipeline_parallel_size": 2, "pipeline_schedule": "DualPipeV", "num_microbatches": 4, "zero_stage": 1},
+        4,
+        2,
+    ),
+    (
+        "nanogpt",
+        {"pipeline_parallel_size": 2, "pipeline_schedule": "ZBVZeroBubble", "num_microbatches": 4, "zero_stage": 3},
+        4,
+        2,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("model", "strategy", "devices", "dp"), LAYOUTS,
-                         ids=[f"{m}-" + "-".join(f"{k[0]}{v}" for k, v in s.items()) for m, s, _, _ in LAYOUTS])
+@pytest.mark.parametrize(
+    ("model", "strategy", "devices", "dp"),
+    LAYOUTS,
+    ids=[f"{m}-" + "-".join(f"{k[0]}{v}" for k, v in s.items()) for m, s, _, _ in LAYOUTS],
+)
 def test_tied_weights_across_stages_train_like_one_process(model, strategy, devices, dp):
     _check(model, strategy, devices, dp)
 
@@ -93,9 +119,21 @@ def test_checkpoints_of_a_tied_weight_move_between_layouts(tmp_path, saved, resu
         _references[key] = fit(factory, lambda: _data(GLOBAL_BATCH), None, 1, 6)
     reference = _references[key][0]
     (save_kwargs, save_devices, save_dp), (resume_kwargs, resume_devices, resume_dp) = saved, resumed
-    fit(factory, lambda: _data(GLOBAL_BATCH // save_dp), save_kwargs, save_devices, 3,
-        callbacks_factory=lambda: [SaveAt(tmp_path, steps=(3,))])
-    second, _ = fit(factory, lambda: _data(GLOBAL_BATCH // resume_dp), resume_kwargs, resume_devices, 6,
-                    fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")})
+    fit(
+        factory,
+        lambda: _data(GLOBAL_BATCH // save_dp),
+        save_kwargs,
+        save_devices,
+        3,
+        callbacks_factory=lambda: [SaveAt(tmp_path, steps=(3,))],
+    )
+    second, _ = fit(
+        factory,
+        lambda: _data(GLOBAL_BATCH // resume_dp),
+        resume_kwargs,
+        resume_devices,
+        6,
+        fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")},
+    )
     _losses_match(reference.losses, second.losses, 3, 1e-5)
     assert torch.equal(second.state_dict[embedding], second.state_dict[head])

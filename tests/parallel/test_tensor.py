@@ -155,7 +155,7 @@ def test_misconfigurations_fail_before_training_with_the_numbers(factory, plan, 
 
 
 def test_unknown_style_fails_at_construction():
-    with pytest.raises(ValueError, match="unknown styles.*'diagonal'"):
+    with pytest.raises(ValueError, match=r"unknown styles.*'diagonal'"):
         HybridStrategy(tensor_parallel_size=2, tp_plan={"model.*": "diagonal"})
 
 
@@ -281,7 +281,7 @@ class _HeadLayout(L.Callback):
 
 
 def test_loss_parallel_needs_tensor_parallelism():
-    with pytest.raises(ValueError, match="loss_parallel=True.*tensor_parallel_size > 1"):
+    with pytest.raises(ValueError, match=r"loss_parallel=True.*tensor_parallel_size > 1"):
         HybridStrategy(loss_parallel=True)
 
 

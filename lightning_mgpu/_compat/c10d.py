@@ -1,0 +1,38 @@
+"""c10d and pipelining internals the monitor wraps to time communication (checked on torch 2.13.0).
+
+- ``functional_collectives()``: ``torch.distributed._functional_collectives``, the module DTensor, FSDP2 and
+  tensor parallelism issue their collectives through; there is no public module with these functions.
+- ``group_name``: ``_functional_collectives._resolve_group_name``, the name of a group given in any of the forms
+  those functions accept.
+- ``pipelining_p2p()``: the module and function name (``schedules._batch_p2p``) torch's pipeline schedules send and
+  receive through; the public ``dist.batch_isend_irecv`` is called inside it with no group to attribute.
+- ``FUNCTIONAL_OPS``: the ``torch.ops._c10d_functional`` namespace (collectives as graph ops, what selective
+  activation checkpointing recognises); None where it does not exist.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Optional
+
+import torch
+
+
+def functional_collectives() -> ModuleType:
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def group_name(group: Any) -> str:
+    return str(functional_collectives()._resolve_group_name(group))
+
+
+def pipelining_p2p() -> Optional[tuple[ModuleType, str]]:
+    """``(module, name)`` of the function torch's schedules batch their sends and receives through, if any."""
+    from torch.distributed.pipelining import schedules
+
+    return (schedules, "_batch_p2p") if hasattr(schedules, "_batch_p2p") else None
+
+
+FUNCTIONAL_OPS: Any = getattr(torch.ops, "_c10d_functional", None)

@@ -1,0 +1,74 @@
+"""DTensor, DeviceMesh and tensor-parallel style internals (checked on torch 2.13.0).
+
+- ``StridedShard``: ``torch.distributed.tensor.placement_types._StridedShard``. No public placement describes a
+  fused ``[q | k | v]`` weight sharded chunk by chunk; torch's own FSDP2 + TP composition uses this one.
+- ``StyleHooks``: a custom ``ParallelStyle`` must implement the private ``_apply`` (torch documents no public
+  extension point), and the Colwise/Rowwise input and output conversions are private static methods
+  (``_prepare_input_fn``/``_prepare_output_fn``). The mixin exposes them as ``apply_style``/``prepare_input``/
+  ``prepare_output``.
+- ``unflatten_mesh``: ``DeviceMesh._unflatten``, splitting one named mesh dimension into several. The public
+  alternative, building a new mesh with ``init_device_mesh``, creates new process groups for every axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_mgpu._compat import changed, internal
+
+StridedShard: Any = internal("torch.distributed.tensor.placement_types", "_StridedShard")
+
+
+def strided_shard(dim: int, chunks: int) -> Any:
+    """Shard ``dim`` chunk by chunk: each of ``chunks`` equal chunks is sharded over the mesh dimension."""
+    return StridedShard(dim, split_factor=chunks)
+
+
+def is_strided_shard(placement: Any) -> bool:
+    return isinstance(placement, StridedShard)
+
+
+def strided_chunks(placement: Any) -> int:
+    """The number of chunks a ``StridedShard`` splits its dimension into (1 for any other placement)."""
+    return placement.split_factor if isinstance(placement, StridedShard) else 1
+
+
+class StyleHooks:
+    """Mix in before a torch ``ParallelStyle``: its private hooks under public names.
+
+    ``apply_style`` is torch's ``_apply`` (override it; ``super().apply_style`` runs the torch style's own).
+    ``prepare_input``/``prepare_output`` are Colwise/RowwiseParallel's input and output conversions with this
+    style's layouts: the ``input_fn``/``output_fn`` that ``distribute_module`` takes.
+    """
+
+    # The torch style's settings these hooks read (set by its __init__).
+    input_layouts: Any
+    desired_input_layouts: Any
+    output_layouts: Any
+    use_local_output: bool
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return self.apply_style(module, device_mesh)
+
+    def apply_style(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return super()._apply(module, device_mesh)  # type: ignore[misc]
+
+    def prepare_input(self, module: nn.Module, inputs: Any, device_mesh: Any) -> Any:
+        return self._prepare_input_fn(  # type: ignore[attr-defined]
+            self.input_layouts, self.desired_input_layouts, module, inputs, device_mesh
+        )
+
+    def prepare_output(self, module: nn.Module, outputs: Any, device_mesh: Any) -> Any:
+        return self._prepare_output_fn(  # type: ignore[attr-defined]
+            self.output_layouts, self.use_local_output, module, outputs, device_mesh
+        )
+
+
+def unflatten_mesh(mesh: Any, dim_name: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """``mesh`` with its dimension ``dim_name`` split into ``names`` of ``sizes`` (a view sharing the groups)."""
+    unflatten = getattr(mesh, "_unflatten", None)
+    if unflatten is None:
+        raise AttributeError(changed("DeviceMesh._unflatten", "torch", "the method is gone"))
+    return unflatten(dim_name, sizes, names)

@@ -1,0 +1,201 @@
+"""Lightning internals (checked on lightning 2.6.6).
+
+Lightning's strategies are written against these private helpers too; a third-party strategy has no public
+equivalent for most of them:
+
+- Launchers: ``_SubprocessScriptLauncher``, ``_MultiProcessingLauncher`` (and ``_WorkerOutput``),
+  ``_ChildProcessObserver`` are the only implementations of ``python train.py`` re-launching and fork/spawn;
+  the classes below expose the hooks we override (``_call_children_scripts``, ``_wrapping_function``,
+  ``_collect_rank_zero_results``, ``_run``) under public names.
+- Distributed helpers (``lightning.fabric.utilities.distributed``): process-group setup and the reduce/gather
+  that Lightning's own ``ParallelStrategy`` subclasses use, so that ``self.log(sync_dist=True)`` behaves the same.
+- Strategy internals: ``Strategy._configure_launcher`` (``StrategyHooks``), ``Strategy._layer_sync``
+  (``Trainer(sync_batchnorm=True)``) and ``_reset_optimizers_and_schedulers`` (what ``Strategy.setup_optimizers``
+  does before building optimizers).
+- Precision utilities: ``_optimizer_handles_unscaling``, ``_convert_fp_tensor``, ``_DtypeContextManager``,
+  ``Precision._after_closure`` (runs ``on_before_optimizer_step`` and clipping after the closure).
+- Trainer internals: ``LightningModule._trainer`` (``.trainer`` raises when detached), the fit loop's data source
+  and data fetcher, the fetcher's profiler hooks (``_start_profiler``/``_stop_profiler``: where a batch waits for
+  data), and ``trainer.call``'s hook dispatchers.
+- ``trainer_precision_flag``: the ``precision`` the user gave ``Trainer``. Lightning rewrites ``"16-mixed"``
+  into ``"bf16-mixed"`` on CPU inside the accelerator connector's ``__init__`` and keeps the original nowhere
+  (not on the Trainer, the connector or the plugin): it is read from that ``__init__``'s arguments while it runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any, Callable, Optional
+
+from lightning_mgpu._compat import changed, internal
+
+PATH = str | Path  # Lightning's `_PATH`
+
+# ------------------------------------------------------------------------------------------------------ launchers
+_SubprocessScriptLauncher = internal(
+    "lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"
+)
+_MultiProcessingLauncher = internal("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher")
+_ChildProcessObserver = internal("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver")
+WorkerOutput = internal("lightning.pytorch.strategies.launchers.multiprocessing", "_WorkerOutput")
+set_num_threads_if_needed = internal("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed")
+
+
+class SubprocessScriptLauncher(_SubprocessScriptLauncher):  # type: ignore[misc, valid-type]
+    """Lightning's ``python train.py`` launcher; ``call_children_scripts`` starts the other local ranks."""
+
+    def call_children_scripts(self) -> None:
+        self._call_children_scripts()
+
+
+class ChildProcessObserver(_ChildProcessObserver):  # type: ignore[misc, valid-type]
+    """Lightning's watcher thread of the children; override ``check_children`` (True: stop watching)."""
+
+    @property
+    def child_processes(self) -> list[Any]:
+        return self._child_processes
+
+    def _run(self) -> bool:
+        return self.check_children()
+
+    def check_children(self) -> bool:
+        return super()._run()
+
+
+class MultiProcessingLauncher(_MultiProcessingLauncher):  # type: ignore[misc, valid-type]
+    """Lightning's fork/spawn launcher; override ``run_worker`` (a child's entry) and
+    ``collect_rank_zero_results`` (what rank 0 sends back)."""
+
+    @property
+    def start_method(self) -> str:
+        return self._start_method
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy
+
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        self.run_worker(process_idx, *args, **kwargs)
+
+    def run_worker(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(process_idx, *args, **kwargs)
+
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        return self.collect_rank_zero_results(trainer, results)
+
+    def collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        return super()._collect_rank_zero_results(trainer, results)
+
+
+class StrategyHooks:
+    """Mix in before a Lightning ``Strategy``: its private ``_configure_launcher`` hook (called by the Trainer to
+    pick the launcher) as ``configure_launcher``."""
+
+    def _configure_launcher(self) -> None:
+        self.configure_launcher()
+
+    def configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------------------------------ distributed helpers
+all_gather_ddp_if_available = internal("lightning.fabric.utilities.distributed", "_all_gather_ddp_if_available")
+sync_ddp_if_available = internal("lightning.fabric.utilities.distributed", "_sync_ddp_if_available")
+init_dist_connection = internal("lightning.fabric.utilities.distributed", "_init_dist_connection")
+default_process_group_backend = internal(
+    "lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"
+)
+materialize_distributed_module = internal("lightning.fabric.utilities.init", "_materialize_distributed_module")
+optimizers_to_device = internal("lightning.fabric.utilities.optimizer", "_optimizers_to_device")
+set_sampler_epoch = internal("lightning.fabric.utilities.data", "_set_sampler_epoch")
+IS_INTERACTIVE: bool = internal("lightning.fabric.utilities.imports", "_IS_INTERACTIVE")
+
+
+# --------------------------------------------------------------------------------------------- strategy internals
+def layer_sync(strategy: Any) -> Any:
+    """The ``LayerSync`` plugin the Trainer gave the strategy (``sync_batchnorm=True``), or None."""
+    return _attribute(strategy, "_layer_sync", "Strategy")
+
+
+def reset_optimizers_and_schedulers(strategy: Any) -> None:
+    strategy._reset_optimizers_and_schedulers()
+
+
+# -------------------------------------------------------------------------------------------- precision utilities
+optimizer_handles_unscaling = internal("lightning.fabric.plugins.precision.amp", "_optimizer_handles_unscaling")
+convert_fp_tensor = internal("lightning.fabric.plugins.precision.utils", "_convert_fp_tensor")
+DtypeContextManager = internal("lightning.fabric.plugins.precision.utils", "_DtypeContextManager")
+convert_precision_to_unified_args = internal("lightning.fabric.connector", "_convert_precision_to_unified_args")
+
+
+def after_closure(plugin: Any, model: Any, optimizer: Any) -> None:
+    """``Precision._after_closure``: ``on_before_optimizer_step`` and gradient clipping, after the closure ran."""
+    plugin._after_closure(model, optimizer)
+
+
+# ----------------------------------------------------------------------------------------------- trainer internals
+def attached_trainer(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or None (``module.trainer`` raises when there is none)."""
+    from lightning.pytorch import LightningModule
+
+    if not isinstance(module, LightningModule):
+        return None
+    return _attribute(module, "_trainer", "LightningModule")
+
+
+def fit_data_source(trainer: Any) -> Any:
+    """The fit loop's ``_DataLoaderSource`` (``instance``: what was given to ``fit``; ``dataloader()``)."""
+    return _attribute(trainer.fit_loop, "_data_source", "_FitLoop")
+
+
+def fit_data_fetcher(trainer: Any) -> Any:
+    """The fit loop's current data fetcher (None before the first epoch)."""
+    return _attribute(trainer.fit_loop, "_data_fetcher", "_FitLoop")
+
+
+def fetcher_profiler_hooks(fetcher: Any) -> Optional[tuple[Callable[[], None], Callable[[], None]]]:
+    """The fetcher's ``(start, stop)`` hooks around waiting for a batch, or None for a fetcher without them."""
+    if not hasattr(fetcher, "_start_profiler"):
+        return None
+    return fetcher._start_profiler, fetcher._stop_profiler
+
+
+def set_fetcher_profiler_hooks(fetcher: Any, start: Callable[[], None], stop: Callable[[], None]) -> None:
+    fetcher._start_profiler, fetcher._stop_profiler = start, stop
+
+
+def call_callback_hooks(trainer: Any, hook: str, *args: Any) -> None:
+    internal("lightning.pytorch.trainer.call", "_call_callback_hooks")(trainer, hook, *args)
+
+
+def call_lightning_module_hook(trainer: Any, hook: str, *args: Any) -> Any:
+    return internal("lightning.pytorch.trainer.call", "_call_lightning_module_hook")(trainer, hook, *args)
+
+
+def trainer_precision_flag() -> Optional[str]:
+    """The ``precision`` given to the ``Trainer`` being built, or None outside its construction.
+
+    Read from the arguments of the accelerator connector's ``__init__`` (the caller chain that hands the
+    precision plugin to the strategy). A connector found without its ``precision`` argument raises.
+    """
+    connector = internal("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector")
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), connector):
+            if "precision" not in frame.f_code.co_varnames[: frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]:
+                raise RuntimeError(changed("_AcceleratorConnector.__init__(precision=...)", "lightning"))
+            raw = frame.f_locals.get("precision")
+            try:
+                return convert_precision_to_unified_args(raw) if raw is not None else None
+            except ValueError:
+                return None
+        frame = frame.f_back
+    return None
+
+
+def _attribute(owner: Any, name: str, where: str) -> Any:
+    if name not in vars(owner) and not hasattr(type(owner), name):
+        raise AttributeError(changed(f"{where}.{name}", "lightning", "the attribute is gone"))
+    return getattr(owner, name)

@@ -1,0 +1,106 @@
+"""Framework internals the pipeline runtime uses: torch's pipelining (checked on torch 2.13.0) and torchmetrics'
+metric state (checked on torchmetrics 1.9.0).
+
+- ``forward_only_schedule``: ``schedules._ScheduleForwardOnly``, the forward-only schedule for one stage per rank.
+  Public stand-in: a schedule's ``eval()``, which also runs forwards only but needs a loss function on the last
+  stage (the runtime uses it for multi-stage placements).
+- ``stage_class_with_shape_trial``: overrides ``PipelineStage._forward_metadata_inference`` and
+  ``_backward_metadata_inference``, the trial forward/backward torch runs on a schedule's first step to learn the
+  shapes a stage sends. Public stand-in: ``PipelineStage(input_args=..., output_args=...)`` with static shapes,
+  which the runtime cannot give: shapes come from the user's batches.
+
+- ``metric_*``: a torchmetrics ``Metric``'s private progress (``_update_count``, ``_forward_cache``, ``_computed``),
+  its state names (``_defaults``) and sync flags (``_to_sync``, ``_should_unsync``), which the last stage sends to
+  the other stages after each step so that every rank's copy is the same. Public stand-in: ``metric_state`` and
+  ``merge_state``, which carry the states but not the update count or the forward value a logged metric shows.
+
+``check()`` (``tests/parallel/test_pipeline_runtime.py``) fails loudly, naming the internal and the version it was
+checked on, when torch renames or drops one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from typing_extensions import override
+
+from lightning_mgpu._compat import InternalChanged, changed, internal
+
+_METADATA_HOOKS = ("_forward_metadata_inference", "_backward_metadata_inference")
+
+
+def forward_only_schedule(stage: PipelineStage, n_microbatches: int) -> Any:
+    """A schedule running only forwards over one stage per rank."""
+    return internal("torch.distributed.pipelining.schedules", "_ScheduleForwardOnly")(stage, n_microbatches)
+
+
+def stage_class_with_shape_trial(trial: Callable[[nn.Module], AbstractContextManager[Any]]) -> type[PipelineStage]:
+    """A ``PipelineStage`` that runs torch's shape-inference trial inside ``trial(submodule)``.
+
+    The trial runs the stage once on the first microbatch's inputs; the runtime must tell it from a real
+    microbatch (it consumes none of the step's microbatches and logs nothing).
+    """
+    check()
+
+    class StageWithShapeTrial(PipelineStage):
+        @override
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with trial(self.submod):
+                return super()._forward_metadata_inference(*args, **kwargs)
+
+        @override
+        def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with trial(self.submod):
+                return super()._backward_metadata_inference(*args, **kwargs)
+
+    return StageWithShapeTrial
+
+
+_METRIC_ATTRIBUTES = ("_defaults", "_update_count", "_forward_cache", "_computed", "_to_sync", "_should_unsync")
+
+
+def metric_states(metric: Any) -> dict[str, Any]:
+    """The metric's state names and their defaults (``add_state``)."""
+    return metric._defaults
+
+
+def metric_progress(metric: Any) -> tuple[int, Any]:
+    """``(update count, last forward value)``."""
+    return metric._update_count, metric._forward_cache
+
+
+def set_metric_progress(metric: Any, update_count: int, forward_value: Any) -> None:
+    """Set the update count and forward value, dropping a cached ``compute()`` result."""
+    metric._update_count, metric._forward_cache, metric._computed = update_count, forward_value, None
+
+
+def set_metric_forward_value(metric: Any, forward_value: Any) -> None:
+    metric._forward_cache = forward_value
+
+
+def sync_as_in_forward(metric: Any) -> None:
+    """Make the next ``compute()`` sync as torchmetrics' own ``forward`` does: only with ``dist_sync_on_step``."""
+    metric._to_sync, metric._should_unsync = metric.dist_sync_on_step, False
+
+
+def forward_hook_functions(module: nn.Module) -> list[Any]:
+    """The forward hooks registered on ``module`` (nothing public lists them)."""
+    return list(module._forward_hooks.values())
+
+
+def check() -> None:
+    """Raise ``InternalChanged`` if an internal used here is gone: the runtime would otherwise misbehave silently."""
+    internal("torch.distributed.pipelining.schedules", "_ScheduleForwardOnly")
+    for name in _METADATA_HOOKS:
+        if not callable(getattr(PipelineStage, name, None)):
+            raise InternalChanged(changed(f"PipelineStage.{name}", "torch", "the method is gone"))
+    from torchmetrics.aggregation import SumMetric
+
+    metric = SumMetric()
+    for name in _METRIC_ATTRIBUTES:
+        if not hasattr(metric, name):
+            raise InternalChanged(changed(f"torchmetrics.Metric.{name}", "torchmetrics", "the attribute is gone"))

@@ -1,0 +1,90 @@
+"""Tensor and module internals (checked on torch 2.13.0).
+
+- ``tree_map``/``tree_leaves``/``tree_flatten``: ``torch.utils._pytree``. torch has no public pytree module yet;
+  this one knows torch's own containers (``torch.return_types``, ``ModelOutput`` registrations), which
+  ``optree`` or a hand-written walk would not.
+- ``TorchDispatchMode``: ``torch.utils._python_dispatch``; the only way to see every op (for measuring memory).
+- ``FakeTensorMode``: ``torch._subclasses.fake_tensor``; shapes through a forward without memory or compute
+  (``torch.device("meta")`` fails on ops with data-dependent output shapes, fake tensors do not).
+- ``version_counter``: ``Tensor._version``, the in-place modification counter; no public accessor.
+- ``has_post_accumulate_grad_hook``: ``Tensor._post_accumulate_grad_hooks``; ``register_post_accumulate_grad_hook``
+  returns a handle but nothing public lists the hooks a tensor already has.
+- ``swap_parameters``/``restore_parameters``/``set_children``: ``nn.Module._parameters``/``_modules``. Assigning
+  a plain tensor over a registered parameter through ``setattr`` raises, and ``del`` + ``register_parameter``
+  reorders the parameters (their order is the optimizer's and the checkpoint's); the dicts keep the order.
+- ``in_backward``: ``torch._C._current_graph_task_id`` (-1 outside autograd's engine); no public API tells a
+  forward recomputed by activation checkpointing in backward from a first forward (expert token counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mgpu._compat import changed, internal
+
+tree_map = internal("torch.utils._pytree", "tree_map")
+tree_leaves = internal("torch.utils._pytree", "tree_leaves")
+tree_flatten = internal("torch.utils._pytree", "tree_flatten")
+TorchDispatchMode: type = internal("torch.utils._python_dispatch", "TorchDispatchMode")
+
+
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    """A ``FakeTensorMode`` (imported on use: it pulls in much of torch's compiler stack)."""
+    return internal("torch._subclasses.fake_tensor", "FakeTensorMode")(**kwargs)
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many times ``tensor`` was modified in place (not defined for inference tensors)."""
+    return tensor._version
+
+
+def has_post_accumulate_grad_hook(param: torch.Tensor) -> bool:
+    hooks = getattr(param, "_post_accumulate_grad_hooks", changed)
+    if hooks is changed:
+        raise AttributeError(changed("Tensor._post_accumulate_grad_hooks", "torch", "the attribute is gone"))
+    return bool(hooks)
+
+
+def _slots(module: nn.Module, name: str) -> dict[str, Any]:
+    slots = module.__dict__.get(name)
+    if not isinstance(slots, dict):
+        raise AttributeError(changed(f"nn.Module.{name}", "torch", "no longer a dict in the module's __dict__"))
+    return slots
+
+
+def swap_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Put ``tensors`` (e.g. local views of DTensor parameters) in the module's own parameter slots for a call;
+    returns the parameters they replaced, for :func:`restore_parameters`."""
+    slots = _slots(module, "_parameters")
+    originals = {name: slots[name] for name in tensors}
+    slots.update(tensors)
+    return originals
+
+
+def restore_parameters(module: nn.Module, originals: dict[str, Any]) -> None:
+    _slots(module, "_parameters").update(originals)
+
+
+def parameter_slots(module: nn.Module) -> dict[str, Any]:
+    """The module's own registered parameters by name, including slots that hold ``None``."""
+    return dict(_slots(module, "_parameters"))
+
+
+def set_children(module: nn.Module, children: Mapping[str, nn.Module]) -> None:
+    """Make ``children`` the module's only submodules, in this order (an ``nn.ModuleList`` keeps its own names)."""
+    slots = _slots(module, "_modules")
+    slots.clear()
+    slots.update(children)
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine runs a backward on this thread (where activation checkpointing recomputes
+    forwards): ``torch._C._current_graph_task_id``; no public API says so."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    if task is None:
+        raise AttributeError(changed("torch._C._current_graph_task_id", "torch", "the function is gone"))
+    return task() != -1

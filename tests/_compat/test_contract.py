@@ -1,0 +1,280 @@
+"""Contract tests of lightning_mgpu/_compat: each shim still does what the package relies on.
+
+A failure names the internal and the version it was checked on (``_compat.changed``): update the shim, not the
+callers. The distributed shims run in one forked gloo process of world size 1 (process groups and meshes).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_mgpu import _compat
+from lightning_mgpu._compat import amp, c10d, data, dcp, dtensor, fsdp, lightning as lc, tensors
+from tests.helpers.distributed import run_distributed
+
+
+def _expect(condition: bool, what: str, package: str, detail: str) -> None:
+    assert condition, _compat.changed(what, package, detail)
+
+
+def test_an_internal_that_is_gone_fails_loudly_naming_it_and_the_version():
+    with pytest.raises(_compat.InternalChanged, match=r"torch\.nn\._no_such_internal.*checked on torch 2\.13"):
+        _compat.internal("torch.nn", "_no_such_internal")
+
+
+def test_amp_scaler_hooks_unscale_kernel_and_sparse_values():
+    calls = []
+
+    class Recording(amp.ScalerHooks):
+        def unscale_grads(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+            calls.append(float(inv_scale))
+            return super().unscale_grads(optimizer, inv_scale, found_inf, allow_fp16)
+
+    param = nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 8.0)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = Recording("cpu", init_scale=4.0)
+    scaler.ensure_scale()
+    _expect(scaler.get_scale() == 4.0, "GradScaler._lazy_init_scale_growth_tracker", "torch", "scale not initialised")
+    scaler.unscale_locally(optimizer)
+    _expect(calls == [0.25], "GradScaler._unscale_grads_", "torch", "unscale_ no longer calls it")
+    _expect(torch.equal(param.grad, torch.full((3,), 2.0)), "GradScaler._unscale_grads_", "torch", "grads not unscaled")
+
+    found = torch.zeros(1)
+    grads = [torch.tensor([2.0, float("inf")])]
+    amp.non_finite_check_and_unscale_(grads, found, torch.tensor(0.5))
+    _expect(found.item() == 1.0 and grads[0][0].item() == 1.0, "torch._amp_foreach_non_finite_check_and_unscale_",
+            "torch", "inf not found or not unscaled")
+    sparse = torch.sparse_coo_tensor([[0, 0]], [1.0, 2.0], (3,))  # uncoalesced: index 0 twice
+    amp.sparse_values(sparse).mul_(2)
+    _expect(sparse.coalesce().to_dense()[0].item() == 6.0, "Tensor._values", "torch", "not a view of the values")
+
+
+def test_dcp_fqns_flattening_and_loading_without_a_process_group(tmp_path):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = nn.Sequential(checkpoint_wrapper(nn.Linear(2, 2)))
+    wrapped = next(name for name, _ in model.named_parameters())
+    _expect(dcp.parameter_fqns(model, wrapped) == {"0.weight"}, "state_dict._get_fqns", "torch",
+            f"{wrapped!r} not mapped to '0.weight'")
+    flat, _ = dcp.flatten_state_dict({"model": {"w": torch.ones(2)}, "step": 3})
+    _expect(set(flat) == {"model.w", "step"}, "_nested_dict.flatten_state_dict", "torch", f"keys {sorted(flat)}")
+
+    import torch.distributed.checkpoint as tdcp
+
+    state = {"model": {"w": torch.arange(4.0)}, "other": {"v": torch.ones(1)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.save(state, checkpoint_id=tmp_path)
+    loaded = dcp.load_without_process_group(tmp_path, keys={"model"})
+    _expect(set(loaded) == {"model"} and torch.equal(loaded["model"]["w"], torch.arange(4.0)),
+            "state_dict_loader._load_state_dict/_EmptyStateDictLoadPlanner", "torch", f"loaded {loaded}")
+
+
+def test_tensor_helpers():
+    nested = {"a": [torch.ones(1), (torch.zeros(2), 3)]}
+    _expect(len(tensors.tree_leaves(nested)) == 3 and len(tensors.tree_flatten(nested)[0]) == 3,
+            "torch.utils._pytree", "torch", "leaves not found")
+    doubled = tensors.tree_map(lambda x: x * 2 if torch.is_tensor(x) else x, nested)
+    _expect(doubled["a"][0].item() == 2.0 and doubled["a"][1][1] == 3, "torch.utils._pytree.tree_map", "torch", "")
+
+    seen = []
+
+    class Mode(tensors.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        torch.ones(2) + 1
+    _expect(torch.ops.aten.add.Tensor in seen, "torch.utils._python_dispatch.TorchDispatchMode", "torch", f"{seen}")
+    with tensors.fake_tensor_mode(allow_non_fake_inputs=True):
+        fake = nn.Linear(4, 3)(torch.ones(2, 4))
+    _expect(type(fake).__name__ == "FakeTensor" and fake.shape == (2, 3), "FakeTensorMode", "torch", type(fake).__name__)
+
+    t = torch.zeros(2)
+    before = tensors.version_counter(t)
+    t.add_(1)
+    _expect(tensors.version_counter(t) == before + 1, "Tensor._version", "torch", "not bumped by an in-place op")
+
+    p = nn.Parameter(torch.ones(1))
+    _expect(not tensors.has_post_accumulate_grad_hook(p), "Tensor._post_accumulate_grad_hooks", "torch", "")
+    handle = p.register_post_accumulate_grad_hook(lambda _: None)
+    _expect(tensors.has_post_accumulate_grad_hook(p), "Tensor._post_accumulate_grad_hooks", "torch", "hook not seen")
+    handle.remove()
+
+    linear = nn.Linear(2, 2)
+    order = [n for n, _ in linear.named_parameters()]
+    weight = linear.weight
+    originals = tensors.swap_parameters(linear, {"weight": torch.zeros(2, 2)})
+    _expect(torch.equal(linear(torch.ones(1, 2)), linear.bias.detach()[None].expand(1, 2)) and originals["weight"] is weight,
+            "nn.Module._parameters", "torch", "the swapped tensor is not what forward uses")
+    tensors.restore_parameters(linear, originals)
+    _expect(linear.weight is weight and [n for n, _ in linear.named_parameters()] == order, "nn.Module._parameters",
+            "torch", "not restored in order")
+    assert set(tensors.parameter_slots(linear)) == {"weight", "bias"}
+
+    experts = nn.ModuleList([nn.Linear(1, 1) for _ in range(4)])
+    tensors.set_children(experts, {"2": experts[2], "3": experts[3]})
+    _expect([n for n, _ in experts.named_children()] == ["2", "3"], "nn.Module._modules", "torch", "children not set")
+
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: seen.append(tensors.in_backward()))
+    y.sum().backward()
+    _expect(not tensors.in_backward() and seen == [True], "torch._C._current_graph_task_id", "torch",
+            f"in backward: {seen}, outside: {tensors.in_backward()}")
+
+
+def test_dataloader_with_another_sampler():
+    loader = torch.utils.data.DataLoader(list(range(6)), batch_size=2)
+    clone = data.with_sampler(loader, "batch_sampler", [[4, 5], [0, 1]])
+    _expect([b.tolist() for b in clone] == [[4, 5], [0, 1]], "DataLoader._iterator", "torch", "clone not re-sampled")
+    _expect([b.tolist() for b in loader][0] == [0, 1], "DataLoader._iterator", "torch", "original changed")
+
+
+def _distributed_contract() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    out: dict = {}
+    strided = distribute_tensor(torch.arange(8.0), mesh, [dtensor.strided_shard(0, 2)])
+    out["strided"] = (dtensor.is_strided_shard(strided.placements[0]), dtensor.strided_chunks(strided.placements[0]),
+                      dtensor.strided_chunks(Shard(0)), torch.equal(strided.full_tensor(), torch.arange(8.0)))
+
+    calls = []
+
+    class Style(dtensor.StyleHooks, ColwiseParallel):
+        def apply_style(self, module, device_mesh):
+            calls.append("apply")
+            return super().apply_style(module, device_mesh)
+
+        def prepare_output(self, module, outputs, device_mesh):
+            calls.append("output")
+            return super().prepare_output(module, outputs, device_mesh)
+
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 2)
+    expected = linear(torch.ones(1, 3))
+    parallelize_module(linear, mesh, Style())
+    got = linear(torch.ones(1, 3))
+    out["style"] = (calls == ["apply"], isinstance(linear.weight, DTensor), torch.allclose(got, expected))
+    split = dtensor.unflatten_mesh(mesh, "dp", (1, 1), ("replica", "ep"))
+    out["unflatten"] = split.mesh_dim_names == ("replica", "ep")
+
+    ddp = nn.Linear(2, 2)
+    fsdp.replicate_ddp(ddp, process_group=mesh.get_group())
+    shared = nn.Linear(2, 2)
+    fsdp.replicate_with_fsdp(shared, mesh=mesh)
+    out["fsdp"] = (fsdp.is_ddp_replicated(ddp), not fsdp.is_ddp_replicated(shared), isinstance(shared.weight, DTensor))
+
+    group = mesh.get_group()
+    out["c10d"] = (c10d.group_name(group) == group.group_name, hasattr(c10d.functional_collectives(), "all_reduce"),
+                   c10d.pipelining_p2p() is not None, hasattr(c10d.FUNCTIONAL_OPS, "all_reduce"))
+    out["lightning"] = (lc.sync_ddp_if_available(torch.ones(1), None, reduce_op="sum").item(),
+                        lc.all_gather_ddp_if_available(torch.ones(1)).shape)
+    return out
+
+
+def test_distributed_shims_in_a_process_group():
+    out = run_distributed(_distributed_contract, 1)[0]
+    _expect(out["strided"] == (True, 2, 1, True), "placement_types._StridedShard", "torch", str(out["strided"]))
+    _expect(out["style"][0], "ParallelStyle._apply", "torch", "parallelize_module no longer calls it")
+    _expect(all(out["style"][1:]), "ColwiseParallel._prepare_input_fn/_prepare_output_fn", "torch", str(out["style"]))
+    _expect(out["unflatten"], "DeviceMesh._unflatten", "torch", "dimension names differ")
+    _expect(all(out["fsdp"]), "torch.distributed._composable.replicate(_with_fsdp)", "torch", str(out["fsdp"]))
+    _expect(all(out["c10d"]), "_functional_collectives/_resolve_group_name/schedules._batch_p2p", "torch",
+            str(out["c10d"]))
+    _expect(out["lightning"] == (1.0, torch.Size([1, 1])), "_sync_ddp_if_available/_all_gather_ddp_if_available",
+            "lightning", str(out["lightning"]))
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=2)
+
+
+def test_lightning_internals(tmp_path):
+    for cls, hooks in ((lc.SubprocessScriptLauncher, ("_call_children_scripts",)),
+                       (lc.MultiProcessingLauncher, ("_wrapping_function", "_collect_rank_zero_results")),
+                       (lc.ChildProcessObserver, ("_run",))):
+        for hook in hooks:
+            _expect(callable(getattr(cls.__mro__[1], hook, None)), f"{cls.__mro__[1].__name__}.{hook}", "lightning", "")
+    observer = lc.ChildProcessObserver(main_pid=0, child_processes=[], sleep_period=1)
+    _expect(observer.child_processes == [] and observer.check_children() is True, "_ChildProcessObserver._run",
+            "lightning", "")
+    _expect(lc.WorkerOutput._fields[:2] == ("best_model_path", "weights_path"), "_WorkerOutput", "lightning", "")
+    _expect(lc.convert_precision_to_unified_args(16) == "16-mixed", "_convert_precision_to_unified_args", "lightning", "")
+    _expect(lc.convert_fp_tensor(torch.ones(1), torch.float16).dtype == torch.float16, "_convert_fp_tensor",
+            "lightning", "")
+    with lc.DtypeContextManager(torch.float16):
+        _expect(torch.empty(1).dtype == torch.float16, "_DtypeContextManager", "lightning", "")
+    _expect(lc.optimizer_handles_unscaling(torch.optim.SGD([nn.Parameter(torch.ones(1))])) is False,
+            "_optimizer_handles_unscaling", "lightning", "")
+
+    model = _Tiny()
+    _expect(lc.attached_trainer(model) is None and lc.attached_trainer(nn.Linear(1, 1)) is None,
+            "LightningModule._trainer", "lightning", "")
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        sync_batchnorm=True, strategy="ddp", devices=1)
+    _expect(lc.layer_sync(trainer.strategy) is not None, "Strategy._layer_sync", "lightning", "sync_batchnorm lost")
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    fetchers = []
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            fetchers.append(lc.fetcher_profiler_hooks(lc.fit_data_fetcher(trainer)))
+
+        def on_before_optimizer_step(self, trainer, *args):
+            fetchers.append("hook")
+
+    trainer.callbacks.append(Probe())
+    trainer.fit(model)
+    _expect(lc.attached_trainer(model) is trainer, "LightningModule._trainer", "lightning", "")
+    _expect(fetchers[0] is not None and all(callable(h) for h in fetchers[0]),
+            "_DataFetcher._start_profiler/_stop_profiler", "lightning", str(fetchers))
+    _expect(lc.fit_data_source(trainer).is_defined(), "_FitLoop._data_source", "lightning", "")
+    fetchers.clear()
+    lc.call_callback_hooks(trainer, "on_before_optimizer_step", trainer.optimizers[0])
+    _expect(fetchers == ["hook"], "trainer.call._call_callback_hooks", "lightning", str(fetchers))
+    lc.call_lightning_module_hook(trainer, "on_before_optimizer_step", trainer.optimizers[0])
+    lc.after_closure(trainer.precision_plugin, model, trainer.optimizers[0])
+    _expect(fetchers == ["hook", "hook"], "Precision._after_closure", "lightning", str(fetchers))
+    lc.reset_optimizers_and_schedulers(trainer.strategy)
+    _expect(trainer.strategy.optimizers == [], "Strategy._reset_optimizers_and_schedulers", "lightning", "")
+    _expect(isinstance(lc.IS_INTERACTIVE, bool), "_IS_INTERACTIVE", "lightning", "")
+
+
+def test_the_trainer_precision_flag_is_found_while_the_trainer_is_built():
+    from lightning_mgpu import HybridPrecision, HybridStrategy
+
+    _expect(lc.trainer_precision_flag() is None, "_AcceleratorConnector.__init__", "lightning", "found outside")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = L.Trainer(accelerator="cpu", devices=1, precision="16-mixed", strategy=HybridStrategy(),
+                            logger=False, enable_checkpointing=False)
+    plugin = trainer.strategy.precision_plugin
+    _expect(isinstance(plugin, HybridPrecision) and plugin.precision == "16-mixed",
+            "_AcceleratorConnector.__init__(precision=...)", "lightning", f"a 16-mixed Trainer ran {plugin.precision}")

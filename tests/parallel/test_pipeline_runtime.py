@@ -1,0 +1,85 @@
+"""The pipeline runtime's contracts: torch internals it needs, the split undone, no host sync per microbatch."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from lightning_mgpu._compat.tensors import TorchDispatchMode
+from lightning_mgpu.demo import GPTLightningModule, TextDataModule
+from tests.helpers.equivalence import fit
+
+
+def test_the_torch_internals_the_runtime_uses_exist():
+    from lightning_mgpu._compat import pipelining
+
+    pipelining.check()  # raises naming what is missing after a torch upgrade
+
+
+def test_unsplit_and_remove_give_the_user_module_back():
+    from lightning_mgpu.parallel.pipeline import PipelineRuntime, plan_split
+    from lightning_mgpu.parallel.pipeline_capture import StepCapture
+
+    module = GPTLightningModule(block_size=16, n_layer=4, n_head=2, n_embd=16)
+    before = dict(module.named_modules())
+    forwards = {name: vars(m).get("forward") for name, m in before.items()}
+    x = torch.randint(0, 64, (2, 16))
+    expected = module(x)
+    for stages in ([0], [1]):
+        runtime = PipelineRuntime(module, plan_split(module, 2, "auto"), stages, 2)
+        assert dict(module.named_modules()) != before  # stand-ins replaced the other stage's modules
+        runtime.unsplit(module)
+        assert dict(module.named_modules()) == before
+        assert {name: vars(m).get("forward") for name, m in module.named_modules()} == forwards
+        torch.testing.assert_close(module(x), expected, rtol=0, atol=0)
+    capture = StepCapture(module, [module, module.model.transformer])
+    call = capture.capture(lambda: module.training_step((x, x), 0))
+    assert call.module is module and torch.equal(call.args[0], x)
+    capture.remove()
+    assert not any(m._forward_pre_hooks for m in module.modules())
+    assert "log" not in vars(module) and "log_dict" not in vars(module)
+
+
+class _HostSyncs(L.Callback):
+    """Counts reads of device values into Python (``item()``, ``int()``, ``bool()``, ``float()``) per training step."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, list[int]] = {"syncs": []}
+
+    def on_train_batch_start(self, *args) -> None:
+        self._mode = _CountScalarReads()
+        self._mode.__enter__()
+
+    def on_train_batch_end(self, *args) -> None:
+        self._mode.__exit__(None, None, None)
+        self.results["syncs"].append(self._mode.count)
+
+
+class _CountScalarReads(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_host_syncs_per_step_do_not_grow_with_the_number_of_microbatches():
+    def module():
+        return GPTLightningModule(block_size=16, n_layer=2, n_head=2, n_embd=16)
+
+    counts = {}
+    for microbatches in (2, 8):
+        strategy = {"pipeline_parallel_size": 2, "num_microbatches": microbatches}
+        _, extras = fit(
+            module,
+            lambda: TextDataModule(batch_size=8, block_size=16),
+            strategy,
+            2,
+            3,
+            callbacks_factory=lambda: [_HostSyncs()],
+        )
+        counts[microbatches] = [rank["syncs"][1:] for rank in extras]  # after the shape-inference step
+    assert counts[2] == counts[8], counts
