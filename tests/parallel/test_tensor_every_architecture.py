@@ -116,9 +116,10 @@ KNOWN_DIVERGENT = {
 }
 
 # Training these is chaotic in one process already: weights perturbed by 1e-7 relative (rounding noise) move their
-# losses by 6e-5 to 7e-3 within the 10 steps, so no sharded run, whose sums round differently, can stay within 1e-5 of them
-# to the end. Held instead (``_assert_within_rounding_drift``) to: the first step's loss within 1e-5, every later
-# loss within CHAOTIC_MARGIN times the drift that the noise alone causes; the test fails if one stops being chaotic.
+# losses by 6e-5 to 7e-3 within the 10 steps, so no sharded run, whose sums round differently, can stay within 1e-5
+# of them to the end. Held instead (``_assert_within_rounding_drift``) to: the first step's loss within 1e-5, every
+# later loss within CHAOTIC_MARGIN times the drift that the noise alone causes; the test fails if one stops being
+# chaotic.
 CHAOTIC = {"gemma4", "gemma4_unified", "mistral_large4", "muse_spark"}
 CHAOTIC_MARGIN = 10.0
 
