@@ -42,13 +42,10 @@ from lightning_mgpu._compat.dtensor import StyleHooks, strided_shard
 from lightning_mgpu._compat.tensors import has_post_accumulate_grad_hook, version_counter
 from lightning_mgpu.parallel.blocks import is_transposed_linear, tied_parameters
 from lightning_mgpu.parallel.tensor_checks import check_divisible, parent_name
+from lightning_mgpu.parallel.tensor_embedding import VocabParallelEmbedding, reduce_lookups_in_forward
 from lightning_mgpu.parallel.tensor_experts import ExpertsParallel, IdentityExpertParallel, place_experts
-from lightning_mgpu.parallel.tensor_plan import (
-    _hugging_face_models,
-    _match,
-    _with_vocab_parallel_head,
-    auto_plan,
-)
+from lightning_mgpu.parallel.tensor_local import marking_shards, owned_local, watch_shard_parameters
+from lightning_mgpu.parallel.tensor_plan import _hugging_face_models, _match, _with_vocab_parallel_head, auto_plan
 from lightning_mgpu.parallel.tensor_region import install_global_shape_region
 
 Plan = str | dict[str, str] | Callable[[nn.Module, DeviceMesh], None]
@@ -91,6 +88,8 @@ class _Colwise(StyleHooks, ColwiseParallel):
             output_fn = _keep_output if self.global_shapes else _local_output
         else:
             output_fn = self.prepare_output
+        if not self.global_shapes:  # a plain shard: its readers' replicated parameters get partial gradients
+            output_fn = marking_shards(output_fn)
         distribute_module(
             module,
             device_mesh,
@@ -200,8 +199,8 @@ class _Rowwise(StyleHooks, RowwiseParallel):
 
     @override
     def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, nn.Embedding):
-            return super().apply_style(module, device_mesh)
+        if isinstance(module, nn.Embedding):  # vocabulary-parallel, as 'embedding_rowwise' (tensor_embedding.py)
+            return reduce_lookups_in_forward(super().apply_style(module, device_mesh), self.output_layouts)
         self.desired_input_layouts = (Shard(-1),)
         placements = {"weight": Shard(1 - _output_dim(module)), "bias": Replicate()}
         return distribute_module(
@@ -211,6 +210,12 @@ class _Rowwise(StyleHooks, RowwiseParallel):
             self._input_fn,
             self.prepare_output,
         )
+
+    @override
+    def prepare_output(self, module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
+        if tuple(outputs.placements) != tuple(self.output_layouts):  # as torch's RowwiseParallel
+            outputs = outputs.redistribute(placements=self.output_layouts, async_op=True)
+        return owned_local(outputs) if self.use_local_output else outputs
 
     def _input_fn(self, module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> Any:
         # From a global-shape region the input is already a DTensor, normally sharded on its last dimension; one in
@@ -288,8 +293,8 @@ def style(name: str, sequence_parallel: bool, global_shapes: bool = False) -> Op
         "rowwise_split_input": lambda: _Rowwise(input_layouts=replicated, output_layouts=stream,
                                                 use_local_output=not sequence_parallel),
         "replicated_with_grad_allreduce": lambda: _ReplicatedOnLocalHeads(),
-        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=replicated, output_layouts=stream,
-                                                     use_local_output=not sequence_parallel),
+        "embedding_rowwise": lambda: VocabParallelEmbedding(input_layouts=replicated, output_layouts=stream,
+                                                            use_local_output=not sequence_parallel),
         "embedding_colwise": lambda: ColwiseParallel(input_layouts=replicated, output_layouts=stream,
                                                      use_local_output=not sequence_parallel),
         "sequence_parallel": lambda: SequenceParallel(use_local_output=False) if sequence_parallel else None,
@@ -351,6 +356,7 @@ def apply_tensor_parallel(
     if sequence_parallel:
         _replicate_remaining(module, tp_mesh)
     _retie(module, tied)
+    watch_shard_parameters(module, sorted(set(_regions(module, matched)[1].values())), set(matched), tp_mesh)
     for child in module.modules():
         if any(isinstance(p, DTensor) for p in child.parameters(recurse=False)):
             child.register_forward_pre_hook(_arm_gradient_layout)
@@ -388,7 +394,12 @@ def _already_parallelized(module: nn.Module) -> bool:
 
 
 def _global_shape_regions(module: nn.Module, matched: dict[str, str]) -> dict[str, str]:
-    """``{column-parallel projection: module whose forward is its global-shape region}``, Hugging Face's excepted.
+    return _regions(module, matched)[0]
+
+
+def _regions(module: nn.Module, matched: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """``{column-parallel projection: module whose forward is its global-shape region}``, and the same for the
+    projections of Hugging Face models, whose region runs on plain per-rank shards.
 
     The region of a projection is its nearest ancestor that also holds a row-parallel projection (the attention or
     MLP between the two), or its parent where none does.
@@ -403,12 +414,9 @@ def _global_shape_regions(module: nn.Module, matched: dict[str, str]) -> dict[st
     local_prefixes = [prefix for prefix, _ in _hugging_face_models(module)]
     rowwise = [name for name, style_name in matched.items() if style_name == "rowwise"]
     regions: dict[str, str] = {}
+    local: dict[str, str] = {}
     for name, style_name in matched.items():
         if style_name not in ("colwise", "colwise_qkv", "colwise_gate_up") or "." not in name:
-            continue
-        # A packed gate|up is split by chunk(2), which only a region serves without gathering: Hugging Face's too.
-        if style_name != "colwise_gate_up" and any(prefix == "" or name.startswith(prefix + ".")
-                                                   for prefix in local_prefixes):
             continue
         region = ancestor = parent_name(name)
         while ancestor:
@@ -416,8 +424,13 @@ def _global_shape_regions(module: nn.Module, matched: dict[str, str]) -> dict[st
                 region = ancestor
                 break
             ancestor = parent_name(ancestor)
-        regions[name] = region
-    return regions
+        # A packed gate|up is split by chunk(2), which only a region serves without gathering: Hugging Face's too.
+        if style_name != "colwise_gate_up" and any(prefix == "" or name.startswith(prefix + ".")
+                                                   for prefix in local_prefixes):
+            local[name] = region
+        else:
+            regions[name] = region
+    return regions, local
 
 
 @contextmanager

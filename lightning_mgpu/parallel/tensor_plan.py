@@ -122,6 +122,10 @@ def _shard_packed_gate_up(plan: dict[str, str]) -> dict[str, str]:
         partners = [g for g, t in plan.items() if t == "rowwise_split_input" and g.rpartition(".")[0] == parent]
         if s == "colwise_gather_output" and leaf == "gate_up_proj" and len(partners) == 1:
             plan[glob], plan[partners[0]] = "colwise_gate_up", "rowwise"
+        # Inkling's experts: their packed [gate | up] given plain 'colwise', whose contiguous shard would hand rank 0
+        # only gate rows for the experts' chunk(2) to split as gate and up.
+        if s == "colwise" and leaf == "gate_up_proj" and plan.get(parent) == "moe_tp_experts":
+            plan[glob] = "packed_colwise"
     return plan
 
 

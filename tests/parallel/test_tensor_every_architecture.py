@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.equivalence import RunResult, assert_same_training
+from tests.helpers.equivalence import LOSS_RTOL, RunResult, assert_same_training
 from tests.parallel.test_tensor_hf_styles import _declared_plans
 
 transformers = pytest.importorskip("transformers")
@@ -107,20 +107,25 @@ NOT_BUILDABLE = {  # model type -> why it is not trained here
 # Served by tp_plan='auto' but not yet training like one process (found by this matrix): each a library gap to close.
 # The test fails when one of them starts to pass (remove it here) or another one fails.
 KNOWN_DIVERGENT = {
-    "apertus": "xIELU's learnable alpha_p/alpha_n act on each rank's shard of the MLP: their gradients are partial"
-               " sums that nothing all-reduces, so the replicated parameters drift apart",
-    "esmc": "q/k LayerNorm over the full width (normalized_shape=[64]) applied to a rank's half of q/k",
-    "doge": "its attention's dynamic mask is sized from the configuration's global head count",
-    "neomme": "exclusive self-attention combines per-head tensors with a key/value head count from the configuration",
-    "llama4": "an in-place op on the plain tensor handed back by DTensor.to_local() (a view made in a custom Function)",
-    "muse_glimmer": "an assertion inside the model's forward fails on the sharded sizes",
-    "muse_spark": "an assertion inside the model's forward fails on the sharded sizes",
-    "gemma3n": "losses differ by ~1e-3 relative (AltUp / per-layer inputs around the sharded blocks; not diagnosed)",
-    "gemma4": "losses differ by ~4e-4 relative (per-layer inputs around the sharded blocks; not diagnosed)",
-    "gemma4_unified": "losses differ by ~1e-3 relative (per-layer inputs around the sharded blocks; not diagnosed)",
-    "inkling2": "losses differ by ~2e-4 relative (not diagnosed)",
-    "qwen3_vl_moe": "per-head q_norm weight drifts up to ~5e-3 after 10 steps though the losses match (not diagnosed)",
+    "doge": "Hugging Face's plan makes dt_proj rowwise, so its output (one value per key/value head) is all-reduced"
+            " whole while the rank attends with its own heads only: the dynamic mask would need dt_proj's output"
+            " reduce-scattered over heads and the per-head parameter A sharded alike",
+    "neomme": "the exclusive self-attention's per-head parameter alpha (num_attention_heads wide) is applied to the"
+              " rank's own heads: it would need sharding over heads inside a module the plan does not name",
+    "mistral_large4": "losses differ by up to 5.7e-5 relative (step 7; the first steps equal): marginally chaotic,"
+                      " one 1e-7 weight perturbation moves its losses as much (5.7e-5), another 9e-8; not diagnosed",
+    "gemma3n": "its MLP's activation sparsity (a Gaussian top-k) takes the mean and standard deviation over the"
+               " intermediate width, which the plan shards: on plain shards each rank thresholds by its own half's"
+               " statistics (first-step loss off by 2.4e-5; not chaotic: 1e-7 weight noise moves it <1e-5)",
 }
+
+# Training these is chaotic in one process already: weights perturbed by 1e-7 relative (rounding noise) move their
+# losses by 5e-4 to 7e-3 within the 10 steps, so no sharded run, whose sums round differently, can stay within 1e-5
+# of them to the end. Held instead (``_assert_within_rounding_drift``) to: the first step's loss within 1e-5, every
+# later loss within CHAOTIC_MARGIN times the drift that the noise alone causes; the test fails if one stops being
+# chaotic.
+CHAOTIC = {"gemma4", "gemma4_unified", "muse_spark"}
+CHAOTIC_MARGIN = 10.0
 
 
 # ------------------------------------------------------------------------------------------------- tiny models
@@ -195,16 +200,25 @@ def _tiny_model(model_type: str) -> torch.nn.Module:
 
 
 def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """The next-token loss on the logits, or the mean square of the output (a base model's last hidden states, a
-    head over another vocabulary)."""
+    """The next-token loss on the logits; for a base model (its last hidden states) or a head over another
+    vocabulary, on the output read out by a fixed random matrix (``_readout``)."""
     output = model(input_ids=tokens[:, :-1])
     logits = getattr(output, "logits", None)
-    if logits is not None and logits.size(-1) == VOCAB:
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-    return (output.last_hidden_state if logits is None else logits).float().square().mean()
+    if logits is None or logits.size(-1) != VOCAB:
+        logits = _readout(output.last_hidden_state if logits is None else logits)
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def _train(model_type: str, tp_mesh: Any = None) -> dict[str, Any]:
+def _readout(hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` times a fixed random ``[width, VOCAB]`` matrix, the same in every process. Not the mean square of
+    the output: most outputs are RMS-normalized, so their mean square is ~1 whatever the weights, and every gradient
+    but the last norm's is rounding noise that AdamW scales up to steps of ~lr."""
+    width = hidden.size(-1)
+    matrix = torch.randn(width, VOCAB, generator=torch.Generator().manual_seed(SEED)) / width**0.5
+    return hidden.float() @ matrix
+
+
+def _train(model_type: str, tp_mesh: Any = None, noise: float = 0.0) -> dict[str, Any]:
     """10 AdamW steps of the tiny model, sharded over ``tp_mesh`` as ``HybridStrategy(tensor_parallel_size)`` does
     (``apply_tensor_parallel`` with ``tp_plan="auto"``, each step and its backward in ``tensor_parallel_context``)."""
     from torch.distributed.tensor import DTensor
@@ -213,6 +227,9 @@ def _train(model_type: str, tp_mesh: Any = None) -> dict[str, Any]:
 
     torch.manual_seed(SEED)
     model = _tiny_model(model_type)
+    with torch.no_grad():  # ``noise``: relative perturbation of every weight (``_rounding_drift``)
+        for param in model.parameters() if noise else ():
+            param.mul_(1 + noise * torch.randn(param.shape, generator=torch.Generator().manual_seed(SEED)))
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh, "auto", sequence_parallel=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -268,6 +285,20 @@ def _train_every(model_types: list[str]) -> dict[str, Any]:
     return results if rank == 0 else {}
 
 
+def _relative(reference: list[float], other: list[float]) -> list[float]:
+    return [abs(a - b) / abs(a) for a, b in zip(reference, other)]
+
+
+def _assert_within_rounding_drift(expected: list[float], noisy: list[float], losses: list[float]) -> None:
+    """A CHAOTIC model: ``noisy`` is the reference trained from weights perturbed by 1e-7 relative."""
+    drift, gap = max(_relative(expected, noisy)), _relative(expected, losses)
+    assert drift > LOSS_RTOL, f"not chaotic any more (1e-7 weight noise moves losses {drift:.1e}): remove from CHAOTIC"
+    assert gap[0] <= LOSS_RTOL, f"the first step's loss differs by {gap[0]:.1e} relative"
+    assert max(gap) <= CHAOTIC_MARGIN * drift, (
+        f"losses differ by up to {max(gap):.1e} relative, more than {CHAOTIC_MARGIN:g} x the {drift:.1e} that 1e-7"
+        " weight noise alone causes")
+
+
 def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_refused_before_training():
     assert sorted(_declared_plans()) == ARCHITECTURES, "transformers' architectures with a plan changed"
     buildable = [t for t in ARCHITECTURES if t not in NOT_BUILDABLE]
@@ -285,6 +316,12 @@ def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_
             served.setdefault(holder, []).append(model_type)
     trained = [types[0] for types in served.values()]
     sharded, _, expected = run_distributed(_train_every, 3, trained, timeout=900)  # one intra-op thread each
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the ranks; a tiny model gains nothing from more
+    try:
+        noisy = {t: _train(t, noise=1e-7)["losses"] for t in CHAOTIC if t in trained}
+    finally:
+        torch.set_num_threads(threads)
     failures = {}
     for model_type in trained:
         if "error" in sharded[model_type]:
@@ -292,11 +329,17 @@ def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_
             continue
         result = sharded[model_type]
         try:
-            assert_same_training(RunResult(**expected[model_type]), RunResult(**result), weight_atol=TP_WEIGHT_ATOL)
+            if model_type in CHAOTIC:
+                _assert_within_rounding_drift(expected[model_type]["losses"], noisy[model_type], result["losses"])
+            else:
+                assert_same_training(RunResult(**expected[model_type]), RunResult(**result),
+                                     weight_atol=TP_WEIGHT_ATOL)
         except AssertionError as error:
             failures[model_type] = " ".join(str(error).split())[:400]
+    chaotic = len(CHAOTIC & set(trained) - set(failures))
     summary = (f"tp=2 trains like one process: {len(trained) - len(failures)} of {len(trained)} model classes"
-               f" ({sum(map(len, served.values()))} model types); known divergent: {len(failures)}; refused before"
+               f" ({sum(map(len, served.values()))} model types; {chaotic} of them chaotic, held to their rounding"
+               f" drift); known divergent: {len(failures)}; refused before"
                f" training: {len(refused)}; not buildable tiny: {len(NOT_BUILDABLE)}")
     print(summary)
     fixed = sorted(set(KNOWN_DIVERGENT) - set(failures))
