@@ -2,6 +2,8 @@
 
 - ``functional_collectives()``: ``torch.distributed._functional_collectives``, the module DTensor, FSDP2 and
   tensor parallelism issue their collectives through; there is no public module with these functions.
+- ``all_reduce``: ``_functional_collectives.all_reduce`` over a mesh, waited on (its ``AsyncCollectiveTensor``
+  unwrapped). Looked up at each call, so the monitor's timing wrapper sees it as it sees DTensor's own.
 - ``group_name``: ``_functional_collectives._resolve_group_name``, the name of a group given in any of the forms
   those functions accept.
 - ``pipelining_p2p()``: the module and function name (``schedules._batch_p2p``) torch's pipeline schedules send and
@@ -22,6 +24,13 @@ def functional_collectives() -> ModuleType:
     import torch.distributed._functional_collectives as funcol
 
     return funcol
+
+
+def all_reduce(tensor: torch.Tensor, op: str, mesh: Any) -> torch.Tensor:
+    """``tensor`` reduced with ``op`` (``"sum"``, ...) over ``mesh`` (a 1-D DeviceMesh or a group), waited on."""
+    funcol = functional_collectives()
+    reduced = funcol.all_reduce(tensor, op, mesh)
+    return reduced.wait() if isinstance(reduced, funcol.AsyncCollectiveTensor) else reduced
 
 
 def group_name(group: Any) -> str:

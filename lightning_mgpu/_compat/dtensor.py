@@ -6,6 +6,10 @@
   extension point), and the Colwise/Rowwise input and output conversions are private static methods
   (``_prepare_input_fn``/``_prepare_output_fn``). The mixin exposes them as ``apply_style``/``prepare_input``/
   ``prepare_output``.
+- ``owned_local``: ``DTensor._spec``/``_local_tensor`` (and ``torch.autograd.Function``, whose metaclass sets the
+  private ``_backward_cls`` on every subclass). The public ``DTensor.to_local()`` returns a view made inside a
+  custom Function, which autograd forbids modifying in place; this hands out the same local tensor as a fresh
+  autograd output (no copy), its gradient flowing back in the DTensor's own layout.
 - ``unflatten_mesh``: ``DeviceMesh._unflatten``, splitting one named mesh dimension into several. The public
   alternative, building a new mesh with ``init_device_mesh``, creates new process groups for every axis.
 """
@@ -14,9 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_mgpu._compat import changed, internal
+from lightning_mgpu._compat.c10d import functional_collectives
 
 StridedShard: Any = internal("torch.distributed.tensor.placement_types", "_StridedShard")
 
@@ -64,6 +71,28 @@ class StyleHooks:
         return self._prepare_output_fn(  # type: ignore[attr-defined]
             self.output_layouts, self.use_local_output, module, outputs, device_mesh
         )
+
+
+class _OwnedLocal(torch.autograd.Function):
+    """A DTensor -> its local tensor as a fresh autograd output, not a view; backward: the gradient as a DTensor
+    of the same mesh and placements."""
+
+    @staticmethod
+    def forward(ctx: Any, dtensor: DTensor) -> torch.Tensor:
+        ctx.spec = dtensor._spec
+        local = dtensor._local_tensor
+        waitable = functional_collectives().AsyncCollectiveTensor
+        return local.wait() if isinstance(local, waitable) else local
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:
+        return DTensor.from_local(grad, ctx.spec.mesh, ctx.spec.placements, run_check=False)
+
+
+def owned_local(dtensor: DTensor) -> torch.Tensor:
+    """``dtensor``'s local tensor (waited on), that the caller may modify in place. Only for a DTensor nothing
+    else holds (a collective's transient result): the local tensor is handed out as it is, without a copy."""
+    return _OwnedLocal.apply(dtensor)
 
 
 def unflatten_mesh(mesh: Any, dim_name: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:

@@ -9,6 +9,9 @@
 - ``version_counter``: ``Tensor._version``, the in-place modification counter; no public accessor.
 - ``has_post_accumulate_grad_hook``: ``Tensor._post_accumulate_grad_hooks``; ``register_post_accumulate_grad_hook``
   returns a handle but nothing public lists the hooks a tensor already has.
+- ``has_backward_hook``: ``Tensor._backward_hooks``; ``register_hook`` returns a handle but nothing public lists
+  the hooks a tensor already has (a module's ``.to()`` and FSDP2's unsharded parameters are new tensors without).
+- ``view_base``: ``Tensor._base``, the tensor a view was made from; no public accessor.
 - ``swap_parameters``/``restore_parameters``/``set_children``: ``nn.Module._parameters``/``_modules``. Assigning
   a plain tensor over a registered parameter through ``setattr`` raises, and ``del`` + ``register_parameter``
   reorders the parameters (their order is the optimizer's and the checkpoint's); the dicts keep the order.
@@ -56,6 +59,19 @@ def has_post_accumulate_grad_hook(param: torch.Tensor) -> bool:
     if hooks is changed:
         raise AttributeError(changed("Tensor._post_accumulate_grad_hooks", "torch", "the attribute is gone"))
     return bool(hooks)
+
+
+def has_backward_hook(tensor: torch.Tensor, hook: Any) -> bool:
+    """Whether ``hook`` (compared with ``==``, so a bound method matches) is registered on ``tensor``."""
+    hooks: Any = getattr(tensor, "_backward_hooks", changed)
+    if hooks is changed:
+        raise AttributeError(changed("Tensor._backward_hooks", "torch", "the attribute is gone"))
+    return hook in (hooks or {}).values()
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor ``tensor`` is a view of, or ``tensor`` itself if it is none."""
+    return tensor._base if tensor._base is not None else tensor
 
 
 def _slots(module: nn.Module, name: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """What plain per-rank tensors need (the modules of a Hugging Face model get them, see ``tensor.py``).
 
-- A row-parallel output is handed back as a tensor that model code may modify in place (``_OwnedLocal``).
+- A row-parallel output is handed back as a tensor that model code may modify in place (``owned_local``).
 - A parameter left replicated but applied to this rank's shard of a column-parallel output (Apertus' xIELU
   ``alpha_p``/``alpha_n`` on the MLP's intermediate, a per-head ``q_norm`` that a plan does not name) only sees the
   rank's part of the activations: its gradient is a partial sum. ``watch_shard_parameters`` sums it over the
@@ -18,41 +18,26 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightning_mgpu._compat import c10d, dtensor
+from lightning_mgpu._compat.tensors import has_backward_hook, view_base
 
 _SHARD_MARK = "_lightning_mgpu_rank_shard"
 
 
-class _OwnedLocal(torch.autograd.Function):
+def owned_local(outputs: DTensor) -> torch.Tensor:
     """A row-parallel output's reduced DTensor -> its local tensor as a fresh autograd output, not a view.
 
     ``DTensor.to_local()`` returns a view made inside a custom Function, which autograd forbids modifying in place;
     model code does modify a block's output in place (Llama 4's MoE: ``out = shared_expert(x); out.add_(routed)``).
     The DTensor here is the transient result of the all-reduce that nothing else holds, so its local tensor can be
-    handed out as it is, without a copy. The gradient flows back in the DTensor's own layout.
+    handed out as it is, without a copy (``_compat.dtensor.owned_local``). The gradient flows back in the DTensor's
+    own layout.
     """
-
-    @staticmethod
-    def forward(ctx: Any, dtensor: DTensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.spec = dtensor._spec
-        local = dtensor._local_tensor
-        return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
-        return DTensor.from_local(grad, ctx.spec.mesh, ctx.spec.placements, run_check=False)
-
-
-def owned_local(outputs: DTensor) -> torch.Tensor:
-    return _OwnedLocal.apply(outputs)
-
-
-def _root(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._base if tensor._base is not None else tensor
+    return dtensor.owned_local(outputs)
 
 
 def marking_shards(output_fn: Callable) -> Callable:
@@ -62,7 +47,7 @@ def marking_shards(output_fn: Callable) -> Callable:
     def marked(module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
         output = output_fn(module, outputs, device_mesh)
         if torch.is_tensor(output) and not isinstance(output, DTensor):
-            setattr(_root(output), _SHARD_MARK, True)
+            setattr(view_base(output), _SHARD_MARK, True)
         return output
 
     return marked
@@ -71,7 +56,7 @@ def marking_shards(output_fn: Callable) -> Callable:
 def _shard_read(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The first argument that is this rank's shard of a column-parallel output (or a view of one), if any."""
     for a in (*args, *kwargs.values()):
-        if torch.is_tensor(a) and not isinstance(a, DTensor) and getattr(_root(a), _SHARD_MARK, False):
+        if torch.is_tensor(a) and not isinstance(a, DTensor) and getattr(view_base(a), _SHARD_MARK, False):
             return a
     return None
 
@@ -103,14 +88,13 @@ class _ShardParameters:
         self._gathered: list[int] = []  # per call in flight: the gathered width, 0 for none
 
     def _sum(self, grad: torch.Tensor) -> torch.Tensor:
-        reduced = funcol.all_reduce(grad, "sum", self.mesh)
-        return reduced.wait() if isinstance(reduced, AsyncCollectiveTensor) else reduced
+        return c10d.all_reduce(grad, "sum", self.mesh)
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         shard = _shard_read(args, kwargs)
         if shard is not None and _spans_all_shards(module, shard, self.mesh.size()):
-            full = DTensor.from_local(shard, self.mesh, [Shard(-1)], run_check=False)
-            full = full.redistribute(placements=[Replicate()]).to_local()
+            sharded = DTensor.from_local(shard, self.mesh, [Shard(-1)], run_check=False)
+            full = sharded.redistribute(placements=[Replicate()]).to_local()
             self._gathered.append(full.shape[-1])
             swap = {id(shard): full}
             return (tuple(swap.get(id(a), a) for a in args), {k: swap.get(id(v), v) for k, v in kwargs.items()})
@@ -119,8 +103,7 @@ class _ShardParameters:
             return None
         for param in module.parameters(recurse=False):
             # Checked at each call: module.to() and FSDP2's unsharded parameters are new tensors without the hook.
-            armed = (param._backward_hooks or {}).values()
-            if param.requires_grad and not isinstance(param, DTensor) and self._sum not in armed:
+            if param.requires_grad and not isinstance(param, DTensor) and not has_backward_hook(param, self._sum):
                 param.register_hook(self._sum)
         return None
 
@@ -128,9 +111,9 @@ class _ShardParameters:
         width = self._gathered.pop() if self._gathered else 0
         if not width or not torch.is_tensor(output) or output.shape[-1] != width:
             return None
-        output = DTensor.from_local(output, self.mesh, [Replicate()], run_check=False)
-        output = output.redistribute(placements=[Shard(-1)]).to_local()
-        setattr(_root(output), _SHARD_MARK, True)
+        replicated = DTensor.from_local(output, self.mesh, [Replicate()], run_check=False)
+        output = replicated.redistribute(placements=[Shard(-1)]).to_local()
+        setattr(view_base(output), _SHARD_MARK, True)
         return output
 
 

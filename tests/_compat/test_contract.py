@@ -152,6 +152,17 @@ def test_tensor_helpers():
     _expect(type(linear.__dict__["_parameters"]) is dict and linear.weight is weight, "nn.Module._parameters",
             "torch", "the parameter slots are not a plain dict with the same entries")
 
+    class Hooks:
+        def hook(self, grad):
+            return grad
+
+    hooks, p = Hooks(), nn.Parameter(torch.ones(1))
+    _expect(not tensors.has_backward_hook(p, hooks.hook), "Tensor._backward_hooks", "torch", "a hook seen on a new one")
+    p.register_hook(hooks.hook)
+    _expect(tensors.has_backward_hook(p, hooks.hook), "Tensor._backward_hooks", "torch", "a bound-method hook not seen")
+    base = torch.ones(4)
+    _expect(tensors.view_base(base[1:]) is base and tensors.view_base(base) is base, "Tensor._base", "torch", "")
+
     seen = []
     x = torch.ones(2, requires_grad=True)
     y = x * 2
@@ -170,7 +181,7 @@ def test_dataloader_with_another_sampler():
 
 def _distributed_contract() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     dist.init_process_group("gloo")
@@ -210,6 +221,14 @@ def _distributed_contract() -> dict:
     group = mesh.get_group()
     out["c10d"] = (c10d.group_name(group) == group.group_name, hasattr(c10d.functional_collectives(), "all_reduce"),
                    c10d.pipelining_p2p() is not None, hasattr(c10d.FUNCTIONAL_OPS, "all_reduce"))
+    summed = c10d.all_reduce(torch.ones(2), "sum", mesh)
+    leaf = torch.ones(2, requires_grad=True)
+    reduced = DTensor.from_local(leaf, mesh, [Replicate()], run_check=False) * 2  # fresh, as a collective's result
+    local = dtensor.owned_local(reduced)
+    local.add_(1)  # what to_local()'s view refuses
+    local.sum().backward()
+    out["owned"] = (type(summed) is torch.Tensor and torch.equal(summed, torch.ones(2)), type(local) is torch.Tensor,
+                    torch.equal(local.detach(), torch.full((2,), 3.0)), torch.equal(leaf.grad, torch.full((2,), 2.0)))
     out["lightning"] = (lc.sync_ddp_if_available(torch.ones(1), None, reduce_op="sum").item(),
                         lc.all_gather_ddp_if_available(torch.ones(1)).shape)
     return out
@@ -250,6 +269,8 @@ def test_distributed_shims_in_a_process_group():
             f"fully_shard applied again without/with forgetting: {out['unapply']}")
     _expect(all(out["c10d"]), "_functional_collectives/_resolve_group_name/schedules._batch_p2p", "torch",
             str(out["c10d"]))
+    _expect(all(out["owned"]), "_functional_collectives.all_reduce/DTensor._spec/_local_tensor", "torch",
+            f"(all_reduce, owned_local plain, its values, its gradient): {out['owned']}")
     _expect(out["lightning"] == (1.0, torch.Size([1, 1])), "_sync_ddp_if_available/_all_gather_ddp_if_available",
             "lightning", str(out["lightning"]))
 
