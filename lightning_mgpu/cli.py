@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
 
 
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
@@ -108,13 +107,22 @@ def _add_checkpoint_commands(subparsers: argparse._SubParsersAction) -> None:
     consolidate.add_argument("checkpoint", metavar="CKPT_DIR", help="the sharded checkpoint directory")
     consolidate.add_argument("out", metavar="OUT", help="the file to write")
     consolidate.add_argument("--format", choices=("torch", "safetensors"), default="torch", dest="out_format")
-    consolidate.add_argument("--weights-only", action="store_true",
-                             help="torch format: keep the weights and hyperparameters only (no optimizer, loops)")
-    consolidate.add_argument("--prefix", default="auto",
-                             help="safetensors: key prefix to strip; 'auto' = the LightningModule attribute holding"
-                             " the Hugging Face model (or 'model.' when every key has it), 'none' = keep keys")
-    consolidate.add_argument("--trust", action="store_true",
-                             help="unpickle arbitrary objects in the checkpoint's metadata (weights_only=False)")
+    consolidate.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="torch format: keep the weights and hyperparameters only (no optimizer, loops)",
+    )
+    consolidate.add_argument(
+        "--prefix",
+        default="auto",
+        help="safetensors: key prefix to strip; 'auto' = the LightningModule attribute holding"
+        " the Hugging Face model (or 'model.' when every key has it), 'none' = keep keys",
+    )
+    consolidate.add_argument(
+        "--trust",
+        action="store_true",
+        help="unpickle arbitrary objects in the checkpoint's metadata (weights_only=False)",
+    )
     consolidate.set_defaults(run=_run_consolidate)
 
     inspect = subparsers.add_parser(
@@ -124,8 +132,11 @@ def _add_checkpoint_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     inspect.add_argument("checkpoint", metavar="CKPT", help="a sharded checkpoint directory or a full file")
     inspect.add_argument("--optimizer", action="store_true", help="list the optimizer state tensors too")
-    inspect.add_argument("--trust", action="store_true",
-                         help="unpickle arbitrary objects in the checkpoint's metadata (weights_only=False)")
+    inspect.add_argument(
+        "--trust",
+        action="store_true",
+        help="unpickle arbitrary objects in the checkpoint's metadata (weights_only=False)",
+    )
     inspect.set_defaults(run=_run_inspect)
 
 
@@ -134,8 +145,16 @@ def _run_consolidate(args: argparse.Namespace) -> int:
 
     from lightning_mgpu.checkpoint import write_consolidated
 
-    print(write_consolidated(Path(args.checkpoint), Path(args.out), args.out_format, args.weights_only, args.prefix,
-                             load_weights_only=False if args.trust else True))
+    print(
+        write_consolidated(
+            Path(args.checkpoint),
+            Path(args.out),
+            args.out_format,
+            args.weights_only,
+            args.prefix,
+            load_weights_only=False if args.trust else True,
+        )
+    )
     return 0
 
 
@@ -148,7 +167,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     from lightning_mgpu import __version__
 
     parser = argparse.ArgumentParser(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 DeepSpeedConfig = None | dict | str | Path
 
@@ -60,7 +60,7 @@ def load_config(config: DeepSpeedConfig) -> dict[str, Any]:
     )
 
 
-def check_config(config: DeepSpeedConfig, zero_stage: Union[int, str]) -> None:
+def check_config(config: DeepSpeedConfig, zero_stage: int | str) -> None:
     """What can be judged from the strategy's arguments alone; raised when the strategy is built (a
     ``zero_stage="auto"`` is judged again once chosen, by :func:`build_config`)."""
     chosen = zero_stage != "auto"
@@ -126,8 +126,8 @@ def build_config(
     config: DeepSpeedConfig,
     zero_stage: int,
     precision: str,
-    gradient_clip_val: Optional[float],
-    gradient_clip_algorithm: Optional[str],
+    gradient_clip_val: float | None,
+    gradient_clip_algorithm: str | None,
     accumulate_grad_batches: int,
     micro_batch_size: int,
     data_parallel_size: int,
@@ -167,7 +167,7 @@ def build_config(
     return user
 
 
-def _clip_value(value: Optional[float], algorithm: Optional[str]) -> float:
+def _clip_value(value: float | None, algorithm: str | None) -> float:
     if value is None or value == 0:
         return 0.0
     if algorithm not in (None, "norm"):

@@ -25,9 +25,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 FAILURE_DIR_ENV = "LIGHTNING_MGPU_FAILURE_DIR"  # set by our launchers for the ranks they start
 _PREFIX = "lightning-mgpu:"
@@ -64,7 +64,7 @@ def is_secondary(exception: BaseException) -> bool:
     import torch.distributed as dist
 
     seen: set[int] = set()
-    error: Optional[BaseException] = exception
+    error: BaseException | None = exception
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, dist.DistError) or (
@@ -109,7 +109,7 @@ def write_record(directory: str, record: FailureRecord) -> None:
     os.replace(tmp, path)
 
 
-def read_records(directory: Optional[str]) -> dict[int, FailureRecord]:
+def read_records(directory: str | None) -> dict[int, FailureRecord]:
     records: dict[int, FailureRecord] = {}
     for path in Path(directory).glob("rank*.json") if directory else ():
         try:
@@ -124,7 +124,7 @@ def read_records(directory: Optional[str]) -> dict[int, FailureRecord]:
 def format_report(
     world_size: int,
     records: dict[int, FailureRecord],
-    exit_codes: dict[int, Optional[int]],
+    exit_codes: dict[int, int | None],
     describe_rank: Callable[[int], str],
     stopped: frozenset[int] = frozenset(),
 ) -> tuple[str, str]:
@@ -143,8 +143,10 @@ def format_report(
         primary = sorted(records.values(), key=lambda r: r.time)[:1]
     lines = []
     if silent:
-        lines.append(f"{_PREFIX} {_ranks(silent, world_size, describe_rank)} stopped responding and had to be"
-                     " stopped (the other ranks' collectives failed or timed out waiting for it)")
+        lines.append(
+            f"{_PREFIX} {_ranks(silent, world_size, describe_rank)} stopped responding and had to be"
+            " stopped (the other ranks' collectives failed or timed out waiting for it)"
+        )
     by_error: dict[str, list[int]] = {}
     for record in primary:
         by_error.setdefault(record.error, []).append(record.rank)
@@ -173,7 +175,7 @@ def _ranks(ranks: list[int], world_size: int, describe_rank: Callable[[int], str
 
 
 # --------------------------------------------------------------------------------------------------- worker side
-def record_failure(exception: BaseException, rank: int, directory: Optional[str]) -> tuple[FailureRecord, bool]:
+def record_failure(exception: BaseException, rank: int, directory: str | None) -> tuple[FailureRecord, bool]:
     """Describe this rank's failure and write it to ``directory``; returns the record and whether it was written."""
     record = FailureRecord(
         rank=rank,
@@ -195,7 +197,7 @@ def handle_rank_failure(
     rank: int,
     world_size: int,
     mesh_shape: tuple[int, int, int],
-    report_from_main: Optional[Callable[[bool], None]] = None,
+    report_from_main: Callable[[bool], None] | None = None,
 ) -> None:
     """Record this rank's failure and decide what this process prints if the error ends it.
 
@@ -228,7 +230,7 @@ def handle_rank_failure(
 
 
 def _print_own_failure(
-    record: FailureRecord, world_size: int, mesh_shape: tuple[int, int, int], directory: Optional[str]
+    record: FailureRecord, world_size: int, mesh_shape: tuple[int, int, int], directory: str | None
 ) -> None:
     """torchrun/SLURM: no launcher reports for us, so each rank says what it knows, briefly when it is an echo."""
     me = f"rank {record.rank} of {world_size} ({coordinates(record.rank, mesh_shape)})"
@@ -313,7 +315,7 @@ def _remove_stale(root: Path, age_s: float = 3600) -> None:
             pass
 
 
-_hook_target: Optional[tuple[int, str, Callable[[], None]]] = None  # the failure's id, error line, and its printer
+_hook_target: tuple[int, str, Callable[[], None]] | None = None  # the failure's id, error line, and its printer
 
 
 def _install_excepthook(exception: BaseException, handle: Callable[[], None]) -> None:

@@ -21,8 +21,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
@@ -68,8 +69,15 @@ def _describe_rank(strategy: Any) -> Callable[[int], str]:
 # ----------------------------------------------------------------------------------------- python train.py (popen)
 _CHECKPOINT_PATHS = "lightning_mgpu_checkpoint_paths"
 # ModelCheckpoint's record of what it saved, which the main process's callback should show after a forked fit.
-_CHECKPOINT_PATH_ATTRIBUTES = ("last_model_path", "best_model_path", "best_k_models", "kth_best_model_path",
-                               "best_model_score", "kth_value")
+_CHECKPOINT_PATH_ATTRIBUTES = (
+    "last_model_path",
+    "best_model_path",
+    "best_k_models",
+    "kth_best_model_path",
+    "best_model_score",
+    "kth_value",
+)
+
 
 class HybridSubprocessScriptLauncher(SubprocessScriptLauncher):
     """Lightning's launcher for ``python train.py`` that reports a failed rank first, once, and leaves no orphans.
@@ -82,21 +90,21 @@ class HybridSubprocessScriptLauncher(SubprocessScriptLauncher):
 
     def __init__(
         self,
-        cluster_environment: "ClusterEnvironment",
+        cluster_environment: ClusterEnvironment,
         num_processes: int,
         num_nodes: int,
         strategy: Any,
-        timeout: Optional[timedelta],
+        timeout: timedelta | None,
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self._strategy = strategy
         self._grace_s = _GRACE_S if timeout is None else min(_GRACE_S, timeout.total_seconds())
-        self.failure_dir: Optional[str] = None
+        self.failure_dir: str | None = None
         self._lock = threading.Lock()
         self._reported = False
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         # Lightning's `launch` with our watcher in place of `_launch_process_observer`.
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:  # False again after the first launch
@@ -217,7 +225,7 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
         return self.start_method == "fork"
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         failure_dir = new_failure_dir()
         previous = os.environ.get(FAILURE_DIR_ENV)
         os.environ[FAILURE_DIR_ENV] = failure_dir  # read by the workers, which inherit or copy the environment
@@ -269,7 +277,7 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
             os._exit(1)
 
     @override
-    def collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[WorkerOutput]:
+    def collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> WorkerOutput | None:
         strategy: Any = trainer.strategy  # a HybridStrategy
         state_dict = strategy.full_state_dict()  # collective: every rank takes part
         if strategy.global_rank != 0:
@@ -283,7 +291,7 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
         return WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
     @override
-    def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Lightning's extras plus the checkpoint callback's paths: only ``best_model_path`` travels by default, so
         ``trainer.checkpoint_callback.last_model_path`` would be empty in a notebook after a forked ``fit``."""
         extra = super().get_extra_results(trainer)
@@ -296,7 +304,7 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
         return extra
 
     @override
-    def update_main_process_results(self, trainer: "pl.Trainer", extra: dict[str, Any]) -> None:
+    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
         callback = trainer.checkpoint_callback
         if callback is None or _CHECKPOINT_PATHS not in extra:

@@ -8,7 +8,7 @@ tensor-parallel group and the chattiest collectives stay on the fastest links.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -55,8 +55,8 @@ class ParallelLayout:
         data_parallel_size: Size = "auto",
         tensor_parallel_size: Size = 1,
         pipeline_parallel_size: Size = 1,
-        zero_stage: Union[int, Literal["auto"]] = 0,
-    ) -> "ParallelLayout":
+        zero_stage: int | Literal["auto"] = 0,
+    ) -> ParallelLayout:
         """Fill in ``"auto"`` sizes from the world size and check that the product covers every process.
 
         ``"auto"`` on data parallel takes whatever tensor and pipeline parallel leave; ``"auto"`` on tensor or
@@ -115,7 +115,7 @@ class ParallelLayout:
             f" (zero_stage={self.zero_stage})"
         )
 
-    def build_mesh(self, device_type: str) -> "DeviceMesh":
+    def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the named ``(pp, dp, tp)`` mesh; needs an initialized default process group."""
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -11,17 +11,20 @@ checked then and only those the options run with are offered to it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union, get_args
+from typing import Any, Literal, get_args
 
+from lightning_mgpu.parallel.microbatches import microbatch_count_error
 from lightning_mgpu.parallel.pipeline import (
     LOOP_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
+)
+from lightning_mgpu.parallel.pipeline import (
     stages_per_rank as resolve_stages_per_rank,
 )
-from lightning_mgpu.parallel.microbatches import microbatch_count_error
 
 PIPELINE_SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOP_SCHEDULES + V_SCHEDULES
 StartMethod = Literal["auto", "popen", "fork", "spawn", "forkserver"]
@@ -36,14 +39,14 @@ class ParallelOptions:
     """How each parallelizer works (the layout says how many ways)."""
 
     zero_backend: str = "torch"
-    tp_plan: Union[str, dict[str, str], Callable[..., None]] = "auto"
+    tp_plan: str | dict[str, str] | Callable[..., None] = "auto"
     sequence_parallel: bool = False
     loss_parallel: bool = False
     pipeline_schedule: str = "1F1B"
-    num_microbatches: Optional[int] = None
-    stages_per_rank: Optional[int] = None
-    pipeline_split: Union[str, list[str]] = "auto"
-    activation_checkpointing: Union[bool, str, list[type]] = False
+    num_microbatches: int | None = None
+    stages_per_rank: int | None = None
+    pipeline_split: str | list[str] = "auto"
+    activation_checkpointing: bool | str | list[type] = False
     cpu_offload: bool = False
     checkpoint_format: str = "sharded"
     async_checkpoint: bool = False
@@ -130,7 +133,10 @@ class ParallelOptions:
             )
 
     def check_sizes(
-        self, zero_stage: Union[int, Literal["auto"]], tensor_parallel_size: Any, pipeline_parallel_size: Any,
+        self,
+        zero_stage: int | Literal["auto"],
+        tensor_parallel_size: Any,
+        pipeline_parallel_size: Any,
         auto: tuple[str, ...] = (),
     ) -> None:
         """Options that need a given ZeRO stage or parallel size (see the module docstring for the rule).
@@ -163,7 +169,7 @@ class ParallelOptions:
         self._check_deepspeed(zero_stage, tensor_parallel_size, pipeline_parallel_size)
 
     def _check_deepspeed(
-        self, zero_stage: Union[int, Literal["auto"]], tensor_parallel_size: Any, pipeline_parallel_size: Any
+        self, zero_stage: int | Literal["auto"], tensor_parallel_size: Any, pipeline_parallel_size: Any
     ) -> None:
         """The DeepSpeed engine's layouts and config, judged before launch (see ``deepspeed_config``)."""
         if self.zero_backend != "deepspeed":
@@ -205,8 +211,8 @@ class ParallelOptions:
 class LaunchOptions:
     """How the processes start and meet: checked here, since a bad value would fail in every worker at once."""
 
-    process_group_backend: Optional[str] = None
-    timeout: Optional[Union[timedelta, int, float]] = None
+    process_group_backend: str | None = None
+    timeout: timedelta | int | float | None = None
     start_method: StartMethod = "auto"
 
     def __post_init__(self) -> None:
@@ -231,7 +237,7 @@ class LaunchOptions:
 _DEVICE_ONLY_BACKENDS = {"nccl": "cuda", "xccl": "xpu"}
 
 
-def _timeout(value: Any) -> Optional[timedelta]:
+def _timeout(value: Any) -> timedelta | None:
     """torch's ``init_process_group`` takes a timedelta only; seconds given as a number are converted."""
     if value is None:
         return None
@@ -248,7 +254,7 @@ def _timeout(value: Any) -> Optional[timedelta]:
     return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
 
 
-def _backend_parts(backend: str) -> list[tuple[Optional[str], str]]:
+def _backend_parts(backend: str) -> list[tuple[str | None, str]]:
     """``'gloo'`` -> ``[(None, 'gloo')]``; torch's per-device form ``'cpu:gloo,cuda:nccl'`` -> one pair per device."""
     parts = []
     for part in backend.split(","):

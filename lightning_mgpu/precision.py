@@ -20,9 +20,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections import defaultdict
-from collections.abc import Generator, Set as AbstractSet
+from collections.abc import Callable, Generator
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -54,9 +55,15 @@ SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-m
 _AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "fp8-mixed": torch.bfloat16}
 _TRUE_DTYPE = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 _DTYPES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "16": torch.float16, "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "32": torch.float32, "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "16": torch.float16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "32": torch.float32,
+    "fp32": torch.float32,
+    "float32": torch.float32,
 }
 # float8 matmuls need both dimensions of the weight to be multiples of 16 (torch._scaled_mm's rule on GPUs).
 _FP8_MULTIPLE = 16
@@ -87,11 +94,11 @@ class HybridPrecision(Precision):
 
     def __init__(
         self,
-        precision: Union[_PrecisionName, str] = "32-true",
+        precision: _PrecisionName | str = "32-true",
         device_type: str = "cpu",
         *,
-        param_dtype: Optional[Union[str, torch.dtype]] = None,
-        reduce_dtype: Optional[Union[str, torch.dtype]] = None,
+        param_dtype: str | torch.dtype | None = None,
+        reduce_dtype: str | torch.dtype | None = None,
         fp8_emulate: bool = False,
         init_scale: float = 2.0**16,
         growth_interval: int = 2000,
@@ -118,12 +125,12 @@ class HybridPrecision(Precision):
             )
         self.fp8_emulate = fp8_emulate
         self._scaler_kwargs = {"init_scale": float(init_scale), "growth_interval": int(growth_interval)}
-        self.scaler: Optional[JobGradScaler] = None
+        self.scaler: JobGradScaler | None = None
         self._device_type = ""
         self.device_type = device_type
         # Set by the strategy: the group over which gradient norms of different shards must be summed, and the
         # parameters (tied copies) whose gradients another member of that group counts.
-        self.grad_norm_group: Optional[Any] = None
+        self.grad_norm_group: Any | None = None
         self.grads_counted_elsewhere: Callable[[], AbstractSet[int]] = frozenset
 
     # ----------------------------------------------------------------------------------------------- construction
@@ -143,7 +150,7 @@ class HybridPrecision(Precision):
                 self.scaler.load_state_dict(state)
 
     @classmethod
-    def from_lightning(cls, plugin: Precision, device_type: str) -> "HybridPrecision":
+    def from_lightning(cls, plugin: Precision, device_type: str) -> HybridPrecision:
         """Translate the plugin Lightning picked from ``Trainer(precision=...)``."""
         if isinstance(plugin, HybridPrecision):
             plugin.device_type = device_type
@@ -180,7 +187,7 @@ class HybridPrecision(Precision):
             )
 
     @classmethod
-    def honour_trainer_flag(cls, plugin: Optional[Precision], accelerator: Any = None) -> Optional[Precision]:
+    def honour_trainer_flag(cls, plugin: Precision | None, accelerator: Any = None) -> Precision | None:
         """Undo Lightning's CPU rewrite of ``Trainer(precision="16-mixed")`` into bf16-mixed.
 
         Lightning's accelerator connector replaces ``"16-mixed"`` with ``"bf16-mixed"`` on CPU (with a warning)
@@ -205,7 +212,7 @@ class HybridPrecision(Precision):
         return cls("16-mixed", plugin.device)
 
     # ------------------------------------------------------------------------------------------------- policies
-    def mp_policy(self) -> Optional[Any]:
+    def mp_policy(self) -> Any | None:
         """The FSDP2 ``MixedPrecisionPolicy`` for the data-parallel wrap, or ``None`` when FSDP2's default fits."""
         if self.param_dtype is None and self.reduce_dtype is None:
             return None
@@ -214,11 +221,11 @@ class HybridPrecision(Precision):
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
 
     @property
-    def autocast_dtype(self) -> Optional[torch.dtype]:
+    def autocast_dtype(self) -> torch.dtype | None:
         return _AUTOCAST_DTYPE.get(self.precision)
 
     @property
-    def true_dtype(self) -> Optional[torch.dtype]:
+    def true_dtype(self) -> torch.dtype | None:
         return _TRUE_DTYPE.get(self.precision)
 
     # --------------------------------------------------------------------------------------------- module / data
@@ -299,7 +306,7 @@ class HybridPrecision(Precision):
     def clip_gradients(
         self,
         optimizer: Optimizer,
-        clip_val: Union[int, float] = 0.0,
+        clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
         if self.scaler is not None and clip_val > 0 and optimizer_handles_unscaling(optimizer):
@@ -310,9 +317,11 @@ class HybridPrecision(Precision):
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         clip_grad_norm_(
-            list(self.main_params(optimizer)), clip_val, cross_stage_group=self.grad_norm_group,
+            list(self.main_params(optimizer)),
+            clip_val,
+            cross_stage_group=self.grad_norm_group,
             counted_elsewhere=self.grads_counted_elsewhere(),
         )
 
@@ -414,7 +423,7 @@ def convert_to_float8(module: nn.Module, emulate: bool, device_type: str) -> int
     return converted
 
 
-def _dtype(name: str, value: Optional[Union[str, torch.dtype]]) -> Optional[torch.dtype]:
+def _dtype(name: str, value: str | torch.dtype | None) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         if value not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"`{name}` must be float32, bfloat16 or float16, got {value!r}.")

@@ -6,10 +6,10 @@ It owns Lightning's hooks and hands every piece of parallel work to ``layout``, 
 from __future__ import annotations
 
 import gc
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,6 @@ from lightning_mgpu.failures import handle_rank_failure
 from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size, warn_about_layout
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
-from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
 from lightning_mgpu.parallel.deepspeed_engine import CHECKPOINT_KEY as DEEPSPEED_KEY
@@ -53,6 +52,7 @@ from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
 from lightning_mgpu.parallel.experts import expert_parameters
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
+from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
 
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
     from lightning.pytorch.accelerators import Accelerator
     from torch.distributed.device_mesh import DeviceMesh
+
 
 class HybridStrategy(StrategyHooks, ParallelStrategy):
     """Data, tensor and pipeline parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
@@ -79,29 +80,29 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         tensor_parallel_size: Size = 1,
         pipeline_parallel_size: Size = 1,
         data_parallel_size: Size = "auto",
-        zero_stage: Union[int, Literal["auto"]] = 0,
+        zero_stage: int | Literal["auto"] = 0,
         zero_backend: str = "torch",
-        deepspeed_config: Optional[Union[dict, str]] = None,
+        deepspeed_config: dict | str | None = None,
         expert_parallel_size: int = 1,
-        tp_plan: Union[str, dict[str, str], Callable[..., None]] = "auto",
+        tp_plan: str | dict[str, str] | Callable[..., None] = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         pipeline_schedule: str = "1F1B",
-        num_microbatches: Optional[int] = None,
-        stages_per_rank: Optional[int] = None,
-        pipeline_split: Union[str, list[str]] = "auto",
-        activation_checkpointing: Union[bool, str, list[type]] = False,
+        num_microbatches: int | None = None,
+        stages_per_rank: int | None = None,
+        pipeline_split: str | list[str] = "auto",
+        activation_checkpointing: bool | str | list[type] = False,
         cpu_offload: bool = False,
         checkpoint_format: str = "sharded",
         async_checkpoint: bool = False,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[Union[timedelta, int, float]] = default_pg_timeout,
+        process_group_backend: str | None = None,
+        timeout: timedelta | int | float | None = default_pg_timeout,
         start_method: StartMethod = "auto",
-        accelerator: Optional["Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional["ClusterEnvironment"] = None,
-        checkpoint_io: Optional["CheckpointIO"] = None,
-        precision_plugin: Optional[Precision] = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
         restore_module_on_teardown: bool = True,
     ) -> None:
         super().__init__(
@@ -135,16 +136,16 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         self.options.check_sizes(zero_stage, tensor_parallel_size, pipeline_parallel_size)
         self._launch_options = LaunchOptions(process_group_backend, timeout, start_method)
         self._process_group_backend = process_group_backend
-        self._timeout = cast(Optional[timedelta], self._launch_options.timeout)  # LaunchOptions made it a timedelta
+        self._timeout = cast(timedelta | None, self._launch_options.timeout)  # LaunchOptions made it a timedelta
         self._start_method = start_method
-        self._layout: Optional[ParallelLayout] = None
+        self._layout: ParallelLayout | None = None
         # Several layouts the "auto" choices allow: the planner picks one at setup, once the module is known.
         self._layout_choices: list[ParallelLayout] = []
-        self._plan: Optional[planner_auto.StrategyPlan] = None
-        self._device_mesh: Optional["DeviceMesh"] = None
+        self._plan: planner_auto.StrategyPlan | None = None
+        self._device_mesh: DeviceMesh | None = None
         self._optimizer_sharding: list[OptimizerStateSharding] = []
-        self._runner: Optional[StepRunner] = None
-        self._pipeline: Optional[PipelineEngine] = None
+        self._runner: StepRunner | None = None
+        self._pipeline: PipelineEngine | None = None
         # zero_backend="deepspeed": the data-parallel dimension runs through a DeepSpeed engine (built in `setup`).
         self._deepspeed = DeepSpeedEngineRunner(deepspeed_config) if zero_backend == "deepspeed" else None
         state_access = sharded_checkpoint.DeepSpeedStates(self._deepspeed) if self._deepspeed is not None else None
@@ -153,7 +154,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         # Every patch on the user's objects during one run, and the module as it was, undone in `teardown`.
         self._restore_module = restore_module_on_teardown
         self._patches = PatchLog()
-        self._snapshot: Optional[ModuleSnapshot] = None
+        self._snapshot: ModuleSnapshot | None = None
         self._failed = False
 
     # ----------------------------------------------------------------------------------------------- layout / mesh
@@ -167,7 +168,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         return self._layout
 
     @property
-    def device_mesh(self) -> "DeviceMesh":
+    def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
             raise RuntimeError("The device mesh exists only after the processes have been initialized.")
         return self._device_mesh
@@ -194,7 +195,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         return True
 
     @property
-    def process_group_backend(self) -> Optional[str]:
+    def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
     @property
@@ -231,7 +232,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
             check_expert_layout(self.options, layout)
         self.precision_plugin.check_layout(layout.tensor_parallel_size)
 
-    def _check_layout(self, layout: Optional[ParallelLayout]) -> None:
+    def _check_layout(self, layout: ParallelLayout | None) -> None:
         """What needs the resolved sizes and the Trainer's devices: raised here, in the launching process.
 
         ``None``: the planner chooses at setup among ``_layout_choices``, which ``_check_sizes`` already accepted.
@@ -259,7 +260,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
 
     @precision_plugin.setter
     @override
-    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
         # Lightning turns Trainer(precision="16-mixed") into bf16-mixed on CPU; we run real fp16 there.
         plugin = HybridPrecision.honour_trainer_flag(precision_plugin, self.accelerator)
         if plugin is not None and not isinstance(plugin, HybridPrecision):
@@ -299,9 +300,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        self._process_group_backend = self._process_group_backend or default_process_group_backend(
-            self.root_device
-        )
+        self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
         device_id = self.root_device if self.root_device.type != "cpu" else None
         init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
@@ -319,15 +318,19 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         """Global rank 0 asks the planner (module, devices, batch size, precision) and every rank runs its answer,
         so that ranks never disagree; an error there is raised on every rank rather than left to hang the others."""
         answer: Any = None
-        failure: Optional[Exception] = None
+        failure: Exception | None = None
         if self.global_rank == 0:
             try:
                 cluster = planner_auto.local_cluster(self.world_size, self.num_processes, self.root_device.type)
                 module = self.lightning_module
                 assert module is not None
                 answer = planner_auto.plan_strategy_layout(
-                    module, self._layout_choices, cluster, planner_auto.batch_per_replica(module),
-                    str(self.precision_plugin.precision), self.options,
+                    module,
+                    self._layout_choices,
+                    cluster,
+                    planner_auto.batch_per_replica(module),
+                    str(self.precision_plugin.precision),
+                    self.options,
                 )
             except Exception as error:  # noqa: BLE001 - raised on every rank below
                 failure = error
@@ -343,7 +346,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         return answer.layout
 
     @property
-    def plan(self) -> Optional[planner_auto.StrategyPlan]:
+    def plan(self) -> planner_auto.StrategyPlan | None:
         """What the planner chose for ``"auto"`` sizes, its prediction and the measured steps (``None``: no choice)."""
         return self._plan
 
@@ -355,7 +358,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
             rank_zero_info(summary)
 
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
         assert self.lightning_module is not None
@@ -378,13 +381,18 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
             self.setup_optimizers(trainer)
         if self._deepspeed is not None:
             self.model = self._deepspeed.initialize(
-                self._runner, self.optimizers, trainer, self.layout, str(self.precision_plugin.precision), self._dp_group
+                self._runner,
+                self.optimizers,
+                trainer,
+                self.layout,
+                str(self.precision_plugin.precision),
+                self._dp_group,
             )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self) -> "StepRunner":
+    def _parallelize(self) -> StepRunner:
         assert self.lightning_module is not None
         runner = StepRunner(self.lightning_module)
         pipeline = parallelize(
@@ -398,8 +406,12 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         if pipeline is not None:
             pp_mesh = self.device_mesh[PP_AXIS]
             self._pipeline = PipelineEngine(
-                self.lightning_module, pipeline, self.options.pipeline_schedule, self.options.num_microbatches,
-                pp_mesh.get_group(), self.root_device,
+                self.lightning_module,
+                pipeline,
+                self.options.pipeline_schedule,
+                self.options.num_microbatches,
+                pp_mesh.get_group(),
+                self.root_device,
             )
             self._pipeline.share_with(self.precision_plugin)
             self._patches.add(self._pipeline.remove)
@@ -413,7 +425,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         return [self.model] if self.model is not None else []
 
     @override
-    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
         reset_optimizers_and_schedulers(self)
         for sharding in self._optimizer_sharding:
             sharding.remove()
@@ -438,7 +450,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
 
     @contextmanager
     @override
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # Meta-device init lets huge models be built without memory; they are materialized in `setup()`.
         empty_init_context = torch.device("meta") if empty_init else nullcontext()
         with empty_init_context, self.precision_plugin.tensor_init_context():
@@ -530,14 +542,14 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
                 self._pipeline.sync_gradients = True
 
     # ------------------------------------------------------------------------------------------------ collectives
-    def _data_parallel_group(self, group: Optional[Any]) -> Optional[Any]:
+    def _data_parallel_group(self, group: Any | None) -> Any | None:
         if group is not None or self._device_mesh is None:
             return group
         return self._dp_group
 
     @override
     def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:
         """Reduce over the data-parallel group by default: tensor/pipeline peers hold the same samples' values."""
         group = self._data_parallel_group(group)
@@ -552,12 +564,12 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         return bool(votes == self.world_size) if all else bool(votes)
 
     @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Gather over the data-parallel group by default, one entry per distinct data shard."""
         return all_gather_ddp_if_available(tensor, group=self._data_parallel_group(group), sync_grads=sync_grads)
 
     @override
-    def barrier(self, name: Optional[str] = None) -> None:
+    def barrier(self, name: str | None = None) -> None:
         if _distributed():
             nccl = dist.get_backend() == "nccl"
             dist.barrier(device_ids=[self.root_device.index] if nccl else None)
@@ -593,7 +605,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         return self._checkpointer
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
         assert self.lightning_module is not None
@@ -602,12 +614,16 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         self.checkpointer.save(checkpoint, filepath, self.lightning_module, list(self.optimizers), self.layout)
 
     @override
-    def load_checkpoint(self, checkpoint_path: PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
         fitting = attached_trainer(module) is None or module.trainer.state.fn == TrainerFn.FITTING
         loaded = self.checkpointer.load(
-            checkpoint_path, module, list(self.optimizers), strict=module.strict_loading, weights_only=weights_only,
+            checkpoint_path,
+            module,
+            list(self.optimizers),
+            strict=module.strict_loading,
+            weights_only=weights_only,
             fitting=fitting,
         )
         if self._deepspeed is not None and fitting:
@@ -670,7 +686,10 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         strategy_registry.register("hybrid", cls, description="lightning-mgpu HybridStrategy (ZeRO stage 0)")
         for stage in range(4):
             strategy_registry.register(
-                f"hybrid_zero{stage}", cls, description=f"lightning-mgpu HybridStrategy, ZeRO stage {stage}", zero_stage=stage
+                f"hybrid_zero{stage}",
+                cls,
+                description=f"lightning-mgpu HybridStrategy, ZeRO stage {stage}",
+                zero_stage=stage,
             )
 
 

@@ -19,7 +19,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 _SHARE_COLUMNS = ("compute", "comm", "bubble", "data_wait", "optimizer", "other")
 
@@ -38,11 +38,18 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--datamodule", default=None, help="a LightningDataModule, 'package.module:Class'")
     bench.add_argument("--datamodule-args", default=None, help="JSON keyword arguments for the datamodule")
     bench.add_argument("--devices", type=int, required=True, help="the most processes (CPU) or GPUs to use")
-    bench.add_argument("--device-counts", default="all",
-                       help="comma-separated device counts to sweep ('all' = 1..N; the largest is always N)")
+    bench.add_argument(
+        "--device-counts",
+        default="all",
+        help="comma-separated device counts to sweep ('all' = 1..N; the largest is always N)",
+    )
     bench.add_argument("--accelerator", default="cpu")
-    bench.add_argument("--batch-size", type=int, default=8,
-                       help="samples per data-parallel rank (given to the datamodule's `batch_size`)")
+    bench.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="samples per data-parallel rank (given to the datamodule's `batch_size`)",
+    )
     bench.add_argument("--steps", type=int, default=5, help="training steps per layout, warm-up included")
     bench.add_argument("--warmup-steps", type=int, default=2, help="steps not measured at the start of each run")
     bench.add_argument("--zero-stage", type=int, default=0)
@@ -66,8 +73,10 @@ def run_bench(args: argparse.Namespace) -> int:
         datamodule_cls = load_class(args.datamodule) if args.datamodule else None
     except ValueError as error:
         raise SystemExit(f"lightning-mgpu bench: {error}") from None
-    module_args, datamodule_args = _json_object(args.init_args, "--init-args"), _json_object(
-        args.datamodule_args, "--datamodule-args")
+    module_args, datamodule_args = (
+        _json_object(args.init_args, "--init-args"),
+        _json_object(args.datamodule_args, "--datamodule-args"),
+    )
     shapes = _shapes(module_cls, module_args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,8 +90,9 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"bench: {name} on {n} device{'s' if n > 1 else ''} ...", flush=True)
             run = {"devices": n, "dp": dp, "tp": tp, "pp": pp, "name": name}
             try:
-                report = _measure(args, module_cls, module_args, datamodule_cls, datamodule_args, dp, tp, pp,
-                                  out / name)
+                report = _measure(
+                    args, module_cls, module_args, datamodule_cls, datamodule_args, dp, tp, pp, out / name
+                )
                 run.update(_summary(report))
             except Exception as error:  # one layout failing (memory, a model constraint) does not stop the sweep
                 first_line = (str(error).strip().splitlines() or [""])[0][:200]
@@ -91,12 +101,18 @@ def run_bench(args: argparse.Namespace) -> int:
     _add_predictions(args, results)
     scaling = _scaling(results)
     print(format_results(results, scaling))
-    summary = {"args": vars(args) | {"run": None}, "runs": results, "scaling": scaling,
-               "elapsed_s": time.perf_counter() - started}
+    summary = {
+        "args": vars(args) | {"run": None},
+        "runs": results,
+        "scaling": scaling,
+        "elapsed_s": time.perf_counter() - started,
+    }
     (out / "bench.json").write_text(json.dumps(summary, indent=2, default=str))
     plot = _plot(results, scaling, out / "bench.png")
-    print(f"bench: {len(results)} runs in {summary['elapsed_s']:.0f} s; wrote {out / 'bench.json'}"
-          + (f" and {plot}" if plot else ""))
+    print(
+        f"bench: {len(results)} runs in {summary['elapsed_s']:.0f} s; wrote {out / 'bench.json'}"
+        + (f" and {plot}" if plot else "")
+    )
     return 0 if any("tokens_per_s" in r for r in results) else 1
 
 
@@ -115,7 +131,7 @@ def _device_counts(devices: int, text: str) -> list[int]:
     return counts
 
 
-def _json_object(text: Optional[str], flag: str) -> dict[str, Any]:
+def _json_object(text: str | None, flag: str) -> dict[str, Any]:
     if not text:
         return {}
     try:
@@ -142,27 +158,50 @@ def _layouts(n: int, shapes: dict[str, int]) -> list[tuple[int, int, int]]:
     layouts = []
     for tp in (d for d in range(1, n + 1) if n % d == 0):
         for pp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0):
-            if shapes.get("heads") and shapes["heads"] % tp or shapes.get("layers") and pp > shapes["layers"]:
+            if (shapes.get("heads") and shapes["heads"] % tp) or (shapes.get("layers") and pp > shapes["layers"]):
                 continue
             layouts.append((n // (tp * pp), tp, pp))
     return layouts
 
 
-def _measure(args: argparse.Namespace, module_cls: type, module_args: dict[str, Any], datamodule_cls: Optional[type],
-             datamodule_args: dict[str, Any], dp: int, tp: int, pp: int, out: Path) -> dict[str, Any]:
+def _measure(
+    args: argparse.Namespace,
+    module_cls: type,
+    module_args: dict[str, Any],
+    datamodule_cls: type | None,
+    datamodule_args: dict[str, Any],
+    dp: int,
+    tp: int,
+    pp: int,
+    out: Path,
+) -> dict[str, Any]:
     import lightning as L
 
     from lightning_mgpu import HybridStrategy, ScalingMonitor
 
     L.seed_everything(1234, verbose=False)
-    strategy = HybridStrategy(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                              zero_stage=args.zero_stage if dp > 1 else 0, pipeline_schedule=args.pipeline_schedule,
-                              start_method="fork")
+    strategy = HybridStrategy(
+        data_parallel_size=dp,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        zero_stage=args.zero_stage if dp > 1 else 0,
+        pipeline_schedule=args.pipeline_schedule,
+        start_method="fork",
+    )
     monitor = ScalingMonitor(warmup_steps=args.warmup_steps, dirpath=out, verbose=False)
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=dp * tp * pp, strategy=strategy, precision=args.precision,
-        max_steps=args.steps, callbacks=[monitor], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        accelerator=args.accelerator,
+        devices=dp * tp * pp,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.steps,
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
     )
     model = module_cls(**module_args)
     datamodule = None
@@ -179,7 +218,7 @@ def _measure(args: argparse.Namespace, module_cls: type, module_args: dict[str, 
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:
     fractions = report["time_split"]["fractions"]
-    shares = {name: 0.0 for name in _SHARE_COLUMNS}
+    shares = dict.fromkeys(_SHARE_COLUMNS, 0.0)
     for name, share in fractions.items():
         shares["comm" if name.startswith("comm_") else name if name in shares else "other"] += share
     return {
@@ -188,7 +227,7 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
         "mfu": report["throughput"]["mfu"],
         "step_s": report["time_split"]["step_s"],
         "shares": shares,
-        "comm_by_axis": {k[len("comm_"):]: v for k, v in fractions.items() if k.startswith("comm_")},
+        "comm_by_axis": {k[len("comm_") :]: v for k, v in fractions.items() if k.startswith("comm_")},
         "bubble": (report["pipeline"] or {}).get("measured_bubble"),
         "analytic_bubble": (report["pipeline"] or {}).get("analytic_bubble"),
         "diagnoses": [d["kind"] for d in report["diagnoses"]],
@@ -198,10 +237,10 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
 def _add_predictions(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     """The planner's tokens/s for each layout on this machine, where the planner can read the model."""
     try:
-        from lightning_mgpu.planner import ClusterSpec, Efficiency, Layout, Training, estimate, spec_from_path
-        from lightning_mgpu.monitor.measures import device_peak_flops
-
         import torch
+
+        from lightning_mgpu.monitor.measures import device_peak_flops
+        from lightning_mgpu.planner import ClusterSpec, Efficiency, Layout, Training, estimate, spec_from_path
 
         spec = spec_from_path(args.module, args.init_args)
         peak, _ = device_peak_flops(torch.device(args.accelerator), args.precision)
@@ -212,14 +251,33 @@ def _add_predictions(args: argparse.Namespace, results: list[dict[str, Any]]) ->
     for run in results:
         n, dp, tp, pp = run["devices"], run["dp"], run["tp"], run["pp"]
         try:
-            cluster = ClusterSpec(gpus=n, gpus_per_node=n, memory_gb=64, peak_tflops=peak / 1e12,
-                                  intra_node_gbps=2.0, inter_node_gbps=2.0, hbm_gbps=10.0, reserved_gb=0.0,
-                                  name=args.accelerator)
-            layout = Layout(tp=tp, pp=pp, dp=dp, zero_stage=args.zero_stage if dp > 1 else 0,
-                            schedule=args.pipeline_schedule if pp > 1 else "none",
-                            microbatch_size=max(1, args.batch_size // pp), num_microbatches=pp if pp > 1 else 1)
-            predicted = estimate(spec, cluster, Training(global_batch=args.batch_size * dp, precision=args.precision),
-                                 layout, Efficiency())
+            cluster = ClusterSpec(
+                gpus=n,
+                gpus_per_node=n,
+                memory_gb=64,
+                peak_tflops=peak / 1e12,
+                intra_node_gbps=2.0,
+                inter_node_gbps=2.0,
+                hbm_gbps=10.0,
+                reserved_gb=0.0,
+                name=args.accelerator,
+            )
+            layout = Layout(
+                tp=tp,
+                pp=pp,
+                dp=dp,
+                zero_stage=args.zero_stage if dp > 1 else 0,
+                schedule=args.pipeline_schedule if pp > 1 else "none",
+                microbatch_size=max(1, args.batch_size // pp),
+                num_microbatches=pp if pp > 1 else 1,
+            )
+            predicted = estimate(
+                spec,
+                cluster,
+                Training(global_batch=args.batch_size * dp, precision=args.precision),
+                layout,
+                Efficiency(),
+            )
             run["predicted_tokens_per_s"] = predicted.tokens_per_s
             run["predicted_bubble"] = predicted.bubble
         except Exception:
@@ -232,16 +290,27 @@ def _scaling(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "tokens_per_s" in run and run["tokens_per_s"] > best.get(run["devices"], {}).get("tokens_per_s", -1):
             best[run["devices"]] = run
     base = best.get(1, {}).get("tokens_per_s")
-    return [{"devices": n, "layout": run["name"], "tokens_per_s": run["tokens_per_s"],
-             "efficiency": run["tokens_per_s"] / (n * base) if base else None} for n, run in sorted(best.items())]
+    return [
+        {
+            "devices": n,
+            "layout": run["name"],
+            "tokens_per_s": run["tokens_per_s"],
+            "efficiency": run["tokens_per_s"] / (n * base) if base else None,
+        }
+        for n, run in sorted(best.items())
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------- output
 def format_results(results: list[dict[str, Any]], scaling: list[dict[str, Any]]) -> str:
     ranked = sorted(results, key=lambda r: (-r["devices"], -r.get("tokens_per_s", -math.inf)))
     predicted = any("predicted_tokens_per_s" in r for r in results)
-    head = (f"{'#':>2} {'layout':<14}{'dev':>4}{'tokens/s':>11}{'step ms':>9}" + "".join(
-        f"{c[:7]:>8}" for c in _SHARE_COLUMNS) + (f"{'planner':>11}" if predicted else "") + "  notes")
+    head = (
+        f"{'#':>2} {'layout':<14}{'dev':>4}{'tokens/s':>11}{'step ms':>9}"
+        + "".join(f"{c[:7]:>8}" for c in _SHARE_COLUMNS)
+        + (f"{'planner':>11}" if predicted else "")
+        + "  notes"
+    )
     lines = ["bench: layouts ranked by measured throughput (shares of a step)", head]
     rank, devices = 0, None
     for run in ranked:
@@ -251,22 +320,29 @@ def format_results(results: list[dict[str, Any]], scaling: list[dict[str, Any]])
             lines.append(f"{'-':>2} {run['name']:<14}{run['devices']:>4}  failed: {run['error']}")
             continue
         shares = "".join(f"{run['shares'][c]:>8.1%}" for c in _SHARE_COLUMNS)
-        plan = f"{run['predicted_tokens_per_s']:>11,.0f}" if "predicted_tokens_per_s" in run else (
-            f"{'':>11}" if predicted else "")
+        plan = (
+            f"{run['predicted_tokens_per_s']:>11,.0f}"
+            if "predicted_tokens_per_s" in run
+            else (f"{'':>11}" if predicted else "")
+        )
         notes = []
         if run["bubble"] is not None:
             notes.append(f"bubble {run['bubble']:.0%} (theory {run['analytic_bubble']:.0%})")
         notes += run["diagnoses"]
-        lines.append(f"{rank:>2} {run['name']:<14}{run['devices']:>4}{run['tokens_per_s']:>11,.0f}"
-                     f"{run['step_s'] * 1e3:>9.1f}{shares}{plan}  {', '.join(notes)}")
+        lines.append(
+            f"{rank:>2} {run['name']:<14}{run['devices']:>4}{run['tokens_per_s']:>11,.0f}"
+            f"{run['step_s'] * 1e3:>9.1f}{shares}{plan}  {', '.join(notes)}"
+        )
     lines.append("scaling of the best layout per device count (efficiency = tokens/s(n) / (n x tokens/s(1))):")
     busy = _busy_machine()
     if busy:
         lines.append(f"   ({busy})")
     for row in scaling:
         eff = f"{row['efficiency']:.0%}" if row["efficiency"] is not None else "n/a"
-        lines.append(f"   {row['devices']:>3} devices  {row['layout']:<14}{row['tokens_per_s']:>11,.0f} tokens/s"
-                     f"  efficiency {eff}")
+        lines.append(
+            f"   {row['devices']:>3} devices  {row['layout']:<14}{row['tokens_per_s']:>11,.0f} tokens/s"
+            f"  efficiency {eff}"
+        )
     return "\n".join(lines)
 
 
@@ -278,11 +354,13 @@ def _busy_machine() -> str:
         return ""
     if load <= cores:
         return ""
-    return (f"load average {load:.1f} on {cores} CPUs: other work shares this machine, so runs with more processes"
-            " get a larger share of it and efficiencies can exceed 100%; compare layouts within one run")
+    return (
+        f"load average {load:.1f} on {cores} CPUs: other work shares this machine, so runs with more processes"
+        " get a larger share of it and efficiencies can exceed 100%; compare layouts within one run"
+    )
 
 
-def _plot(results: list[dict[str, Any]], scaling: list[dict[str, Any]], path: Path) -> Optional[Path]:
+def _plot(results: list[dict[str, Any]], scaling: list[dict[str, Any]], path: Path) -> Path | None:
     try:
         import matplotlib
 
@@ -298,8 +376,13 @@ def _plot(results: list[dict[str, Any]], scaling: list[dict[str, Any]], path: Pa
         left.annotate(s["layout"], (s["devices"], s["tokens_per_s"]), fontsize=7)
     predicted = [r for r in done if "predicted_tokens_per_s" in r]
     if predicted:
-        left.scatter([r["devices"] for r in predicted], [r["predicted_tokens_per_s"] for r in predicted],
-                     marker="x", c="C3", label="planner prediction")
+        left.scatter(
+            [r["devices"] for r in predicted],
+            [r["predicted_tokens_per_s"] for r in predicted],
+            marker="x",
+            c="C3",
+            label="planner prediction",
+        )
     left.set(xlabel="devices", ylabel="tokens/s", title="Throughput")
     left.legend(fontsize=7)
     with_eff = [s for s in scaling if s["efficiency"] is not None]

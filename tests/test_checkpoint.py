@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mgpu import HybridStrategy
-from lightning_mgpu.checkpoint import CheckpointError, Checkpointer, consolidate, write_consolidated
+from lightning_mgpu.checkpoint import Checkpointer, CheckpointError, consolidate, write_consolidated
 from lightning_mgpu.checkpoint.resume import FastForward
 from lightning_mgpu.cli import main as cli
 from tests.helpers.distributed import run_distributed
@@ -93,16 +93,32 @@ _runs: dict[str, Any] = {}
 def uninterrupted(tmp_path_factory):
     """dp=2, ZeRO-1, 10 steps, saving at 3, 4, 6."""
     directory = tmp_path_factory.mktemp("uninterrupted")
-    result, _ = fit(ResumeModule, _data(2), {"zero_stage": 1}, 2, STEPS,
-                    callbacks_factory=lambda: [SaveAt(directory, SAVE_AT)])
+    result, _ = fit(
+        ResumeModule, _data(2), {"zero_stage": 1}, 2, STEPS, callbacks_factory=lambda: [SaveAt(directory, SAVE_AT)]
+    )
     assert len(result.losses) == STEPS
     return directory, result
 
 
-def _resume(directory: Path, ckpt: Path, dp: int, strategy_kwargs: dict, tmp: Path, module=ResumeModule, data=None,
-            steps: int = STEPS):
-    result, _ = fit(module, data or _data(dp), strategy_kwargs, dp, steps,
-                    callbacks_factory=lambda: [SaveAt(tmp, resave=True)], fit_kwargs={"ckpt_path": str(ckpt)})
+def _resume(
+    directory: Path,
+    ckpt: Path,
+    dp: int,
+    strategy_kwargs: dict,
+    tmp: Path,
+    module=ResumeModule,
+    data=None,
+    steps: int = STEPS,
+):
+    result, _ = fit(
+        module,
+        data or _data(dp),
+        strategy_kwargs,
+        dp,
+        steps,
+        callbacks_factory=lambda: [SaveAt(tmp, resave=True)],
+        fit_kwargs={"ckpt_path": str(ckpt)},
+    )
     return result
 
 
@@ -127,8 +143,13 @@ def _losses_match(reference: list[float], resumed: list[float], step: int, rtol:
     assert len(resumed) == len(expected), (resumed, expected)
     worst = max(abs(r - e) / abs(e) for r, e in zip(resumed, expected))
     print(f"resumed after step {step}: {len(resumed)} losses, largest relative difference {worst:.2e}")
-    torch.testing.assert_close(torch.tensor(resumed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
-                               rtol=rtol, atol=0.0, msg=lambda m: f"{m}\nexpected={expected}\nresumed={resumed}")
+    torch.testing.assert_close(
+        torch.tensor(resumed, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        rtol=rtol,
+        atol=0.0,
+        msg=lambda m: f"{m}\nexpected={expected}\nresumed={resumed}",
+    )
 
 
 def test_resume_in_the_same_layout_is_bit_identical(uninterrupted, tmp_path):
@@ -159,14 +180,28 @@ def test_resume_restores_the_loss_scaler_even_before_any_optimizer_step(tmp_path
     and no optimizer state at all; resuming must restore the one and create none of the other."""
     from lightning_mgpu import HybridPrecision
 
-    plugins = lambda: {"plugins": [HybridPrecision("16-mixed", init_scale=2.0**20, growth_interval=1)]}  # noqa: E731
-    reference, _ = fit(ResumeModule, _data(2), {"zero_stage": 1}, 2, 6, trainer_kwargs=plugins(),
-                       callbacks_factory=lambda: [SaveAt(tmp_path, (3,))])
+    plugins = lambda: {"plugins": [HybridPrecision("16-mixed", init_scale=2.0**20, growth_interval=1)]}
+    reference, _ = fit(
+        ResumeModule,
+        _data(2),
+        {"zero_stage": 1},
+        2,
+        6,
+        trainer_kwargs=plugins(),
+        callbacks_factory=lambda: [SaveAt(tmp_path, (3,))],
+    )
     saved = consolidate(tmp_path / "step3.ckpt")
     assert saved["optimizer_states"][0]["state"] == {} and saved["HybridPrecision"]["scale"] < 2.0**20
-    resumed, _ = fit(ResumeModule, _data(2), {"zero_stage": 1}, 2, 6, trainer_kwargs=plugins(),
-                     callbacks_factory=lambda: [SaveAt(tmp_path, resave=True)],
-                     fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")})
+    resumed, _ = fit(
+        ResumeModule,
+        _data(2),
+        {"zero_stage": 1},
+        2,
+        6,
+        trainer_kwargs=plugins(),
+        callbacks_factory=lambda: [SaveAt(tmp_path, resave=True)],
+        fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")},
+    )
     assert resumed.losses == reference.losses[3:]
     resaved = consolidate(tmp_path / "resaved.ckpt")
     assert resaved["HybridPrecision"] == saved["HybridPrecision"] and resaved["optimizer_states"][0]["state"] == {}
@@ -174,10 +209,11 @@ def test_resume_restores_the_loss_scaler_even_before_any_optimizer_step(tmp_path
 
 def test_resume_from_tensor_parallel_into_zero3(tmp_path):
     """Hugging Face Llama: saved under tp=2 (DTensors sharded by heads, fused ranks), resumed under dp=2 ZeRO-3."""
-    data = lambda per_rank: lambda: RandomTokenDataModule(num_samples=32, batch_size=per_rank)  # noqa: E731
-    module = lambda: LlamaModule(seed=0)  # noqa: E731
-    reference, _ = fit(module, data(8), {"tensor_parallel_size": 2}, 2, 6,
-                       callbacks_factory=lambda: [SaveAt(tmp_path, (3,))])
+    data = lambda per_rank: lambda: RandomTokenDataModule(num_samples=32, batch_size=per_rank)
+    module = lambda: LlamaModule(seed=0)
+    reference, _ = fit(
+        module, data(8), {"tensor_parallel_size": 2}, 2, 6, callbacks_factory=lambda: [SaveAt(tmp_path, (3,))]
+    )
     resumed = _resume(tmp_path, tmp_path / "step3.ckpt", 2, {"zero_stage": 3}, tmp_path, module, data(4), 6)
     _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
     _assert_same_states(tmp_path / "step3.ckpt", tmp_path / "resaved.ckpt")
@@ -189,10 +225,11 @@ def test_resume_from_pipeline_parallel_into_zero3(tmp_path):
         HybridStrategy(pipeline_parallel_size=2)
     except NotImplementedError:
         pytest.skip("pipeline parallelism is not implemented in this version")
-    data = lambda per_rank: lambda: RandomTokenDataModule(num_samples=32, batch_size=per_rank)  # noqa: E731
-    module = lambda: LlamaModule(seed=0)  # noqa: E731
-    reference, _ = fit(module, data(8), {"pipeline_parallel_size": 2}, 2, 6,
-                       callbacks_factory=lambda: [SaveAt(tmp_path, (3,))])
+    data = lambda per_rank: lambda: RandomTokenDataModule(num_samples=32, batch_size=per_rank)
+    module = lambda: LlamaModule(seed=0)
+    reference, _ = fit(
+        module, data(8), {"pipeline_parallel_size": 2}, 2, 6, callbacks_factory=lambda: [SaveAt(tmp_path, (3,))]
+    )
     resumed = _resume(tmp_path, tmp_path / "step3.ckpt", 2, {"zero_stage": 3}, tmp_path, module, data(4), 6)
     _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
     _assert_same_states(tmp_path / "step3.ckpt", tmp_path / "resaved.ckpt")
@@ -220,9 +257,11 @@ RESUME_POINTS = {  # checkpoint -> the step it continues after
 def _resume_from_every_kind_of_save(directory: Path, module, data, strategy_kwargs: dict, devices: int):
     """One job, several fits: the uninterrupted run saves at steps 3 and 4 and at the end of epoch 0; runs stopped
     by ``max_steps`` save after ``fit`` returned; each checkpoint resumes to step 10."""
+
     def run(steps: int, **kwargs: Any) -> list[float]:
-        return _fit_worker(module, data, strategy_kwargs, devices, steps, 1234, {}, kwargs.pop("callbacks", None),
-                           **kwargs)["losses"]
+        return _fit_worker(
+            module, data, strategy_kwargs, devices, steps, 1234, {}, kwargs.pop("callbacks", None), **kwargs
+        )["losses"]
 
     losses = {"reference": run(STEPS, callbacks=lambda: [SaveAt(directory, (3, 4)), SaveAtEpochEnd(directory)])}
     for steps in (3, 4):
@@ -239,8 +278,12 @@ def test_every_kind_of_save_resumes_bit_identically(tmp_path, layout):
     if layout == "dp2-zero1":
         job = (ResumeModule, _data(2), {"zero_stage": 1}, 2)
     else:
-        job = (lambda: LlamaModule(seed=0), lambda: RandomTokenDataModule(num_samples=32, batch_size=8),
-               {"pipeline_parallel_size": 2}, 2)
+        job = (
+            lambda: LlamaModule(seed=0),
+            lambda: RandomTokenDataModule(num_samples=32, batch_size=8),
+            {"pipeline_parallel_size": 2},
+            2,
+        )
     losses = run_distributed(_resume_from_every_kind_of_save, 2, tmp_path, *job)[0]
     reference = losses["reference"]
     assert len(reference) == STEPS
@@ -252,15 +295,26 @@ def test_every_kind_of_save_resumes_bit_identically(tmp_path, layout):
 # ------------------------------------------------------------------------------------------------------ full format
 def test_full_format_is_one_plain_file_that_resumes_in_another_layout(uninterrupted, tmp_path):
     directory, reference = uninterrupted
-    fit(ResumeModule, _data(2), {"zero_stage": 2, "checkpoint_format": "full"}, 2, 6,
-        callbacks_factory=lambda: [SaveAt(tmp_path, (6,))])
+    fit(
+        ResumeModule,
+        _data(2),
+        {"zero_stage": 2, "checkpoint_format": "full"},
+        2,
+        6,
+        callbacks_factory=lambda: [SaveAt(tmp_path, (6,))],
+    )
     path = tmp_path / "step6.ckpt"
     assert path.is_file() and not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
     full = torch.load(path, weights_only=True)  # plain torch, safe unpickler
     plain = ResumeModule()
     assert full["state_dict"].keys() == plain.state_dict().keys()
-    assert full["parallel_layout"] == {"data_parallel_size": 2, "tensor_parallel_size": 1,
-                                       "pipeline_parallel_size": 1, "zero_stage": 2, "world_size": 2}
+    assert full["parallel_layout"] == {
+        "data_parallel_size": 2,
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "zero_stage": 2,
+        "world_size": 2,
+    }
     # Weights-only loading into the unmodified LightningModule, and torch's own optimizer format.
     loaded = ResumeModule.load_from_checkpoint(path)
     sharded = consolidate(directory / "step6.ckpt")  # the same step, trained under ZeRO-1
@@ -278,9 +332,11 @@ def test_full_format_is_one_plain_file_that_resumes_in_another_layout(uninterrup
 
 def test_a_plain_lightning_checkpoint_resumes_under_hybrid_strategy(tmp_path):
     """From Lightning's DDP on one process (torch's optimizer format, no names) to dp=2 ZeRO-1."""
-    data = lambda per_rank: lambda: RandomImageDataModule(num_samples=SAMPLES, batch_size=per_rank)  # noqa: E731
+    data = lambda per_rank: lambda: RandomImageDataModule(num_samples=SAMPLES, batch_size=per_rank)
     reference, _ = fit(CNNModule, data(8), None, 1, 8, callbacks_factory=lambda: [SaveAt(tmp_path, (3,))])
-    resumed, _ = fit(CNNModule, data(4), {"zero_stage": 1}, 2, 8, fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")})
+    resumed, _ = fit(
+        CNNModule, data(4), {"zero_stage": 1}, 2, 8, fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")}
+    )
     _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
 
 
@@ -297,10 +353,16 @@ class ValLoss(L.Callback):
 def test_consolidated_file_loads_strictly_into_the_unmodified_module(tmp_path, capsys, layout):
     """Sharded Llama -> `lightning-mgpu consolidate` (torch and safetensors) -> same loss on a batch."""
     steps, per_rank = 3, 4 if "zero_stage" in layout else 8
-    data = lambda: RandomTokenDataModule(batch_size=per_rank, with_val=True)  # noqa: E731
-    _, extras = fit(lambda: LlamaModule(seed=0), data, layout, 2, steps,
-                    trainer_kwargs={"limit_val_batches": 1, "val_check_interval": steps},
-                    callbacks_factory=lambda: [SaveAt(tmp_path, (steps,)), ValLoss()])
+    data = lambda: RandomTokenDataModule(batch_size=per_rank, with_val=True)
+    _, extras = fit(
+        lambda: LlamaModule(seed=0),
+        data,
+        layout,
+        2,
+        steps,
+        trainer_kwargs={"limit_val_batches": 1, "val_check_interval": steps},
+        callbacks_factory=lambda: [SaveAt(tmp_path, (steps,)), ValLoss()],
+    )
     sharded_loss = extras[0]["val_loss"]
     ckpt = tmp_path / f"step{steps}.ckpt"
     x, y = RandomTokenDataModule().val_data[:8]
@@ -376,18 +438,29 @@ class WriterFault(L.Callback):
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_resumable(uninterrupted, tmp_path):
     _, reference = uninterrupted
-    callbacks = lambda: [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True),  # noqa: E731
-                         WriterFault(rank=1, at=3)]  # saves: step 2 (epoch=0-step=2, last), step 4: killed
+    callbacks = lambda: [
+        ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True),
+        WriterFault(rank=1, at=3),
+    ]  # saves: step 2 (epoch=0-step=2, last), step 4: killed
     # The harness sees rank 1's death, or rank 0's collective failing because its peer is gone, whichever first.
     with pytest.raises(RuntimeError, match=r"rank 1 died with exit code -9|(?s:rank 0 of 2 failed.*closed by peer)"):
-        fit(ResumeModule, _data(2), {"zero_stage": 1}, 2, STEPS, trainer_kwargs={"enable_checkpointing": True},
-            callbacks_factory=callbacks, fit_kwargs={})
+        fit(
+            ResumeModule,
+            _data(2),
+            {"zero_stage": 1},
+            2,
+            STEPS,
+            trainer_kwargs={"enable_checkpointing": True},
+            callbacks_factory=callbacks,
+            fit_kwargs={},
+        )
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [".epoch=0-step=4.ckpt.partial", "epoch=0-step=2.ckpt", "last.ckpt"], names
     with pytest.raises(FileNotFoundError, match=r"An unfinished save was found at .*epoch=0-step=4.ckpt.partial"):
         Checkpointer().load(tmp_path / "epoch=0-step=4.ckpt", ResumeModule(), [], fitting=False)
-    resumed, _ = fit(ResumeModule, _data(2), {"zero_stage": 1}, 2, STEPS,
-                     fit_kwargs={"ckpt_path": str(tmp_path / "last.ckpt")})
+    resumed, _ = fit(
+        ResumeModule, _data(2), {"zero_stage": 1}, 2, STEPS, fit_kwargs={"ckpt_path": str(tmp_path / "last.ckpt")}
+    )
     assert resumed.losses == reference.losses[2:]
 
 
@@ -395,11 +468,19 @@ def test_async_save_with_model_checkpoint_top_k(uninterrupted, tmp_path):
     """Training goes on while shards are written; old top-k directories are deleted; the last one resumes."""
     _, reference = uninterrupted
     dirpath = tmp_path / "ckpts"
-    callbacks = lambda: [ModelCheckpoint(dirpath=dirpath, monitor="train_loss", save_top_k=2,  # noqa: E731
-                                         every_n_train_steps=1, save_last=True),
-                         WriterFault(rank=0, at=-1, delay=0.05)]
-    result, extras = fit(ResumeModule, _data(2), {"zero_stage": 2, "async_checkpoint": True}, 2, 6,
-                         trainer_kwargs={"enable_checkpointing": True}, callbacks_factory=callbacks)
+    callbacks = lambda: [
+        ModelCheckpoint(dirpath=dirpath, monitor="train_loss", save_top_k=2, every_n_train_steps=1, save_last=True),
+        WriterFault(rank=0, at=-1, delay=0.05),
+    ]
+    result, extras = fit(
+        ResumeModule,
+        _data(2),
+        {"zero_stage": 2, "async_checkpoint": True},
+        2,
+        6,
+        trainer_kwargs={"enable_checkpointing": True},
+        callbacks_factory=callbacks,
+    )
     _losses_match(reference.losses[:6], result.losses, 0, CROSS_LAYOUT_RTOL)
     assert extras[0]["steps_during_a_save"] >= 3
     assert extras[0]["last_published_at_fit_end"]  # the end of `fit` waited for the last save
@@ -407,13 +488,14 @@ def test_async_save_with_model_checkpoint_top_k(uninterrupted, tmp_path):
     best = sorted(range(1, 7), key=lambda s: result.losses[s - 1])[:2]
     assert names == sorted([f"epoch={(s - 1) // 4}-step={s}.ckpt" for s in best] + ["last.ckpt"]), names
     assert consolidate(dirpath / "last.ckpt")["global_step"] == 6
-    resumed, _ = fit(ResumeModule, _data(2), {"zero_stage": 2}, 2, STEPS,
-                     fit_kwargs={"ckpt_path": str(dirpath / "last.ckpt")})
+    resumed, _ = fit(
+        ResumeModule, _data(2), {"zero_stage": 2}, 2, STEPS, fit_kwargs={"ckpt_path": str(dirpath / "last.ckpt")}
+    )
     _losses_match(reference.losses, resumed.losses, 6, CROSS_LAYOUT_RTOL)
 
 
 def test_async_save_errors_surface_at_the_next_save(tmp_path):
-    callbacks = lambda: [SaveAt(tmp_path, (1, 2, 3)), WriterFault(rank=1, at=2, action="raise")]  # noqa: E731
+    callbacks = lambda: [SaveAt(tmp_path, (1, 2, 3)), WriterFault(rank=1, at=2, action="raise")]
     with pytest.raises(RuntimeError, match=r"(?s)asynchronous save of .*step2.ckpt failed.*No space left on device"):
         fit(ResumeModule, _data(2), {"zero_stage": 1, "async_checkpoint": True}, 2, 4, callbacks_factory=callbacks)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".step2.ckpt.partial", "step1.ckpt"]
@@ -445,11 +527,28 @@ def test_a_damaged_checkpoint_fails_naming_what_is_missing(uninterrupted, tmp_pa
 def _save_both_formats(directory: Path) -> None:
     """One job: a sharded checkpoint saved asynchronously at step 2 (and one after `fit`, which does not wait for a
     background save), and a full file saved after `fit`."""
-    _fit_worker(ResumeModule, _data(2), {"zero_stage": 1, "async_checkpoint": True}, 2, 3, 1234, {},
-                lambda: [SaveAt(directory, (2,))],
-                after_fit=lambda trainer: trainer.save_checkpoint(directory / "a.ckpt"))
-    _fit_worker(ResumeModule, _data(2), {"zero_stage": 1, "checkpoint_format": "full"}, 2, 2, 1234, {}, None,
-                after_fit=lambda trainer: trainer.save_checkpoint(directory / "full.ckpt"))
+    _fit_worker(
+        ResumeModule,
+        _data(2),
+        {"zero_stage": 1, "async_checkpoint": True},
+        2,
+        3,
+        1234,
+        {},
+        lambda: [SaveAt(directory, (2,))],
+        after_fit=lambda trainer: trainer.save_checkpoint(directory / "a.ckpt"),
+    )
+    _fit_worker(
+        ResumeModule,
+        _data(2),
+        {"zero_stage": 1, "checkpoint_format": "full"},
+        2,
+        2,
+        1234,
+        {},
+        None,
+        after_fit=lambda trainer: trainer.save_checkpoint(directory / "full.ckpt"),
+    )
 
 
 def _resume_each(paths: list[Path]) -> list[str]:
@@ -457,8 +556,9 @@ def _resume_each(paths: list[Path]) -> list[str]:
     messages = []
     for path in paths:
         try:
-            _fit_worker(ResumeModule, _data(2), {"zero_stage": 1}, 2, 4, 1234, {}, None,
-                        fit_kwargs={"ckpt_path": str(path)})
+            _fit_worker(
+                ResumeModule, _data(2), {"zero_stage": 1}, 2, 4, 1234, {}, None, fit_kwargs={"ckpt_path": str(path)}
+            )
             messages.append("")
         except CheckpointError as error:
             messages.append(str(error))
@@ -480,7 +580,8 @@ def test_a_flipped_byte_in_any_file_is_refused_naming_the_file(tmp_path, capsys)
     sharded, full = tmp_path / "step2.ckpt", tmp_path / "full.ckpt"
     for directory in (sharded, tmp_path / "a.ckpt"):
         assert sorted(json.loads((directory / "manifest.json").read_text())["files"]) == sorted(
-            p.name for p in directory.iterdir() if p.name != "manifest.json")
+            p.name for p in directory.iterdir() if p.name != "manifest.json"
+        )
     for intact in (sharded, full):
         capsys.readouterr()
         assert cli(["inspect", str(intact)]) == 0
@@ -563,10 +664,12 @@ def _gpt_of(n_layer: int = 4, n_embd: int = 32, strict: bool = True):
 def _resume_other_models(directory: Path, strategy_kwargs: dict, devices: int) -> dict[str, Any]:
     """One job: a 4-layer GPT saves; a 2-layer one resumes strictly (an error), then with `strict_loading=False`;
     a wider one resumes (an error). Every rank reports the error it raised."""
+
     def run(module, steps: int = 2, **kwargs: Any) -> Any:
         try:
-            return _fit_worker(module, _sonnets(GLOBAL_BATCH), strategy_kwargs, devices, steps, 1234, {}, None,
-                               **kwargs)["losses"]
+            return _fit_worker(
+                module, _sonnets(GLOBAL_BATCH), strategy_kwargs, devices, steps, 1234, {}, None, **kwargs
+            )["losses"]
         except CheckpointError as error:
             return str(error)
 
@@ -579,8 +682,11 @@ def _resume_other_models(directory: Path, strategy_kwargs: dict, devices: int) -
     }
 
 
-@pytest.mark.parametrize("layout", [{"zero_stage": 3}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
-                         ids=["dp2-zero3", "tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [{"zero_stage": 3}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+    ids=["dp2-zero3", "tp2", "pp2"],
+)
 def test_a_checkpoint_that_does_not_fit_the_model_fails_early_naming_why(tmp_path, layout):
     """Checked from the checkpoint's index before any data is read; under pipeline parallelism the entries of
     other stages are not "unexpected"; every rank raises the same short message."""
@@ -588,14 +694,19 @@ def test_a_checkpoint_that_does_not_fit_the_model_fails_early_naming_why(tmp_pat
     for report in reports:
         fewer = report["fewer_layers"]
         assert isinstance(fewer, str) and fewer == reports[0]["fewer_layers"], fewer
-        assert re.search(r"four_layers\.ckpt does not fit the model: it has 24 entries the model does not have:"
-                         r" model\.transformer\.h\.2\.\*, model\.transformer\.h\.3\.\* \(set `strict_loading = False`",
-                         fewer), fewer
+        assert re.search(
+            r"four_layers\.ckpt does not fit the model: it has 24 entries the model does not have:"
+            r" model\.transformer\.h\.2\.\*, model\.transformer\.h\.3\.\* \(set `strict_loading = False`",
+            fewer,
+        ), fewer
         assert isinstance(report["fewer_layers_not_strict"], list) and len(report["fewer_layers_not_strict"]) == 1
         wider = report["wider"]
         assert isinstance(wider, str) and len(wider) < 600, wider
-        assert re.search(r"shapes differ: model\.transformer\.wte\.weight is \[\d+, 48\] in the model, \[\d+, 32\] in"
-                         r" the checkpoint", wider), wider
+        assert re.search(
+            r"shapes differ: model\.transformer\.wte\.weight is \[\d+, 48\] in the model, \[\d+, 32\] in"
+            r" the checkpoint",
+            wider,
+        ), wider
         assert "strict_loading" not in wider  # no escape from a shape mismatch
 
 
@@ -654,8 +765,9 @@ ROUND_TRIPS = [  # the issue's acceptance: (save layout, devices, dp) -> (resume
 ]
 
 
-@pytest.mark.parametrize(("saved", "resumed"), ROUND_TRIPS, ids=["pp2tp2-to-dp2z3", "dp2tp2z3-to-pp2dp2z1",
-                                                                   "pp2dp2tp2-to-1proc"])
+@pytest.mark.parametrize(
+    ("saved", "resumed"), ROUND_TRIPS, ids=["pp2tp2-to-dp2z3", "dp2tp2z3-to-pp2dp2z1", "pp2dp2tp2-to-1proc"]
+)
 def test_transformer_round_trips_between_3d_layouts(tmp_path, saved, resumed):
     """Save mid-run in one 3D layout, resume in another: the states are equal after loading and the losses follow
     the uninterrupted single-process run."""
@@ -663,12 +775,24 @@ def test_transformer_round_trips_between_3d_layouts(tmp_path, saved, resumed):
         _gpt_reference["losses"] = fit(_gpt, _sonnets(GLOBAL_BATCH), None, 1, 6)[0].losses
     reference = _gpt_reference["losses"]
     (save_kwargs, save_devices, save_dp), (resume_kwargs, resume_devices, resume_dp) = saved, resumed
-    first, _ = fit(_gpt, _sonnets(GLOBAL_BATCH // save_dp), save_kwargs, save_devices, 3,
-                   callbacks_factory=lambda: [SaveAt(tmp_path, steps=(3,))])
+    first, _ = fit(
+        _gpt,
+        _sonnets(GLOBAL_BATCH // save_dp),
+        save_kwargs,
+        save_devices,
+        3,
+        callbacks_factory=lambda: [SaveAt(tmp_path, steps=(3,))],
+    )
     _losses_match(reference[:3], first.losses, 0, CROSS_LAYOUT_RTOL)
     resave_dir = tmp_path / "after"
-    second, _ = fit(_gpt, _sonnets(GLOBAL_BATCH // resume_dp), resume_kwargs or None if resume_devices > 1 else
-                    resume_kwargs, resume_devices, 6, callbacks_factory=lambda: [SaveAt(resave_dir, resave=True)],
-                    fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")})
+    second, _ = fit(
+        _gpt,
+        _sonnets(GLOBAL_BATCH // resume_dp),
+        resume_kwargs or None if resume_devices > 1 else resume_kwargs,
+        resume_devices,
+        6,
+        callbacks_factory=lambda: [SaveAt(resave_dir, resave=True)],
+        fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")},
+    )
     _losses_match(reference, second.losses, 3, CROSS_LAYOUT_RTOL)
     _assert_same_states(tmp_path / "step3.ckpt", resave_dir / "resaved.ckpt")

@@ -31,6 +31,8 @@ def test_the_readme_demo_command_as_written():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dp=2 x tp=2 x pp=2 (zero_stage=1) on 8 cpu processes" in out.stdout
     final = dict(re.findall(r"final (\w+): ([0-9.]+)", out.stdout))
-    assert float(final["train_loss"]) < 3.0 and float(final["val_loss"]) < 3.0, out.stdout[-2000:]  # ln(256) = 5.5 at start
+    assert float(final["train_loss"]) < 3.0 and float(final["val_loss"]) < 3.0, out.stdout[
+        -2000:
+    ]  # ln(256) = 5.5 at start
     assert "sample:" in out.stdout
     assert "Traceback" not in out.stderr

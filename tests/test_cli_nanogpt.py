@@ -37,9 +37,18 @@ def test_the_example_model_is_the_published_nanogpt():
 
 def test_cli_trains_nanogpt_under_dp2_tp2(tmp_path):
     steps = 20
-    cmd = [sys.executable, str(SCRIPT), "fit", "--config", str(CONFIG), f"--trainer.default_root_dir={tmp_path}",
-           f"--trainer.max_steps={steps}", "--trainer.strategy.init_args.start_method=fork",
-           "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "fit",
+        "--config",
+        str(CONFIG),
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.max_steps={steps}",
+        "--trainer.strategy.init_args.start_method=fork",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.save_dir={tmp_path}",
+    ]
     try:
         result = run(cmd, timeout=TIMEOUT)
     except TimeoutError as error:

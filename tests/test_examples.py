@@ -22,6 +22,7 @@ CLI_SCRIPT = Path("examples") / "cli" / "train.py"
 CLI_CONFIG = Path("examples") / "cli" / "hybrid_zero2.yaml"
 TIMEOUT = 300
 
+
 # ------------------------------------------------------------------------------------------------------ notebook
 def test_notebook_is_saved_without_outputs():
     nbformat = pytest.importorskip("nbformat")
@@ -129,15 +130,23 @@ def test_cli_3d_and_llama_configs_resolve_their_layouts():
     from lightning_mgpu import HybridStrategy
     from lightning_mgpu.demo import GPTLightningModule, TextDataModule
 
-    cli = LightningCLI(GPTLightningModule, TextDataModule, run=False,
-                       args=["--config", str(REPO / CLI_3D_CONFIG), "--seed_everything=false"])
+    cli = LightningCLI(
+        GPTLightningModule,
+        TextDataModule,
+        run=False,
+        args=["--config", str(REPO / CLI_3D_CONFIG), "--seed_everything=false"],
+    )
     layout = cli.trainer.strategy.layout
     assert isinstance(cli.trainer.strategy, HybridStrategy)
     assert (layout.pipeline_parallel_size, layout.data_parallel_size, layout.tensor_parallel_size) == (2, 2, 2)
     assert layout.zero_stage == 1 and cli.model.hparams.n_layer == 4
 
-    cli = LightningCLI(_llama_module_class(), TextDataModule, run=False,
-                       args=["--config", str(REPO / LLAMA_CONFIG), "--seed_everything=false"])
+    cli = LightningCLI(
+        _llama_module_class(),
+        TextDataModule,
+        run=False,
+        args=["--config", str(REPO / LLAMA_CONFIG), "--seed_everything=false"],
+    )
     layout = cli.trainer.strategy.layout
     assert (layout.pipeline_parallel_size, layout.data_parallel_size, layout.tensor_parallel_size) == (1, 1, 2)
     assert type(cli.model.model).__name__ == "LlamaForCausalLM"
@@ -148,7 +157,9 @@ def test_cli_trains_3d_pipeline_data_tensor_parallel(tmp_path):
     # Eight processes: forked from the parent that has already imported torch (as in a notebook) instead of eight
     # fresh interpreters (~50 s on 2 cores); the script launcher is what the ZeRO-2 config above runs.
     result = _run_cli(
-        "--trainer.max_steps=2", "--trainer.strategy.init_args.start_method=fork", root_dir=tmp_path,
+        "--trainer.max_steps=2",
+        "--trainer.strategy.init_args.start_method=fork",
+        root_dir=tmp_path,
         config=CLI_3D_CONFIG,
     )
     _assert_trained(result, processes=8, max_steps=2)

@@ -22,8 +22,8 @@ from lightning_mgpu.failures import FailureRecord, coordinates, format_report, i
 from tests.helpers.distributed import free_port
 
 pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="finds the job's processes in /proc; children follow their launcher"
-    " through Linux's PR_SET_PDEATHSIG"
+    not sys.platform.startswith("linux"),
+    reason="finds the job's processes in /proc; children follow their launcher through Linux's PR_SET_PDEATHSIG",
 )
 
 DEADLINE_S = 120  # for a whole run; a hang fails here instead of blocking the suite
@@ -78,8 +78,19 @@ for rank in range(2):
 sys.exit(max(abs(p.wait()) for p in procs))
 """
 
-_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                     "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "LIGHTNING_MGPU_FAILURE_DIR")
+_LAUNCH_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "PL_GLOBAL_SEED",
+    "LIGHTNING_MGPU_FAILURE_DIR",
+)
 
 
 class Run:
@@ -134,8 +145,10 @@ def _run(tmp_path: Path, command: list[str], kill_main_at_failure: bool = False,
     assert failed_at or env["FAIL_RANK"] == "none", "no rank failed:\n" + (tmp_path / "stderr").read_text()[-5000:]
     failed = min(failed_at, default=ended)
     run = Run(proc.returncode, (tmp_path / "stderr").read_text(), (tmp_path / "stdout").read_text(), ended - failed)
-    print(f"\n{command[1:3]} {env}: exit code {proc.returncode} {ended - failed:.1f} s after the failure,"
-          f" last process gone after {gone - failed:.1f} s")
+    print(
+        f"\n{command[1:3]} {env}: exit code {proc.returncode} {ended - failed:.1f} s after the failure,"
+        f" last process gone after {gone - failed:.1f} s"
+    )
     return run
 
 
@@ -177,8 +190,14 @@ def test_script_launcher_main_process_killed_leaves_no_orphan(tmp_path):
 
 def test_script_launcher_lets_its_children_finish(tmp_path):
     # Children die with the main process, so it waits for them at exit: a rank's work after `fit` is not cut short.
-    run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="none", FAIL_MODE="-",
-               RANK_1_WORKS_AFTER_FIT="1")
+    run = _run(
+        tmp_path,
+        [sys.executable, "train.py"],
+        START="popen",
+        FAIL_RANK="none",
+        FAIL_MODE="-",
+        RANK_1_WORKS_AFTER_FIT="1",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "rank_1_finished").exists()
     assert "lightning-mgpu:" not in run.stderr
@@ -199,13 +218,21 @@ def test_fork_launcher_worker_killed(tmp_path):
 
 # ------------------------------------------------------------------------------- torchrun, SLURM-style external
 def test_torchrun_worker_raises(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), "train.py"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "train.py",
+    ]
     run = _run(tmp_path, command, START="auto", FAIL_RANK="1", FAIL_MODE="raise")
     _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) failed: ValueError: boom")
     # The survivor says in one line why it stopped; torchrun's summary names rank 1 with our traceback (the once).
     assert "lightning-mgpu: rank 0 of 2 (pp 0, dp 0, tp 0) stopped: rank 1 failed: ValueError: boom" in run.stderr
-    summary = run.stderr[run.stderr.index("Root Cause"):]
+    summary = run.stderr[run.stderr.index("Root Cause") :]
     assert "rank      : 1" in summary and summary.count('raise ValueError("boom")') == 1
     assert "Connection reset by peer" not in run.stderr and "Connection closed by peer" not in run.stderr
 

@@ -45,11 +45,13 @@ SCRIPT = textwrap.dedent(
 def test_forked_fit_reports_the_checkpoint_paths_in_the_main_process(tmp_path: Path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True,
-                          timeout=180)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.split(" ", 1)[0] in
-                 ("LAST", "BEST", "SCORE"))
+    lines = dict(
+        line.split(" ", 1) for line in done.stdout.splitlines() if line.split(" ", 1)[0] in ("LAST", "BEST", "SCORE")
+    )
     assert Path(lines["LAST"]).name == "last.ckpt" and Path(lines["LAST"]).exists(), done.stdout
     assert Path(lines["BEST"]).exists() and Path(lines["BEST"]) != Path(lines["LAST"]), done.stdout
     assert float(lines["SCORE"]) > 0

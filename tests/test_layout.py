@@ -33,7 +33,11 @@ def test_resolve_auto_sizes(world, sizes, expected):
         (4, dict(zero_stage=True), "zero_stage.*got True"),
         (6, dict(tensor_parallel_size=4), "multiply to 4.*does not divide the world size 6"),
         (4, dict(data_parallel_size=2, tensor_parallel_size=1, pipeline_parallel_size=1), "= 2 processes.*has 4"),
-        (4, dict(data_parallel_size=4, tensor_parallel_size=2), "= 8 processes, but the Trainer has 4.*data_parallel_size='auto'"),
+        (
+            4,
+            dict(data_parallel_size=4, tensor_parallel_size=2),
+            "= 8 processes, but the Trainer has 4.*data_parallel_size='auto'",
+        ),
     ],
 )
 def test_invalid_layouts_name_argument_value_and_fix(world, sizes, match):

@@ -50,8 +50,11 @@ def layouts(draw):
         schedule = draw(st.sampled_from(schedules))
         num_stages = pp * stages_per_rank(schedule, None)
         per_rank_batch = GLOBAL_BATCH // dp
-        counts = [m for m in (1, 2, 4, 8) if per_rank_batch % m == 0
-                  and microbatch_count_error(schedule, m, pp, num_stages) is None]
+        counts = [
+            m
+            for m in (1, 2, 4, 8)
+            if per_rank_batch % m == 0 and microbatch_count_error(schedule, m, pp, num_stages) is None
+        ]
         strategy.update(pipeline_schedule=schedule, num_microbatches=draw(st.sampled_from(counts)))
     precision = draw(st.sampled_from(sorted(TOLERANCE)))
     return model, strategy, world, dp, precision
@@ -65,16 +68,33 @@ def _check(model: str, strategy: dict, world: int, dp: int, precision: str) -> N
     trainer_kwargs = {"precision": precision}
     key = (model, precision)
     if key not in _references:
-        _references[key] = fit(factory, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH), None, 1, STEPS,
-                               trainer_kwargs=trainer_kwargs)[0]
-    result, _ = fit(factory, lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH // dp), strategy, world, STEPS,
-                    trainer_kwargs=trainer_kwargs)
+        _references[key] = fit(
+            factory,
+            lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH),
+            None,
+            1,
+            STEPS,
+            trainer_kwargs=trainer_kwargs,
+        )[0]
+    result, _ = fit(
+        factory,
+        lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH // dp),
+        strategy,
+        world,
+        STEPS,
+        trainer_kwargs=trainer_kwargs,
+    )
     loss_rtol, weight_atol = TOLERANCE[precision]
     assert_same_training(_references[key], result, loss_rtol=loss_rtol, weight_rtol=1e-3, weight_atol=weight_atol)
 
 
-@settings(max_examples=EXAMPLES or 6, derandomize=not EXAMPLES, deadline=None, print_blob=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=EXAMPLES or 6,
+    derandomize=not EXAMPLES,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(layouts())
 def test_any_valid_layout_trains_like_one_process(drawn):
     model, strategy, world, dp, precision = drawn

@@ -64,12 +64,20 @@ def _patched_objects() -> list:
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.pipelining import schedules
 
-    return [dist.all_reduce, dist.broadcast, dist.batch_isend_irecv, funcol.all_reduce, funcol.wait_tensor,
-            schedules._batch_p2p, torch._C._distributed_c10d.Work.wait]
+    return [
+        dist.all_reduce,
+        dist.broadcast,
+        dist.batch_isend_irecv,
+        funcol.all_reduce,
+        funcol.wait_tensor,
+        schedules._batch_p2p,
+        torch._C._distributed_c10d.Work.wait,
+    ]
 
 
-def _fit(out: Path, strategy="auto", devices: int = 1, delay: float = 0.0, logger=False,
-         monitored: bool = True) -> tuple[dict, dict, list]:
+def _fit(
+    out: Path, strategy="auto", devices: int = 1, delay: float = 0.0, logger=False, monitored: bool = True
+) -> tuple[dict, dict, list]:
     L.seed_everything(7)
     kwargs = dict(batch_size=8, block_size=32)
     datamodule = _SlowDataModule(delay, **kwargs) if delay else TextDataModule(**kwargs)
@@ -77,9 +85,17 @@ def _fit(out: Path, strategy="auto", devices: int = 1, delay: float = 0.0, logge
     monitor, ends = ScalingMonitor(dirpath=out, verbose=False), _StepEnds()  # the test's clock is read first
     callbacks = [ends, monitor] if monitored else [ends]
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=callbacks,
-        logger=logger, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=callbacks,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
     )
     trainer.fit(model, datamodule)
     # The test clock's interval per step, for this rank.
@@ -90,7 +106,8 @@ def _fit(out: Path, strategy="auto", devices: int = 1, delay: float = 0.0, logge
 def _layout_job(dp: int, tp: int, pp: int, out: str, lightning_strategy: str = "") -> dict:
     before = _patched_objects()
     strategy = lightning_strategy or HybridStrategy(
-        data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp
+    )
     report, walls, _ = _fit(Path(out), strategy, devices=dp * tp * pp)
     return {"report": report, "walls": walls, "restored": _patched_objects() == before}
 
@@ -133,8 +150,12 @@ def test_split_adds_up_on_every_layout(tmp_path, dp, tp, pp, axes):
     _check_split_adds_up(report, [r["walls"] for r in results])
     exposed = {axis for axis, c in report["communication"].items() if c["exposed_s"] > 0}
     assert axes <= exposed, report["communication"]
-    assert report["layout"] == {"data_parallel_size": dp, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-                                "zero_stage": 0}
+    assert report["layout"] == {
+        "data_parallel_size": dp,
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+        "zero_stage": 0,
+    }
     assert report["throughput"]["tokens_per_s"] > 0 and 0 < report["throughput"]["mfu"] < 1
     assert len(report["memory"]) == dp * tp * pp and all(m["parameters"] > 0 for m in report["memory"])
     assert all(m["activations"] > 0 and m["optimizer"] > 0 for m in report["memory"])
@@ -204,13 +225,20 @@ def _report(fractions: dict, **extra) -> dict:
 def test_diagnoses_name_the_axis_the_bubble_and_the_memory_headroom():
     kinds = {d["kind"] for d in diagnose(_report({"compute": 0.5, "comm_tp": 0.4, "comm_dp": 0.1}))}
     assert kinds == {"communication_bound_tp"}
-    pipeline = {"schedule": "GPipe", "pp": 4, "stages": 4, "num_microbatches": 4, "measured_bubble": 0.7,
-                "analytic_bubble": 3 / 7}
+    pipeline = {
+        "schedule": "GPipe",
+        "pp": 4,
+        "stages": 4,
+        "num_microbatches": 4,
+        "measured_bubble": 0.7,
+        "analytic_bubble": 3 / 7,
+    }
     found = diagnose(_report({"compute": 1.0}, pipeline=pipeline))
     assert [d["kind"] for d in found] == ["bubble_above_theory"] and "num_microbatches (e.g. 8)" in found[0]["change"]
     memory = [{"rank": 0, "peak": 10, "capacity": 100}]
-    found = diagnose(_report({"compute": 1.0}, memory=memory, layout={"zero_stage": 3},
-                             options={"activation_checkpointing": "full"}))
+    found = diagnose(
+        _report({"compute": 1.0}, memory=memory, layout={"zero_stage": 3}, options={"activation_checkpointing": "full"})
+    )
     assert [d["kind"] for d in found] == ["memory_headroom"]
     assert "activation_checkpointing off" in found[0]["change"] and "zero_stage=2" in found[0]["change"]
     tight = diagnose(_report({"compute": 1.0}, memory=[{"rank": 0, "peak": 95, "capacity": 100}]))

@@ -39,12 +39,30 @@ def two_node_run(tmp_path_factory):
         pytest.skip("torchrun is not installed")
     report_dir = tmp_path_factory.mktemp("multinode")
     port = str(free_port())
-    args = ["--accelerator", "cpu", "--tp", "2", "--pp", "2", "--max-steps", str(MAX_STEPS), "--timeout", "120",
-            "--report-dir", str(report_dir)]
+    args = [
+        "--accelerator",
+        "cpu",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--max-steps",
+        str(MAX_STEPS),
+        "--timeout",
+        "120",
+        "--report-dir",
+        str(report_dir),
+    ]
     command = ["bash", str(MULTINODE / "torchrun.sh"), *args]
     envs = [
-        clean_env(NNODES=str(NODES), NPROC_PER_NODE=str(DEVICES), NODE_RANK=str(node), MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=port, TORCHRUN=TORCHRUN)
+        clean_env(
+            NNODES=str(NODES),
+            NPROC_PER_NODE=str(DEVICES),
+            NODE_RANK=str(node),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            TORCHRUN=TORCHRUN,
+        )
         for node in range(NODES)
     ]
     results = run_together([command, command], timeout=TIMEOUT, envs=envs)
@@ -76,8 +94,9 @@ def test_two_simulated_nodes_keep_tensor_parallel_groups_inside_a_node(two_node_
 def test_two_simulated_nodes_train_like_one_process(two_node_run):
     _, reports = two_node_run
     example = _example_module()
-    reference, _ = fit(example.build_module, example.build_datamodule, devices=1, max_steps=MAX_STEPS,
-                       seed=example.SEED)
+    reference, _ = fit(
+        example.build_module, example.build_datamodule, devices=1, max_steps=MAX_STEPS, seed=example.SEED
+    )
     assert len(reference.losses) == MAX_STEPS
     for report in reports:  # logged on every rank, the single-process values
         assert report["losses"] == pytest.approx(reference.losses, rel=LOSS_RTOL, abs=0.0), report["global_rank"]
@@ -111,13 +130,33 @@ def test_slurm_script_runs_as_two_simulated_nodes(two_node_run, tmp_path):
     report_dir = tmp_path / "reports"
     env = clean_env(
         PATH=f"{bin_dir}:{Path(TORCHRUN).parent}:{clean_env()['PATH']}",
-        SLURM_JOB_ID="4242", SLURM_JOB_NAME="hybrid-tp-pp", SLURM_JOB_NODELIST="127.0.0.1",
-        SLURM_NODELIST="127.0.0.1", SLURM_NNODES=str(NODES), SLURM_NTASKS_PER_NODE=str(DEVICES),
-        SLURM_NTASKS=str(NODES * DEVICES), SLURM_CPUS_PER_TASK="1", MASTER_PORT=str(free_port()),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="hybrid-tp-pp",
+        SLURM_JOB_NODELIST="127.0.0.1",
+        SLURM_NODELIST="127.0.0.1",
+        SLURM_NNODES=str(NODES),
+        SLURM_NTASKS_PER_NODE=str(DEVICES),
+        SLURM_NTASKS=str(NODES * DEVICES),
+        SLURM_CPUS_PER_TASK="1",
+        MASTER_PORT=str(free_port()),
     )
     # The script's own arguments are for GPUs; later ones win (argparse), as `sbatch slurm.sbatch --tp 4` would.
-    args = ["--accelerator", "cpu", "--precision", "32-true", "--tp", "2", "--pp", "2", "--max-steps", str(MAX_STEPS),
-            "--timeout", "120", "--report-dir", str(report_dir)]
+    args = [
+        "--accelerator",
+        "cpu",
+        "--precision",
+        "32-true",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--max-steps",
+        str(MAX_STEPS),
+        "--timeout",
+        "120",
+        "--report-dir",
+        str(report_dir),
+    ]
     (result,) = run_together([["bash", str(MULTINODE / "slurm.sbatch"), *args]], timeout=TIMEOUT, envs=[env])
     assert result.returncode == 0, result.stdout[-5000:]
     reports = [json.loads((report_dir / f"rank{rank}.json").read_text()) for rank in range(NODES * DEVICES)]

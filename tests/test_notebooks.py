@@ -16,8 +16,11 @@ import pytest
 from tests.helpers.notebooks import execute, text_outputs
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-SAVED_WITH_OUTPUTS = ("notebook_finetune_hf.ipynb", "notebook_checkpoints_across_layouts.ipynb",
-                      "notebook_choosing_a_layout.ipynb")
+SAVED_WITH_OUTPUTS = (
+    "notebook_finetune_hf.ipynb",
+    "notebook_checkpoints_across_layouts.ipynb",
+    "notebook_choosing_a_layout.ipynb",
+)
 SAVED_WITHOUT_OUTPUTS = ("notebook_hybrid_strategy.ipynb",)  # run by tests/test_examples.py
 
 
@@ -45,7 +48,7 @@ def test_finetune_hf_notebook(tmp_path):
     assert re.search(r"model\.safetensors \(39 tensors, prefix 'model\.' stripped; wrote config\.json", out), out
     exported, workers = map(float, re.search(r"exported model: ([\d.]+) \(workers, bf16-mixed: ([\d.]+)", out).groups())
     assert exported == pytest.approx(workers, abs=0.05) and exported < 5.8  # trained: ln(512) = 6.24 untrained
-    generated = out[out.rindex("Shall I compare thee"):]
+    generated = out[out.rindex("Shall I compare thee") :]
     assert len(generated.strip()) > len("Shall I compare thee") + 20, generated  # the generate cell wrote text
 
 
@@ -69,8 +72,12 @@ def test_choosing_a_layout_notebook(tmp_path):
     nb, seconds = execute(EXAMPLES / "notebook_choosing_a_layout.ipynb", tmp_path)
     out = text_outputs(nb)
     print(f"notebook_choosing_a_layout.ipynb: {seconds:.0f} s")
-    rows = re.findall(r"^\s*(\S.*?)\s+(dp=\d x tp=\d x pp=\d \(zero_stage=\d\))\s+(\d+)\s+(\d+)\s+"
-                      r"([\d.]+(?: +[\d.]+){3})", out, flags=re.M)
+    rows = re.findall(
+        r"^\s*(\S.*?)\s+(dp=\d x tp=\d x pp=\d \(zero_stage=\d\))\s+(\d+)\s+(\d+)\s+"
+        r"([\d.]+(?: +[\d.]+){3})",
+        out,
+        flags=re.M,
+    )
     assert len(rows) == 6, out
     state = {name: [float(mb) for mb in per_rank.split()] for name, _, _, _, per_rank in rows}
     assert all(len(mbs) == 4 for mbs in state.values())

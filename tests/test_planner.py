@@ -38,8 +38,16 @@ TABLE_1 = [
 
 def _megatron_gpt(hidden: int, heads: int, layers: int) -> ModelSpec:
     """The paper's GPT: vocabulary 51200, sequence 2048, learned positions, head tied to the embedding."""
-    return ModelSpec(layers=layers, hidden=hidden, heads=heads, vocab=51200, seq_len=2048, tied_embeddings=True,
-                     learned_positions=True, name="megatron-gpt")
+    return ModelSpec(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        vocab=51200,
+        seq_len=2048,
+        tied_embeddings=True,
+        learned_positions=True,
+        name="megatron-gpt",
+    )
 
 
 @pytest.mark.parametrize("row", TABLE_1, ids=[row[0] for row in TABLE_1])
@@ -114,8 +122,9 @@ def test_memory_by_zero_stage_and_schedule():
     assert mem["params"] == pytest.approx(4 * ((n - whole) / 2 + whole), rel=2e-3)
     base = dict(pp=4, dp=2, microbatch_size=1, num_microbatches=16)
     small_vocab = ModelSpec(layers=8, hidden=1024, heads=16, vocab=1000, seq_len=1024)  # the first stage is fullest
-    act = {s: memory(small_vocab, cluster, training, Layout(schedule=s, **base))["activations"]
-           for s in ("GPipe", "1F1B")}
+    act = {
+        s: memory(small_vocab, cluster, training, Layout(schedule=s, **base))["activations"] for s in ("GPipe", "1F1B")
+    }
     assert act["GPipe"] / act["1F1B"] == pytest.approx(16 / 4, rel=0.01)
     assert bubble_fraction(Layout(schedule="1F1B", **base)) == pytest.approx(3 / 19)
     assert bubble_fraction(Layout(schedule="Interleaved1F1B", **base)) == pytest.approx(1.5 / 17.5)
@@ -147,8 +156,25 @@ def test_scaling_efficiency_is_against_one_node():
 
 
 def test_plan_command_table_json_and_fix(capsys):
-    flags = ["plan", "--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab", "32000", "--seq-len", "2048",
-             "--gpu", "a100-80gb", "--gpus", "16", "--global-batch", "64"]
+    flags = [
+        "plan",
+        "--layers",
+        "24",
+        "--hidden",
+        "2048",
+        "--heads",
+        "16",
+        "--vocab",
+        "32000",
+        "--seq-len",
+        "2048",
+        "--gpu",
+        "a100-80gb",
+        "--gpus",
+        "16",
+        "--global-batch",
+        "64",
+    ]
     assert main(flags + ["--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "GB/GPU" in out and "Why: tp=" in out
@@ -171,21 +197,48 @@ def test_plan_command_table_json_and_fix(capsys):
 
 
 def test_plan_command_reads_a_module(capsys):
-    assert main(["plan", "--module", "lightning_mgpu.demo:GPTLightningModule", "--init-args",
-                 '{"n_layer": 6, "n_embd": 256, "n_head": 8}', "--gpus", "8", "--top", "2"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--module",
+                "lightning_mgpu.demo:GPTLightningModule",
+                "--init-args",
+                '{"n_layer": 6, "n_embd": 256, "n_head": 8}',
+                "--gpus",
+                "8",
+                "--top",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "GPTLightningModule:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--layers", "4"], "give --hidden --heads --vocab --seq-len"),
-    (["--module", "lightning_mgpu.demo:Nope"], "has no attribute 'Nope'"),
-    (["--module", "lightning_mgpu.demo:GPTLightningModule", "--init-args", "{bad"], "--init-args is not valid JSON"),
-    (["--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "9", "--seq-len", "8", "--gpu", "tpu"],
-     "Unknown --gpu 'tpu'"),
-    (["--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "9", "--seq-len", "8", "--fix", "tp"],
-     "expected key=value"),
-    (["--layers", "4", "--hidden", "64", "--heads", "5", "--vocab", "9", "--seq-len", "8"], "not divisible by heads"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--layers", "4"], "give --hidden --heads --vocab --seq-len"),
+        (["--module", "lightning_mgpu.demo:Nope"], "has no attribute 'Nope'"),
+        (
+            ["--module", "lightning_mgpu.demo:GPTLightningModule", "--init-args", "{bad"],
+            "--init-args is not valid JSON",
+        ),
+        (
+            ["--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "9", "--seq-len", "8", "--gpu", "tpu"],
+            "Unknown --gpu 'tpu'",
+        ),
+        (
+            ["--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "9", "--seq-len", "8", "--fix", "tp"],
+            "expected key=value",
+        ),
+        (
+            ["--layers", "4", "--hidden", "64", "--heads", "5", "--vocab", "9", "--seq-len", "8"],
+            "not divisible by heads",
+        ),
+    ],
+)
 def test_plan_command_bad_input(argv, message):
     with pytest.raises(SystemExit, match=message):
         main(["plan", *argv])
@@ -232,6 +285,7 @@ def step_medians(extras: list[dict], warmup: int = WARMUP_STEPS) -> tuple[float,
 
 def spearman(a: list[float], b: list[float]) -> float:
     """Rank correlation of two lists of distinct values."""
+
     def ranks(xs: list[float]) -> list[int]:
         order = sorted(range(len(xs)), key=xs.__getitem__)
         return [order.index(i) for i in range(len(xs))]
@@ -267,9 +321,14 @@ def measured_runs(calibrated):  # calibrated first: the runs then find the machi
     runs = []
     for processes, kwargs in MEASURED_LAYOUTS:
         dp = processes // (kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1))
-        _, extras = fit(lambda: GPTLightningModule(**MEASURED_GPT), lambda dp=dp: TextDataModule(
-            batch_size=MEASURED_BATCH // dp, block_size=MEASURED_GPT["block_size"]), kwargs, processes,
-            MEASURED_STEPS, callbacks_factory=lambda: [MemoryProbe(step=1), StepTimer()])
+        _, extras = fit(
+            lambda: GPTLightningModule(**MEASURED_GPT),
+            lambda dp=dp: TextDataModule(batch_size=MEASURED_BATCH // dp, block_size=MEASURED_GPT["block_size"]),
+            kwargs,
+            processes,
+            MEASURED_STEPS,
+            callbacks_factory=lambda: [MemoryProbe(step=1), StepTimer()],
+        )
         runs.append((processes, kwargs, extras))
     return runs
 
@@ -287,8 +346,10 @@ def test_predicted_memory_matches_measured(measured_runs):
         predicted = memory(spec, cluster, training, _planner_layout(processes, kwargs))
         predicted_static = predicted["params"] + predicted["grads"] + predicted["optimizer"]
         rows.append((processes, kwargs, measured, predicted_static))
-    report = "\n".join(f"{p} processes {k}: measured {m / 1e3:.1f} kB, predicted {q / 1e3:.1f} kB ({q / m - 1:+.1%})"
-                       for p, k, m, q in rows)
+    report = "\n".join(
+        f"{p} processes {k}: measured {m / 1e3:.1f} kB, predicted {q / 1e3:.1f} kB ({q / m - 1:+.1%})"
+        for p, k, m, q in rows
+    )
     print(report)
     for _, _, measured, predicted in rows:
         assert predicted == pytest.approx(measured, rel=0.10), report
@@ -312,10 +373,15 @@ def test_predicted_step_time_ranks_the_layouts_as_measured(calibrated, measured_
         rows.append((processes, kwargs, *step_medians(extras), predicted, predicted / cluster.contention))
     rho = spearman([r[4] for r in rows], [r[2] for r in rows])
     rho_cpu = spearman([r[5] for r in rows], [r[3] for r in rows])
-    report = "\n".join(f"{p} processes {k}: measured {w * 1e3:.1f} ms (CPU {c * 1e3:.1f}), predicted {q * 1e3:.1f}"
-                       f" ms (CPU {qc * 1e3:.1f})" for p, k, w, c, q, qc in rows)
-    report += (f"\nSpearman {rho:.2f} (CPU time against the predicted work per process: {rho_cpu:.2f});"
-               f" {machine.as_cluster(4)[1].source}")
+    report = "\n".join(
+        f"{p} processes {k}: measured {w * 1e3:.1f} ms (CPU {c * 1e3:.1f}), predicted {q * 1e3:.1f}"
+        f" ms (CPU {qc * 1e3:.1f})"
+        for p, k, w, c, q, qc in rows
+    )
+    report += (
+        f"\nSpearman {rho:.2f} (CPU time against the predicted work per process: {rho_cpu:.2f});"
+        f" {machine.as_cluster(4)[1].source}"
+    )
     print(report)
     assert rho_cpu >= 0.8, report
     if machine.busy <= machine.cores:
@@ -325,8 +391,9 @@ def test_predicted_step_time_ranks_the_layouts_as_measured(calibrated, measured_
 def test_calibration_shares_cores_between_processes():
     from lightning_mgpu.planner.calibrate import Measurements
 
-    machine = Measurements(flops=2e10, memory_bw=1e10, latency=1e-4, bus_bw=1e9, memory_gb=16, cores=2,
-                           layer_overhead=1e-3)
+    machine = Measurements(
+        flops=2e10, memory_bw=1e10, latency=1e-4, bus_bw=1e9, memory_gb=16, cores=2, layer_overhead=1e-3
+    )
     one, eff_one = machine.as_cluster(2)
     four, eff_four = machine.as_cluster(4)
     assert one.peak_tflops == four.peak_tflops == pytest.approx(0.02)  # per process on a core of its own
@@ -345,9 +412,26 @@ def test_calibration_shares_cores_between_processes():
 
 
 def test_plan_calibrate_measures_this_machine(capsys):
-    assert main(["plan", "--module", "lightning_mgpu.demo:GPTLightningModule", "--init-args",
-                 json.dumps(MEASURED_GPT), "--calibrate", "--gpus", "2", "--global-batch", "8", "--precision",
-                 "32-true", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--module",
+                "lightning_mgpu.demo:GPTLightningModule",
+                "--init-args",
+                json.dumps(MEASURED_GPT),
+                "--calibrate",
+                "--gpus",
+                "2",
+                "--global-batch",
+                "8",
+                "--precision",
+                "32-true",
+                "--json",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     assert plan["cluster"]["name"] == "this-machine" and plan["cluster"]["gpus"] == 2
     assert plan["efficiency"]["source"].startswith("calibrated here")
@@ -364,7 +448,8 @@ def test_choose_layout_for_a_real_module_keeps_fixed_sizes():
     best = choose_layout(module, cluster, global_batch=8, precision="32-true", fixed={"tp": 2})
     assert best.fits and best.layout.tp == 2 and best.layout.gpus == 4
     assert 8 % best.layout.dp == 0 and 4 % best.layout.pp == 0
-    tiny = ClusterSpec(gpus=4, gpus_per_node=4, memory_gb=1e-4, peak_tflops=1, intra_node_gbps=1, inter_node_gbps=1,
-                       reserved_gb=0)
+    tiny = ClusterSpec(
+        gpus=4, gpus_per_node=4, memory_gb=1e-4, peak_tflops=1, intra_node_gbps=1, inter_node_gbps=1, reserved_gb=0
+    )
     with pytest.raises(ValueError, match=r"found no layout .* needs .* GB per GPU"):
         choose_layout(module, tiny, global_batch=8)

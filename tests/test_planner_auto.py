@@ -9,7 +9,6 @@ from typing import Any
 
 import lightning as L
 import pytest
-import torch
 
 from lightning_mgpu import HybridStrategy
 from lightning_mgpu.demo import GPTLightningModule
@@ -53,11 +52,15 @@ def test_auto_choices_are_checked_against_the_options_when_the_trainer_is_built(
     _trainer(strategy, devices=2)
     assert [c.tensor_parallel_size for c in strategy._layout_choices] == [2]
     # No candidate runs: every candidate's reason, before any process starts.
-    strategy = HybridStrategy(tensor_parallel_size="auto", pipeline_parallel_size="auto", sequence_parallel=True,
-                              num_microbatches=4)
-    with pytest.raises(ValueError, match=r"(?s)No layout the 'auto' sizes allow on 2 processes runs with these"
-                                         r" options:\n- dp=2 x tp=1 x pp=1.*`sequence_parallel=True`.*"
-                                         r"\n- dp=1 x tp=2 x pp=1 \(zero_stage=0\): `num_microbatches=4`"):
+    strategy = HybridStrategy(
+        tensor_parallel_size="auto", pipeline_parallel_size="auto", sequence_parallel=True, num_microbatches=4
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)No layout the 'auto' sizes allow on 2 processes runs with these"
+        r" options:\n- dp=2 x tp=1 x pp=1.*`sequence_parallel=True`.*"
+        r"\n- dp=1 x tp=2 x pp=1 \(zero_stage=0\): `num_microbatches=4`",
+    ):
         _trainer(strategy, devices=2)
 
 
@@ -70,20 +73,30 @@ def test_the_planner_picks_the_fastest_layout_that_fits_and_says_why_not_otherwi
     # Memory for about half the replicated model's states: only sharded or split layouts fit.
     replicated = plan_strategy_layout(module, choices[:1], local_cluster(4, 4), 2, "32-true", ParallelOptions())
     full = replicated.estimate.memory["total"]
-    tight = ClusterSpec(gpus=4, gpus_per_node=4, memory_gb=0.8 * full / 2**30, peak_tflops=0.02, intra_node_gbps=1,
-                        inter_node_gbps=0.1, hbm_gbps=10, reserved_gb=0)
+    tight = ClusterSpec(
+        gpus=4,
+        gpus_per_node=4,
+        memory_gb=0.8 * full / 2**30,
+        peak_tflops=0.02,
+        intra_node_gbps=1,
+        inter_node_gbps=0.1,
+        hbm_gbps=10,
+        reserved_gb=0,
+    )
     chosen = plan_strategy_layout(module, choices, tight, 2, "32-true", ParallelOptions())
     assert chosen.estimate.fits and chosen.estimate.memory["total"] < full
     assert chosen.layout != choices[0] and "predicted" in chosen.describe()
-    none = ClusterSpec(gpus=4, gpus_per_node=4, memory_gb=1e-5, peak_tflops=1, intra_node_gbps=1,
-                       inter_node_gbps=1, reserved_gb=0)
+    none = ClusterSpec(
+        gpus=4, gpus_per_node=4, memory_gb=1e-5, peak_tflops=1, intra_node_gbps=1, inter_node_gbps=1, reserved_gb=0
+    )
     with pytest.raises(ValueError, match=r"found no layout for GPTLightningModule.*needs .* GB per GPU"):
         plan_strategy_layout(module, choices, none, 2, "32-true", ParallelOptions())
     # A module without a list of repeated blocks: the rule without a model, and a warning that says why.
     fallback = plan_strategy_layout(CNNModule(), choices, local_cluster(4, 4), 2, "32-true", ParallelOptions())
     assert fallback.layout == choices[0] and fallback.estimate is None
     assert "fall back to dp=4 x tp=1 x pp=1 (zero_stage=0) because CNNModule has no list of repeated blocks" in (
-        fallback.describe())
+        fallback.describe()
+    )
 
 
 def test_the_batch_size_is_read_from_the_datamodule_or_the_loader():
@@ -112,26 +125,44 @@ class PlanProbe(L.Callback):
     @property
     def results(self) -> dict[str, Any]:
         plan = self.strategy.plan
-        return {"logs": self.records, "layout": plan.layout, "predicted": plan.predicted_step_s,
-                "measured": plan.step_clock.mean()}
+        return {
+            "logs": self.records,
+            "layout": plan.layout,
+            "predicted": plan.predicted_step_s,
+            "measured": plan.step_clock.mean(),
+        }
 
 
-@pytest.mark.parametrize(("devices", "sizes"), [(4, AUTO), (2, dict(data_parallel_size=1, **AUTO))],
-                         ids=["all-auto-4", "tp-or-pp-2"])
+@pytest.mark.parametrize(
+    ("devices", "sizes"), [(4, AUTO), (2, dict(data_parallel_size=1, **AUTO))], ids=["all-auto-4", "tp-or-pp-2"]
+)
 def test_auto_sizes_choose_a_valid_layout_train_as_one_process_and_log_the_prediction(devices, sizes):
     per_rank = 2
-    result, extras = fit(lambda: GPTLightningModule(**GPT, lr=1e-3), lambda: RandomTokenDataModule(
-        vocab_size=256, seq_len=32, batch_size=per_rank), strategy_kwargs=sizes, devices=devices, max_steps=4,
-        callbacks_factory=lambda: [PlanProbe()])
+    result, extras = fit(
+        lambda: GPTLightningModule(**GPT, lr=1e-3),
+        lambda: RandomTokenDataModule(vocab_size=256, seq_len=32, batch_size=per_rank),
+        strategy_kwargs=sizes,
+        devices=devices,
+        max_steps=4,
+        callbacks_factory=lambda: [PlanProbe()],
+    )
     layouts = {extra["layout"] for extra in extras}
     assert len(layouts) == 1  # every rank runs rank 0's choice
     layout = layouts.pop()
-    assert layout.world_size == devices and layout in layout_candidates(devices, *(
-        sizes.get(name, "auto") for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size",
-                                             "zero_stage")))
+    assert layout.world_size == devices and layout in layout_candidates(
+        devices,
+        *(
+            sizes.get(name, "auto")
+            for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "zero_stage")
+        ),
+    )
     dp = layout.data_parallel_size
-    reference, _ = fit(lambda: GPTLightningModule(**GPT, lr=1e-3), lambda: RandomTokenDataModule(
-        vocab_size=256, seq_len=32, batch_size=per_rank * dp), devices=1, max_steps=4)
+    reference, _ = fit(
+        lambda: GPTLightningModule(**GPT, lr=1e-3),
+        lambda: RandomTokenDataModule(vocab_size=256, seq_len=32, batch_size=per_rank * dp),
+        devices=1,
+        max_steps=4,
+    )
     assert_same_training(reference, result)
     rank0 = extras[0]
     planned = [m for m in rank0["logs"] if m.startswith(f"HybridStrategy planned {layout.describe()}: predicted")]

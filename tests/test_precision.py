@@ -32,7 +32,6 @@ WEIGHT_ATOL = 1e-2  # 10 AdamW steps of lr 1e-3: near-zero gradients turn roundi
 INJECT_STEP, INJECT_RANK = 3, 1
 
 
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -92,19 +91,25 @@ def reference(precision: str, inject: bool = False):
         if precision == "16-mixed":
             trainer_kwargs = {"plugins": [MixedPrecision("16-mixed", "cpu")]}
         probe = (lambda: [StepProbe(INJECT_STEP, 0)]) if inject else (lambda: [StepProbe()])
-        _references[key] = fit(LlamaModule, _llama_data(8), None, 1, STEPS, trainer_kwargs=trainer_kwargs,
-                               callbacks_factory=probe)
+        _references[key] = fit(
+            LlamaModule, _llama_data(8), None, 1, STEPS, trainer_kwargs=trainer_kwargs, callbacks_factory=probe
+        )
     return _references[key]
 
 
 def _assert_close_run(result, expected, loss_rtol: float, weight_atol: float = WEIGHT_ATOL) -> None:
     assert all(torch.isfinite(torch.tensor(result.losses))), result.losses
-    torch.testing.assert_close(torch.tensor(result.losses, dtype=torch.float64),
-                               torch.tensor(expected.losses, dtype=torch.float64), rtol=loss_rtol, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(result.losses, dtype=torch.float64),
+        torch.tensor(expected.losses, dtype=torch.float64),
+        rtol=loss_rtol,
+        atol=0,
+    )
     assert set(result.state_dict) == set(expected.state_dict)
     for key, value in expected.state_dict.items():
-        torch.testing.assert_close(result.state_dict[key].float(), value.float(), rtol=0, atol=weight_atol,
-                                   msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            result.state_dict[key].float(), value.float(), rtol=0, atol=weight_atol, msg=lambda m: f"{key}: {m}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the plugin
@@ -170,8 +175,13 @@ def test_fp8_refusals_are_clear(monkeypatch):
     pytest.importorskip("torchao")
     # The device is known once the strategy has it, when the Trainer is built: before any process starts.
     with pytest.raises(ValueError, match=r"no float8 matmul kernels on CPU. Pass `fp8_emulate=True`"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(), plugins=[HybridPrecision("fp8-mixed")],
-                  logger=False)
+        L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=HybridStrategy(),
+            plugins=[HybridPrecision("fp8-mixed")],
+            logger=False,
+        )
     plugin = HybridPrecision.from_lightning(HybridPrecision("fp8-mixed", fp8_emulate=True), "cpu")
     assert plugin.autocast_dtype == torch.bfloat16
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
@@ -194,10 +204,18 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(layout):
     world = 2 * layout.get("tensor_parallel_size", 1)
     dp = 1 if "pipeline_parallel_size" in layout else 2
     # Trainer(precision="16-mixed") on one layout, the explicit plugin on the others: both must give real fp16.
-    trainer_kwargs = {"precision": "16-mixed"} if layout == {"zero_stage": 3} else {
-        "plugins": [HybridPrecision("16-mixed")]}
-    result, extras = fit(LlamaModule, _llama_data(8 // dp), layout, world, STEPS, trainer_kwargs=trainer_kwargs,
-                         callbacks_factory=lambda: [StepProbe(INJECT_STEP, INJECT_RANK)])
+    trainer_kwargs = (
+        {"precision": "16-mixed"} if layout == {"zero_stage": 3} else {"plugins": [HybridPrecision("16-mixed")]}
+    )
+    result, extras = fit(
+        LlamaModule,
+        _llama_data(8 // dp),
+        layout,
+        world,
+        STEPS,
+        trainer_kwargs=trainer_kwargs,
+        callbacks_factory=lambda: [StepProbe(INJECT_STEP, INJECT_RANK)],
+    )
     expected, expected_extras = reference("16-mixed", inject=True)
     for rank, extra in enumerate(extras):
         assert extra["plugin"] == "HybridPrecision" and extra["precision"] == "16-mixed", (rank, extra)
@@ -226,12 +244,27 @@ def test_the_loss_scale_is_saved_and_restored_with_checkpoints(tmp_path):
 
     path = tmp_path / "step4.ckpt"
     kwargs = {"trainer_kwargs": {"plugins": [HybridPrecision("16-mixed")]}}
-    whole, whole_extras = fit(LlamaModule, _llama_data(4), {"zero_stage": 3}, 2, 8, **kwargs,
-                              callbacks_factory=lambda: [StepProbe(1, INJECT_RANK), _SaveAt(path, 4)])
+    whole, whole_extras = fit(
+        LlamaModule,
+        _llama_data(4),
+        {"zero_stage": 3},
+        2,
+        8,
+        **kwargs,
+        callbacks_factory=lambda: [StepProbe(1, INJECT_RANK), _SaveAt(path, 4)],
+    )
     meta = fmt.load_file(path / fmt.METADATA_FILE, False)
     assert meta["HybridPrecision"]["scale"] == 2.0**15  # halved once, at the injected step
-    resumed, resumed_extras = fit(LlamaModule, _llama_data(4), {"zero_stage": 3}, 2, 8, **kwargs,
-                                  callbacks_factory=lambda: [StepProbe()], fit_kwargs={"ckpt_path": str(path)})
+    resumed, resumed_extras = fit(
+        LlamaModule,
+        _llama_data(4),
+        {"zero_stage": 3},
+        2,
+        8,
+        **kwargs,
+        callbacks_factory=lambda: [StepProbe()],
+        fit_kwargs={"ckpt_path": str(path)},
+    )
     assert resumed.losses == whole.losses[4:]
     for whole_rank, resumed_rank in zip(whole_extras, resumed_extras):
         assert resumed_rank["scale"] == whole_rank["scale"][4:] == [2.0**15] * 4
@@ -249,8 +282,15 @@ def test_the_loss_scale_is_saved_and_restored_with_checkpoints(tmp_path):
 )
 def test_mixed_precision_tracks_one_process_in_every_layout(precision, layout):
     dp = 2 if "pipeline_parallel_size" not in layout else 1
-    result, extras = fit(LlamaModule, _llama_data(8 // dp), layout, 4, STEPS, trainer_kwargs={"precision": precision},
-                         callbacks_factory=lambda: [StepProbe()])
+    result, extras = fit(
+        LlamaModule,
+        _llama_data(8 // dp),
+        layout,
+        4,
+        STEPS,
+        trainer_kwargs={"precision": precision},
+        callbacks_factory=lambda: [StepProbe()],
+    )
     assert {e["precision"] for e in extras} == {precision}
     assert all(e["param_dtypes"] == ["torch.float32"] for e in extras)  # fp32 master weights
     same_precision, _ = reference(precision)
@@ -303,9 +343,15 @@ class _ReductionDtypes(L.Callback):
 def test_fsdp_policies_and_fp8_train_close_to_the_reference(plugin, layout, compare_to):
     if plugin["precision"] == "fp8-mixed":
         pytest.importorskip("torchao")
-    result, extras = fit(LlamaModule, _llama_data(4), layout, 2, STEPS,
-                         trainer_kwargs={"plugins": [HybridPrecision(**plugin)]},
-                         callbacks_factory=lambda: [StepProbe(), _ReductionDtypes()])
+    result, extras = fit(
+        LlamaModule,
+        _llama_data(4),
+        layout,
+        2,
+        STEPS,
+        trainer_kwargs={"plugins": [HybridPrecision(**plugin)]},
+        callbacks_factory=lambda: [StepProbe(), _ReductionDtypes()],
+    )
     expected, _ = reference(compare_to)
     _assert_close_run(result, expected, FP32_RTOL if compare_to == "32-true" else BF16_RTOL)
     if plugin.get("reduce_dtype") == "bf16":
@@ -319,14 +365,27 @@ def test_fsdp_policies_and_fp8_train_close_to_the_reference(plugin, layout, comp
 
 def test_true_half_precision_trains_in_half():
     fp32, _ = fit(LlamaModule, _llama_data(8), None, 1, STEPS)
-    bf16, extras = fit(LlamaModule, _llama_data(4), {"zero_stage": 2}, 2, STEPS,
-                       trainer_kwargs={"precision": "bf16-true"}, callbacks_factory=lambda: [StepProbe()])
+    bf16, extras = fit(
+        LlamaModule,
+        _llama_data(4),
+        {"zero_stage": 2},
+        2,
+        STEPS,
+        trainer_kwargs={"precision": "bf16-true"},
+        callbacks_factory=lambda: [StepProbe()],
+    )
     assert extras[0]["param_dtypes"] == ["torch.bfloat16"]
     assert {v.dtype for v in bf16.state_dict.values()} == {torch.bfloat16}
     _assert_close_run(bf16, fp32, BF16_RTOL, weight_atol=5e-2)
     # fp16 weights cannot hold Adam's default eps (1e-8 rounds to 0): the SGD CNN trains in 16-true.
     cnn32, _ = fit(CNNModule, lambda: RandomImageDataModule(batch_size=8), None, 1, STEPS)
-    cnn16, _ = fit(CNNModule, lambda: RandomImageDataModule(batch_size=4), {"zero_stage": 0}, 2, STEPS,
-                   trainer_kwargs={"precision": "16-true"})
+    cnn16, _ = fit(
+        CNNModule,
+        lambda: RandomImageDataModule(batch_size=4),
+        {"zero_stage": 0},
+        2,
+        STEPS,
+        trainer_kwargs={"precision": "16-true"},
+    )
     assert {v.dtype for v in cnn16.state_dict.values()} == {torch.float16}
     _assert_close_run(cnn16, cnn32, BF16_RTOL, weight_atol=5e-2)

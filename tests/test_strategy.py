@@ -45,8 +45,12 @@ def test_invalid_arguments_fail_at_construction(kwargs, match):
 @pytest.mark.parametrize(
     ("devices", "kwargs", "match"),
     [
-        (4, dict(data_parallel_size=2), "data_parallel_size=2 x tensor_parallel_size=1 x pipeline_parallel_size=1 = 2"
-         " processes, but the Trainer has 4"),
+        (
+            4,
+            dict(data_parallel_size=2),
+            "data_parallel_size=2 x tensor_parallel_size=1 x pipeline_parallel_size=1 = 2"
+            " processes, but the Trainer has 4",
+        ),
         (2, dict(data_parallel_size=4), "= 4 processes, but the Trainer has 2"),
     ],
 )
@@ -55,8 +59,10 @@ def test_layout_that_does_not_cover_the_devices_fails_when_the_trainer_is_built(
         _trainer(devices=devices, strategy=HybridStrategy(**kwargs))
 
 
-@pytest.mark.parametrize(("name", "stage"), [("hybrid", 0), ("hybrid_zero0", 0), ("hybrid_zero1", 1),
-                                             ("hybrid_zero2", 2), ("hybrid_zero3", 3)])
+@pytest.mark.parametrize(
+    ("name", "stage"),
+    [("hybrid", 0), ("hybrid_zero0", 0), ("hybrid_zero1", 1), ("hybrid_zero2", 2), ("hybrid_zero3", 3)],
+)
 def test_registered_names(name, stage):
     assert name in StrategyRegistry
     trainer = _trainer(strategy=name)
@@ -65,8 +71,10 @@ def test_registered_names(name, stage):
     assert trainer.strategy.layout.data_parallel_size == 2
 
 
-@pytest.mark.parametrize(("precision", "expected"), [("32-true", "32-true"), ("bf16-mixed", "bf16-mixed"),
-                                                     (HybridPrecision("bf16-mixed"), "bf16-mixed")])
+@pytest.mark.parametrize(
+    ("precision", "expected"),
+    [("32-true", "32-true"), ("bf16-mixed", "bf16-mixed"), (HybridPrecision("bf16-mixed"), "bf16-mixed")],
+)
 def test_trainer_precision_selects_hybrid_precision(precision, expected):
     kwargs = {"plugins": [precision]} if isinstance(precision, HybridPrecision) else {"precision": precision}
     trainer = _trainer(strategy=HybridStrategy(), **kwargs)

@@ -9,9 +9,16 @@ import pytest
 
 from lightning_mgpu.cli import main
 
-TINY = ["--module", "lightning_mgpu.demo:GPTLightningModule", "--datamodule", "lightning_mgpu.demo:TextDataModule",
-        "--init-args", '{"block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32}',
-        "--datamodule-args", '{"block_size": 32}']
+TINY = [
+    "--module",
+    "lightning_mgpu.demo:GPTLightningModule",
+    "--datamodule",
+    "lightning_mgpu.demo:TextDataModule",
+    "--init-args",
+    '{"block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32}',
+    "--datamodule-args",
+    '{"block_size": 32}',
+]
 
 
 @pytest.mark.parametrize(
@@ -31,8 +38,22 @@ def test_bad_input_is_refused_before_any_run(flags, message, tmp_path):
 
 
 def test_a_two_device_sweep_ranks_every_layout_and_reports_scaling(tmp_path, capsys):
-    code = main(["bench", *TINY, "--devices", "2", "--steps", "4", "--warmup-steps", "1", "--batch-size", "4",
-                 "--out", str(tmp_path)])
+    code = main(
+        [
+            "bench",
+            *TINY,
+            "--devices",
+            "2",
+            "--steps",
+            "4",
+            "--warmup-steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     saved = json.loads((tmp_path / "bench.json").read_text())

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -37,7 +37,7 @@ def group_name(group: Any) -> str:
     return str(functional_collectives()._resolve_group_name(group))
 
 
-def pipelining_p2p() -> Optional[tuple[ModuleType, str]]:
+def pipelining_p2p() -> tuple[ModuleType, str] | None:
     """``(module, name)`` of the function torch's schedules batch their sends and receives through, if any."""
     from torch.distributed.pipelining import schedules
 

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
@@ -27,7 +27,7 @@ def parameter_fqns(model: nn.Module, name: str) -> set[str]:
     return set(internal("torch.distributed.checkpoint.state_dict", "_get_fqns")(model, name))
 
 
-def load_without_process_group(path: Path, keys: Optional[set[str]] = None) -> dict[str, Any]:
+def load_without_process_group(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
     """Every (or the listed top-level) entry of the DCP directory ``path`` as full tensors, in this process."""
     from torch.distributed.checkpoint import FileSystemReader
 

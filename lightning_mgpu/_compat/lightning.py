@@ -25,9 +25,10 @@ equivalent for most of them:
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, Optional
+from typing import Any
 
 from lightning_mgpu._compat import changed, internal
 
@@ -37,7 +38,9 @@ PATH = str | Path  # Lightning's `_PATH`
 _SubprocessScriptLauncher = internal(
     "lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"
 )
-_MultiProcessingLauncher = internal("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher")
+_MultiProcessingLauncher = internal(
+    "lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher"
+)
 _ChildProcessObserver = internal("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver")
 WorkerOutput = internal("lightning.pytorch.strategies.launchers.multiprocessing", "_WorkerOutput")
 set_num_threads_if_needed = internal("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed")
@@ -155,7 +158,7 @@ def fit_data_fetcher(trainer: Any) -> Any:
     return _attribute(trainer.fit_loop, "_data_fetcher", "_FitLoop")
 
 
-def fetcher_profiler_hooks(fetcher: Any) -> Optional[tuple[Callable[[], None], Callable[[], None]]]:
+def fetcher_profiler_hooks(fetcher: Any) -> tuple[Callable[[], None], Callable[[], None]] | None:
     """The fetcher's ``(start, stop)`` hooks around waiting for a batch, or None for a fetcher without them."""
     if not hasattr(fetcher, "_start_profiler"):
         return None
@@ -174,14 +177,14 @@ def call_lightning_module_hook(trainer: Any, hook: str, *args: Any) -> Any:
     return internal("lightning.pytorch.trainer.call", "_call_lightning_module_hook")(trainer, hook, *args)
 
 
-def trainer_precision_flag() -> Optional[str]:
+def trainer_precision_flag() -> str | None:
     """The ``precision`` given to the ``Trainer`` being built, or None outside its construction.
 
     Read from the arguments of the accelerator connector's ``__init__`` (the caller chain that hands the
     precision plugin to the strategy). A connector found without its ``precision`` argument raises.
     """
     connector = internal("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector")
-    frame: Optional[FrameType] = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), connector):
             if "precision" not in frame.f_code.co_varnames[: frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]:

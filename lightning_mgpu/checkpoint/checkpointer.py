@@ -9,7 +9,7 @@ import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -51,11 +51,11 @@ def _all_gather_object(obj: Any) -> list[Any]:
     return gathered
 
 
-def _gather_object(obj: Any, group: Optional[Any] = None) -> list[Any]:
+def _gather_object(obj: Any, group: Any | None = None) -> list[Any]:
     """Every rank's ``obj`` on global rank 0 (``[]`` elsewhere)."""
     if not _distributed():
         return [obj]
-    gathered: Optional[list[Any]] = [None] * dist.get_world_size() if _rank() == 0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if _rank() == 0 else None
     dist.gather_object(obj, gathered, dst=0, group=group)
     return gathered or []
 
@@ -72,7 +72,7 @@ def _broadcast_path(path: Any) -> Path:
     return Path(_broadcast_object(str(path)))
 
 
-def layout_record(layout: "ParallelLayout") -> dict[str, int]:
+def layout_record(layout: ParallelLayout) -> dict[str, int]:
     record = dataclasses.asdict(layout)
     record["world_size"] = layout.world_size
     return record
@@ -129,7 +129,7 @@ class _PendingSave:
         self._staging = staging
         self._writer = writer
         self._group = group
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._done = threading.Event()
         future.add_done_callback(self._finish)
 
@@ -180,8 +180,8 @@ class Checkpointer:
         self.states = state_access if state_access is not None else states
         self.checkpoint_format = checkpoint_format
         self.async_save = async_save
-        self._pending: Optional[_PendingSave] = None
-        self._async_group: Optional[Any] = None
+        self._pending: _PendingSave | None = None
+        self._async_group: Any | None = None
         self._resuming = False
 
     # ------------------------------------------------------------------------------------------------------ save
@@ -191,7 +191,7 @@ class Checkpointer:
         filepath: Any,
         model: nn.Module,
         optimizers: list[Optimizer],
-        layout: "ParallelLayout",
+        layout: ParallelLayout,
     ) -> None:
         """Write ``checkpoint`` (Lightning's dict) with the model's and optimizers' states. Collective."""
         path = _broadcast_path(filepath)
@@ -256,7 +256,7 @@ class Checkpointer:
         fmt.publish(finished, path)
         fmt.remove(staging)
 
-    def _checkpoint_group(self) -> Optional[Any]:
+    def _checkpoint_group(self) -> Any | None:
         # The background thread's collectives must not interleave with training's on the default group.
         if _distributed() and self._async_group is None:
             self._async_group = dist.new_group(backend="gloo")
@@ -283,7 +283,7 @@ class Checkpointer:
         model: nn.Module,
         optimizers: list[Optimizer],
         strict: bool = True,
-        weights_only: Optional[bool] = None,
+        weights_only: bool | None = None,
         fitting: bool = True,
     ) -> dict[str, Any]:
         """Load a sharded directory or a full file (ours or any single-device Lightning checkpoint) into
@@ -313,7 +313,7 @@ class Checkpointer:
             self._resuming = True
         return meta
 
-    def process_dataloader(self, dataloader: Any, trainer: "pl.Trainer") -> Any:
+    def process_dataloader(self, dataloader: Any, trainer: pl.Trainer) -> Any:
         """After a mid-epoch resume, the training loader continues where the checkpoint's epoch stopped."""
         if not self._resuming or trainer.state.stage != RunningStage.TRAINING:
             return dataloader

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import zipfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -18,11 +18,19 @@ from lightning_mgpu.checkpoint import states
 from lightning_mgpu.checkpoint.format import INFO_KEY, LAYOUT_KEY, MODEL_KEY, OPTIMIZER_KEY, CheckpointError
 
 # What a weights-only file keeps besides `state_dict`: enough for `LightningModule.load_from_checkpoint`.
-_WEIGHTS_ONLY_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "hyper_parameters", "hparams_name",
-                      "datamodule_hyper_parameters", "datamodule_hparams_name", LAYOUT_KEY)
+_WEIGHTS_ONLY_KEYS = (
+    "epoch",
+    "global_step",
+    "pytorch-lightning_version",
+    "hyper_parameters",
+    "hparams_name",
+    "datamodule_hyper_parameters",
+    "datamodule_hparams_name",
+    LAYOUT_KEY,
+)
 
 
-def _read_shards(path: Path, keys: Optional[set[str]] = None) -> dict[str, Any]:
+def _read_shards(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
     """Every (or the listed top-level) entry of a DCP directory as full tensors, in this process only."""
     return load_without_process_group(path, keys)
 
@@ -45,7 +53,7 @@ def consolidate_directory(path: Path, meta: dict[str, Any], weights_only: bool =
     return full
 
 
-def consolidate(path: Path, weights_only: bool = False, load_weights_only: Optional[bool] = None) -> dict[str, Any]:
+def consolidate(path: Path, weights_only: bool = False, load_weights_only: bool | None = None) -> dict[str, Any]:
     """A sharded directory (or a full file) as one Lightning checkpoint dict with plain ``state_dict`` keys."""
     fmt.check_exists(path)
     fmt.check_intact(path)
@@ -78,7 +86,7 @@ def save_safetensors(checkpoint: dict[str, Any], out: Path, prefix: str) -> list
     tensors, outside = {}, []
     for key, value in checkpoint[MODEL_KEY].items():
         if prefix and key.startswith(prefix):
-            key = key[len(prefix):]
+            key = key[len(prefix) :]
         elif prefix:
             outside.append(key)
         tensors[key] = value.detach().contiguous()
@@ -91,12 +99,17 @@ def save_safetensors(checkpoint: dict[str, Any], out: Path, prefix: str) -> list
 
 
 def write_consolidated(
-    path: Path, out: Path, out_format: str = "torch", weights_only: bool = False, prefix: str = "auto",
-    load_weights_only: Optional[bool] = None,
+    path: Path,
+    out: Path,
+    out_format: str = "torch",
+    weights_only: bool = False,
+    prefix: str = "auto",
+    load_weights_only: bool | None = None,
 ) -> str:
     """The ``lightning-mgpu consolidate`` command; returns a one-line summary."""
-    checkpoint = consolidate(path, weights_only=weights_only or out_format == "safetensors",
-                             load_weights_only=load_weights_only)
+    checkpoint = consolidate(
+        path, weights_only=weights_only or out_format == "safetensors", load_weights_only=load_weights_only
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = fmt.partial_path(out)
     fmt.remove(partial)
@@ -131,21 +144,27 @@ def _describe_layout(record: Any) -> str:
     return ParallelLayout(**{field.name: record[field.name] for field in dataclasses.fields(ParallelLayout)}).describe()
 
 
-def describe(path: Path, show_optimizer: bool = False, load_weights_only: Optional[bool] = None) -> str:
+def describe(path: Path, show_optimizer: bool = False, load_weights_only: bool | None = None) -> str:
     """What ``lightning-mgpu inspect`` prints: format, layout, progress, and the tensors with their shapes."""
     meta = fmt.read_metadata(path, load_weights_only)
     info = meta.get(INFO_KEY, {})
     if path.is_dir():
         index = FileSystemReader(path).read_metadata().state_dict_metadata
-        shapes = {k: (tuple(v.size), str(v.properties.dtype).replace("torch.", ""))
-                  for k, v in index.items() if isinstance(v, TensorStorageMetadata)}
+        shapes = {
+            k: (tuple(v.size), str(v.properties.dtype).replace("torch.", ""))
+            for k, v in index.items()
+            if isinstance(v, TensorStorageMetadata)
+        }
         files = sorted(p.name for p in path.iterdir() if p.suffix == ".distcp")
         kind = f"sharded (DCP directory, {len(files)} shard files)"
         manifest = (path / fmt.MANIFEST_FILE).is_file()
         verified = "every file verified (CRC-32)" if manifest else "none (saved by an earlier version)"
     else:
-        shapes = {f"{MODEL_KEY}.{k}": (tuple(v.shape), str(v.dtype).replace("torch.", ""))
-                  for k, v in meta.get(MODEL_KEY, {}).items() if isinstance(v, torch.Tensor)}
+        shapes = {
+            f"{MODEL_KEY}.{k}": (tuple(v.shape), str(v.dtype).replace("torch.", ""))
+            for k, v in meta.get(MODEL_KEY, {}).items()
+            if isinstance(v, torch.Tensor)
+        }
         for i, optimizer in enumerate(meta.get(OPTIMIZER_KEY, [])):
             for pid, state in optimizer.get("state", {}).items():
                 for name, v in state.items():
@@ -162,7 +181,7 @@ def describe(path: Path, show_optimizer: bool = False, load_weights_only: Option
         f"progress: epoch {meta.get('epoch', '-')}, global step {meta.get('global_step', '-')}",
         f"checksums: {verified}",
     ]
-    model = {k[len(MODEL_KEY) + 1:]: v for k, v in shapes.items() if k.startswith(MODEL_KEY + ".")}
+    model = {k[len(MODEL_KEY) + 1 :]: v for k, v in shapes.items() if k.startswith(MODEL_KEY + ".")}
     numel = sum(int(torch.Size(s).numel()) for s, _ in model.values())
     optimizer = {k: v for k, v in shapes.items() if k.startswith(OPTIMIZER_KEY + ".")}
     lines.append(f"model: {len(model)} tensors, {numel:,} elements")

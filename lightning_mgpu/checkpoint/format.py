@@ -30,7 +30,7 @@ import warnings
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -157,7 +157,7 @@ def _damaged(file: Path, why: str) -> str:
     return f"checkpoint file {file} is damaged: {why}"
 
 
-def _read_manifest(path: Path) -> Optional[dict[str, dict[str, Any]]]:
+def _read_manifest(path: Path) -> dict[str, dict[str, Any]] | None:
     """The manifest's file records; ``None`` for a directory saved before manifests existed."""
     file = path / MANIFEST_FILE
     if not file.is_file():
@@ -198,7 +198,8 @@ def verify(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
     if records is None:
         if rank == 0:
             warnings.warn(
-                f"{path} has no {MANIFEST_FILE} (saved by an earlier version): its files are not verified.", stacklevel=2
+                f"{path} has no {MANIFEST_FILE} (saved by an earlier version): its files are not verified.",
+                stacklevel=2,
             )
         return []
     problems = []
@@ -281,7 +282,7 @@ def check_sharded(path: Path) -> Metadata:
     return metadata
 
 
-def load_file(path: Path, weights_only: Optional[bool] = None) -> Any:
+def load_file(path: Path, weights_only: bool | None = None) -> Any:
     """``torch.load`` on CPU, memory-mapped where possible, naming the file when it is damaged."""
     try:
         try:
@@ -294,7 +295,7 @@ def load_file(path: Path, weights_only: Optional[bool] = None) -> Any:
         raise CheckpointError(f"{path} could not be read, it is truncated or corrupt: {error}") from error
 
 
-def read_metadata(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+def read_metadata(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
     """A checkpoint's metadata: ``meta.pt`` of a (checked) directory, or the whole of a full file."""
     check_exists(path)
     check_intact(path)

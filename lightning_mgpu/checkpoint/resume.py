@@ -13,7 +13,8 @@ checkpointer passes every checkpoint through :func:`align_loops_with_data` when 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch.utils.data import DataLoader, IterableDataset
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-def batches_to_skip(trainer: "pl.Trainer") -> tuple[int, int]:
+def batches_to_skip(trainer: pl.Trainer) -> tuple[int, int]:
     """``(batches consumed in the interrupted epoch, that epoch)``, from the restored loops; ``(0, epoch)`` when
     the checkpoint was saved at an epoch boundary. Mirrors how Lightning's loops count the restarted epoch."""
     fit_loop = trainer.fit_loop

@@ -11,8 +11,9 @@ import functools
 import operator
 import random
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ _GROUPS = "param_groups."
 
 
 def full_model_state_dict(
-    model: nn.Module, pp_group: Optional[Any] = None, everywhere: bool = False
+    model: nn.Module, pp_group: Any | None = None, everywhere: bool = False
 ) -> dict[str, torch.Tensor]:
     """The unsharded model state on CPU, on global rank 0 (other ranks get ``{}``). Collective.
 
@@ -51,7 +52,7 @@ def full_model_state_dict(
     stage = {key: value.detach().cpu() for key, value in stage.items()}
     ranks = dist.get_process_group_ranks(pp_group)
     if everywhere:
-        gathered: Optional[list] = [None] * len(ranks)
+        gathered: list | None = [None] * len(ranks)
         dist.all_gather_object(gathered, stage, group=pp_group)
     else:
         gathered = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
@@ -71,6 +72,7 @@ def describable(state: dict[str, Any]) -> dict[str, Any]:
     Only the fused q|k|v weights are concerned (a small part of the model); every other placement is kept.
     """
     from torch.distributed.tensor import DTensor, Replicate
+
     from lightning_mgpu._compat.dtensor import is_strided_shard
     from lightning_mgpu.layout import TP_AXIS
 
@@ -139,7 +141,7 @@ def _fqns_of(model: nn.Module) -> dict[nn.Parameter, list[str]]:
 
 def group_fqns(model: nn.Module, optimizer: Optimizer, flat_state: dict[str, Any]) -> list[list[str]]:
     """The FQN of every parameter of every param group, in the optimizer's order, as named in ``flat_state``."""
-    present = {key[len(_GROUPS):].rsplit(".", 1)[0] for key in flat_state if key.startswith(_GROUPS)}
+    present = {key[len(_GROUPS) :].rsplit(".", 1)[0] for key in flat_state if key.startswith(_GROUPS)}
     names = _fqns_of(model)
     groups = []
     for group in optimizer.param_groups:
@@ -183,10 +185,10 @@ def flat_to_native(flat: dict[str, Any], groups: list[list[str]]) -> dict[str, A
     states: dict[str, dict[str, Any]] = defaultdict(dict)
     for key, value in flat.items():
         if key.startswith(_GROUPS):
-            fqn, name = key[len(_GROUPS):].rsplit(".", 1)
+            fqn, name = key[len(_GROUPS) :].rsplit(".", 1)
             hparams[fqn][name] = value
         elif key.startswith(_STATE):
-            fqn, path = _split_state_key(key[len(_STATE):], fqns)
+            fqn, path = _split_state_key(key[len(_STATE) :], fqns)
             node = states[fqn]
             for part in path[:-1]:
                 node = node.setdefault(part, {})
@@ -209,8 +211,7 @@ def native_to_flat(native: dict[str, Any], groups: list[list[str]]) -> dict[str,
     """``Optimizer.state_dict()``'s format, with the FQNs of its param groups, to DCP's flattened form."""
     if len(native["param_groups"]) != len(groups):
         raise CheckpointError(
-            f"The checkpoint's optimizer has {len(native['param_groups'])} param groups, the current one"
-            f" {len(groups)}."
+            f"The checkpoint's optimizer has {len(native['param_groups'])} param groups, the current one {len(groups)}."
         )
     flat: dict[str, Any] = {}
 
@@ -243,7 +244,7 @@ def load_states(
     optimizers: list[Optimizer],
     strict: bool,
     where: str,
-    checkpoint_id: Optional[Any] = None,
+    checkpoint_id: Any | None = None,
 ) -> None:
     """Fill ``model`` and ``optimizers`` from ``reader`` (resharding to the current layout). Collective.
 
@@ -295,7 +296,7 @@ def _params_without_saved_state(
     by_param: dict[str, list[str]] = defaultdict(list)
     for key in template:
         if key.startswith(_STATE):
-            by_param[_split_state_key(key[len(_STATE):], fqns)[0]].append(key)
+            by_param[_split_state_key(key[len(_STATE) :], fqns)[0]].append(key)
     without = set()
     for fqn, keys in by_param.items():
         absent = [k for k in keys if prefix + k not in available]
@@ -316,7 +317,7 @@ def check_model_fits(index: dict[str, Any], model_sd: dict[str, Any], strict: bo
     rank's entries, and all ranks raise the same error if any rank finds a problem (none waits in a collective).
     Which checkpoint entries a rank holds travels as one bit per entry, not as names.
     """
-    saved = {key[len(MODEL_KEY) + 1:]: value for key, value in index.items() if key.startswith(MODEL_KEY + ".")}
+    saved = {key[len(MODEL_KEY) + 1 :]: value for key, value in index.items() if key.startswith(MODEL_KEY + ".")}
     mismatched = [
         f"{key} is {list(value.shape)} in the model, {list(saved[key].size)} in the checkpoint"
         for key, value in model_sd.items()
@@ -332,11 +333,14 @@ def check_model_fits(index: dict[str, Any], model_sd: dict[str, Any], strict: bo
     unexpected = [key for key, bit in zip(saved, union) if bit == "0"] if strict else []
     problems = []
     if missing:
-        problems.append(f"it has no entry for {len(missing)} of the model's {len(held)} parameters and buffers:"
-                        f" {_some(_by_block(missing, held))}")
+        problems.append(
+            f"it has no entry for {len(missing)} of the model's {len(held)} parameters and buffers:"
+            f" {_some(_by_block(missing, held))}"
+        )
     if unexpected:
-        problems.append(f"it has {len(unexpected)} entries the model does not have:"
-                        f" {_some(_by_block(unexpected, list(saved)))}")
+        problems.append(
+            f"it has {len(unexpected)} entries the model does not have: {_some(_by_block(unexpected, list(saved)))}"
+        )
     if missing or unexpected:
         problems[-1] += " (set `strict_loading = False` on the LightningModule to load only the entries both have)"
     if mismatched:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Optional, Union
 
 import lightning as L
 import torch
@@ -17,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 DEFAULT_TEXT = "shakespeare.txt"
 
 
-def load_text(path: Optional[Union[str, Path]] = None) -> str:
+def load_text(path: str | Path | None = None) -> str:
     """Read ``path``, or the bundled Shakespeare sonnets when ``path`` is ``None``."""
     if path is not None:
         return Path(path).read_text(encoding="utf-8")
@@ -33,7 +32,7 @@ class CharTokenizer:
         """UTF-8 bytes of ``text`` as a 1-D ``LongTensor``."""
         return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
-    def decode(self, ids: Union[torch.Tensor, list[int]]) -> str:
+    def decode(self, ids: torch.Tensor | list[int]) -> str:
         """Inverse of :meth:`encode`; bytes cut mid-character become U+FFFD instead of raising."""
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
@@ -47,7 +46,7 @@ class TextDataset(Dataset):
     distinct; a smaller stride yields more, overlapping samples.
     """
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, stride: Optional[int] = None) -> None:
+    def __init__(self, tokens: torch.Tensor, block_size: int, stride: int | None = None) -> None:
         if tokens.dim() != 1:
             raise ValueError(f"`tokens` must be 1-D, got shape {tuple(tokens.shape)}.")
         self.tokens = tokens.long()
@@ -83,8 +82,8 @@ class TextDataModule(L.LightningDataModule):
         block_size: int = 128,
         val_fraction: float = 0.1,
         shuffle: bool = False,
-        stride: Optional[int] = None,
-        path: Optional[str] = None,
+        stride: int | None = None,
+        path: str | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
@@ -97,14 +96,14 @@ class TextDataModule(L.LightningDataModule):
         self.stride = stride
         self.path = path
         self.tokenizer = CharTokenizer()
-        self.train_dataset: Optional[TextDataset] = None
-        self.val_dataset: Optional[TextDataset] = None
+        self.train_dataset: TextDataset | None = None
+        self.val_dataset: TextDataset | None = None
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return
         tokens = self.tokenizer.encode(load_text(self.path))
@@ -118,7 +117,7 @@ class TextDataModule(L.LightningDataModule):
         assert self.train_dataset is not None, "call setup() first"
         return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=self.shuffle, num_workers=0)
 
-    def val_dataloader(self) -> Union[DataLoader, list]:
+    def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
             return []
         return DataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=0)

@@ -6,7 +6,7 @@ trains on one CPU with the default strategy and on many GPUs with ``HybridStrate
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -36,7 +36,7 @@ class GPTLightningModule(L.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
-        seed: Optional[int] = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()

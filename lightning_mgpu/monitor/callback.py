@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -13,8 +14,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import fit_data_fetcher
-from lightning_mgpu.monitor import measures, report as reporting
-from lightning_mgpu.parallel.experts import ExpertTokenCounts
+from lightning_mgpu.monitor import measures
+from lightning_mgpu.monitor import report as reporting
 from lightning_mgpu.monitor.timing import (
     FORWARD_BACKWARD,
     OPTIMIZER,
@@ -24,6 +25,7 @@ from lightning_mgpu.monitor.timing import (
     StepRecorder,
     mesh_axes,
 )
+from lightning_mgpu.parallel.experts import ExpertTokenCounts
 
 FlopsPerStep = float | Callable[[Any], float]
 
@@ -52,9 +54,9 @@ class ScalingMonitor(Callback):
         self,
         every_n_steps: int = 1,
         warmup_steps: int = 1,
-        peak_flops: Optional[float] = None,
-        flops_per_step: Optional[FlopsPerStep] = None,
-        dirpath: Optional[Union[str, Path]] = None,
+        peak_flops: float | None = None,
+        flops_per_step: FlopsPerStep | None = None,
+        dirpath: str | Path | None = None,
         filename: str = "scaling_report",
         measure_activations: bool = True,
         verbose: bool = True,
@@ -73,25 +75,25 @@ class ScalingMonitor(Callback):
         self.filename = filename
         self.measure_activations = measure_activations
         self.verbose = verbose
-        self.report: Optional[dict[str, Any]] = None  # the last report, on global rank 0
+        self.report: dict[str, Any] | None = None  # the last report, on global rank 0
         self._reset()
 
     def _reset(self) -> None:
-        self._clock: Optional[Clock] = None
-        self._recorder: Optional[StepRecorder] = None
-        self._collectives: Optional[CollectiveTimer] = None
-        self._data: Optional[DataFetchTimer] = None
-        self._activations: Optional[measures.SavedActivations] = None
+        self._clock: Clock | None = None
+        self._recorder: StepRecorder | None = None
+        self._collectives: CollectiveTimer | None = None
+        self._data: DataFetchTimer | None = None
+        self._activations: measures.SavedActivations | None = None
         self._seen = 0
         self._batch_stats = (0, 0)
         self._steps: list[dict[str, Any]] = []
         self._memory: dict[str, Any] = {"activations": 0}
-        self._flops: Optional[float] = None
-        self._expert_tokens: Optional[ExpertTokenCounts] = None
+        self._flops: float | None = None
+        self._expert_tokens: ExpertTokenCounts | None = None
 
     # --------------------------------------------------------------------------------------------- start / end
     @override
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
         self._clock = Clock(pl_module.device)
         self._recorder = StepRecorder(self._clock)
@@ -107,7 +109,7 @@ class ScalingMonitor(Callback):
             self._expert_tokens = None
 
     @override
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove()
         payload = self._payload(trainer, pl_module)
         ranks = [payload]
@@ -133,11 +135,11 @@ class ScalingMonitor(Callback):
             print(reporting.format_table(self.report))
 
     @override
-    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._remove()
 
     @override
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._remove()
 
     def _remove(self) -> None:
@@ -155,11 +157,11 @@ class ScalingMonitor(Callback):
 
     # ---------------------------------------------------------------------------------------------------- steps
     @override
-    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pause()  # the gap between epochs (validation, checkpoints) is no step
 
     @override
-    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pause()  # a step whose interval holds a validation run is not measured
 
     def _pause(self) -> None:
@@ -167,8 +169,9 @@ class ScalingMonitor(Callback):
             self._recorder.active = False
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         recorder = self._recorder
         if recorder is None or not recorder.active:
             return
@@ -180,7 +183,7 @@ class ScalingMonitor(Callback):
             self._activations = measures.SavedActivations(pl_module).__enter__()
 
     @override
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         recorder = self._recorder
         if recorder is None or not recorder.active:
             return
@@ -190,8 +193,9 @@ class ScalingMonitor(Callback):
             self._memory.update(measures.model_bytes(pl_module, []))
 
     @override
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         recorder = self._recorder
         if recorder is None:
             return
@@ -216,7 +220,7 @@ class ScalingMonitor(Callback):
             self._memory["activations"] = max(self._memory["activations"], self._activations.bytes)
             self._activations = None
 
-    def _log(self, trainer: "pl.Trainer", step: dict[str, Any], samples: int, tokens: int) -> None:
+    def _log(self, trainer: pl.Trainer, step: dict[str, Any], samples: int, tokens: int) -> None:
         """Global rank 0's view of the step, through the Trainer's loggers (no communication)."""
         if not trainer.is_global_zero or not trainer.loggers or step["wall_s"] <= 0:
             return
@@ -232,7 +236,7 @@ class ScalingMonitor(Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------------------------------- end of fit
-    def _payload(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
+    def _payload(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         device = pl_module.device
         local = getattr(trainer.strategy, "num_processes", 1) or 1
         memory = {**self._memory, **measures.model_bytes(pl_module, list(trainer.optimizers))}
@@ -249,25 +253,33 @@ class ScalingMonitor(Callback):
             "memory": memory,
         }
 
-    def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
+    def _context(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         strategy = trainer.strategy
         device = pl_module.device
-        peak, source = (self.peak_flops, "given") if self.peak_flops else measures.device_peak_flops(
-            device, str(trainer.precision))
+        peak, source = (
+            (self.peak_flops, "given")
+            if self.peak_flops
+            else measures.device_peak_flops(device, str(trainer.precision))
+        )
         flops = self._flops if callable(self.flops_per_step) else self.flops_per_step
         layout = getattr(strategy, "_layout", None)
         options = getattr(strategy, "options", None)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         return {
             "strategy": type(strategy).__name__,
-            "layout": None if layout is None else {
+            "layout": None
+            if layout is None
+            else {
                 "data_parallel_size": layout.data_parallel_size,
                 "tensor_parallel_size": layout.tensor_parallel_size,
                 "pipeline_parallel_size": layout.pipeline_parallel_size,
                 "zero_stage": layout.zero_stage,
             },
-            "options": {} if options is None else {
-                k: str(getattr(options, k)) if not isinstance(getattr(options, k), (bool, int, type(None)))
+            "options": {}
+            if options is None
+            else {
+                k: str(getattr(options, k))
+                if not isinstance(getattr(options, k), (bool, int, type(None)))
                 else getattr(options, k)
                 for k in ("activation_checkpointing", "pipeline_schedule", "num_microbatches", "sequence_parallel")
             },
@@ -283,7 +295,7 @@ class ScalingMonitor(Callback):
         }
 
 
-def _expert_tokens(counter: Optional[ExpertTokenCounts], mesh: Any) -> dict[str, list[int]]:
+def _expert_tokens(counter: ExpertTokenCounts | None, mesh: Any) -> dict[str, list[int]]:
     """This rank's per-expert token counts per MoE layer; empty on tensor-parallel peers (they see the same tokens)."""
     tp_peer = mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].get_local_rank() > 0
     if counter is None or tp_peer:
@@ -295,14 +307,14 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _device_mesh(strategy: Any) -> Optional[Any]:
+def _device_mesh(strategy: Any) -> Any | None:
     try:
         return getattr(strategy, "device_mesh", None)
     except RuntimeError:  # HybridStrategy before its processes start
         return None
 
 
-def _replicas(trainer: "pl.Trainer") -> int:
+def _replicas(trainer: pl.Trainer) -> int:
     """Ranks that read distinct samples: what the strategy shards the data over."""
     try:
         return int(trainer.strategy.distributed_sampler_kwargs["num_replicas"])  # type: ignore[attr-defined]
@@ -310,7 +322,7 @@ def _replicas(trainer: "pl.Trainer") -> int:
         return 1
 
 
-def _pipeline_info(strategy: Any) -> Optional[dict[str, Any]]:
+def _pipeline_info(strategy: Any) -> dict[str, Any] | None:
     engine = getattr(strategy, "_pipeline", None)
     if engine is None:
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import AbstractContextManager
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ _PEAKS = (
 )
 
 
-def device_peak_flops(device: torch.device, precision: str) -> tuple[Optional[float], str]:
+def device_peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
     """Peak FLOP/s of one device for ``precision`` and where the number comes from.
 
     CUDA devices are looked up in the table above; a CPU process (or an unknown GPU) is measured with a square
@@ -139,7 +139,7 @@ class SavedActivations(AbstractContextManager):
             pass
         return tensor
 
-    def __enter__(self) -> "SavedActivations":
+    def __enter__(self) -> SavedActivations:
         self._hooks.__enter__()
         return self
 

@@ -26,7 +26,8 @@ import functools
 import inspect
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,15 +47,37 @@ _UNTIMED = object()  # what `open` returns outside a measured step or on another
 
 # Collectives of torch.distributed timed as blocking calls (isend/irecv are left alone: P2POp checks identity).
 _DIST_CALLS = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all", "all_to_all_single",
-    "gather", "scatter", "send", "recv", "barrier", "broadcast_object_list", "all_gather_object",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "barrier",
+    "broadcast_object_list",
+    "all_gather_object",
     "batch_isend_irecv",
 )
 # Functional collectives (DTensor redistributions): issued asynchronously, waited in `wait_tensor`.
 _FUNCOL_CALLS = (
-    "all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
-    "all_to_all_single", "broadcast", "all_reduce_coalesced", "all_gather_into_tensor_coalesced",
+    "all_reduce",
+    "all_gather_tensor",
+    "all_gather_single",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "broadcast",
+    "all_reduce_coalesced",
+    "all_gather_into_tensor_coalesced",
     "reduce_scatter_tensor_coalesced",
 )
 
@@ -105,7 +128,7 @@ class StepRecorder:
         if self.active:
             self._marks.append((phase, self.clock.mark()))
 
-    def open(self) -> Optional[Any]:
+    def open(self) -> Any | None:
         """Start an interval; nested ones (a collective calling another, or its own ``wait``) count once."""
         if not self.active or threading.get_ident() != self._thread:
             return _UNTIMED
@@ -113,7 +136,7 @@ class StepRecorder:
         self._calls += 1
         return self.clock.mark() if self._depth == 1 else None
 
-    def close(self, start: Optional[Any], category: str) -> Optional[Any]:
+    def close(self, start: Any | None, category: str) -> Any | None:
         """End an interval; returns its end mark when it was timed (an outermost one in a measured step)."""
         if start is _UNTIMED:
             return None
@@ -148,8 +171,12 @@ class StepRecorder:
         overlapped: dict[str, float] = {}
         for axis, issued, waited in self._overlaps:
             overlapped[axis] = overlapped.get(axis, 0.0) + seconds(issued, waited)
-        return {"wall_s": seconds(self._marks[0][1], end), "parts_s": parts, "overlapped_s": overlapped,
-                "timed_calls": self._calls}
+        return {
+            "wall_s": seconds(self._marks[0][1], end),
+            "parts_s": parts,
+            "overlapped_s": overlapped,
+            "timed_calls": self._calls,
+        }
 
 
 class CollectiveTimer:
@@ -321,7 +348,7 @@ class DataFetchTimer:
 
     def __init__(self, recorder: StepRecorder) -> None:
         self.recorder = recorder
-        self._fetcher: Optional[Any] = None
+        self._fetcher: Any | None = None
         self._originals: tuple[Callable, Callable] = (_nothing, _nothing)
         self._wrappers: tuple[Callable, Callable] = (_nothing, _nothing)
 
@@ -372,8 +399,13 @@ def mesh_axes(mesh: Any) -> dict[str, str]:
 
 def _short_axis(name: str) -> str:
     lowered = name.lower()
-    for short, words in (("tp", ("tensor", "tp")), ("pp", ("pipe", "pp")), ("dp", ("data", "dp", "shard", "replicate")),
-                         ("ep", ("expert", "ep")), ("cp", ("context", "cp"))):
+    for short, words in (
+        ("tp", ("tensor", "tp")),
+        ("pp", ("pipe", "pp")),
+        ("dp", ("data", "dp", "shard", "replicate")),
+        ("ep", ("expert", "ep")),
+        ("cp", ("context", "cp")),
+    ):
         if any(word in lowered for word in words):
             return short
     return lowered
@@ -389,5 +421,5 @@ def _group_argument(args: tuple, kwargs: dict) -> Any:
     return None
 
 
-def _funcol_group_name(group: Any) -> Optional[str]:
+def _funcol_group_name(group: Any) -> str | None:
     return group_name(group)

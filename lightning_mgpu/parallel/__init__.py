@@ -70,11 +70,19 @@ def parallelize(
             from lightning_mgpu.parallel.router_loss import check_no_router_loss
 
             sizes = f"expert_parallel_size={options.expert_parallel_size}, pipeline_parallel_size=" + str(
-                layout.pipeline_parallel_size)
+                layout.pipeline_parallel_size
+            )
             check_no_router_loss(module, f"{sizes}: the last stage would compute it from its own layers' logits only")
         # Under pipelining at ZeRO 0/1 the schedule reduces the gradients of `replicate` wraps only.
-        apply_expert_parallel(module, mesh, options.expert_parallel_size, layout.zero_stage, mp_policy, offload_policy,
-                              replicate=runtime is not None and layout.zero_stage <= 1)
+        apply_expert_parallel(
+            module,
+            mesh,
+            options.expert_parallel_size,
+            layout.zero_stage,
+            mp_policy,
+            offload_policy,
+            replicate=runtime is not None and layout.zero_stage <= 1,
+        )
     if layout.data_parallel_size > 1 and runtime is None:
         from lightning_mgpu.parallel.router_loss import apply_global_router_loss
 

@@ -24,8 +24,9 @@ Modes (``activation_checkpointing=`` of :class:`~lightning_mgpu.HybridStrategy`)
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,15 +45,26 @@ def _saved_ops() -> set[Any]:
     """Ops whose outputs "selective" keeps: the expensive ones (matmuls, attention) and communication."""
     aten = torch.ops.aten
     names = [
-        (aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "baddbmm"), (aten, "_scaled_mm"),
-        (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
-        (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
-        (aten, "_flash_attention_forward"), (aten, "_efficient_attention_forward"),
+        (aten, "mm"),
+        (aten, "addmm"),
+        (aten, "bmm"),
+        (aten, "baddbmm"),
+        (aten, "_scaled_mm"),
+        (aten, "_scaled_dot_product_flash_attention"),
+        (aten, "_scaled_dot_product_efficient_attention"),
+        (aten, "_scaled_dot_product_cudnn_attention"),
+        (aten, "_scaled_dot_product_flash_attention_for_cpu"),
+        (aten, "_flash_attention_forward"),
+        (aten, "_efficient_attention_forward"),
     ]
     c10d = FUNCTIONAL_OPS
     if c10d is not None:
-        names += [(c10d, "all_reduce"), (c10d, "reduce_scatter_tensor"), (c10d, "all_gather_into_tensor"),
-                  (c10d, "all_to_all_single")]
+        names += [
+            (c10d, "all_reduce"),
+            (c10d, "reduce_scatter_tensor"),
+            (c10d, "all_gather_into_tensor"),
+            (c10d, "all_to_all_single"),
+        ]
     ops: set[Any] = set()
     for namespace, name in names:
         packet = getattr(namespace, name, None)
@@ -74,7 +86,7 @@ def _selective_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-def checkpoint_targets(module: nn.Module, mode: Mode, blocks: Optional[list[nn.Module]] = None) -> list[nn.Module]:
+def checkpoint_targets(module: nn.Module, mode: Mode, blocks: list[nn.Module] | None = None) -> list[nn.Module]:
     """The modules ``mode`` checkpoints in ``module`` (outermost matches only for a list of classes).
 
     ``blocks`` replaces the search for repeated blocks.
@@ -111,7 +123,7 @@ def checkpoint_targets(module: nn.Module, mode: Mode, blocks: Optional[list[nn.M
 
 
 def apply_activation_checkpointing(
-    module: nn.Module, mode: Mode, blocks: Optional[list[nn.Module]] = None
+    module: nn.Module, mode: Mode, blocks: list[nn.Module] | None = None
 ) -> list[nn.Module]:
     """Checkpoint the activations of ``module``'s blocks (or of the given classes) in place; return the targets.
 
@@ -136,7 +148,9 @@ def is_checkpointed(module: nn.Module) -> bool:
     return hasattr(module, _INNER_FORWARD)
 
 
-def _checkpointed_forward(self: nn.Module, *args: Any, context_fn: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+def _checkpointed_forward(
+    self: nn.Module, *args: Any, context_fn: Callable[[], Any] | None = None, **kwargs: Any
+) -> Any:
     inner = getattr(self, _INNER_FORWARD)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # evaluation: nothing is saved anyway
@@ -167,7 +181,7 @@ class ActivationMemory:
         self._storages: dict[int, tuple[Any, int]] = {}
         self.peak_bytes = 0
 
-    def __enter__(self) -> "ActivationMemory":
+    def __enter__(self) -> ActivationMemory:
         self._mode.__enter__()
         return self
 
@@ -177,6 +191,7 @@ class ActivationMemory:
     def _record(self, out: Any) -> None:
         from torch.distributed.tensor import DTensor
         from torch.multiprocessing.reductions import StorageWeakRef
+
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor):
                 continue

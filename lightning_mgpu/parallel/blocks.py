@@ -19,7 +19,9 @@ def find_block_container(module: nn.Module) -> tuple[str, nn.ModuleList | nn.Seq
     """
     best: tuple[int, str, nn.ModuleList | nn.Sequential] | None = None
     for name, child in module.named_modules():
-        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < (1 if isinstance(child, nn.ModuleList) else 2):
+        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < (
+            1 if isinstance(child, nn.ModuleList) else 2
+        ):
             continue
         classes = {type(block) for block in child}
         if len(classes) != 1 or not any(True for _ in child[0].parameters()):
@@ -70,5 +72,5 @@ def is_float8_linear(module: nn.Module) -> bool:
 
 def block_glob(name: str, blocks_fqn: str) -> str:
     """``transformer.h.3.attn.c_attn`` -> ``transformer.h.*.attn.c_attn``."""
-    rest = name[len(blocks_fqn) + 1:].split(".", 1)
+    rest = name[len(blocks_fqn) + 1 :].split(".", 1)
     return f"{blocks_fqn}.*.{rest[1]}" if len(rest) == 2 else f"{blocks_fqn}.*"

@@ -20,7 +20,8 @@ one block's parameters are unsharded at a time; the root wrap takes every remain
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Collection, Optional, cast
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,11 +42,11 @@ def apply_data_parallel(
     module: nn.Module,
     dp_mesh: DeviceMesh,
     zero_stage: int,
-    mp_policy: Optional[Any] = None,
-    offload_policy: Optional[Any] = None,
-    root: Optional[nn.Module] = None,
-    blocks: Optional[list[nn.Module]] = None,
-    reshard_blocks: Optional[bool] = None,
+    mp_policy: Any | None = None,
+    offload_policy: Any | None = None,
+    root: nn.Module | None = None,
+    blocks: list[nn.Module] | None = None,
+    reshard_blocks: bool | None = None,
 ) -> None:
     """Wrap ``module`` in place for data parallelism over ``dp_mesh`` at the given ZeRO stage.
 
@@ -77,7 +78,9 @@ def apply_data_parallel(
         wrap = replicate_with_fsdp
     else:
         wrap = fully_shard
-        kwargs["reshard_after_forward"] = zero_stage == 3 if reshard_blocks is None else reshard_blocks and zero_stage == 3
+        kwargs["reshard_after_forward"] = (
+            zero_stage == 3 if reshard_blocks is None else reshard_blocks and zero_stage == 3
+        )
         kwargs["shard_placement_fn"] = _shard_dim_beside_tensor_parallel
     units: list[Any] = find_blocks(module) if blocks is None else blocks
     if zero_stage == 2 and blocks is None:
@@ -111,7 +114,7 @@ def _bucketed(blocks: list[nn.Module], cap_bytes: int) -> list[list[nn.Module]]:
     return groups[:-1]
 
 
-def _plain_data_parallel(root: nn.Module, blocks: Optional[list[nn.Module]], mp_policy: Any, offload_policy: Any) -> bool:
+def _plain_data_parallel(root: nn.Module, blocks: list[nn.Module] | None, mp_policy: Any, offload_policy: Any) -> bool:
     """Whether DDP can replicate ``root``: no pipeline stage, no offload, no tensor-parallel (DTensor) weight and no
     FSDP2 mixed-precision setting (``param_dtype``, ``reduce_dtype``, ``output_dtype``), which DDP would ignore."""
     casts = any(getattr(mp_policy, name, None) is not None for name in ("param_dtype", "reduce_dtype", "output_dtype"))
@@ -135,13 +138,14 @@ def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -
         root._lightning_mgpu_owner_reduce = reduce  # type: ignore[assignment]
 
 
-def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Optional[Any]:
+def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Any | None:
     """Shard a fused (strided) tensor-parallel weight on dim 1: two strided layouts on one dim cannot be described."""
     from torch.distributed.tensor import Shard
 
     # torch 2.13's _StridedShard is not a Shard subclass: test for it alone, then read its dim.
-    if isinstance(param, DTensor) and any(is_strided_shard(p) and getattr(p, "dim", None) == 0
-                                          for p in param.placements):
+    if isinstance(param, DTensor) and any(
+        is_strided_shard(p) and getattr(p, "dim", None) == 0 for p in param.placements
+    ):
         return Shard(1)
     return None  # FSDP2's default, Shard(0)
 
@@ -170,7 +174,11 @@ class OptimizerStateSharding:
     """
 
     def __init__(
-        self, optimizer: Optimizer, dp_mesh: DeviceMesh, roots: Collection[nn.Module] = (), precision_plugin: Any = None,
+        self,
+        optimizer: Optimizer,
+        dp_mesh: DeviceMesh,
+        roots: Collection[nn.Module] = (),
+        precision_plugin: Any = None,
         local: Collection[torch.Tensor] = (),
     ) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -211,7 +219,7 @@ class OptimizerStateSharding:
         """Parameters whose gradient was reduced to another rank: that owner counts them in the global norm."""
         return {id(p) for p, owner in self.owned_by.items() if owner != self._rank}
 
-    def _step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -251,10 +259,10 @@ class _OwnerReduce:
 def _reduce_to_owners(state, bucket):  # type: ignore[no-untyped-def]  # untyped: DDP checks the hook's annotations
     """DDP communication hook: one reduce per owner of the bucket's gradients (all-reduce for unowned ones)."""
     buffer = bucket.buffer().div_(state.world)
-    segments: dict[Optional[int], list[torch.Tensor]] = {}
+    segments: dict[int | None, list[torch.Tensor]] = {}
     offset = 0
     for param in bucket.parameters():
-        segments.setdefault(state.owner.get(param), []).append(buffer[offset:offset + param.numel()])
+        segments.setdefault(state.owner.get(param), []).append(buffer[offset : offset + param.numel()])
         offset += param.numel()
     futures, mine = [], []
     me = dist.get_rank()
@@ -277,7 +285,7 @@ def _reduce_to_owners(state, bucket):  # type: ignore[no-untyped-def]  # untyped
     return torch.futures.collect_all(futures).then(unpack)
 
 
-def _owner_reduce_of(root: nn.Module) -> Optional[_OwnerReduce]:
+def _owner_reduce_of(root: nn.Module) -> _OwnerReduce | None:
     return getattr(root, "_lightning_mgpu_owner_reduce", None)
 
 
@@ -302,7 +310,7 @@ def _balance(params: list[torch.Tensor], num_ranks: int) -> dict[torch.Tensor, i
     return {p: owner[p] for p in params}
 
 
-def reduce_metrics_over(module: torch.nn.Module, group: Any, patches: Optional["PatchLog"] = None) -> None:
+def reduce_metrics_over(module: torch.nn.Module, group: Any, patches: PatchLog | None = None) -> None:
     """Make torchmetrics objects sync over the data-parallel group, not the whole world (undone by ``patches``)."""
     from torchmetrics import Metric
 

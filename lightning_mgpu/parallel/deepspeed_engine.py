@@ -27,7 +27,8 @@ job's NCCL group. The first use on CPU compiles DeepSpeed's ``deepspeed_shm_comm
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from lightning_mgpu.layout import ParallelLayout
 
 
-def composition_error(tensor_parallel_size: Any, pipeline_parallel_size: Any) -> Optional[str]:
+def composition_error(tensor_parallel_size: Any, pipeline_parallel_size: Any) -> str | None:
     """Why a layout cannot run with the DeepSpeed engine (``None`` when it can); checked before launch."""
     if pipeline_parallel_size != 1 and pipeline_parallel_size != "auto":
         return (
@@ -70,16 +71,21 @@ class DeepSpeedEngineRunner:
 
     def __init__(self, config: DeepSpeedConfig) -> None:
         self.config = config
-        self.engine: Optional[Any] = None
-        self.optimizer: Optional[Optimizer] = None
+        self.engine: Any | None = None
+        self.optimizer: Optimizer | None = None
         self._stepping = False  # inside Lightning's optimizer step: its backward ends the accumulation window
         self.param_groups: list[list[nn.Parameter]] = []  # the user's groups, before DeepSpeed flattens them
-        self._release: Optional[DeepSpeedRelease] = None
+        self._release: DeepSpeedRelease | None = None
         self._released_state: dict[str, Any] = {}
 
     def initialize(
-        self, runner: nn.Module, optimizers: list[Optimizer], trainer: "pl.Trainer", layout: "ParallelLayout",
-        precision: str, dp_group: Any,
+        self,
+        runner: nn.Module,
+        optimizers: list[Optimizer],
+        trainer: pl.Trainer,
+        layout: ParallelLayout,
+        precision: str,
+        dp_group: Any,
     ) -> nn.Module:
         """Wrap ``runner`` (and the single optimizer, when fitting) in a DeepSpeed engine; return the engine."""
         import deepspeed
@@ -126,7 +132,10 @@ class DeepSpeedEngineRunner:
         self._release, self._released_state = DeepSpeedRelease(runner, optimizer), {}
         self.optimizer = optimizer
         self.engine, *_ = deepspeed.initialize(
-            model=runner, optimizer=optimizer, config=config, mpu=_DataParallelGroups(dp_group),
+            model=runner,
+            optimizer=optimizer,
+            config=config,
+            mpu=_DataParallelGroups(dp_group),
             dist_init_required=False,
         )
         return self.engine
@@ -140,7 +149,7 @@ class DeepSpeedEngineRunner:
         self._release.release(self, module)
         self.engine, self.optimizer, self.param_groups, self._release = None, None, [], None
 
-    def backward(self, loss: Tensor, module: "pl.LightningModule", precision: Precision) -> Tensor:
+    def backward(self, loss: Tensor, module: pl.LightningModule, precision: Precision) -> Tensor:
         """Callbacks' ``on_before/after_backward`` around the engine's backward (which owns loss scaling)."""
         assert self.engine is not None
         loss = Precision.pre_backward(precision, loss, module)
@@ -148,7 +157,7 @@ class DeepSpeedEngineRunner:
         self.engine.backward(loss, scale_wrt_gas=False)
         return Precision.post_backward(precision, loss, module)
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], module: "pl.LightningModule") -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], module: pl.LightningModule) -> Any:
         assert self.engine is not None
         self._stepping = True
         try:
@@ -165,7 +174,6 @@ class DeepSpeedEngineRunner:
         self.engine.step()
         return result
 
-
     def state_dict(self) -> dict[str, Any]:
         """What DeepSpeed's own checkpoints keep beside weights and optimizer states: the loss scaler (its scale,
         iteration and hysteresis counters under fp16; a fixed scale otherwise) and the engine's step counters.
@@ -177,11 +185,12 @@ class DeepSpeedEngineRunner:
         if scaler is not None:
             state["loss_scaler"] = {
                 key: value.clone() if isinstance(value, Tensor) else value
-                for key, value in vars(scaler).items() if isinstance(value, (bool, int, float, Tensor))
+                for key, value in vars(scaler).items()
+                if isinstance(value, (bool, int, float, Tensor))
             }
         return state
 
-    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Put back :meth:`state_dict`'s values (a checkpoint of the torch backend has none: nothing changes)."""
         if not state or self.engine is None:
             return
@@ -239,7 +248,7 @@ class _DataParallelGroups:
         return 1
 
 
-def _micro_batch_size(trainer: "pl.Trainer") -> int:
+def _micro_batch_size(trainer: pl.Trainer) -> int:
     """The train dataloader's batch size (as Lightning's DeepSpeedStrategy reads it); 1 when it has none."""
     source = fit_data_source(trainer)
     if not source.is_defined():

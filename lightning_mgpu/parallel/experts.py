@@ -28,7 +28,7 @@ which then leaves them out) and divided by ``dp``, not by the replica count.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,8 +52,11 @@ def find_experts(module: nn.Module) -> dict[str, nn.Module]:
         # Once split, ``num_experts`` counts this rank's experts; the weights keep the global count.
         count = getattr(sub, _TOTAL, getattr(sub, "num_experts", None))
         params = [getattr(sub, leaf, None) for leaf in _FUSED]
-        if isinstance(count, int) and all(isinstance(p, nn.Parameter) and p.dim() == 3 and p.shape[0] == count
-                                          for p in params) and _routed_call(sub):
+        if (
+            isinstance(count, int)
+            and all(isinstance(p, nn.Parameter) and p.dim() == 3 and p.shape[0] == count for p in params)
+            and _routed_call(sub)
+        ):
             found[name] = sub
     return found
 
@@ -75,8 +78,10 @@ def plan_without_experts(module: nn.Module, tp_plan: Any, sequence_parallel: boo
     if callable(tp_plan):
         return tp_plan
     plan = auto_plan(module, sequence_parallel) if tp_plan == "auto" else dict(tp_plan)
-    containers = [*find_experts(module), *(_list_name(block, mod, experts)
-                                          for block, (mod, experts) in find_expert_lists(module).items())]
+    containers = [
+        *find_experts(module),
+        *(_list_name(block, mod, experts) for block, (mod, experts) in find_expert_lists(module).items()),
+    ]
     names = [n for n, _ in module.named_modules()] + [n for n, _ in module.named_parameters()]
     inside = [n for n in names if any(n == c or n.startswith(c + ".") for c in containers)]
     return {glob: style for glob, style in plan.items() if not any(fnmatch.fnmatchcase(n, glob) for n in inside)}
@@ -147,9 +152,15 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return full[REPLICA_AXIS, EP_AXIS]
 
 
-def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, zero_stage: int,
-                          mp_policy: Optional[Any] = None, offload_policy: Optional[Any] = None,
-                          replicate: bool = False) -> DeviceMesh:
+def apply_expert_parallel(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    ep: int,
+    zero_stage: int,
+    mp_policy: Any | None = None,
+    offload_policy: Any | None = None,
+    replicate: bool = False,
+) -> DeviceMesh:
     """Keep this rank's experts in every MoE layer, route tokens to them, and wrap them over their replicas.
 
     ``replicate``: the experts are replicated over their replicas (FSDP2's ``replicate``) instead of sharded: the
@@ -224,7 +235,8 @@ class _Routing:
         recv = recv_counts.sum(1).tolist()
         inputs = _all_to_all(hidden[tokens], recv, send, self.group)
         local_index = torch.repeat_interleave(
-            torch.arange(self.local, device=flat.device).repeat(self.ep), recv_counts.reshape(-1))
+            torch.arange(self.local, device=flat.device).repeat(self.ep), recv_counts.reshape(-1)
+        )
         # The module's own forward runs on this rank's experts: the local shards of its DTensor parameters.
         # Differentiable views: the gradient reaches the DTensor.
         local = {name: p.to_local() for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
@@ -260,8 +272,14 @@ def find_expert_lists(module: nn.Module) -> dict[str, tuple[nn.Module, nn.Module
     router child with one output per expert (a plain torch MoE as users write it)."""
     found = {}
     for name, block in module.named_modules():
-        lists = [c for c in block.children() if isinstance(c, nn.ModuleList) and len(c) > 1
-                 and len({type(e) for e in c}) == 1 and any(True for _ in c.parameters())]
+        lists = [
+            c
+            for c in block.children()
+            if isinstance(c, nn.ModuleList)
+            and len(c) > 1
+            and len({type(e) for e in c}) == 1
+            and any(True for _ in c.parameters())
+        ]
         routers = {c.out_features for c in block.children() if isinstance(c, nn.Linear)}
         for experts in lists:
             if len(experts) in routers:
@@ -312,7 +330,7 @@ class _LocalExperts(nn.ModuleList):
 class _ExpertCall(nn.Module):
     """Stands in for expert ``index`` during the block's forward: every call goes through ``_TwoPassCalls``."""
 
-    def __init__(self, index: int, calls: "_TwoPassCalls") -> None:
+    def __init__(self, index: int, calls: _TwoPassCalls) -> None:
         super().__init__()
         self.index = index
         self._calls = [calls]  # a list: not a submodule
@@ -328,14 +346,22 @@ class _TwoPassCalls:
     code, whatever it is (top-k, capacity, skipped empty experts), runs unchanged and each rank may call its
     experts in any order: no collective depends on it."""
 
-    def __init__(self, experts: nn.ModuleList, mine: dict[str, nn.Module], group: Any, ep: int, total: int,
-                 out_shape: tuple[int, ...], empty: torch.Tensor) -> None:
+    def __init__(
+        self,
+        experts: nn.ModuleList,
+        mine: dict[str, nn.Module],
+        group: Any,
+        ep: int,
+        total: int,
+        out_shape: tuple[int, ...],
+        empty: torch.Tensor,
+    ) -> None:
         self.empty = empty  # what this rank sends when it called no expert
         self.experts, self.mine, self.group = experts, mine, group
         self.ep, self.total, self.local, self.out_shape = ep, total, total // ep, out_shape
         self.proxies = {str(i): _ExpertCall(i, self) for i in range(total)}
         self.recorded: list[tuple[int, torch.Tensor]] = []
-        self.answers: Optional[dict[int, list[torch.Tensor]]] = None
+        self.answers: dict[int, list[torch.Tensor]] | None = None
         self.rng: Any = None
 
     def call(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -395,7 +421,7 @@ class _TwoPassCalls:
     def _run_local(self, tokens: torch.Tensor, per_source: torch.Tensor) -> torch.Tensor:
         """Each local expert once, on its tokens from every source; outputs in the received order."""
         pieces = tokens.split(per_source.reshape(-1).tolist())  # [source][local expert]
-        outs: list[Optional[torch.Tensor]] = [None] * len(pieces)
+        outs: list[torch.Tensor | None] = [None] * len(pieces)
         for e, expert in enumerate(self.mine.values()):
             mine = [s * self.local + e for s in range(self.ep)]
             result = expert(torch.cat([pieces[k] for k in mine]))
@@ -404,12 +430,12 @@ class _TwoPassCalls:
         return torch.cat(outs)  # type: ignore[arg-type]
 
 
-def _rng_state() -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     return torch.get_rng_state(), cuda
 
 
-def _set_rng_state(state: tuple[torch.Tensor, Optional[list[torch.Tensor]]]) -> None:
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
@@ -430,6 +456,7 @@ def with_peers_listed_experts(module: nn.Module, state: dict[str, torch.Tensor])
         for part in gathered:
             state.update({key: value.to(device) for key, value in part.items() if key not in state})
     return state
+
 
 # ------------------------------------------------------------------------ per-expert token counts (ScalingMonitor)
 class ExpertTokenCounts:
@@ -458,15 +485,18 @@ class ExpertTokenCounts:
             if not _in_backward():
                 flat = args[1].reshape(-1).to("cpu")
                 self.counts[name] += torch.bincount(flat, minlength=self.counts[name].numel())
+
         return hook
 
-    def _count_calls(self, name: str, experts: list[nn.Module], calls: Optional["_TwoPassCalls"]) -> None:
+    def _count_calls(self, name: str, experts: list[nn.Module], calls: _TwoPassCalls | None) -> None:
         self.counts[name] = torch.zeros(len(experts), dtype=torch.long)
         for index, expert in enumerate(experts):
+
             def hook(module: nn.Module, args: tuple, index: int = index) -> None:
                 # A split list's block runs twice per forward: count the first (recording) pass only.
                 if not _in_backward() and (calls is None or calls.answers is None):
                     self.counts[name][index] += args[0].shape[0]
+
             self._handles.append(expert.register_forward_pre_hook(hook))
 
     def remove(self) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Set as AbstractSet
-from typing import Any, Optional
+from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ from torch.distributed.tensor import DTensor
 def total_grad_norm(
     parameters: Iterable[torch.Tensor],
     norm_type: float = 2.0,
-    cross_stage_group: Optional[Any] = None,
+    cross_stage_group: Any | None = None,
     counted_elsewhere: AbstractSet[int] = frozenset(),
 ) -> torch.Tensor:
     """The global ``norm_type``-norm of all gradients.
@@ -47,7 +48,7 @@ def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
-    cross_stage_group: Optional[Any] = None,
+    cross_stage_group: Any | None = None,
     counted_elsewhere: AbstractSet[int] = frozenset(),
 ) -> torch.Tensor:
     """Scale gradients in place so that their global norm is at most ``max_norm``; return the norm before."""

@@ -17,7 +17,8 @@ Evaluation forwards keep each rank's own loss (no collective a single rank's for
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,7 +101,7 @@ def _gather(tensor: torch.Tensor, counts: list[int], dim: int, group: Any) -> to
     rank, largest = dist.get_rank(group), max(counts)
 
     def zeros(n: int) -> torch.Tensor:
-        shape = (*tensor.shape[:dim], n, *tensor.shape[dim + 1:])
+        shape = (*tensor.shape[:dim], n, *tensor.shape[dim + 1 :])
         return torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)
 
     after = (len(counts) - rank) * largest - tensor.shape[dim]
@@ -112,8 +113,11 @@ def _gather(tensor: torch.Tensor, counts: list[int], dim: int, group: Any) -> to
 def check_no_router_loss(module: nn.Module, reason: str) -> None:
     """Refuse a Hugging Face model whose load-balancing loss is on (``config.output_router_logits``) where it would
     not be one process's; ``reason`` names the layout and why."""
-    on = [type(m).__name__ for m in find_router_losses(module).values()
-          if getattr(getattr(m, "config", None), "output_router_logits", False) is True]
+    on = [
+        type(m).__name__
+        for m in find_router_losses(module).values()
+        if getattr(getattr(m, "config", None), "output_router_logits", False) is True
+    ]
     if on:
         raise NotImplementedError(
             f"{on[0]}'s load-balancing loss (config.output_router_logits=True) with {reason}. Set"

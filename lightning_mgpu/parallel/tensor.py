@@ -18,10 +18,10 @@ unchanged. No attribute of the user's modules is rewritten.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from functools import partial
-from typing import Any, Callable, Optional, Union, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +71,7 @@ class _Colwise(StyleHooks, ColwiseParallel):
         super().__init__(**kwargs)
         self.chunks = chunks
         self.global_shapes = global_shapes
-        self.shared: Optional[_SharedInput] = None  # set when siblings read the same input (see _share_inputs)
+        self.shared: _SharedInput | None = None  # set when siblings read the same input (see _share_inputs)
 
     @override
     def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -130,7 +130,7 @@ class _SharedInput:
         self.open_calls = 0
         self.source: Any = None
         self.version = -1
-        self.converted: Optional[DTensor] = None
+        self.converted: DTensor | None = None
         self.grad_enabled = False
 
     def open(self, *args: Any) -> None:
@@ -142,8 +142,12 @@ class _SharedInput:
         self.source = self.converted = None
 
     def hit(self, tensor: Any) -> bool:
-        return (self.open_calls > 0 and tensor is self.source and self.grad_enabled == torch.is_grad_enabled()
-                and version_counter(tensor) == self.version)
+        return (
+            self.open_calls > 0
+            and tensor is self.source
+            and self.grad_enabled == torch.is_grad_enabled()
+            and version_counter(tensor) == self.version
+        )
 
     def keep(self, tensor: Any, converted: DTensor) -> None:
         # Inference tensors (Lightning's evaluation under inference_mode) have no version counter: not shared.
@@ -238,8 +242,9 @@ class _ReplicatedOnLocalHeads(StyleHooks, ParallelStyle):
     @override
     def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         placements = {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
-        return distribute_module(module, device_mesh, partial(_distribute_parameters, placements, 0),
-                                 self._input_fn, self._output_fn)
+        return distribute_module(
+            module, device_mesh, partial(_distribute_parameters, placements, 0), self._input_fn, self._output_fn
+        )
 
     @staticmethod
     def _input_fn(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> Any:
@@ -253,8 +258,9 @@ class _ReplicatedOnLocalHeads(StyleHooks, ParallelStyle):
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
-def _distribute_parameters(placements: dict, src_data_rank: Optional[int], name: str, module: nn.Module,
-                           mesh: DeviceMesh) -> None:
+def _distribute_parameters(
+    placements: dict, src_data_rank: int | None, name: str, module: nn.Module, mesh: DeviceMesh
+) -> None:
     for param_name, placement in placements.items():
         param = getattr(module, param_name, None)
         if param is None or isinstance(param, DTensor):
@@ -271,7 +277,7 @@ def _keep_output(module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) -
     return outputs
 
 
-def style(name: str, sequence_parallel: bool, global_shapes: bool = False) -> Optional[ParallelStyle]:
+def style(name: str, sequence_parallel: bool, global_shapes: bool = False) -> ParallelStyle | None:
     """The torch ParallelStyle for a plan's style name (``None`` for ``"replicate"``).
 
     ``global_shapes``: a column-parallel projection inside a global-shape region returns a DTensor with the
@@ -279,7 +285,7 @@ def style(name: str, sequence_parallel: bool, global_shapes: bool = False) -> Op
     """
     sequence, replicated = Shard(SEQUENCE_DIM), Replicate()
     stream = sequence if sequence_parallel else replicated  # layout of the residual stream between blocks
-    styles: dict[str, Callable[[], Optional[ParallelStyle]]] = {
+    styles: dict[str, Callable[[], ParallelStyle | None]] = {
         "colwise": lambda: _Colwise(input_layouts=stream, global_shapes=global_shapes),
         "colwise_qkv": lambda: _Colwise(chunks=3, input_layouts=stream, global_shapes=global_shapes),
         # A packed [gate | up] (Phi-3's gate_up_proj, split with chunk(2)): each rank holds its halves of both.
@@ -290,13 +296,16 @@ def style(name: str, sequence_parallel: bool, global_shapes: bool = False) -> Op
         "rowwise": lambda: _Rowwise(output_layouts=stream, use_local_output=not sequence_parallel),
         # Its input is whole on every rank (Phi-3 gathers its fused q|k|v, gate|up to slice them): each rank
         # multiplies its own slice of it, then the partial outputs are all-reduced.
-        "rowwise_split_input": lambda: _Rowwise(input_layouts=replicated, output_layouts=stream,
-                                                use_local_output=not sequence_parallel),
+        "rowwise_split_input": lambda: _Rowwise(
+            input_layouts=replicated, output_layouts=stream, use_local_output=not sequence_parallel
+        ),
         "replicated_with_grad_allreduce": lambda: _ReplicatedOnLocalHeads(),
-        "embedding_rowwise": lambda: VocabParallelEmbedding(input_layouts=replicated, output_layouts=stream,
-                                                            use_local_output=not sequence_parallel),
-        "embedding_colwise": lambda: ColwiseParallel(input_layouts=replicated, output_layouts=stream,
-                                                     use_local_output=not sequence_parallel),
+        "embedding_rowwise": lambda: VocabParallelEmbedding(
+            input_layouts=replicated, output_layouts=stream, use_local_output=not sequence_parallel
+        ),
+        "embedding_colwise": lambda: ColwiseParallel(
+            input_layouts=replicated, output_layouts=stream, use_local_output=not sequence_parallel
+        ),
         "sequence_parallel": lambda: SequenceParallel(use_local_output=False) if sequence_parallel else None,
         "replicate": lambda: None,
         # Experts on local shards of their 3-D parameters (tensor_experts.py); placements set by place_experts.
@@ -304,8 +313,10 @@ def style(name: str, sequence_parallel: bool, global_shapes: bool = False) -> Op
         "moe_identity_expert": lambda: IdentityExpertParallel(),
     }
     if name in ("packed_colwise", "packed_rowwise"):
-        raise ValueError(f"{name!r} places a parameter of a 'moe_tp_experts' module (e.g. '<experts>.gate_up_proj'),"
-                         " not a module: give it to that parameter in `tp_plan`.")
+        raise ValueError(
+            f"{name!r} places a parameter of a 'moe_tp_experts' module (e.g. '<experts>.gate_up_proj'),"
+            " not a module: give it to that parameter in `tp_plan`."
+        )
     if name not in styles:
         raise ValueError(f"Unknown tensor-parallel style {name!r} in `tp_plan`. Known styles: {sorted(styles)}.")
     return styles[name]()
@@ -362,7 +373,7 @@ def apply_tensor_parallel(
             child.register_forward_pre_hook(_arm_gradient_layout)
 
 
-def _share_inputs(module: nn.Module, matched: dict[str, str], styles: dict[str, Optional[ParallelStyle]]) -> None:
+def _share_inputs(module: nn.Module, matched: dict[str, str], styles: dict[str, ParallelStyle | None]) -> None:
     """Parents with several column-parallel children (HF attention's q/k/v, a SwiGLU's gate/up) convert the input
     those children read once for all of them (see ``_SharedInput``)."""
     children: dict[str, list[_Colwise]] = {}
@@ -425,8 +436,9 @@ def _regions(module: nn.Module, matched: dict[str, str]) -> tuple[dict[str, str]
                 break
             ancestor = parent_name(ancestor)
         # A packed gate|up is split by chunk(2), which only a region serves without gathering: Hugging Face's too.
-        if style_name != "colwise_gate_up" and any(prefix == "" or name.startswith(prefix + ".")
-                                                   for prefix in local_prefixes):
+        if style_name != "colwise_gate_up" and any(
+            prefix == "" or name.startswith(prefix + ".") for prefix in local_prefixes
+        ):
             local[name] = region
         else:
             regions[name] = region
@@ -491,7 +503,7 @@ class _PlainLosses(TorchFunctionMode):
     differentiable: backward re-enters the DTensor graph, still inside ``loss_parallel``.
     """
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         result = func(*args, **(kwargs or {}))
         if func in (F.cross_entropy, F.nll_loss) and isinstance(result, DTensor):
             if all(p.is_replicate() for p in result.placements):

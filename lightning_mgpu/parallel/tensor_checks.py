@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -12,8 +12,19 @@ from torch import nn
 from lightning_mgpu.parallel.blocks import is_projection
 
 # Attributes an attention module keeps about its global size: checked against the degree before training.
-_HEAD_COUNT_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads",
-                          "n_kv_heads", "n_query_groups", "n_embd", "embed_dim", "split_size", "all_head_size")
+_HEAD_COUNT_ATTRIBUTES = (
+    "n_head",
+    "n_heads",
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_kv_heads",
+    "n_query_groups",
+    "n_embd",
+    "embed_dim",
+    "split_size",
+    "all_head_size",
+)
 
 
 def check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None:
@@ -29,7 +40,8 @@ def check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None
         elif style_name.startswith("embedding") and isinstance(child, nn.Embedding):
             row = style_name == "embedding_rowwise"
             sizes[f"{name}: {{}} {'vocabulary entries' if row else 'channels'}"] = (
-                child.num_embeddings if row else child.embedding_dim)
+                child.num_embeddings if row else child.embedding_dim
+            )
     for name, attention in _attention_modules(module, matched):
         for attribute in _HEAD_COUNT_ATTRIBUTES:
             value = getattr(attention, attribute, None)
@@ -55,7 +67,7 @@ _QUERY_HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
 _KEY_VALUE_HEADS = ("n_query_groups", "num_key_value_heads", "n_kv_heads", "num_kv_heads")
 
 
-def _head_count(attention: nn.Module, names: tuple[str, ...]) -> Optional[int]:
+def _head_count(attention: nn.Module, names: tuple[str, ...]) -> int | None:
     for name in names:
         value = getattr(attention, name, None)
         if isinstance(value, int) and not isinstance(value, bool):
@@ -100,7 +112,9 @@ def _check_fused_chunks(module: nn.Module, matched: dict[str, str]) -> None:
 
 def _sibling_rowwise(matched: dict[str, str], name: str) -> str:
     parent = parent_name(name)
-    return next((n for n, s in matched.items() if s == "rowwise" and parent_name(n) == parent), parent + ".<out projection>")
+    return next(
+        (n for n, s in matched.items() if s == "rowwise" and parent_name(n) == parent), parent + ".<out projection>"
+    )
 
 
 def _glob_hint(name: str) -> str:

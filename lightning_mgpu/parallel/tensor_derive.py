@@ -23,7 +23,7 @@ logged so that it can be pinned as an explicit ``tp_plan``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -45,8 +45,10 @@ def derive_block_plan(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
     block = module.get_submodule(block_fqn)
     projections = {name: child for name, child in block.named_modules() if name and is_projection(child)}
     if not projections:
-        raise ValueError(f"tp_plan='auto' found no Linear layers to shard in the blocks {blocks_fqn!r}. Pass"
-                         " `tp_plan` as a dict {module_glob: style} or a callable (module, tp_mesh).")
+        raise ValueError(
+            f"tp_plan='auto' found no Linear layers to shard in the blocks {blocks_fqn!r}. Pass"
+            " `tp_plan` as a dict {module_glob: style} or a callable (module, tp_mesh)."
+        )
     glob = {name: block_glob(f"{block_fqn}.{name}", blocks_fqn) for name in projections}
     width = _stream_width(block, projections)
     try:
@@ -70,8 +72,13 @@ def derive_block_plan(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
             f" as derived: tp_plan={explicit!r}"
         )
     plan = {glob[n]: s for n, s in styles.items()}
-    rank_zero_info("tp_plan='auto' derived this plan for the blocks in %r (%s) from their structure; pass it as"
-             " `tp_plan` to pin it: %r", blocks_fqn, type(block).__name__, plan)
+    rank_zero_info(
+        "tp_plan='auto' derived this plan for the blocks in %r (%s) from their structure; pass it as"
+        " `tp_plan` to pin it: %r",
+        blocks_fqn,
+        type(block).__name__,
+        plan,
+    )
     return plan
 
 
@@ -123,7 +130,7 @@ class _DataFlow(TorchFunctionMode):
         tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
         return frozenset().union(*(self.sources.get(id(t), frozenset()) for t in tensors))
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         arguments = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -159,8 +166,9 @@ def _equal_parts_of_last_dim(tensor: Any, result: Any) -> bool:
     return all(part == (*shape[:-1], shape[-1] // len(parts)) for part in parts) and shape[-1] % len(parts) == 0
 
 
-def _trace(block: nn.Module, projections: dict[str, nn.Module],
-           width: int) -> tuple[dict[str, set], frozenset, dict[str, int]]:
+def _trace(
+    block: nn.Module, projections: dict[str, nn.Module], width: int
+) -> tuple[dict[str, set], frozenset, dict[str, int]]:
     """Run ``block`` on fake hidden states: each projection's input sources, the output's sources, and the fused
     projections with their number of parts."""
 
@@ -183,8 +191,9 @@ def _trace(block: nn.Module, projections: dict[str, nn.Module],
         return flow.reads, flow.of(first), flow.chunks
 
 
-def _classify(reads: dict[str, set], output: frozenset, fused: dict[str, int],
-              names: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+def _classify(
+    reads: dict[str, set], output: frozenset, fused: dict[str, int], names: list[str]
+) -> tuple[dict[str, str], dict[str, str]]:
     """Megatron's split from the data flow: ``({projection: style}, {projection: why it has none})``."""
     writers = {n for n in output if n != _INPUT}
     stream = writers | {_INPUT}
@@ -203,8 +212,9 @@ def _classify(reads: dict[str, set], output: frozenset, fused: dict[str, int],
         elif name in readers:
             unplaced[name] = "reads the residual stream, but no row-parallel projection reads its output"
         elif name in writers:
-            unplaced[name] = ("writes into the residual stream, but reads more than column-parallel outputs"
-                              f" ({sorted(reads[name])})")
+            unplaced[name] = (
+                f"writes into the residual stream, but reads more than column-parallel outputs ({sorted(reads[name])})"
+            )
         else:
             unplaced[name] = f"sits between other projections (reads {sorted(reads[name])})"
     return styles, unplaced

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,8 +74,13 @@ def parameter_placement(style_name: str, name: str, param: torch.Tensor) -> Plac
 def expert_placements(module: nn.Module, plan: dict[str, str], matched: dict[str, str]) -> dict[str, dict]:
     """``{experts module: {parameter: placement}}`` from the plan's parameter entries; every parameter entry must
     belong to a 'moe_tp_experts' module, and every parameter of such a module must be placed."""
-    parameter_globs = {g: s for g, s in plan.items() if s in PARAMETER_STYLES and names_parameters_only(module, g)
-                       and not any(fnmatch.fnmatchcase(n, g) for n, _ in module.named_modules())}
+    parameter_globs = {
+        g: s
+        for g, s in plan.items()
+        if s in PARAMETER_STYLES
+        and names_parameters_only(module, g)
+        and not any(fnmatch.fnmatchcase(n, g) for n, _ in module.named_modules())
+    }
     placements: dict[str, dict[str, Placement]] = {fqn: {} for fqn, s in matched.items() if s == EXPERTS_STYLE}
     for name, param in module.named_parameters():
         owner, _, leaf = name.rpartition(".")
@@ -122,8 +127,14 @@ def check_expert_sizes(module: nn.Module, placements: dict[str, dict[str, Placem
         )
 
 
-def place_experts(module: nn.Module, plan: dict[str, str], matched: dict[str, str], styles: dict[str, Any],
-                  tp: int, sequence_parallel: bool = False) -> None:
+def place_experts(
+    module: nn.Module,
+    plan: dict[str, str],
+    matched: dict[str, str],
+    styles: dict[str, Any],
+    tp: int,
+    sequence_parallel: bool = False,
+) -> None:
     """Give each 'moe_tp_experts' style the placements of its module's parameters, checked before sharding."""
     placements = expert_placements(module, plan, matched)
     check_expert_sizes(module, placements, tp)
@@ -136,9 +147,15 @@ def place_experts(module: nn.Module, plan: dict[str, str], matched: dict[str, st
 def _check_router_logits_stay_inside(module: nn.Module) -> None:
     """Under sequence parallelism the router's logits are sequence-sharded DTensors: returned to Hugging Face's
     load-balancing loss they meet its plain language-model loss in an in-place add, which DTensor refuses mid-step."""
-    returning = next((f"{name or 'the module'} ({type(m).__name__})" for name, m in module.named_modules()
-                      if hasattr(m, "base_model_prefix")
-                      and getattr(getattr(m, "config", None), "output_router_logits", False) is True), None)
+    returning = next(
+        (
+            f"{name or 'the module'} ({type(m).__name__})"
+            for name, m in module.named_modules()
+            if hasattr(m, "base_model_prefix")
+            and getattr(getattr(m, "config", None), "output_router_logits", False) is True
+        ),
+        None,
+    )
     if returning:
         raise ValueError(
             f"sequence_parallel=True with a mixture-of-experts model that returns its router logits, {returning}"
@@ -152,7 +169,7 @@ class ExpertsParallel(StyleHooks, ParallelStyle):
     """'moe_tp_experts': the module's parameters sharded by ``placements``, its forward run on their local shards
     between a replicated input (partial gradients) and a partial output (see the module docstring)."""
 
-    def __init__(self, placements: Optional[dict[str, Placement]] = None) -> None:
+    def __init__(self, placements: dict[str, Placement] | None = None) -> None:
         super().__init__()
         self.placements = dict(placements or {})
 
@@ -195,7 +212,7 @@ class _LocalShardsCall:
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
-        self.stack: list[tuple[dict[str, DTensor], Optional[tuple]]] = []
+        self.stack: list[tuple[dict[str, DTensor], tuple | None]] = []
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         first = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)

@@ -17,23 +17,48 @@ from lightning_mgpu.parallel.tensor_experts import PARAMETER_STYLES, names_param
 
 # Leaf names of projections in GPT-style blocks (nanoGPT, litgpt, GPT-2, Llama-likes without a HF plan).
 _FUSED_QKV = ("c_attn", "qkv", "qkv_proj", "Wqkv")
-_COLWISE = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "c_fc", "fc1", "fc_in", "up_proj", "gate_proj",
-            "w1", "w3", "fc", "fc_1", "fc_2")  # litgpt: GptNeoxMLP.fc, LLaMAMLP.fc_1/fc_2
+_COLWISE = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "query",
+    "key",
+    "value",
+    "c_fc",
+    "fc1",
+    "fc_in",
+    "up_proj",
+    "gate_proj",
+    "w1",
+    "w3",
+    "fc",
+    "fc_1",
+    "fc_2",
+)  # litgpt: GptNeoxMLP.fc, LLaMAMLP.fc_1/fc_2
 _ROWWISE = ("c_proj", "o_proj", "out_proj", "down_proj", "fc2", "fc_out", "w2", "proj")
 _TOKEN_EMBEDDINGS = ("wte", "embed_tokens", "tok_embeddings", "word_embeddings")
 _HEADS = ("lm_head", "output", "embed_out")
 # Hugging Face plan vocabulary (transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES) -> ours.
-_HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_gather_output",
-              "embedding_rowwise": "embedding_rowwise", "embedding_colwise": "embedding_colwise",
-              "colwise_gather_output": "colwise_gather_output",
-              # Input replicated (a fused q|k|v or gate|up gathered whole before slicing): each rank takes its slice.
-              "rowwise_split_input": "rowwise_split_input", "rowwise_rep": "rowwise_split_input",
-              "replicated_with_grad_allreduce": "replicated_with_grad_allreduce",
-              "sequence_parallel": "sequence_parallel", "replicate": "replicate",
-              # Experts (tensor_experts.py): the module runs on local shards of its 3-D parameters, which the
-              # parameter entries place ('colwise'/'rowwise' there mean the weight's out/in dimension).
-              "moe_tp_experts": "moe_tp_experts", "moe_identity_expert": "moe_identity_expert",
-              "packed_colwise": "packed_colwise", "packed_rowwise": "packed_rowwise"}
+_HF_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_rep": "colwise_gather_output",
+    "embedding_rowwise": "embedding_rowwise",
+    "embedding_colwise": "embedding_colwise",
+    "colwise_gather_output": "colwise_gather_output",
+    # Input replicated (a fused q|k|v or gate|up gathered whole before slicing): each rank takes its slice.
+    "rowwise_split_input": "rowwise_split_input",
+    "rowwise_rep": "rowwise_split_input",
+    "replicated_with_grad_allreduce": "replicated_with_grad_allreduce",
+    "sequence_parallel": "sequence_parallel",
+    "replicate": "replicate",
+    # Experts (tensor_experts.py): the module runs on local shards of its 3-D parameters, which the
+    # parameter entries place ('colwise'/'rowwise' there mean the weight's out/in dimension).
+    "moe_tp_experts": "moe_tp_experts",
+    "moe_identity_expert": "moe_identity_expert",
+    "packed_colwise": "packed_colwise",
+    "packed_rowwise": "packed_rowwise",
+}
 # Hugging Face styles not served, and what an explicit plan does instead: the module stays replicated (whole on
 # every rank); the rest of the block stays sharded.
 _HF_REFUSED = {
@@ -46,10 +71,24 @@ _HF_REFUSED = {
 # Refused styles whose module alone is kept whole (experts, an attention with sinks); for the others its parent.
 _HF_REFUSED_KEEP_MODULE = ("grouped_gemm", "ep_dispatch_experts", "local_params")
 
-STYLE_NAMES = ("colwise", "colwise_qkv", "colwise_gate_up", "colwise_gather_output", "colwise_loss_parallel", "rowwise",
-               "rowwise_split_input", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise",
-               "sequence_parallel", "replicate", "moe_tp_experts", "moe_identity_expert", "packed_colwise",
-               "packed_rowwise")
+STYLE_NAMES = (
+    "colwise",
+    "colwise_qkv",
+    "colwise_gate_up",
+    "colwise_gather_output",
+    "colwise_loss_parallel",
+    "rowwise",
+    "rowwise_split_input",
+    "replicated_with_grad_allreduce",
+    "embedding_rowwise",
+    "embedding_colwise",
+    "sequence_parallel",
+    "replicate",
+    "moe_tp_experts",
+    "moe_identity_expert",
+    "packed_colwise",
+    "packed_rowwise",
+)
 
 
 def check_style_names(plan: dict[str, str]) -> None:
@@ -100,8 +139,11 @@ def _hugging_face_plan(prefix: str, hf_model: Any, root: nn.Module) -> dict[str,
         plan.update({f"{base}.{glob}": s for glob, s in hf_model.config.base_model_tp_plan.items()})
     if getattr(hf_model.config, "tie_word_embeddings", False):
         # A head tied to the input embedding cannot be sharded two ways: keep both replicated.
-        plan = {glob: s for glob, s in plan.items() if s not in ("colwise_gather_output", "colwise_rep",
-                                                                  "embedding_rowwise")}
+        plan = {
+            glob: s
+            for glob, s in plan.items()
+            if s not in ("colwise_gather_output", "colwise_rep", "embedding_rowwise")
+        }
     plan = {f"{head}{glob}": s for glob, s in plan.items()}
     # Rules for layers this configuration does not build (Qwen3-MoE's dense MLPs when every layer is sparse) are
     # unused, as in Hugging Face's own tensor parallelism.
@@ -135,8 +177,11 @@ def _refuse_unmapped_styles(plan: dict[str, str], root: nn.Module) -> None:
     modules = [name for name, _ in root.named_modules() if name]
     names_module = {glob: any(fnmatch.fnmatchcase(n, glob) for n in modules) for glob in plan}
     refused = {glob: s for glob, s in plan.items() if s in _HF_REFUSED or s not in _HF_STYLES}
-    on_parameters = {glob: s for glob, s in plan.items() if glob not in refused and not names_module[glob]
-                     and not owned_by_experts(glob, plan)}
+    on_parameters = {
+        glob: s
+        for glob, s in plan.items()
+        if glob not in refused and not names_module[glob] and not owned_by_experts(glob, plan)
+    }
     if not refused and not on_parameters:
         return
     whole = []  # globs whose subtree stays replicated
@@ -148,17 +193,24 @@ def _refuse_unmapped_styles(plan: dict[str, str], root: nn.Module) -> None:
         else:
             whole.append(glob.rsplit(".", 1)[0] if "." in glob else glob)
     whole += [glob.rsplit(".", 1)[0] for glob in on_parameters]
-    explicit = {glob: _HF_STYLES[s] for glob, s in plan.items()
-                if glob not in refused and (names_module[glob] or owned_by_experts(glob, plan)) and s in _HF_STYLES
-                and not any(glob == w or glob.startswith(w + ".") for w in whole)}
+    explicit = {
+        glob: _HF_STYLES[s]
+        for glob, s in plan.items()
+        if glob not in refused
+        and (names_module[glob] or owned_by_experts(glob, plan))
+        and s in _HF_STYLES
+        and not any(glob == w or glob.startswith(w + ".") for w in whole)
+    }
     styles = sorted(set(refused.values()))
     reasons = "; ".join(f"{s!r}: {_HF_REFUSED.get(s, 'not a style lightning-mgpu knows')}" for s in styles)
-    parameters = (f" Entries naming parameters rather than modules: {sorted(on_parameters)}." if on_parameters
-                  else "")
-    lead = (f"The model's Hugging Face tensor-parallel plan uses style{'s' if len(styles) > 1 else ''} {styles},"
-            f" which lightning-mgpu does not map ({reasons}), at {sorted(refused)}." if styles
-            else "The model's Hugging Face tensor-parallel plan shards parameters one by one; lightning-mgpu shards"
-                 " modules.")
+    parameters = f" Entries naming parameters rather than modules: {sorted(on_parameters)}." if on_parameters else ""
+    lead = (
+        f"The model's Hugging Face tensor-parallel plan uses style{'s' if len(styles) > 1 else ''} {styles},"
+        f" which lightning-mgpu does not map ({reasons}), at {sorted(refused)}."
+        if styles
+        else "The model's Hugging Face tensor-parallel plan shards parameters one by one; lightning-mgpu shards"
+        " modules."
+    )
     raise ValueError(
         f"{lead}{parameters} Pass this explicit `tp_plan`,"
         f" which keeps {sorted(set(whole))} replicated (whole on every rank) and shards the rest as Hugging Face"
@@ -211,7 +263,7 @@ def _sequence_parallel_rules(module: nn.Module, plan: dict[str, str]) -> dict[st
     for name, child in module.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         # Norms on the residual stream only: children of a block, or outside the blocks (not q/k norms on heads).
-        on_stream = blocks is None or not name.startswith(blocks) or name[len(blocks):].count(".") == 1
+        on_stream = blocks is None or not name.startswith(blocks) or name[len(blocks) :].count(".") == 1
         if _is_norm(child) and on_stream:
             rules[name] = "sequence_parallel"
         elif isinstance(child, nn.Embedding) and leaf in _TOKEN_EMBEDDINGS:
@@ -231,8 +283,10 @@ def _sequence_parallel_rules(module: nn.Module, plan: dict[str, str]) -> dict[st
 
 def _with_vocab_parallel_head(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """``loss_parallel``: the LM head keeps its logits sharded over the vocabulary for the user's cross-entropy."""
-    plan = {glob: "colwise_loss_parallel" if s == "colwise_gather_output" and glob.rsplit(".", 1)[-1] in _HEADS else s
-            for glob, s in plan.items()}
+    plan = {
+        glob: "colwise_loss_parallel" if s == "colwise_gather_output" and glob.rsplit(".", 1)[-1] in _HEADS else s
+        for glob, s in plan.items()
+    }
     if "colwise_loss_parallel" not in plan.values():
         for name, child in module.named_modules():
             if is_projection(child) and name.rsplit(".", 1)[-1] in _HEADS:

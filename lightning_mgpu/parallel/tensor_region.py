@@ -34,7 +34,7 @@ that DTensor can only do by redistributing is still correct, just slower (tests 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ _SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal
 class GlobalShapeMode(TorchFunctionMode):
     """Active during a region's forward: local fused splits and attention, plain tensors entering as replicated."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         dtensor, plain = _scan(args, kwargs)
         if dtensor is None:
@@ -69,7 +69,7 @@ class GlobalShapeMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _scan(args: tuple, kwargs: dict) -> tuple[Optional[DTensor], bool]:
+def _scan(args: tuple, kwargs: dict) -> tuple[DTensor | None, bool]:
     """The first DTensor among the arguments (and in lists of them, as ``torch.cat`` takes), and whether plain
     tensors are mixed in. Runs on every operation in a region, hence no general tree flattening."""
     dtensor, plain = None, False
@@ -94,7 +94,7 @@ def _replicated(tensor: torch.Tensor, mesh: Any) -> DTensor:
 _warned: set = set()
 
 
-def _split_fused(func: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
+def _split_fused(func: Any, args: tuple, kwargs: dict) -> tuple | None:
     """``split``/``chunk`` of a chunk-wise sharded fused projection into its chunks: cut from the local shard."""
     tensor = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
     if not isinstance(tensor, DTensor) or len(tensor.placements) != 1:
@@ -128,8 +128,9 @@ def _split_fused(func: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
             )
         return None
     local = tensor.to_local()
-    return tuple(DTensor.from_local(part, tensor.device_mesh, [Shard(dim)], run_check=False)
-                 for part in local.chunk(factor, dim))
+    return tuple(
+        DTensor.from_local(part, tensor.device_mesh, [Shard(dim)], run_check=False) for part in local.chunk(factor, dim)
+    )
 
 
 def _attention_on_local_heads(args: tuple, kwargs: dict) -> Any:

@@ -12,6 +12,24 @@ from lightning_mgpu.planner.cost import Estimate, Layout, Training, estimate, pa
 from lightning_mgpu.planner.model_spec import ModelSpec, build_on_meta, spec_from_module, spec_from_path
 from lightning_mgpu.planner.search import Plan, explain, parse_fix, search
 
-__all__ = ["PRESETS", "ClusterSpec", "Efficiency", "Estimate", "Layout", "ModelSpec", "Plan", "Training",
-           "build_on_meta", "choose_layout", "local_cluster", "estimate", "explain", "paper_flops_per_step", "parse_fix", "preset", "search",
-           "spec_from_module", "spec_from_path"]
+__all__ = [
+    "PRESETS",
+    "ClusterSpec",
+    "Efficiency",
+    "Estimate",
+    "Layout",
+    "ModelSpec",
+    "Plan",
+    "Training",
+    "build_on_meta",
+    "choose_layout",
+    "estimate",
+    "explain",
+    "local_cluster",
+    "paper_flops_per_step",
+    "parse_fix",
+    "preset",
+    "search",
+    "spec_from_module",
+    "spec_from_path",
+]

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any
 
 from torch import nn
 
@@ -40,9 +41,18 @@ def local_cluster(world_size: int, devices_per_node: int, accelerator: str = "cp
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
     except (ValueError, OSError):
         total = 16.0
-    return ClusterSpec(gpus=world_size, gpus_per_node=devices_per_node, memory_gb=total / devices_per_node,
-                       peak_tflops=0.02, intra_node_gbps=1.0, inter_node_gbps=0.1, hbm_gbps=10.0, reserved_gb=0.0,
-                       name="cpu", cores_per_node=float(_cores()))
+    return ClusterSpec(
+        gpus=world_size,
+        gpus_per_node=devices_per_node,
+        memory_gb=total / devices_per_node,
+        peak_tflops=0.02,
+        intra_node_gbps=1.0,
+        inter_node_gbps=0.1,
+        hbm_gbps=10.0,
+        reserved_gb=0.0,
+        name="cpu",
+        cores_per_node=float(_cores()),
+    )
 
 
 def measured_cpu(cluster: ClusterSpec, module: nn.Module) -> tuple[ClusterSpec, Efficiency]:
@@ -55,9 +65,15 @@ def measured_cpu(cluster: ClusterSpec, module: nn.Module) -> tuple[ClusterSpec, 
     return replace(measured, gpus=cluster.gpus, memory_gb=cluster.memory_gb), efficiency
 
 
-def choose_layout(module: nn.Module, cluster: ClusterSpec, global_batch: int, precision: str = "bf16-mixed",
-                  fixed: Optional[dict[str, object]] = None, seq_len: Optional[int] = None,
-                  efficiency: Optional[Efficiency] = None) -> Estimate:
+def choose_layout(
+    module: nn.Module,
+    cluster: ClusterSpec,
+    global_batch: int,
+    precision: str = "bf16-mixed",
+    fixed: dict[str, object] | None = None,
+    seq_len: int | None = None,
+    efficiency: Efficiency | None = None,
+) -> Estimate:
     """The fastest layout that fits, keeping the ``fixed`` choices (``tp``, ``pp``, ``dp``, ``zero_stage``, ...).
 
     Raises ``ValueError`` naming what does not fit when no layout does.
@@ -65,8 +81,7 @@ def choose_layout(module: nn.Module, cluster: ClusterSpec, global_batch: int, pr
     spec = spec_from_module(module, seq_len=seq_len)
     plan = search(spec, cluster, Training(global_batch=global_batch, precision=precision), efficiency, fixed)
     if plan.best is None:
-        raise ValueError(f"The planner found no layout for {spec.describe()} on {cluster.describe()}: "
-                         + explain(plan))
+        raise ValueError(f"The planner found no layout for {spec.describe()} on {cluster.describe()}: " + explain(plan))
     log.info("planner: %s", explain(plan))
     return plan.best
 
@@ -78,43 +93,55 @@ class StrategyPlan:
     not read the module, ``reason`` says why), and the steps measured while it trains."""
 
     layout: ParallelLayout
-    estimate: Optional[Estimate] = None
+    estimate: Estimate | None = None
     reason: str = ""
     batch_per_replica: int = 1
-    step_clock: "StepClock" = field(default_factory=lambda: StepClock())
+    step_clock: StepClock = field(default_factory=lambda: StepClock())
 
     @property
-    def predicted_step_s(self) -> Optional[float]:
+    def predicted_step_s(self) -> float | None:
         return None if self.estimate is None else self.estimate.time["step"]
 
     def describe(self) -> str:
         if self.estimate is None:
-            return (f"HybridStrategy: the 'auto' choices fall back to {self.layout.describe()} because {self.reason}."
-                    " Give tensor_parallel_size, pipeline_parallel_size and zero_stage explicitly to choose another.")
+            return (
+                f"HybridStrategy: the 'auto' choices fall back to {self.layout.describe()} because {self.reason}."
+                " Give tensor_parallel_size, pipeline_parallel_size and zero_stage explicitly to choose another."
+            )
         mem, step = self.estimate.memory["total"], self.estimate.time["step"]
-        return (f"HybridStrategy planned {self.layout.describe()}: predicted {mem / GB:.3g} GB per rank and"
-                f" {step:.4g} s per step ({self.estimate.tokens_per_s:,.0f} tokens/s) at {self.batch_per_replica}"
-                f" sequence(s) per data-parallel rank. {self.reason}")
+        return (
+            f"HybridStrategy planned {self.layout.describe()}: predicted {mem / GB:.3g} GB per rank and"
+            f" {step:.4g} s per step ({self.estimate.tokens_per_s:,.0f} tokens/s) at {self.batch_per_replica}"
+            f" sequence(s) per data-parallel rank. {self.reason}"
+        )
 
-    def measured_beside_predicted(self) -> Optional[str]:
+    def measured_beside_predicted(self) -> str | None:
         """The measured mean step time beside the prediction, once steps were timed."""
         measured, predicted = self.step_clock.mean(), self.predicted_step_s
         if measured is None or predicted is None:
             return None
-        return (f"HybridStrategy {self.layout.describe()}: measured {measured:.4g} s per step, the planner predicted"
-                f" {predicted:.4g} s (measured/predicted {measured / predicted:.2f}).")
+        return (
+            f"HybridStrategy {self.layout.describe()}: measured {measured:.4g} s per step, the planner predicted"
+            f" {predicted:.4g} s (measured/predicted {measured / predicted:.2f})."
+        )
 
 
-def layout_candidates(world_size: int, data_parallel_size: Size, tensor_parallel_size: Size,
-                      pipeline_parallel_size: Size, zero_stage: Size) -> list[ParallelLayout]:
+def layout_candidates(
+    world_size: int,
+    data_parallel_size: Size,
+    tensor_parallel_size: Size,
+    pipeline_parallel_size: Size,
+    zero_stage: Size,
+) -> list[ParallelLayout]:
     """Every layout the requested sizes allow on ``world_size`` processes; the old rule's (``"auto"`` sizes 1, dp
     taking the rest, ZeRO 0) first, so that it is what a module the planner cannot read falls back to.
 
     Sharded parameters under a pipeline (ZeRO >= 2 with pp > 1) are offered only when the stage is given, as the
     planner's search does; at dp=1 ZeRO has nothing to shard and ``"auto"`` means 0.
     """
-    first = ParallelLayout.resolve(world_size, data_parallel_size, tensor_parallel_size, pipeline_parallel_size,
-                                   zero_stage)
+    first = ParallelLayout.resolve(
+        world_size, data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage
+    )
     requested = {"dp": data_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
     found = [first]
     for tp in _divisors(world_size):
@@ -150,13 +177,20 @@ def valid_layouts(candidates: list[ParallelLayout], check: Callable[[ParallelLay
     if len(set(reasons.values())) == 1:
         raise ValueError(next(iter(reasons.values())))
     listed = "".join(f"\n- {layout}: {why}" for layout, why in reasons.items())
-    raise ValueError(f"No layout the 'auto' sizes allow on {candidates[0].world_size} processes runs with these"
-                     f" options:{listed}")
+    raise ValueError(
+        f"No layout the 'auto' sizes allow on {candidates[0].world_size} processes runs with these options:{listed}"
+    )
 
 
-def plan_strategy_layout(module: nn.Module, candidates: list[ParallelLayout], cluster: ClusterSpec,
-                         batch_per_replica: Optional[int], precision: str, options: Any,
-                         efficiency: Optional[Efficiency] = None) -> StrategyPlan:
+def plan_strategy_layout(
+    module: nn.Module,
+    candidates: list[ParallelLayout],
+    cluster: ClusterSpec,
+    batch_per_replica: int | None,
+    precision: str,
+    options: Any,
+    efficiency: Efficiency | None = None,
+) -> StrategyPlan:
     """The candidate (already checked against the strategy's options) that the cost model predicts fastest among
     those that fit, each at the global batch it will really run (``batch_per_replica x dp``: Lightning's batch size
     is per data-parallel rank), with the strategy's schedule, microbatches and checkpointing. CPU processes
@@ -177,37 +211,48 @@ def plan_strategy_layout(module: nn.Module, candidates: list[ParallelLayout], cl
     efficiency = efficiency or Efficiency()
     fitting, problems = [], []
     for candidate in candidates:
-        tp, pp, dp = (candidate.tensor_parallel_size, candidate.pipeline_parallel_size,
-                      candidate.data_parallel_size)
+        tp, pp, dp = (candidate.tensor_parallel_size, candidate.pipeline_parallel_size, candidate.data_parallel_size)
         training = Training(global_batch=per_replica * dp, precision=precision)
         problem = _structural_problem(spec, cluster, training, tp, pp, dp)
         if problem:
             problems.append(f"{candidate.describe()}: {problem}")
             continue
-        layout = layout_from_options(candidate.world_size, training.global_batch, tp, pp, candidate.zero_stage,
-                                     options.pipeline_schedule, options.num_microbatches,
-                                     options.activation_checkpointing, options.sequence_parallel)
+        layout = layout_from_options(
+            candidate.world_size,
+            training.global_batch,
+            tp,
+            pp,
+            candidate.zero_stage,
+            options.pipeline_schedule,
+            options.num_microbatches,
+            options.activation_checkpointing,
+            options.sequence_parallel,
+        )
         result = estimate(spec, cluster, training, layout, efficiency)
         if result.fits:
             fitting.append((candidate, result))
         else:
             problems.append(f"{candidate.describe()} {result.problems[0]}")
     if not fitting:
-        raise ValueError(f"The planner found no layout for {spec.describe()} on {cluster.describe()} that runs:"
-                         f" {'; '.join(problems)}. Give tensor_parallel_size/pipeline_parallel_size/zero_stage"
-                         " explicitly, or use more devices.")
+        raise ValueError(
+            f"The planner found no layout for {spec.describe()} on {cluster.describe()} that runs:"
+            f" {'; '.join(problems)}. Give tensor_parallel_size/pipeline_parallel_size/zero_stage"
+            " explicitly, or use more devices."
+        )
     fitting.sort(key=lambda pair: (-pair[1].tokens_per_s, pair[1].memory["total"]))  # stable: old rule wins ties
     (best, result), rest = fitting[0], fitting[1:]
     why = f"Chosen for {spec.describe()} on {cluster.describe()}"
     if rest:
         runner, runner_result = rest[0]
-        why += (f"; next best {runner.describe()} is predicted"
-                f" {1 - runner_result.tokens_per_s / result.tokens_per_s:.0%} slower")
+        why += (
+            f"; next best {runner.describe()} is predicted"
+            f" {1 - runner_result.tokens_per_s / result.tokens_per_s:.0%} slower"
+        )
     note = "" if batch_per_replica else " (batch size unknown: planned for 1 per rank)"
     return StrategyPlan(best, result, why + note + ".", per_replica)
 
 
-def batch_per_replica(module: Any) -> Optional[int]:
+def batch_per_replica(module: Any) -> int | None:
     """The per-rank batch size the fit will use, where it can be read without running user code: the DataLoader
     given to ``fit``, or a ``batch_size`` on the module, its hparams or its datamodule (as Lightning's tuner reads
     it). ``None`` when unknown."""
@@ -237,7 +282,7 @@ class StepClock:
     def tick(self) -> None:
         self.starts.append(time.perf_counter())
 
-    def mean(self) -> Optional[float]:
+    def mean(self) -> float | None:
         starts = self.starts[1:] if len(self.starts) > 2 else self.starts
         if len(starts) < 2:
             return None

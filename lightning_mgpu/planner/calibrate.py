@@ -29,8 +29,9 @@ import multiprocessing as mp
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,8 +46,14 @@ BATCHES, LARGE = (1, 4, 8), 4  # batch sizes of the timed forward + backward pas
 # DTensor, FSDP2, DTensor-optimizer and pipeline terms as multiples of the per-block dispatch overhead (0.5-0.75 ms
 # there; medians of three calibrations), so that they follow the speed of the machine at hand, which
 # ``quick_measure`` measures.
-DOCUMENTED = {"latency": 450e-6, "bus_bw": 4 * GB, "tp_layer": 22.0, "shard_collective": 2.4, "sharded_step": 12.0,
-              "microbatch": 1.0}
+DOCUMENTED = {
+    "latency": 450e-6,
+    "bus_bw": 4 * GB,
+    "tp_layer": 22.0,
+    "shard_collective": 2.4,
+    "sharded_step": 12.0,
+    "microbatch": 1.0,
+}
 
 
 def _best_time(fn: Callable[[], Any], repeats: int = 5) -> float:
@@ -91,20 +98,32 @@ class _Probe:
     whole: bool  # the real module (the tensor-parallel and FSDP2 probes apply to it)
 
 
-def _probe(model: ModelSpec, module: Optional[nn.Module]) -> _Probe:
+def _probe(model: ModelSpec, module: nn.Module | None) -> _Probe:
     seq = min(model.seq_len, 128)
     block_flops, head_flops = model.forward_flops_per_token()
     if module is not None:
         per_token = model.layers * block_flops + head_flops
         # The attention term of the FLOP count uses the calibration's sequence length, not the model's.
         per_token -= 4.0 * (model.seq_len - seq) * model.hidden * model.layers
-        return _Probe(copy.deepcopy(module).train(), model.layers, 3 * per_token * seq,
-                      lambda b: torch.randint(0, model.vocab, (b, seq)), True)
+        return _Probe(
+            copy.deepcopy(module).train(),
+            model.layers,
+            3 * per_token * seq,
+            lambda b: torch.randint(0, model.vocab, (b, seq)),
+            True,
+        )
     # One block of the model's shape, narrowed to at most 1024 wide so that it fits any machine.
     shrink = max(1, model.hidden // 1024)
     heads = max(1, model.heads // shrink)
-    narrow = replace(model, hidden=model.hidden // shrink // heads * heads, heads=heads, kv_heads=None,
-                     ffn_hidden=model.ffn // shrink, gated_mlp=False, block_params=None)
+    narrow = replace(
+        model,
+        hidden=model.hidden // shrink // heads * heads,
+        heads=heads,
+        kv_heads=None,
+        ffn_hidden=model.ffn // shrink,
+        gated_mlp=False,
+        block_params=None,
+    )
     layer = nn.TransformerEncoderLayer(narrow.hidden, narrow.heads, narrow.ffn, batch_first=True, dropout=0.0)
     per_token = narrow.forward_flops_per_token()[0] - 4.0 * (narrow.seq_len - seq) * narrow.hidden
     return _Probe(layer, 1, 3 * per_token * seq, lambda b: torch.randn(b, seq, narrow.hidden), False)
@@ -131,21 +150,38 @@ class Measurements:
 
     def as_cluster(self, processes: int) -> tuple[ClusterSpec, Efficiency]:
         """The machine as ``processes`` "devices" sharing its cores, and the matching efficiencies."""
-        cluster = ClusterSpec(gpus=processes, gpus_per_node=processes, memory_gb=self.memory_gb / processes,
-                              peak_tflops=self.flops / 1e12, intra_node_gbps=self.bus_bw / GB,
-                              inter_node_gbps=self.bus_bw / GB, hbm_gbps=self.memory_bw / GB, reserved_gb=0.0,
-                              name="this-machine", cores_per_node=float(self.cores), busy_cores=self.busy)
+        cluster = ClusterSpec(
+            gpus=processes,
+            gpus_per_node=processes,
+            memory_gb=self.memory_gb / processes,
+            peak_tflops=self.flops / 1e12,
+            intra_node_gbps=self.bus_bw / GB,
+            inter_node_gbps=self.bus_bw / GB,
+            hbm_gbps=self.memory_bw / GB,
+            reserved_gb=0.0,
+            name="this-machine",
+            cores_per_node=float(self.cores),
+            busy_cores=self.busy,
+        )
         efficiency = Efficiency(
-            gemm=1.0, memory_passes=0.0, comm=1.0, dp_overlap=0.0, latency_s=self.latency,
-            layer_overhead_s=self.layer_overhead, tp_layer_overhead_s=self.tp_layer_overhead,
-            shard_collective_s=self.shard_collective, step_overhead_s=self.step_overhead,
-            sharded_step_overhead_s=self.sharded_step_overhead, microbatch_overhead_s=self.microbatch_overhead,
+            gemm=1.0,
+            memory_passes=0.0,
+            comm=1.0,
+            dp_overlap=0.0,
+            latency_s=self.latency,
+            layer_overhead_s=self.layer_overhead,
+            tp_layer_overhead_s=self.tp_layer_overhead,
+            shard_collective_s=self.shard_collective,
+            step_overhead_s=self.step_overhead,
+            sharded_step_overhead_s=self.sharded_step_overhead,
+            microbatch_overhead_s=self.microbatch_overhead,
             source=f"calibrated here, {self.how} ({self.flops / 1e9:.2f} GFLOP/s, {self.layer_overhead * 1e3:.2f} ms"
             f" dispatch per block, +{self.tp_layer_overhead * 1e3:.2f} ms under tp, +{self.shard_collective * 1e3:.2f}"
             f" ms per FSDP2 collective, +{self.sharded_step_overhead * 1e3:.2f} ms per step on DTensor parameters,"
             f" +{self.microbatch_overhead * 1e3:.2f} ms per pipeline microbatch, {self.step_overhead * 1e3:.2f} ms"
             f" optimizer step, gloo {self.bus_bw / GB:.2f} GB/s + {self.latency * 1e6:.0f} us per process;"
-            f" {processes} processes on {self.cores} cores, {self.busy:.2g} of them busy with other work)")
+            f" {processes} processes on {self.cores} cores, {self.busy:.2g} of them busy with other work)",
+        )
         return cluster, efficiency
 
 
@@ -177,10 +213,15 @@ def _local(probe: _Probe) -> dict[str, float]:
     src = torch.ones(2**24)
     dst = torch.empty_like(src)
     memory_bw = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src))
-    return {"flops": probe.flops_per_sample / per_sample, "per_sample": per_sample, "time_large": times[LARGE],
-            "wall_large": walls[LARGE],
-            "layer_overhead": intercept / (probe.layers + 1) if probe.whole else intercept,
-            "step_overhead": step, "memory_bw": memory_bw}
+    return {
+        "flops": probe.flops_per_sample / per_sample,
+        "per_sample": per_sample,
+        "time_large": times[LARGE],
+        "wall_large": walls[LARGE],
+        "layer_overhead": intercept / (probe.layers + 1) if probe.whole else intercept,
+        "step_overhead": step,
+        "memory_bw": memory_bw,
+    }
 
 
 def _isolated(fn: Callable[[], Any]) -> Any:
@@ -197,23 +238,37 @@ def _isolated(fn: Callable[[], Any]) -> Any:
 _QUICK: dict[Any, Measurements] = {}
 
 
-def _quick(model: ModelSpec, module: Optional[nn.Module]) -> Measurements:
+def _quick(model: ModelSpec, module: nn.Module | None) -> Measurements:
     local = _isolated(lambda: _local(_probe(model, module)))
     base = local["layer_overhead"]
     cores = _physical_cores()
     busy = max(0.0, cores * local["wall_large"] / local["time_large"] - 1)
-    return Measurements(local["flops"], local["memory_bw"], DOCUMENTED["latency"], DOCUMENTED["bus_bw"], _memory_gb(),
-                        cores, busy, base, DOCUMENTED["tp_layer"] * base,
-                        DOCUMENTED["shard_collective"] * base, local["step_overhead"],
-                        DOCUMENTED["sharded_step"] * base, DOCUMENTED["microbatch"] * base,
-                        how="quick (gloo and DTensor terms from documented rates)")
+    return Measurements(
+        local["flops"],
+        local["memory_bw"],
+        DOCUMENTED["latency"],
+        DOCUMENTED["bus_bw"],
+        _memory_gb(),
+        cores,
+        busy,
+        base,
+        DOCUMENTED["tp_layer"] * base,
+        DOCUMENTED["shard_collective"] * base,
+        local["step_overhead"],
+        DOCUMENTED["sharded_step"] * base,
+        DOCUMENTED["microbatch"] * base,
+        how="quick (gloo and DTensor terms from documented rates)",
+    )
 
 
-def quick_measure(model: ModelSpec, module: Optional[nn.Module] = None) -> Measurements:
+def quick_measure(model: ModelSpec, module: nn.Module | None = None) -> Measurements:
     """The in-process measurements on a copy of ``module``, cached per model shape in this process (about a
     second); gloo, DTensor and FSDP2 terms from :data:`DOCUMENTED` rates scaled by the measured dispatch cost."""
-    real = module is not None and model.total_params <= MAX_CALIBRATION_PARAMS and not any(
-        p.is_meta for p in module.parameters())
+    real = (
+        module is not None
+        and model.total_params <= MAX_CALIBRATION_PARAMS
+        and not any(p.is_meta for p in module.parameters())
+    )
     key = (type(module).__name__ if real else None, model)
     if key not in _QUICK:
         try:
@@ -285,8 +340,9 @@ def _pipeline_probe(rank: int, world: int, few: int = 2, many: int = 6) -> float
     return max(0.0, (times[many] - times[few]) / (many - few))
 
 
-def _parallel_probes(probe: _Probe, inputs: torch.Tensor, world: int, heads: int, plain_step: float,
-                     init_device_mesh: Any) -> dict[str, float]:
+def _parallel_probes(
+    probe: _Probe, inputs: torch.Tensor, world: int, heads: int, plain_step: float, init_device_mesh: Any
+) -> dict[str, float]:
     from lightning_mgpu.parallel.data import apply_data_parallel
     from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 
@@ -310,8 +366,10 @@ def _forked(probe: _Probe, processes: int, heads: int, timeout: float = 180) -> 
         port = sock.getsockname()[1]
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    workers = [ctx.Process(target=_worker, args=(r, processes, port, queue, probe, heads), daemon=True)
-               for r in range(processes)]
+    workers = [
+        ctx.Process(target=_worker, args=(r, processes, port, queue, probe, heads), daemon=True)
+        for r in range(processes)
+    ]
     for worker in workers:
         worker.start()
     try:
@@ -323,7 +381,7 @@ def _forked(probe: _Probe, processes: int, heads: int, timeout: float = 180) -> 
                 worker.kill()
 
 
-def measure(model: ModelSpec, module: Optional[nn.Module] = None, processes: int = 2) -> Measurements:
+def measure(model: ModelSpec, module: nn.Module | None = None, processes: int = 2) -> Measurements:
     """Everything :class:`Measurements` holds, measured here (``processes`` >= 2 forked gloo processes)."""
     probe = _probe(model, module if module is not None and model.total_params <= MAX_CALIBRATION_PARAMS else None)
     local = _isolated(lambda: _local(probe))
@@ -332,8 +390,10 @@ def measure(model: ModelSpec, module: Optional[nn.Module] = None, processes: int
         raise RuntimeError(f"plan --calibrate: the gloo probes failed: {together['error']}")
     n, cores = max(2, processes), _physical_cores()
     # Other jobs' load: how much longer than its CPU time the pass took, alone here and n at once in the workers.
-    busy = (max(0.0, cores * local["wall_large"] / local["time_large"] - 1)
-            + max(0.0, cores * together["together"] / together["plain_cpu"] - n)) / 2
+    busy = (
+        max(0.0, cores * local["wall_large"] / local["time_large"] - 1)
+        + max(0.0, cores * together["together"] / together["plain_cpu"] - n)
+    ) / 2
     slowdown = max(1.0, (n + busy) / cores)
     # A 2-rank ring moves the whole tensor once each way; n ranks 2 (n-1)/n of it per link.
     latency = together["small"] / slowdown
@@ -349,9 +409,22 @@ def measure(model: ModelSpec, module: Optional[nn.Module] = None, processes: int
         shard = max(0.0, (together["zero3"] - together["plain_cpu"]) / (3 * (model.layers + 1)))
         sharded_step = max(0.0, together["sharded_step"])
     how = "full" if probe.whole else "one block, no tp/FSDP2 probes"
-    return Measurements(local["flops"], local["memory_bw"], latency, bus_bw, _memory_gb(), cores, busy,
-                        local["layer_overhead"], tp_layer, shard, local["step_overhead"], sharded_step, microbatch,
-                        how=how)
+    return Measurements(
+        local["flops"],
+        local["memory_bw"],
+        latency,
+        bus_bw,
+        _memory_gb(),
+        cores,
+        busy,
+        local["layer_overhead"],
+        tp_layer,
+        shard,
+        local["step_overhead"],
+        sharded_step,
+        microbatch,
+        how=how,
+    )
 
 
 def calibrate(args: argparse.Namespace, cluster: ClusterSpec, model: ModelSpec) -> tuple[ClusterSpec, Efficiency]:

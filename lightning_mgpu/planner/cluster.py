@@ -8,7 +8,6 @@ Bandwidths are GB/s (gigabytes) per GPU in one direction: what one GPU can push 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 GB = 1e9
 
@@ -26,7 +25,7 @@ class ClusterSpec:
     name: str = "custom"
     # CPU processes: the cores a node's processes share with ``busy_cores`` of other jobs' work; with more of both
     # than cores every process runs ``(processes + busy) / cores`` times slower. None: a device each (GPUs).
-    cores_per_node: Optional[float] = None
+    cores_per_node: float | None = None
     busy_cores: float = 0.0  # cores other jobs keep busy on each node (CPU; measured by ``plan --calibrate``)
 
     def __post_init__(self) -> None:
@@ -40,8 +39,10 @@ class ClusterSpec:
         if self.cores_per_node is not None and not self.cores_per_node > 0:
             raise ValueError(f"`cores_per_node` must be positive, got {self.cores_per_node!r}.")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
-            raise ValueError(f"--gpus {self.gpus} is not a whole number of nodes of {self.gpus_per_node} GPUs:"
-                             f" use a multiple of {self.gpus_per_node}.")
+            raise ValueError(
+                f"--gpus {self.gpus} is not a whole number of nodes of {self.gpus_per_node} GPUs:"
+                f" use a multiple of {self.gpus_per_node}."
+            )
 
     @property
     def nodes(self) -> int:
@@ -58,13 +59,15 @@ class ClusterSpec:
             return 1.0
         return max(1.0, (min(self.gpus, self.gpus_per_node) + self.busy_cores) / self.cores_per_node)
 
-    def one_node(self) -> "ClusterSpec":
+    def one_node(self) -> ClusterSpec:
         return replace(self, gpus=min(self.gpus, self.gpus_per_node))
 
     def describe(self) -> str:
-        return (f"{self.gpus} x {self.name} ({self.nodes} node{'s' if self.nodes > 1 else ''} of {self.gpus_per_node},"
-                f" {self.memory_gb:.4g} GB, {self.peak_tflops:.4g} TFLOP/s, {self.intra_node_gbps:.4g} GB/s in a node,"
-                f" {self.inter_node_gbps:.4g} GB/s across nodes per GPU)")
+        return (
+            f"{self.gpus} x {self.name} ({self.nodes} node{'s' if self.nodes > 1 else ''} of {self.gpus_per_node},"
+            f" {self.memory_gb:.4g} GB, {self.peak_tflops:.4g} TFLOP/s, {self.intra_node_gbps:.4g} GB/s in a node,"
+            f" {self.inter_node_gbps:.4g} GB/s across nodes per GPU)"
+        )
 
 
 @dataclass(frozen=True)
@@ -115,14 +118,22 @@ PRESETS: dict[str, tuple[float, float, float, float, float, int]] = {
 }
 
 
-def preset(name: str, gpus: Optional[int] = None, **overrides: float) -> ClusterSpec:
+def preset(name: str, gpus: int | None = None, **overrides: float) -> ClusterSpec:
     """A cluster of ``gpus`` (default: one node) of a known GPU; ``overrides`` replace single numbers."""
     key = name.lower()
     if key not in PRESETS:
-        raise ValueError(f"Unknown --gpu {name!r}; known: {', '.join(PRESETS)}. Or give --gpu-memory-gb,"
-                         " --peak-tflops, --intra-node-gbps and --inter-node-gbps.")
+        raise ValueError(
+            f"Unknown --gpu {name!r}; known: {', '.join(PRESETS)}. Or give --gpu-memory-gb,"
+            " --peak-tflops, --intra-node-gbps and --inter-node-gbps."
+        )
     memory, tflops, intra, inter, hbm, per_node = PRESETS[key]
-    values = dict(memory_gb=memory, peak_tflops=tflops, intra_node_gbps=intra, inter_node_gbps=inter, hbm_gbps=hbm,
-                  gpus_per_node=per_node)
+    values = dict(
+        memory_gb=memory,
+        peak_tflops=tflops,
+        intra_node_gbps=intra,
+        inter_node_gbps=inter,
+        hbm_gbps=hbm,
+        gpus_per_node=per_node,
+    )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return ClusterSpec(gpus=gpus or int(values["gpus_per_node"]), name=key, **values)  # type: ignore[arg-type]

@@ -31,8 +31,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         model.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     model.add_argument("--gated-mlp", action="store_true", help="SwiGLU-style MLP (three matrices)")
     model.add_argument("--tied-embeddings", action="store_true")
-    model.add_argument("--attention", choices=("flash", "eager"), default="flash",
-                       help="eager keeps the seq x seq attention scores for backward")
+    model.add_argument(
+        "--attention",
+        choices=("flash", "eager"),
+        default="flash",
+        help="eager keeps the seq x seq attention scores for backward",
+    )
     cluster = plan.add_argument_group("cluster")
     cluster.add_argument("--gpu", default="h100-sxm", help=f"preset: {', '.join(PRESETS)}")
     cluster.add_argument("--gpus", type=int, default=None, help="total GPUs (default: one node)")
@@ -42,12 +46,19 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     training.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 4 per GPU)")
     training.add_argument("--precision", default="bf16-mixed", choices=tuple(PRECISIONS))
     out = plan.add_argument_group("output")
-    out.add_argument("--fix", default=None, help="evaluate given choices only, e.g. tp=8,pp=64 (keys: tp pp dp zero"
-                     " schedule mbs ckpt sp)")
+    out.add_argument(
+        "--fix",
+        default=None,
+        help="evaluate given choices only, e.g. tp=8,pp=64 (keys: tp pp dp zero schedule mbs ckpt sp)",
+    )
     out.add_argument("--top", type=int, default=10, help="rows in the table")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
-    out.add_argument("--calibrate", action="store_true", help="measure this machine's FLOP/s and bandwidths first"
-                     " with a few steps of the model (CPU processes here) and use them instead of the defaults")
+    out.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's FLOP/s and bandwidths first"
+        " with a few steps of the model (CPU processes here) and use them instead of the defaults",
+    )
     plan.set_defaults(run=run_plan)
 
 
@@ -59,14 +70,23 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     missing = [f"--{n.replace('_', '-')}" for n in required if shapes[n] is None]
     if missing:
         raise ValueError(f"Describe the model with --module pkg.mod:Class, or give {' '.join(missing)}.")
-    return ModelSpec(gated_mlp=args.gated_mlp, tied_embeddings=args.tied_embeddings, name="flags",
-                     **{k: v for k, v in shapes.items() if v is not None})
+    return ModelSpec(
+        gated_mlp=args.gated_mlp,
+        tied_embeddings=args.tied_embeddings,
+        name="flags",
+        **{k: v for k, v in shapes.items() if v is not None},
+    )
 
 
 def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
-    overrides = {"gpus_per_node": args.gpus_per_node, "memory_gb": args.gpu_memory_gb, "peak_tflops": args.peak_tflops,
-                 "intra_node_gbps": args.intra_node_gbps, "inter_node_gbps": args.inter_node_gbps,
-                 "hbm_gbps": args.hbm_gbps}
+    overrides = {
+        "gpus_per_node": args.gpus_per_node,
+        "memory_gb": args.gpu_memory_gb,
+        "peak_tflops": args.peak_tflops,
+        "intra_node_gbps": args.intra_node_gbps,
+        "inter_node_gbps": args.inter_node_gbps,
+        "hbm_gbps": args.hbm_gbps,
+    }
     if overrides["gpus_per_node"] is not None:
         overrides["gpus_per_node"] = int(overrides["gpus_per_node"])
     return preset(args.gpu, gpus=args.gpus, **overrides)
@@ -77,8 +97,11 @@ def run_plan(args: argparse.Namespace) -> int:
         model = model_from_args(args)
         cluster = cluster_from_args(args)
         fixed = parse_fix(args.fix)
-        training = Training(global_batch=args.global_batch or 4 * cluster.gpus, precision=args.precision,
-                            flash_attention=args.attention == "flash")
+        training = Training(
+            global_batch=args.global_batch or 4 * cluster.gpus,
+            precision=args.precision,
+            flash_attention=args.attention == "flash",
+        )
     except ValueError as error:
         raise SystemExit(f"lightning-mgpu plan: error: {error}") from None
     efficiency = Efficiency()
@@ -96,12 +119,19 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def plan_as_dict(plan: Plan, top: int) -> dict[str, Any]:
     return {
-        "model": {**{k: getattr(plan.model, k) for k in ("name", "layers", "hidden", "heads", "vocab", "seq_len")},
-                  "kv_heads": plan.model.num_kv_heads, "ffn_hidden": plan.model.ffn, "params": plan.model.total_params},
-        "cluster": plan.cluster.__dict__, "training": plan.training.__dict__, "efficiency": plan.efficiency.__dict__,
+        "model": {
+            **{k: getattr(plan.model, k) for k in ("name", "layers", "hidden", "heads", "vocab", "seq_len")},
+            "kv_heads": plan.model.num_kv_heads,
+            "ffn_hidden": plan.model.ffn,
+            "params": plan.model.total_params,
+        },
+        "cluster": plan.cluster.__dict__,
+        "training": plan.training.__dict__,
+        "efficiency": plan.efficiency.__dict__,
         "ranked": [e.as_dict() for e in plan.ranked[:top]],
         "infeasible": [e.as_dict() for e in plan.infeasible],
-        "rejected": plan.rejected, "why": explain(plan),
+        "rejected": plan.rejected,
+        "why": explain(plan),
     }
 
 
@@ -109,20 +139,27 @@ def _row(rank: str, e: Estimate) -> str:
     lay = e.layout
     schedule = lay.schedule if lay.pp > 1 else "-"
     scaling = "-" if e.scaling_efficiency != e.scaling_efficiency else f"{e.scaling_efficiency:.0%}"
-    return (f"{rank:>4} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.zero_stage:>4} {schedule:<15} {lay.microbatch_size:>4}"
-            f" {lay.num_microbatches:>5} {lay.checkpointing:<9} {e.memory['total'] / GB:>7.1f} {e.time['step']:>8.3f}"
-            f" {e.tokens_per_s:>11,.0f} {e.tflops_per_gpu:>7.1f} {e.mfu:>5.0%} {e.bubble:>6.1%} {scaling:>6}")
+    return (
+        f"{rank:>4} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.zero_stage:>4} {schedule:<15} {lay.microbatch_size:>4}"
+        f" {lay.num_microbatches:>5} {lay.checkpointing:<9} {e.memory['total'] / GB:>7.1f} {e.time['step']:>8.3f}"
+        f" {e.tokens_per_s:>11,.0f} {e.tflops_per_gpu:>7.1f} {e.mfu:>5.0%} {e.bubble:>6.1%} {scaling:>6}"
+    )
 
 
 def format_plan(plan: Plan, top: int = 10) -> str:
-    lines = [plan.model.describe(), plan.cluster.describe(),
-             f"global batch {plan.training.global_batch} x {plan.model.seq_len} tokens, {plan.training.precision},"
-             f" {'flash' if plan.training.flash_attention else 'eager'} attention;"
-             f" efficiencies: {plan.efficiency.source}",
-             ""]
-    header = (f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'schedule':<15} {'mbs':>4} {'n_mb':>5}"
-              f" {'ckpt':<9} {'GB/GPU':>7} {'step s':>8} {'tokens/s':>11} {'TFLOP/s':>7} {'MFU':>5} {'bubble':>6}"
-              f" {'scale':>6}")
+    lines = [
+        plan.model.describe(),
+        plan.cluster.describe(),
+        f"global batch {plan.training.global_batch} x {plan.model.seq_len} tokens, {plan.training.precision},"
+        f" {'flash' if plan.training.flash_attention else 'eager'} attention;"
+        f" efficiencies: {plan.efficiency.source}",
+        "",
+    ]
+    header = (
+        f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'schedule':<15} {'mbs':>4} {'n_mb':>5}"
+        f" {'ckpt':<9} {'GB/GPU':>7} {'step s':>8} {'tokens/s':>11} {'TFLOP/s':>7} {'MFU':>5} {'bubble':>6}"
+        f" {'scale':>6}"
+    )
     lines += [header, "-" * len(header)]
     lines += [_row(str(i + 1), e) for i, e in enumerate(plan.ranked[:top])]
     if not plan.ranked:
@@ -133,6 +170,9 @@ def format_plan(plan: Plan, top: int = 10) -> str:
         lines += [f"  {e.layout.describe()}: {e.problems[0]}" for e in plan.infeasible[:3]]
     for reason in sorted(set(plan.rejected)):
         lines.append(f"  invalid: {reason}")
-    lines += ["", "TFLOP/s per GPU counts recomputation, as Megatron-LM's Table 1 does; MFU does not. scale: tokens/s"
-              " per GPU against the best layout on one node with the same batch per GPU."]
+    lines += [
+        "",
+        "TFLOP/s per GPU counts recomputation, as Megatron-LM's Table 1 does; MFU does not. scale: tokens/s"
+        " per GPU against the best layout on one node with the same batch per GPU.",
+    ]
     return "\n".join(lines)

@@ -194,8 +194,9 @@ def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: L
         if layout.checkpointing == "full":  # the block being recomputed holds its full activations
             temporary += activation_bytes_per_layer(model, training, layout, "none")
         elif layout.checkpointing == "selective" and not training.flash_attention:  # one block's scores, recomputed
-            temporary += (activation_bytes_per_layer(model, training, layout, "none")
-                          - activation_bytes_per_layer(model, training, layout, "selective"))
+            temporary += activation_bytes_per_layer(model, training, layout, "none") - activation_bytes_per_layer(
+                model, training, layout, "selective"
+            )
         if z == 2 and d > 1:  # FSDP2 keeps the stage's parameters gathered from forward to backward
             temporary += local * p_bytes * (1 - 1 / d)
         if z == 3 and d > 1:  # one block gathered, the next prefetched, and one block's unsharded gradients
@@ -205,13 +206,20 @@ def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: L
         step_temp = local * 4 / (d if z >= 1 else 1)  # foreach Adam's intermediate of the local states
         total = params + grads + optimizer + max(activations + temporary, step_temp)
         if not worst or total > worst["total"]:
-            worst = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
-                     "temporary": max(temporary, step_temp - activations), "total": total}
+            worst = {
+                "params": params,
+                "grads": grads,
+                "optimizer": optimizer,
+                "activations": activations,
+                "temporary": max(temporary, step_temp - activations),
+                "total": total,
+            }
     return worst
 
 
-def step_time(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout,
-              eff: Efficiency) -> dict[str, float]:
+def step_time(
+    model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout, eff: Efficiency
+) -> dict[str, float]:
     """Seconds per optimizer step, by kind; ``step`` is the total the GPUs wait for."""
     t, p, d, m, v = layout.tp, layout.pp, layout.dp, layout.num_microbatches, layout.stages_per_rank
     p_bytes, g_bytes, _, a_bytes = PRECISIONS[training.precision]
@@ -277,10 +285,16 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: Training, layout
     if t > 1 or fsdp:  # the parameters are DTensors
         optimizer += eff.sharded_step_overhead_s
     compute_only = m * layers * block_compute + m * head
-    times = {"compute": compute_only, "tensor_parallel": m * layers * block_tp,
-             "zero3_gather": m * (layers * zero3 + zero3_root), "pipeline_p2p": (m + (p - 1) / v) * p2p,
-             "bubble": pipeline - m * per_microbatch, "data_parallel": dp, "optimizer": optimizer,
-             "step": pipeline + dp + optimizer}
+    times = {
+        "compute": compute_only,
+        "tensor_parallel": m * layers * block_tp,
+        "zero3_gather": m * (layers * zero3 + zero3_root),
+        "pipeline_p2p": (m + (p - 1) / v) * p2p,
+        "bubble": pipeline - m * per_microbatch,
+        "data_parallel": dp,
+        "optimizer": optimizer,
+        "step": pipeline + dp + optimizer,
+    }
     # Processes beyond the cores share them (CPU): every part of the step, collectives included, runs that much slower.
     return {kind: seconds * cluster.contention for kind, seconds in times.items()}
 
@@ -293,8 +307,7 @@ def paper_flops_per_step(model: ModelSpec, global_batch: int, checkpointing: str
     return global_batch * model.seq_len * (passes * block * model.layers + 3 * head)
 
 
-def estimate(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout,
-             eff: Efficiency) -> Estimate:
+def estimate(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout, eff: Efficiency) -> Estimate:
     mem = memory(model, cluster, training, layout)
     times = step_time(model, cluster, training, layout, eff)
     step = times["step"]
@@ -304,9 +317,18 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, training: Training, layout:
     problems = []
     if mem["total"] > cluster.usable_bytes:
         kinds = ", ".join(f"{k} {v / GB:.1f}" for k, v in mem.items() if k != "total")
-        problems.append(f"needs {mem['total'] / GB:.1f} GB per GPU, {cluster.usable_bytes / GB:.1f} GB usable of"
-                        f" {cluster.memory_gb:.4g} ({kinds})")
-    return Estimate(layout=layout, memory=mem, time=times, tokens_per_s=tokens / step,
-                    tflops_per_gpu=run_flops / step / layout.gpus / 1e12,
-                    mfu=model_flops / step / layout.gpus / (cluster.peak_tflops * 1e12),
-                    bubble=bubble_fraction(layout), fits=not problems, problems=problems)
+        problems.append(
+            f"needs {mem['total'] / GB:.1f} GB per GPU, {cluster.usable_bytes / GB:.1f} GB usable of"
+            f" {cluster.memory_gb:.4g} ({kinds})"
+        )
+    return Estimate(
+        layout=layout,
+        memory=mem,
+        time=times,
+        tokens_per_s=tokens / step,
+        tflops_per_gpu=run_flops / step / layout.gpus / 1e12,
+        mfu=model_flops / step / layout.gpus / (cluster.peak_tflops * 1e12),
+        bubble=bubble_fraction(layout),
+        fits=not problems,
+        problems=problems,
+    )

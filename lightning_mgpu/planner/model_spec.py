@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
@@ -28,14 +28,14 @@ class ModelSpec:
     heads: int
     vocab: int
     seq_len: int
-    kv_heads: Optional[int] = None
-    ffn_hidden: Optional[int] = None
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
     gated_mlp: bool = False
     tied_embeddings: bool = False
     learned_positions: bool = False
-    block_params: Optional[int] = None
-    embed_params: Optional[int] = None
-    head_params: Optional[int] = None
+    block_params: int | None = None
+    embed_params: int | None = None
+    head_params: int | None = None
     name: str = "model"
     notes: tuple[str, ...] = field(default=(), compare=False)
 
@@ -100,8 +100,10 @@ class ModelSpec:
         kv = f" kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.heads else ""
         n = self.total_params
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-        return (f"{self.name}: {size} params, layers={self.layers} hidden={self.hidden}"
-                f" heads={self.heads}{kv} ffn={self.ffn} vocab={self.vocab} seq={self.seq_len}")
+        return (
+            f"{self.name}: {size} params, layers={self.layers} hidden={self.hidden}"
+            f" heads={self.heads}{kv} ffn={self.ffn} vocab={self.vocab} seq={self.seq_len}"
+        )
 
 
 # Config attribute names, most specific first: Hugging Face, nanoGPT / litgpt, Megatron-style.
@@ -130,7 +132,7 @@ def load_class(path: str) -> type:
     return getattr(module, attr)
 
 
-def build_on_meta(cls: type, init_args: Optional[dict[str, Any]] = None) -> nn.Module:
+def build_on_meta(cls: type, init_args: dict[str, Any] | None = None) -> nn.Module:
     """Instantiate ``cls(**init_args)`` on the meta device (no memory), running ``configure_model`` if it has one."""
     import torch
 
@@ -143,7 +145,7 @@ def build_on_meta(cls: type, init_args: Optional[dict[str, Any]] = None) -> nn.M
     return module
 
 
-def spec_from_module(module: nn.Module, seq_len: Optional[int] = None, **overrides: Any) -> ModelSpec:
+def spec_from_module(module: nn.Module, seq_len: int | None = None, **overrides: Any) -> ModelSpec:
     """Read a module's shapes from its config attributes and its parameter counts from its blocks.
 
     ``overrides`` (e.g. ``heads=...``) win over what is read; a shape neither read nor given is an error that names
@@ -153,8 +155,10 @@ def spec_from_module(module: nn.Module, seq_len: Optional[int] = None, **overrid
 
     found = find_block_container(module)
     if found is None:
-        raise ValueError(f"{type(module).__name__} has no list of repeated blocks: the planner models transformers."
-                         " Describe it with --layers/--hidden/--heads/--vocab instead.")
+        raise ValueError(
+            f"{type(module).__name__} has no list of repeated blocks: the planner models transformers."
+            " Describe it with --layers/--hidden/--heads/--vocab instead."
+        )
     container_name, blocks = found
     values: dict[str, Any] = {"layers": len(blocks)}
     for config in _configs(module):
@@ -191,11 +195,19 @@ def spec_from_module(module: nn.Module, seq_len: Optional[int] = None, **overrid
     tied = bool(tied_parameters(module))  # a tied head's copy on the last stage is added per layout (cost.py)
     gated = any(hasattr(m, name) for m in blocks[0].modules() for name in ("gate_proj", "w3", "fc_1"))
     notes = (f"blocks: {container_name} ({len(blocks)} x {block_params:,} params)",)
-    return ModelSpec(name=type(module).__name__, tied_embeddings=tied, gated_mlp=gated, block_params=block_params,
-                     embed_params=first, head_params=last, notes=notes, **values)
+    return ModelSpec(
+        name=type(module).__name__,
+        tied_embeddings=tied,
+        gated_mlp=gated,
+        block_params=block_params,
+        embed_params=first,
+        head_params=last,
+        notes=notes,
+        **values,
+    )
 
 
-def spec_from_path(path: str, init_args: Optional[str] = None, **overrides: Any) -> ModelSpec:
+def spec_from_path(path: str, init_args: str | None = None, **overrides: Any) -> ModelSpec:
     """``--module pkg.mod:Class [--init-args JSON]`` to a :class:`ModelSpec`, built on the meta device."""
     try:
         kwargs = json.loads(init_args) if init_args else {}

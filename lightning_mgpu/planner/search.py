@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Optional
 
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
 from lightning_mgpu.planner.cost import CHECKPOINTING, SCHEDULES, Estimate, Layout, Training, estimate
 from lightning_mgpu.planner.model_spec import ModelSpec
 
-_FIX_KEYS = {"tp": int, "pp": int, "dp": int, "zero": int, "zero_stage": int, "mbs": int, "microbatch_size": int,
-             "schedule": str, "ckpt": str, "checkpointing": str, "sp": int}
+_FIX_KEYS = {
+    "tp": int,
+    "pp": int,
+    "dp": int,
+    "zero": int,
+    "zero_stage": int,
+    "mbs": int,
+    "microbatch_size": int,
+    "schedule": str,
+    "ckpt": str,
+    "checkpointing": str,
+    "sp": int,
+}
 _ALIASES = {"zero": "zero_stage", "mbs": "microbatch_size", "ckpt": "checkpointing", "sp": "sequence_parallel"}
 
 
@@ -24,14 +35,14 @@ class Plan:
     ranked: list[Estimate]  # feasible, best first
     infeasible: list[Estimate] = field(default_factory=list)  # best-throughput ones that do not fit, with reasons
     rejected: list[str] = field(default_factory=list)  # fixed choices that are invalid, with reasons
-    smallest: Optional[Estimate] = None  # the layout needing the least memory, when none fits
+    smallest: Estimate | None = None  # the layout needing the least memory, when none fits
 
     @property
-    def best(self) -> Optional[Estimate]:
+    def best(self) -> Estimate | None:
         return self.ranked[0] if self.ranked else None
 
 
-def parse_fix(text: Optional[str]) -> dict[str, object]:
+def parse_fix(text: str | None) -> dict[str, object]:
     """``tp=8,pp=64,ckpt=full`` to ``{"tp": 8, "pp": 64, "checkpointing": "full"}``."""
     fixed: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
@@ -58,9 +69,10 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _structural_problem(model: ModelSpec, cluster: ClusterSpec, training: Training, tp: int, pp: int,
-                        dp: int) -> Optional[str]:
-    if model.heads % tp or model.num_kv_heads % tp and tp % model.num_kv_heads:
+def _structural_problem(
+    model: ModelSpec, cluster: ClusterSpec, training: Training, tp: int, pp: int, dp: int
+) -> str | None:
+    if model.heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
         return f"tp={tp} does not divide the {model.heads} attention heads ({model.num_kv_heads} key/value heads)"
     if pp > model.layers:
         return f"pp={pp} exceeds the {model.layers} layers"
@@ -69,13 +81,14 @@ def _structural_problem(model: ModelSpec, cluster: ClusterSpec, training: Traini
     return None
 
 
-def candidates(model: ModelSpec, cluster: ClusterSpec, training: Training,
-               fixed: Optional[dict[str, object]] = None) -> Iterator[Layout | str]:
+def candidates(
+    model: ModelSpec, cluster: ClusterSpec, training: Training, fixed: dict[str, object] | None = None
+) -> Iterator[Layout | str]:
     """Every layout worth estimating; a string says why a fixed choice cannot run at all."""
     fixed = fixed or {}
     n = cluster.gpus
     degrees = {k: int(v) for k, v in fixed.items() if k in ("tp", "pp", "dp")}  # type: ignore[call-overload]
-    if n % math.prod(degrees.values()) or "dp" in degrees and len(degrees) == 3 and math.prod(degrees.values()) != n:
+    if n % math.prod(degrees.values()) or ("dp" in degrees and len(degrees) == 3 and math.prod(degrees.values()) != n):
         fixed_text = " x ".join(f"{k}={v}" for k, v in degrees.items())
         yield f"{fixed_text} does not match the {n} GPUs: the product must divide {n} (and equal it with dp fixed)"
         return
@@ -96,8 +109,9 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, training: Training,
             yield from _variants(model, training, tp, pp, dp, fixed)
 
 
-def _variants(model: ModelSpec, training: Training, tp: int, pp: int, dp: int,
-              fixed: dict[str, object]) -> Iterator[Layout | str]:
+def _variants(
+    model: ModelSpec, training: Training, tp: int, pp: int, dp: int, fixed: dict[str, object]
+) -> Iterator[Layout | str]:
     per_rank = training.global_batch // dp
     mbs_fixed = fixed.get("microbatch_size")
     if isinstance(mbs_fixed, int) and per_rank % mbs_fixed:
@@ -124,13 +138,27 @@ def _variants(model: ModelSpec, training: Training, tp: int, pp: int, dp: int,
                     if ckpt == "selective" and training.flash_attention and "checkpointing" not in fixed:
                         continue  # flash attention keeps no scores: selective recomputation would change nothing
                         continue
-                    yield Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero, schedule=schedule, microbatch_size=mbs,
-                                 num_microbatches=m, checkpointing=ckpt,
-                                 sequence_parallel=bool(fixed.get("sequence_parallel", tp > 1)))
+                    yield Layout(
+                        tp=tp,
+                        pp=pp,
+                        dp=dp,
+                        zero_stage=zero,
+                        schedule=schedule,
+                        microbatch_size=mbs,
+                        num_microbatches=m,
+                        checkpointing=ckpt,
+                        sequence_parallel=bool(fixed.get("sequence_parallel", tp > 1)),
+                    )
 
 
-def search(model: ModelSpec, cluster: ClusterSpec, training: Training, efficiency: Optional[Efficiency] = None,
-           fixed: Optional[dict[str, object]] = None, scaling: bool = True) -> Plan:
+def search(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: Training,
+    efficiency: Efficiency | None = None,
+    fixed: dict[str, object] | None = None,
+    scaling: bool = True,
+) -> Plan:
     """Estimate every candidate; rank those that fit by tokens/s (ties: less memory)."""
     efficiency = efficiency or Efficiency()
     feasible: list[Estimate] = []
@@ -142,11 +170,19 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: Training, efficienc
             continue
         result = estimate(model, cluster, training, candidate, efficiency)
         (feasible if result.fits else infeasible).append(result)
-    key = lambda e: (-e.tokens_per_s, e.memory["total"])  # noqa: E731
+    key = lambda e: (-e.tokens_per_s, e.memory["total"])
     feasible.sort(key=key)
     infeasible.sort(key=key)
-    plan = Plan(model, cluster, training, efficiency, _distinct(feasible), _distinct(infeasible)[:5], rejected,
-                min(infeasible, key=lambda e: e.memory["total"]) if infeasible and not feasible else None)
+    plan = Plan(
+        model,
+        cluster,
+        training,
+        efficiency,
+        _distinct(feasible),
+        _distinct(infeasible)[:5],
+        rejected,
+        min(infeasible, key=lambda e: e.memory["total"]) if infeasible and not feasible else None,
+    )
     if scaling and plan.ranked:
         reference = _one_node_reference(model, cluster, training, efficiency)
         for result in plan.ranked[:50]:
@@ -167,8 +203,9 @@ def _distinct(results: list[Estimate]) -> list[Estimate]:
     return kept
 
 
-def reference_tokens_per_gpu(model: ModelSpec, cluster: ClusterSpec, training: Training, efficiency: Efficiency,
-                             gpus: int) -> float:
+def reference_tokens_per_gpu(
+    model: ModelSpec, cluster: ClusterSpec, training: Training, efficiency: Efficiency, gpus: int
+) -> float:
     """Tokens/s per GPU of the best layout on ``gpus`` GPUs with the same batch per GPU. When nothing fits there,
     memory limits are ignored: a model too large for one node still gets the speed one node would reach."""
     small = replace(cluster, gpus=gpus)
@@ -197,12 +234,16 @@ def explain(plan: Plan) -> str:
     losses = {k: v for k, v in time.items() if k not in ("compute", "step")}
     worst = max(losses, key=losses.get) if losses else "none"  # type: ignore[arg-type]
     within = "inside a node" if lay.tp <= plan.cluster.gpus_per_node else "across nodes"
-    text = (f"{lay.describe()} wins with {best.tokens_per_s:,.0f} tokens/s: tensor parallelism stays {within},"
-            f" compute is {time['compute'] / time['step']:.0%} of the step (largest overhead: {worst.replace('_', ' ')}"
-            f" {losses.get(worst, 0) / time['step']:.0%}), and it fits in {best.memory['total'] / GB:.1f} GB")
+    text = (
+        f"{lay.describe()} wins with {best.tokens_per_s:,.0f} tokens/s: tensor parallelism stays {within},"
+        f" compute is {time['compute'] / time['step']:.0%} of the step (largest overhead: {worst.replace('_', ' ')}"
+        f" {losses.get(worst, 0) / time['step']:.0%}), and it fits in {best.memory['total'] / GB:.1f} GB"
+    )
     if runner is not None:
-        text += (f"; the best layout with other tp/pp ({runner.layout.describe()}) is"
-                 f" {1 - runner.tokens_per_s / best.tokens_per_s:.0%} slower")
+        text += (
+            f"; the best layout with other tp/pp ({runner.layout.describe()}) is"
+            f" {1 - runner.tokens_per_s / best.tokens_per_s:.0%} slower"
+        )
     return text + "."
 
 
@@ -210,14 +251,23 @@ def check_fit_hint(plan: Plan) -> str:
     if plan.smallest is None:
         return ""
     need = plan.smallest.memory["total"] / GB
-    return (f" The smallest footprint is {need:.1f} GB per GPU ({plan.smallest.layout.describe()}): about"
-            f" {math.ceil(plan.cluster.gpus * need / (plan.cluster.usable_bytes / GB))} GPUs would hold it.")
+    return (
+        f" The smallest footprint is {need:.1f} GB per GPU ({plan.smallest.layout.describe()}): about"
+        f" {math.ceil(plan.cluster.gpus * need / (plan.cluster.usable_bytes / GB))} GPUs would hold it."
+    )
 
 
-def layout_from_options(world_size: int, global_batch: int, tensor_parallel_size: int = 1,
-                        pipeline_parallel_size: int = 1, zero_stage: int = 0, pipeline_schedule: str = "1F1B",
-                        num_microbatches: Optional[int] = None, activation_checkpointing: object = False,
-                        sequence_parallel: bool = False) -> Layout:
+def layout_from_options(
+    world_size: int,
+    global_batch: int,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    zero_stage: int = 0,
+    pipeline_schedule: str = "1F1B",
+    num_microbatches: int | None = None,
+    activation_checkpointing: object = False,
+    sequence_parallel: bool = False,
+) -> Layout:
     """The planner's :class:`Layout` for ``HybridStrategy`` arguments (its defaults: as many microbatches as stages)."""
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     dp = world_size // (tp * pp)
@@ -227,5 +277,14 @@ def layout_from_options(world_size: int, global_batch: int, tensor_parallel_size
     m = (num_microbatches or stages) if pp > 1 else 1
     names = {False: "none", True: "full", "full": "full", "selective": "selective"}
     ckpt = names.get(activation_checkpointing, "full")  # module classes: full
-    return Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, schedule=schedule, microbatch_size=max(1, per_rank // m),
-                  num_microbatches=m, checkpointing=ckpt, sequence_parallel=sequence_parallel and tp > 1)
+    return Layout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        zero_stage=zero_stage,
+        schedule=schedule,
+        microbatch_size=max(1, per_rank // m),
+        num_microbatches=m,
+        checkpointing=ckpt,
+        sequence_parallel=sequence_parallel and tp > 1,
+    )

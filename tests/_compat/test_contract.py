@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_mgpu import _compat
-from lightning_mgpu._compat import amp, c10d, data, dcp, dtensor, fsdp, lightning as lc, tensors
+from lightning_mgpu._compat import amp, c10d, data, dcp, dtensor, fsdp, tensors
+from lightning_mgpu._compat import lightning as lc
 from tests.helpers.distributed import run_distributed
 
 
@@ -49,8 +50,12 @@ def test_amp_scaler_hooks_unscale_kernel_and_sparse_values():
     found = torch.zeros(1)
     grads = [torch.tensor([2.0, float("inf")])]
     amp.non_finite_check_and_unscale_(grads, found, torch.tensor(0.5))
-    _expect(found.item() == 1.0 and grads[0][0].item() == 1.0, "torch._amp_foreach_non_finite_check_and_unscale_",
-            "torch", "inf not found or not unscaled")
+    _expect(
+        found.item() == 1.0 and grads[0][0].item() == 1.0,
+        "torch._amp_foreach_non_finite_check_and_unscale_",
+        "torch",
+        "inf not found or not unscaled",
+    )
     sparse = torch.sparse_coo_tensor([[0, 0]], [1.0, 2.0], (3,))  # uncoalesced: index 0 twice
     amp.sparse_values(sparse).mul_(2)
     _expect(sparse.coalesce().to_dense()[0].item() == 6.0, "Tensor._values", "torch", "not a view of the values")
@@ -61,8 +66,12 @@ def test_dcp_fqns_flattening_and_loading_without_a_process_group(tmp_path):
 
     model = nn.Sequential(checkpoint_wrapper(nn.Linear(2, 2)))
     wrapped = next(name for name, _ in model.named_parameters())
-    _expect(dcp.parameter_fqns(model, wrapped) == {"0.weight"}, "state_dict._get_fqns", "torch",
-            f"{wrapped!r} not mapped to '0.weight'")
+    _expect(
+        dcp.parameter_fqns(model, wrapped) == {"0.weight"},
+        "state_dict._get_fqns",
+        "torch",
+        f"{wrapped!r} not mapped to '0.weight'",
+    )
     flat, _ = dcp.flatten_state_dict({"model": {"w": torch.ones(2)}, "step": 3})
     _expect(set(flat) == {"model.w", "step"}, "_nested_dict.flatten_state_dict", "torch", f"keys {sorted(flat)}")
 
@@ -73,14 +82,22 @@ def test_dcp_fqns_flattening_and_loading_without_a_process_group(tmp_path):
         warnings.simplefilter("ignore")
         tdcp.save(state, checkpoint_id=tmp_path)
     loaded = dcp.load_without_process_group(tmp_path, keys={"model"})
-    _expect(set(loaded) == {"model"} and torch.equal(loaded["model"]["w"], torch.arange(4.0)),
-            "state_dict_loader._load_state_dict/_EmptyStateDictLoadPlanner", "torch", f"loaded {loaded}")
+    _expect(
+        set(loaded) == {"model"} and torch.equal(loaded["model"]["w"], torch.arange(4.0)),
+        "state_dict_loader._load_state_dict/_EmptyStateDictLoadPlanner",
+        "torch",
+        f"loaded {loaded}",
+    )
 
 
 def test_tensor_helpers():
     nested = {"a": [torch.ones(1), (torch.zeros(2), 3)]}
-    _expect(len(tensors.tree_leaves(nested)) == 3 and len(tensors.tree_flatten(nested)[0]) == 3,
-            "torch.utils._pytree", "torch", "leaves not found")
+    _expect(
+        len(tensors.tree_leaves(nested)) == 3 and len(tensors.tree_flatten(nested)[0]) == 3,
+        "torch.utils._pytree",
+        "torch",
+        "leaves not found",
+    )
     doubled = tensors.tree_map(lambda x: x * 2 if torch.is_tensor(x) else x, nested)
     _expect(doubled["a"][0].item() == 2.0 and doubled["a"][1][1] == 3, "torch.utils._pytree.tree_map", "torch", "")
 
@@ -96,7 +113,9 @@ def test_tensor_helpers():
     _expect(torch.ops.aten.add.Tensor in seen, "torch.utils._python_dispatch.TorchDispatchMode", "torch", f"{seen}")
     with tensors.fake_tensor_mode(allow_non_fake_inputs=True):
         fake = nn.Linear(4, 3)(torch.ones(2, 4))
-    _expect(type(fake).__name__ == "FakeTensor" and fake.shape == (2, 3), "FakeTensorMode", "torch", type(fake).__name__)
+    _expect(
+        type(fake).__name__ == "FakeTensor" and fake.shape == (2, 3), "FakeTensorMode", "torch", type(fake).__name__
+    )
 
     t = torch.zeros(2)
     before = tensors.version_counter(t)
@@ -113,11 +132,20 @@ def test_tensor_helpers():
     order = [n for n, _ in linear.named_parameters()]
     weight = linear.weight
     originals = tensors.swap_parameters(linear, {"weight": torch.zeros(2, 2)})
-    _expect(torch.equal(linear(torch.ones(1, 2)), linear.bias.detach()[None].expand(1, 2)) and originals["weight"] is weight,
-            "nn.Module._parameters", "torch", "the swapped tensor is not what forward uses")
+    _expect(
+        torch.equal(linear(torch.ones(1, 2)), linear.bias.detach()[None].expand(1, 2))
+        and originals["weight"] is weight,
+        "nn.Module._parameters",
+        "torch",
+        "the swapped tensor is not what forward uses",
+    )
     tensors.restore_parameters(linear, originals)
-    _expect(linear.weight is weight and [n for n, _ in linear.named_parameters()] == order, "nn.Module._parameters",
-            "torch", "not restored in order")
+    _expect(
+        linear.weight is weight and [n for n, _ in linear.named_parameters()] == order,
+        "nn.Module._parameters",
+        "torch",
+        "not restored in order",
+    )
     assert set(tensors.parameter_slots(linear)) == {"weight", "bias"}
 
     experts = nn.ModuleList([nn.Linear(1, 1) for _ in range(4)])
@@ -128,15 +156,25 @@ def test_tensor_helpers():
     model.register_buffer("scale", torch.ones(1))
     kept, hooks = tensors.module_structure(model), tensors.module_hooks(model)
     handle = model.register_forward_hook(lambda *_: None)
-    _expect(tensors.module_hooks(model) != hooks and "_forward_hooks" in tensors.HOOK_ATTRIBUTES,
-            "nn.Module._forward_hooks", "torch", f"a forward hook is not in {tensors.HOOK_ATTRIBUTES}")
+    _expect(
+        tensors.module_hooks(model) != hooks and "_forward_hooks" in tensors.HOOK_ATTRIBUTES,
+        "nn.Module._forward_hooks",
+        "torch",
+        f"a forward hook is not in {tensors.HOOK_ATTRIBUTES}",
+    )
     model.add_module("1", nn.ReLU())
     model.scale = None
     tensors.set_module_hooks(model, hooks)
     tensors.set_module_structure(model, *kept)
-    _expect(not model._forward_hooks and handle.id not in tensors.module_hooks(model)["_forward_hooks"]
-            and [n for n, _ in model.named_children()] == ["0"] and model.scale is kept[2]["scale"],
-            "nn.Module._modules/_parameters/_buffers/_forward_hooks", "torch", "the module tree not put back")
+    _expect(
+        not model._forward_hooks
+        and handle.id not in tensors.module_hooks(model)["_forward_hooks"]
+        and [n for n, _ in model.named_children()] == ["0"]
+        and model.scale is kept[2]["scale"],
+        "nn.Module._modules/_parameters/_buffers/_forward_hooks",
+        "torch",
+        "the module tree not put back",
+    )
 
     class Gathering(dict):  # like DeepSpeed ZeRO-3's parameter dict: reading through it has effects
         def __getitem__(self, key):
@@ -149,8 +187,12 @@ def test_tensor_helpers():
     weight = linear.weight
     linear.__dict__["_parameters"] = Gathering(linear.__dict__["_parameters"])
     tensors.plain_parameter_slots(linear)
-    _expect(type(linear.__dict__["_parameters"]) is dict and linear.weight is weight, "nn.Module._parameters",
-            "torch", "the parameter slots are not a plain dict with the same entries")
+    _expect(
+        type(linear.__dict__["_parameters"]) is dict and linear.weight is weight,
+        "nn.Module._parameters",
+        "torch",
+        "the parameter slots are not a plain dict with the same entries",
+    )
 
     class Hooks:
         def hook(self, grad):
@@ -168,8 +210,12 @@ def test_tensor_helpers():
     y = x * 2
     y.register_hook(lambda grad: seen.append(tensors.in_backward()))
     y.sum().backward()
-    _expect(not tensors.in_backward() and seen == [True], "torch._C._current_graph_task_id", "torch",
-            f"in backward: {seen}, outside: {tensors.in_backward()}")
+    _expect(
+        not tensors.in_backward() and seen == [True],
+        "torch._C._current_graph_task_id",
+        "torch",
+        f"in backward: {seen}, outside: {tensors.in_backward()}",
+    )
 
 
 def test_dataloader_with_another_sampler():
@@ -188,8 +234,12 @@ def _distributed_contract() -> dict:
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
     out: dict = {}
     strided = distribute_tensor(torch.arange(8.0), mesh, [dtensor.strided_shard(0, 2)])
-    out["strided"] = (dtensor.is_strided_shard(strided.placements[0]), dtensor.strided_chunks(strided.placements[0]),
-                      dtensor.strided_chunks(Shard(0)), torch.equal(strided.full_tensor(), torch.arange(8.0)))
+    out["strided"] = (
+        dtensor.is_strided_shard(strided.placements[0]),
+        dtensor.strided_chunks(strided.placements[0]),
+        dtensor.strided_chunks(Shard(0)),
+        torch.equal(strided.full_tensor(), torch.arange(8.0)),
+    )
 
     calls = []
 
@@ -219,18 +269,28 @@ def _distributed_contract() -> dict:
     out["unapply"] = [_reapplies(mesh, forget) for forget in (False, True)]
 
     group = mesh.get_group()
-    out["c10d"] = (c10d.group_name(group) == group.group_name, hasattr(c10d.functional_collectives(), "all_reduce"),
-                   c10d.pipelining_p2p() is not None, hasattr(c10d.FUNCTIONAL_OPS, "all_reduce"))
+    out["c10d"] = (
+        c10d.group_name(group) == group.group_name,
+        hasattr(c10d.functional_collectives(), "all_reduce"),
+        c10d.pipelining_p2p() is not None,
+        hasattr(c10d.FUNCTIONAL_OPS, "all_reduce"),
+    )
     summed = c10d.all_reduce(torch.ones(2), "sum", mesh)
     leaf = torch.ones(2, requires_grad=True)
     reduced = DTensor.from_local(leaf, mesh, [Replicate()], run_check=False) * 2  # fresh, as a collective's result
     local = dtensor.owned_local(reduced)
     local.add_(1)  # what to_local()'s view refuses
     local.sum().backward()
-    out["owned"] = (type(summed) is torch.Tensor and torch.equal(summed, torch.ones(2)), type(local) is torch.Tensor,
-                    torch.equal(local.detach(), torch.full((2,), 3.0)), torch.equal(leaf.grad, torch.full((2,), 2.0)))
-    out["lightning"] = (lc.sync_ddp_if_available(torch.ones(1), None, reduce_op="sum").item(),
-                        lc.all_gather_ddp_if_available(torch.ones(1)).shape)
+    out["owned"] = (
+        type(summed) is torch.Tensor and torch.equal(summed, torch.ones(2)),
+        type(local) is torch.Tensor,
+        torch.equal(local.detach(), torch.full((2,), 3.0)),
+        torch.equal(leaf.grad, torch.full((2,), 2.0)),
+    )
+    out["lightning"] = (
+        lc.sync_ddp_if_available(torch.ones(1), None, reduce_op="sum").item(),
+        lc.all_gather_ddp_if_available(torch.ones(1)).shape,
+    )
     return out
 
 
@@ -243,7 +303,8 @@ def _reapplies(mesh, forget: bool) -> bool:
     fully_shard(module, mesh=mesh)
     added = set(vars(module)) - keys
     assert added and all(fsdp.is_torch_added_attribute(name) for name in added), _compat.changed(
-        "attributes fully_shard sets", "torch", f"unknown: {sorted(added)}")
+        "attributes fully_shard sets", "torch", f"unknown: {sorted(added)}"
+    )
     module.__class__ = cls
     for name in added:
         del vars(module)[name]
@@ -265,14 +326,27 @@ def test_distributed_shims_in_a_process_group():
     _expect(all(out["style"][1:]), "ColwiseParallel._prepare_input_fn/_prepare_output_fn", "torch", str(out["style"]))
     _expect(out["unflatten"], "DeviceMesh._unflatten", "torch", "dimension names differ")
     _expect(all(out["fsdp"]), "torch.distributed._composable.replicate(_with_fsdp)", "torch", str(out["fsdp"]))
-    _expect(out["unapply"] == [False, True], "_composable_state._module_state_mapping", "torch",
-            f"fully_shard applied again without/with forgetting: {out['unapply']}")
-    _expect(all(out["c10d"]), "_functional_collectives/_resolve_group_name/schedules._batch_p2p", "torch",
-            str(out["c10d"]))
-    _expect(all(out["owned"]), "_functional_collectives.all_reduce/DTensor._spec/_local_tensor", "torch",
-            f"(all_reduce, owned_local plain, its values, its gradient): {out['owned']}")
-    _expect(out["lightning"] == (1.0, torch.Size([1, 1])), "_sync_ddp_if_available/_all_gather_ddp_if_available",
-            "lightning", str(out["lightning"]))
+    _expect(
+        out["unapply"] == [False, True],
+        "_composable_state._module_state_mapping",
+        "torch",
+        f"fully_shard applied again without/with forgetting: {out['unapply']}",
+    )
+    _expect(
+        all(out["c10d"]), "_functional_collectives/_resolve_group_name/schedules._batch_p2p", "torch", str(out["c10d"])
+    )
+    _expect(
+        all(out["owned"]),
+        "_functional_collectives.all_reduce/DTensor._spec/_local_tensor",
+        "torch",
+        f"(all_reduce, owned_local plain, its values, its gradient): {out['owned']}",
+    )
+    _expect(
+        out["lightning"] == (1.0, torch.Size([1, 1])),
+        "_sync_ddp_if_available/_all_gather_ddp_if_available",
+        "lightning",
+        str(out["lightning"]),
+    )
 
 
 class _Tiny(L.LightningModule):
@@ -291,32 +365,65 @@ class _Tiny(L.LightningModule):
 
 
 def test_lightning_internals(tmp_path):
-    for cls, hooks in ((lc.SubprocessScriptLauncher, ("_call_children_scripts",)),
-                       (lc.MultiProcessingLauncher, ("_wrapping_function", "_collect_rank_zero_results")),
-                       (lc.ChildProcessObserver, ("_run",))):
+    for cls, hooks in (
+        (lc.SubprocessScriptLauncher, ("_call_children_scripts",)),
+        (lc.MultiProcessingLauncher, ("_wrapping_function", "_collect_rank_zero_results")),
+        (lc.ChildProcessObserver, ("_run",)),
+    ):
         for hook in hooks:
             _expect(callable(getattr(cls.__mro__[1], hook, None)), f"{cls.__mro__[1].__name__}.{hook}", "lightning", "")
     observer = lc.ChildProcessObserver(main_pid=0, child_processes=[], sleep_period=1)
-    _expect(observer.child_processes == [] and observer.check_children() is True, "_ChildProcessObserver._run",
-            "lightning", "")
+    _expect(
+        observer.child_processes == [] and observer.check_children() is True,
+        "_ChildProcessObserver._run",
+        "lightning",
+        "",
+    )
     _expect(lc.WorkerOutput._fields[:2] == ("best_model_path", "weights_path"), "_WorkerOutput", "lightning", "")
-    _expect(lc.convert_precision_to_unified_args(16) == "16-mixed", "_convert_precision_to_unified_args", "lightning", "")
-    _expect(lc.convert_fp_tensor(torch.ones(1), torch.float16).dtype == torch.float16, "_convert_fp_tensor",
-            "lightning", "")
+    _expect(
+        lc.convert_precision_to_unified_args(16) == "16-mixed", "_convert_precision_to_unified_args", "lightning", ""
+    )
+    _expect(
+        lc.convert_fp_tensor(torch.ones(1), torch.float16).dtype == torch.float16, "_convert_fp_tensor", "lightning", ""
+    )
     with lc.DtypeContextManager(torch.float16):
         _expect(torch.empty(1).dtype == torch.float16, "_DtypeContextManager", "lightning", "")
-    _expect(lc.optimizer_handles_unscaling(torch.optim.SGD([nn.Parameter(torch.ones(1))])) is False,
-            "_optimizer_handles_unscaling", "lightning", "")
+    _expect(
+        lc.optimizer_handles_unscaling(torch.optim.SGD([nn.Parameter(torch.ones(1))])) is False,
+        "_optimizer_handles_unscaling",
+        "lightning",
+        "",
+    )
 
     model = _Tiny()
-    _expect(lc.attached_trainer(model) is None and lc.attached_trainer(nn.Linear(1, 1)) is None,
-            "LightningModule._trainer", "lightning", "")
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                        sync_batchnorm=True, strategy="ddp", devices=1)
+    _expect(
+        lc.attached_trainer(model) is None and lc.attached_trainer(nn.Linear(1, 1)) is None,
+        "LightningModule._trainer",
+        "lightning",
+        "",
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        sync_batchnorm=True,
+        strategy="ddp",
+        devices=1,
+    )
     _expect(lc.layer_sync(trainer.strategy) is not None, "Strategy._layer_sync", "lightning", "sync_batchnorm lost")
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     fetchers = []
 
     class Probe(L.Callback):
@@ -329,8 +436,12 @@ def test_lightning_internals(tmp_path):
     trainer.callbacks.append(Probe())
     trainer.fit(model)
     _expect(lc.attached_trainer(model) is trainer, "LightningModule._trainer", "lightning", "")
-    _expect(fetchers[0] is not None and all(callable(h) for h in fetchers[0]),
-            "_DataFetcher._start_profiler/_stop_profiler", "lightning", str(fetchers))
+    _expect(
+        fetchers[0] is not None and all(callable(h) for h in fetchers[0]),
+        "_DataFetcher._start_profiler/_stop_profiler",
+        "lightning",
+        str(fetchers),
+    )
     _expect(lc.fit_data_source(trainer).is_defined(), "_FitLoop._data_source", "lightning", "")
     fetchers.clear()
     lc.call_callback_hooks(trainer, "on_before_optimizer_step", trainer.optimizers[0])
@@ -349,8 +460,18 @@ def test_the_trainer_precision_flag_is_found_while_the_trainer_is_built():
     _expect(lc.trainer_precision_flag() is None, "_AcceleratorConnector.__init__", "lightning", "found outside")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = L.Trainer(accelerator="cpu", devices=1, precision="16-mixed", strategy=HybridStrategy(),
-                            logger=False, enable_checkpointing=False)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            precision="16-mixed",
+            strategy=HybridStrategy(),
+            logger=False,
+            enable_checkpointing=False,
+        )
     plugin = trainer.strategy.precision_plugin
-    _expect(isinstance(plugin, HybridPrecision) and plugin.precision == "16-mixed",
-            "_AcceleratorConnector.__init__(precision=...)", "lightning", f"a 16-mixed Trainer ran {plugin.precision}")
+    _expect(
+        isinstance(plugin, HybridPrecision) and plugin.precision == "16-mixed",
+        "_AcceleratorConnector.__init__(precision=...)",
+        "lightning",
+        f"a 16-mixed Trainer ran {plugin.precision}",
+    )

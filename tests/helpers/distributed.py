@@ -13,7 +13,8 @@ import os
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -40,7 +41,9 @@ def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, queue: Any, args: tuple, kwargs: dict) -> None:
+def _worker(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, queue: Any, args: tuple, kwargs: dict
+) -> None:
     os.environ.update(torchrun_env(rank, world_size, port))
     torch.set_num_threads(1)
     try:

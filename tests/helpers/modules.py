@@ -8,7 +8,8 @@ the weight init and leaves the global RNG untouched, so the test harness stays i
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import lightning as L
 import torch
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 @contextlib.contextmanager
-def _seeded(seed: Optional[int]) -> Iterator[None]:
+def _seeded(seed: int | None) -> Iterator[None]:
     """Seed the CPU RNG for the block and restore it afterwards; a no-op when ``seed`` is ``None``."""
     if seed is None:
         yield
@@ -62,7 +63,11 @@ class LlamaModule(_CausalLMModule):
     """Tiny Hugging Face Llama (GQA: 4 query heads, 2 KV heads by default; RMSNorm; SwiGLU; RoPE), ~90K parameters."""
 
     def __init__(
-        self, vocab_size: int = 128, max_seq_len: int = 64, lr: float = 1e-3, seed: Optional[int] = None,
+        self,
+        vocab_size: int = 128,
+        max_seq_len: int = 64,
+        lr: float = 1e-3,
+        seed: int | None = None,
         num_key_value_heads: int = 2,
     ) -> None:
         super().__init__(lr=lr)
@@ -95,8 +100,12 @@ class GPT2Module(_CausalLMModule):
     """
 
     def __init__(
-        self, vocab_size: int = 128, max_seq_len: int = 64, lr: float = 1e-3, tie_word_embeddings: bool = False,
-        seed: Optional[int] = None,
+        self,
+        vocab_size: int = 128,
+        max_seq_len: int = 64,
+        lr: float = 1e-3,
+        tie_word_embeddings: bool = False,
+        seed: int | None = None,
     ) -> None:
         super().__init__(lr=lr)
         self.save_hyperparameters()
@@ -125,7 +134,7 @@ class GPT2Module(_CausalLMModule):
 class CNNModule(L.LightningModule):
     """Small CNN on 3x16x16 images; two param groups (no decay on norms/biases) and a StepLR schedule."""
 
-    def __init__(self, num_classes: int = 10, lr: float = 0.05, seed: Optional[int] = None) -> None:
+    def __init__(self, num_classes: int = 10, lr: float = 0.05, seed: int | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.lr = lr
@@ -184,8 +193,13 @@ class RandomTokenDataModule(_TensorDataModule):
     """``(x, y)`` token sequences with ``y`` the next-token shift of one random stream per sample."""
 
     def __init__(
-        self, vocab_size: int = 128, seq_len: int = 32, num_samples: int = 64, batch_size: int = 8,
-        with_val: bool = False, seed: int = 1234,
+        self,
+        vocab_size: int = 128,
+        seq_len: int = 32,
+        num_samples: int = 64,
+        batch_size: int = 8,
+        with_val: bool = False,
+        seed: int = 1234,
     ) -> None:
         super().__init__(batch_size, with_val)
         g = torch.Generator().manual_seed(seed)
@@ -198,8 +212,13 @@ class RandomImageDataModule(_TensorDataModule):
     """``(image, label)`` pairs: ``3 x size x size`` standard-normal images with uniform labels."""
 
     def __init__(
-        self, num_classes: int = 10, size: int = 16, num_samples: int = 64, batch_size: int = 8,
-        with_val: bool = False, seed: int = 1234,
+        self,
+        num_classes: int = 10,
+        size: int = 16,
+        num_samples: int = 64,
+        batch_size: int = 8,
+        with_val: bool = False,
+        seed: int = 1234,
     ) -> None:
         super().__init__(batch_size, with_val)
         g = torch.Generator().manual_seed(seed)

@@ -35,8 +35,13 @@ def execute(path: Path, workdir: Path, timeout: float = CELL_TIMEOUT) -> tuple[A
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name=python_kernel_name(), allow_errors=False,
-                                     resources={"metadata": {"path": str(workdir)}})
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name=python_kernel_name(),
+        allow_errors=False,
+        resources={"metadata": {"path": str(workdir)}},
+    )
     start = time.perf_counter()
     client.execute(env=clean_env(TMPDIR=str(workdir)))  # the notebooks' tempfile directories land in workdir
     return nb, time.perf_counter() - start

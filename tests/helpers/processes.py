@@ -10,8 +10,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def run_together(
     commands: Sequence[Sequence[str]],
     timeout: float,
-    envs: Optional[Sequence[Mapping[str, str]]] = None,
+    envs: Sequence[Mapping[str, str]] | None = None,
     cwd: Path = REPO,
 ) -> list[subprocess.CompletedProcess]:
     """Start ``commands`` at once and wait for all of them; each result holds stdout and stderr together.
@@ -62,7 +62,12 @@ def run_together(
     envs = envs or [clean_env()] * len(commands)
     procs = [
         subprocess.Popen(
-            list(cmd), cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            list(cmd),
+            cwd=cwd,
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,
         )
         for cmd, env in zip(commands, envs)
@@ -104,6 +109,6 @@ def run_together(
     return results
 
 
-def run(command: Sequence[str], timeout: float, env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+def run(command: Sequence[str], timeout: float, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
     """One command, as :func:`run_together`."""
     return run_together([command], timeout, [env or clean_env()])[0]

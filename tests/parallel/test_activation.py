@@ -15,7 +15,6 @@ from lightning_mgpu.parallel.activation import ActivationMemory, apply_activatio
 from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import CNNModule, LlamaModule, RandomTokenDataModule
 
-
 AC_LOSS_RTOL = 1e-6  # recomputation repeats the same ops in the same order: in practice bit-identical
 
 
@@ -122,8 +121,11 @@ def test_activation_memory_saved_is_measured():
 def test_checkpointing_in_every_layout_trains_the_same(layout, mode, model):
     world, steps = 2, 6
     dp = 1 if "tensor_parallel_size" in layout or "pipeline_parallel_size" in layout else 2
-    module, data = (LlamaModule, lambda: RandomTokenDataModule(batch_size=8 // dp)) if model == "llama" else (
-        _gpt, lambda: TextDataModule(batch_size=8 // dp, block_size=32))
+    module, data = (
+        (LlamaModule, lambda: RandomTokenDataModule(batch_size=8 // dp))
+        if model == "llama"
+        else (_gpt, lambda: TextDataModule(batch_size=8 // dp, block_size=32))
+    )
     plain, _ = fit(module, data, layout, world, steps)
     checkpointed, _ = fit(module, data, {**layout, "activation_checkpointing": mode}, world, steps)
     assert_same_training(plain, checkpointed, loss_rtol=AC_LOSS_RTOL, weight_rtol=1e-6, weight_atol=1e-7)
@@ -148,9 +150,15 @@ class _OffloadProbe(L.Callback):
 
 
 def test_cpu_offload_trains_like_one_process():
-    data = lambda: RandomTokenDataModule(batch_size=8)  # noqa: E731
+    data = lambda: RandomTokenDataModule(batch_size=8)
     reference, _ = fit(LlamaModule, data, None, 1, 6)
-    offloaded, extras = fit(LlamaModule, lambda: RandomTokenDataModule(batch_size=4),
-                            {"zero_stage": 3, "cpu_offload": True}, 2, 6, callbacks_factory=lambda: [_OffloadProbe()])
+    offloaded, extras = fit(
+        LlamaModule,
+        lambda: RandomTokenDataModule(batch_size=4),
+        {"zero_stage": 3, "cpu_offload": True},
+        2,
+        6,
+        callbacks_factory=lambda: [_OffloadProbe()],
+    )
     assert all(e["policies"] == {"CPUOffloadPolicy"} for e in extras), extras
     assert_same_training(reference, offloaded)

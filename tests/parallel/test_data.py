@@ -61,8 +61,14 @@ SHARD_IMBALANCE = 0.05  # FSDP2 cuts dim 0 in dp chunks; uneven rows leave ranks
 def test_memory_per_rank_follows_zero_formulas(zero_stage):
     dp = 4
     module, data = MODELS["gpt"]
-    _, extras = fit(module, lambda: data(GLOBAL_BATCH // dp), {"zero_stage": zero_stage}, dp, 3,
-                    callbacks_factory=lambda: [MemoryProbe(step=1)])
+    _, extras = fit(
+        module,
+        lambda: data(GLOBAL_BATCH // dp),
+        {"zero_stage": zero_stage},
+        dp,
+        3,
+        callbacks_factory=lambda: [MemoryProbe(step=1)],
+    )
     numel, largest = extras[0]["numel"], extras[0]["largest_numel"]
     for kind, how in ZERO_LAYOUT[zero_stage].items():
         full = FULL_BYTES[kind] * numel
@@ -84,14 +90,20 @@ def test_memory_per_rank_follows_zero_formulas(zero_stage):
 def test_gradient_accumulation_communicates_only_on_the_final_micro_step(zero_stage):
     dp, accumulate = 2, 2
     trainer_kwargs = {"accumulate_grad_batches": accumulate}
-    result, extras = fit(MODELS["llama"][0], lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH // dp),
-                         {"zero_stage": zero_stage}, dp, STEPS, trainer_kwargs=trainer_kwargs,
-                         callbacks_factory=lambda: [CollectiveCounter()])
+    result, extras = fit(
+        MODELS["llama"][0],
+        lambda: RandomTokenDataModule(batch_size=GLOBAL_BATCH // dp),
+        {"zero_stage": zero_stage},
+        dp,
+        STEPS,
+        trainer_kwargs=trainer_kwargs,
+        callbacks_factory=lambda: [CollectiveCounter()],
+    )
     assert_same_training(reference("llama", trainer_kwargs), result)
     per_batch = extras[0]["per_batch"]
     reductions = [b.get("AR", 0) + b.get("RS", 0) + b.get("RD", 0) for b in per_batch]
     assert all(r == 0 for r in reductions[0::accumulate]), reductions
-    assert all(r > 0 for r in reductions[accumulate - 1::accumulate]), reductions
+    assert all(r > 0 for r in reductions[accumulate - 1 :: accumulate]), reductions
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 3])
@@ -99,8 +111,9 @@ def test_gradient_clipping_uses_the_global_norm(zero_stage):
     dp = 2
     trainer_kwargs = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
     module, data = MODELS["gpt"]
-    result, _ = fit(module, lambda: data(GLOBAL_BATCH // dp), {"zero_stage": zero_stage}, dp, STEPS,
-                    trainer_kwargs=trainer_kwargs)
+    result, _ = fit(
+        module, lambda: data(GLOBAL_BATCH // dp), {"zero_stage": zero_stage}, dp, STEPS, trainer_kwargs=trainer_kwargs
+    )
     clipped_reference = reference("gpt", trainer_kwargs)
     assert clipped_reference.losses != reference("gpt").losses  # the clip is active
     assert_same_training(clipped_reference, result)
@@ -114,8 +127,9 @@ def _analytic_bytes_per_step(zero_stage: int, dp: int, numel: int, block_numel: 
     return 2 * f * 4 * numel + (f * 4 * block_numel if zero_stage == 3 else 0)
 
 
-@pytest.mark.parametrize(("zero_stage", "gathers"), [(0, None), (1, None), (2, lambda blocks: 1),
-                                                     (3, lambda blocks: 2 * blocks + 1)])
+@pytest.mark.parametrize(
+    ("zero_stage", "gathers"), [(0, None), (1, None), (2, lambda blocks: 1), (3, lambda blocks: 2 * blocks + 1)]
+)
 def test_communication_per_step_is_the_analytic_minimum(zero_stage, gathers):
     """Counted from the collectives issued (profiler, C++ DDP included): ZeRO-1/2 move 2(dp-1)/dp x 4N bytes.
 
@@ -124,8 +138,14 @@ def test_communication_per_step_is_the_analytic_minimum(zero_stage, gathers):
     calls `self(x)` inside the root's forward."""
     dp = 2
     module, data = MODELS["gpt"]
-    _, extras = fit(module, lambda: data(GLOBAL_BATCH // dp), {"zero_stage": zero_stage}, dp, 4,
-                    callbacks_factory=lambda: [CollectiveCounter()])
+    _, extras = fit(
+        module,
+        lambda: data(GLOBAL_BATCH // dp),
+        {"zero_stage": zero_stage},
+        dp,
+        4,
+        callbacks_factory=lambda: [CollectiveCounter()],
+    )
     gpt = module().model
     numel = sum(p.numel() for p in gpt.parameters())
     blocks = gpt.transformer.h

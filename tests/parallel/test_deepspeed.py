@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import pytest
@@ -61,10 +62,20 @@ def _fits(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         after_fit = run.get("after_fit")
         if run.get("fp16_on_cpu"):
             _allow_fp16_on_cpu()
-        results.append(_fit_worker(
-            MODELS[run["model"]], _data(GLOBAL_BATCH // run["devices"]), run.get("strategy"), run["devices"],
-            run.get("steps", STEPS), 1234, run.get("trainer", {}), run.get("callbacks"), run.get("fit"), after_fit,
-        ))
+        results.append(
+            _fit_worker(
+                MODELS[run["model"]],
+                _data(GLOBAL_BATCH // run["devices"]),
+                run.get("strategy"),
+                run["devices"],
+                run.get("steps", STEPS),
+                1234,
+                run.get("trainer", {}),
+                run.get("callbacks"),
+                run.get("fit"),
+                after_fit,
+            )
+        )
     return results
 
 
@@ -91,9 +102,17 @@ def _ds(stage: int, **kwargs: Any) -> dict[str, Any]:
 def _structure(module: L.LightningModule) -> dict[str, Any]:
     """What DeepSpeed changes in place: each submodule's class, attributes, hooks, parameter dict and objects, and
     each parameter's attributes (the LightningModule's own attributes are Lightning's business)."""
-    subs = {name: (type(sub), type(sub._parameters), frozenset(vars(sub)),
-                   [len(getattr(sub, a)) for a in vars(sub) if "hook" in a and isinstance(getattr(sub, a), dict)],
-                   {k: id(p) for k, p in sub._parameters.items()}) for name, sub in module.named_modules() if name}
+    subs = {
+        name: (
+            type(sub),
+            type(sub._parameters),
+            frozenset(vars(sub)),
+            [len(getattr(sub, a)) for a in vars(sub) if "hook" in a and isinstance(getattr(sub, a), dict)],
+            {k: id(p) for k, p in sub._parameters.items()},
+        )
+        for name, sub in module.named_modules()
+        if name
+    }
     params = {name: (frozenset(vars(p)), p.dtype, tuple(p.shape)) for name, p in module.named_parameters()}
     return {"modules": subs, "params": params}
 
@@ -120,9 +139,19 @@ def test_stages_train_like_one_process(model):
     """Each stage like one process; after fit (teardown) the module holds the trained weights as plain tensors,
     with DeepSpeed's attributes, hooks and gathering parameter dicts gone, and the user's optimizer holds its
     parameters and their whole states (``_check_given_back``)."""
-    reference, = _run(1, [{"model": model}])
-    results = _run(DP, [{"model": model, "strategy": _ds(stage), "after_fit": _check_given_back,
-                         "callbacks": lambda: [_StructureBeforeSetup()]} for stage in (1, 2, 3)])
+    (reference,) = _run(1, [{"model": model}])
+    results = _run(
+        DP,
+        [
+            {
+                "model": model,
+                "strategy": _ds(stage),
+                "after_fit": _check_given_back,
+                "callbacks": lambda: [_StructureBeforeSetup()],
+            }
+            for stage in (1, 2, 3)
+        ],
+    )
     for stage, result in zip((1, 2, 3), results):
         try:
             assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
@@ -135,13 +164,20 @@ def test_bf16_mixed_accumulation_and_clipping_follow_the_trainer():
     from the Trainer act exactly as on one process (fp32)."""
     bf16 = {"precision": "bf16-mixed"}
     knobs = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
-    references = _run(1, [{"model": "llama", "trainer": bf16}, {"model": "llama", "trainer": knobs},
-                          {"model": "llama"}])
+    references = _run(
+        1, [{"model": "llama", "trainer": bf16}, {"model": "llama", "trainer": knobs}, {"model": "llama"}]
+    )
     assert references[1].losses != references[2].losses  # accumulation and the clip change the run
-    results = _run(DP, [{"model": "llama", "strategy": _ds(2), "trainer": bf16},
-                        {"model": "llama", "strategy": _ds(3), "trainer": knobs}])
-    torch.testing.assert_close(torch.tensor(results[0].losses), torch.tensor(references[0].losses), rtol=BF16_RTOL,
-                               atol=0.0)
+    results = _run(
+        DP,
+        [
+            {"model": "llama", "strategy": _ds(2), "trainer": bf16},
+            {"model": "llama", "strategy": _ds(3), "trainer": knobs},
+        ],
+    )
+    torch.testing.assert_close(
+        torch.tensor(results[0].losses), torch.tensor(references[0].losses), rtol=BF16_RTOL, atol=0.0
+    )
     assert_same_training(references[1], results[1], weight_atol=WEIGHT_ATOL)
 
 
@@ -159,8 +195,11 @@ class DeepSpeedMemoryProbe(L.Callback):
         from lightning_mgpu.parallel.deepspeed_engine import memory_per_rank
 
         sizes = [getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters()]
-        self.results = {"numel": sum(sizes), "largest_numel": max(sizes),
-                        **memory_per_rank(trainer.strategy.model, pl_module, optimizer)}
+        self.results = {
+            "numel": sum(sizes),
+            "largest_numel": max(sizes),
+            **memory_per_rank(trainer.strategy.model, pl_module, optimizer),
+        }
 
 
 class TorchMemoryProbe(MemoryProbe):
@@ -187,10 +226,14 @@ def test_memory_per_rank_follows_zero_formulas(capsys):
     from lightning_mgpu.parallel.deepspeed_engine import zero_bytes_per_param
 
     stages = (1, 2, 3)
-    runs = [{"model": "nanogpt", "strategy": _ds(stage), "steps": 2, "callbacks": lambda: [DeepSpeedMemoryProbe()]}
-            for stage in stages]
-    runs += [{"model": "nanogpt", "strategy": {"zero_stage": stage}, "steps": 2,
-              "callbacks": lambda: [TorchMemoryProbe()]} for stage in stages]
+    runs = [
+        {"model": "nanogpt", "strategy": _ds(stage), "steps": 2, "callbacks": lambda: [DeepSpeedMemoryProbe()]}
+        for stage in stages
+    ]
+    runs += [
+        {"model": "nanogpt", "strategy": {"zero_stage": stage}, "steps": 2, "callbacks": lambda: [TorchMemoryProbe()]}
+        for stage in stages
+    ]
     results = _run(DP, runs)
     lines = [f"bytes/param per rank after backward, dp={DP}, fp32 AdamW: params + grads + optimizer = total"]
     for stage, ours, torch_backend in zip(stages, results[:3], results[3:]):
@@ -206,10 +249,12 @@ def test_memory_per_rank_follows_zero_formulas(capsys):
         torch_total = sum(theirs[k] for k in formula) / theirs["numel"]
         assert theirs["numel"] == numel
         assert torch_total == pytest.approx(TORCH_BYTES_PER_PARAM[stage](DP), abs=8 * theirs["largest_numel"] / numel)
-        row = lambda held: " + ".join(f"{held[k] / numel:.2f}" for k in formula)  # noqa: E731
-        lines.append(f"ZeRO-{stage}: deepspeed {row(measured)} = {sum(measured[k] for k in formula) / numel:.2f}"
-                     f" (formula {sum(formula.values()):.2f}); torch backend {row(theirs)} = {torch_total:.2f}"
-                     f" (formula {TORCH_BYTES_PER_PARAM[stage](DP):.2f})")
+        row = lambda held: " + ".join(f"{held[k] / numel:.2f}" for k in formula)
+        lines.append(
+            f"ZeRO-{stage}: deepspeed {row(measured)} = {sum(measured[k] for k in formula) / numel:.2f}"
+            f" (formula {sum(formula.values()):.2f}); torch backend {row(theirs)} = {torch_total:.2f}"
+            f" (formula {TORCH_BYTES_PER_PARAM[stage](DP):.2f})"
+        )
     with capsys.disabled():
         print("\n" + "\n".join(lines))
 
@@ -225,19 +270,23 @@ def test_checkpoints_cross_backends_and_resume_exactly(tmp_path):
     half = STEPS // 2
     ds_ckpt, torch_ckpt = str(tmp_path / "ds2.ckpt"), str(tmp_path / "torch1.ckpt")
     model = "gpt2"
-    reference, = _run(1, [{"model": model}])
-    results = _run(DP, [
-        {"model": model, "strategy": _ds(2), "steps": half, "after_fit": _save_to(ds_ckpt)},
-        {"model": model, "strategy": {"zero_stage": 3}, "fit": {"ckpt_path": ds_ckpt}},
-        {"model": model, "strategy": {"zero_stage": 1}, "steps": half, "after_fit": _save_to(torch_ckpt)},
-        {"model": model, "strategy": _ds(3), "fit": {"ckpt_path": torch_ckpt}},
-        {"model": model, "strategy": _ds(2)},
-        {"model": model, "strategy": _ds(2), "fit": {"ckpt_path": ds_ckpt}},
-    ])
+    (reference,) = _run(1, [{"model": model}])
+    results = _run(
+        DP,
+        [
+            {"model": model, "strategy": _ds(2), "steps": half, "after_fit": _save_to(ds_ckpt)},
+            {"model": model, "strategy": {"zero_stage": 3}, "fit": {"ckpt_path": ds_ckpt}},
+            {"model": model, "strategy": {"zero_stage": 1}, "steps": half, "after_fit": _save_to(torch_ckpt)},
+            {"model": model, "strategy": _ds(3), "fit": {"ckpt_path": torch_ckpt}},
+            {"model": model, "strategy": _ds(2)},
+            {"model": model, "strategy": _ds(2), "fit": {"ckpt_path": ds_ckpt}},
+        ],
+    )
     ds_first, torch_after_ds, torch_first, ds_after_torch, ds_whole, ds_after_ds = results
     for first, second in ((ds_first, torch_after_ds), (torch_first, ds_after_torch)):
-        assert_same_training(reference, RunResult(first.losses + second.losses, second.state_dict),
-                             weight_atol=WEIGHT_ATOL)
+        assert_same_training(
+            reference, RunResult(first.losses + second.losses, second.state_dict), weight_atol=WEIGHT_ATOL
+        )
     assert ds_after_ds.losses == ds_whole.losses[half:]  # bit for bit within the backend
     for key, value in ds_whole.state_dict.items():
         assert torch.equal(ds_after_ds.state_dict[key], value), key
@@ -268,11 +317,21 @@ def test_fp16_resume_continues_the_loss_scaler(tmp_path):
     half, ckpt = 3, str(tmp_path / "fp16.ckpt")
     # A high first scale that overflows and a short window: the scale moves both ways within the run.
     config = {"fp16": {"initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}}
-    run = {"model": "llama", "strategy": _ds(2, deepspeed_config=config), "trainer": {"precision": "16-mixed"},
-           "fp16_on_cpu": True, "callbacks": lambda: [_LossScale()]}
-    whole, first, resumed = _run(DP, [
-        run, {**run, "steps": half, "after_fit": _save_to(ckpt)}, {**run, "fit": {"ckpt_path": ckpt}},
-    ])
+    run = {
+        "model": "llama",
+        "strategy": _ds(2, deepspeed_config=config),
+        "trainer": {"precision": "16-mixed"},
+        "fp16_on_cpu": True,
+        "callbacks": lambda: [_LossScale()],
+    }
+    whole, first, resumed = _run(
+        DP,
+        [
+            run,
+            {**run, "steps": half, "after_fit": _save_to(ckpt)},
+            {**run, "fit": {"ckpt_path": ckpt}},
+        ],
+    )
     scales = whole.extra["scales"]
     # The scaler has state to lose: at the save its scale is not the first one, and steps were skipped.
     assert whole.extra["skipped"] > 0 and scales[half - 1] != scales[0], scales
@@ -289,24 +348,37 @@ def _flat_keys(full: dict[str, Any]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ refused before launch
-@pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(zero_stage=3, deepspeed_config={"zero_optimization": {"stage": 2}}),
-     r"zero_optimization.stage=2 but HybridStrategy has zero_stage=3"),
-    (dict(zero_stage=3, deepspeed_config={"zero_optimization": {"offload_param": {"device": "nvme"}}}),
-     r"offloads to NVMe .* without a path. Add zero_optimization.offload_param.nvme_path"),
-    (dict(zero_stage=2, deepspeed_config={"zero_optimization": {"offload_param": {"device": "cpu"}}}),
-     r"offloads parameters .* at ZeRO stage 3 only"),
-    (dict(zero_stage=2, deepspeed_config={"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}),
-     r"zero_optimization.offload_optimizer.device='nvme'\) without a path"),
-    (dict(zero_stage=2, deepspeed_config={"zero_optimization": {"reduce_bucket_sise": 5}}),
-     r"not valid for DeepSpeed: reduce_bucket_sise: Extra inputs are not permitted"),
-    (dict(pipeline_parallel_size=2, zero_stage=1), r"pipeline_parallel_size=2 would need DeepSpeed's own"),
-    (dict(deepspeed_config={"optimizer": {"type": "Adam"}}), r"optimizer comes from the LightningModule"),
-    (dict(tensor_parallel_size=2), r"tensor_parallel_size=2 shards parameters as DTensors"),
-    (dict(pipeline_parallel_size=2, zero_stage=3), r"pipeline_parallel_size=2 would need DeepSpeed's own"),
-    (dict(cpu_offload=True, zero_stage=3), r"put .*offload_optimizer.* in deepspeed_config"),
-    (dict(deepspeed_config="/nonexistent/ds.json"), r"is not a file"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            dict(zero_stage=3, deepspeed_config={"zero_optimization": {"stage": 2}}),
+            r"zero_optimization.stage=2 but HybridStrategy has zero_stage=3",
+        ),
+        (
+            dict(zero_stage=3, deepspeed_config={"zero_optimization": {"offload_param": {"device": "nvme"}}}),
+            r"offloads to NVMe .* without a path. Add zero_optimization.offload_param.nvme_path",
+        ),
+        (
+            dict(zero_stage=2, deepspeed_config={"zero_optimization": {"offload_param": {"device": "cpu"}}}),
+            r"offloads parameters .* at ZeRO stage 3 only",
+        ),
+        (
+            dict(zero_stage=2, deepspeed_config={"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}),
+            r"zero_optimization.offload_optimizer.device='nvme'\) without a path",
+        ),
+        (
+            dict(zero_stage=2, deepspeed_config={"zero_optimization": {"reduce_bucket_sise": 5}}),
+            r"not valid for DeepSpeed: reduce_bucket_sise: Extra inputs are not permitted",
+        ),
+        (dict(pipeline_parallel_size=2, zero_stage=1), r"pipeline_parallel_size=2 would need DeepSpeed's own"),
+        (dict(deepspeed_config={"optimizer": {"type": "Adam"}}), r"optimizer comes from the LightningModule"),
+        (dict(tensor_parallel_size=2), r"tensor_parallel_size=2 shards parameters as DTensors"),
+        (dict(pipeline_parallel_size=2, zero_stage=3), r"pipeline_parallel_size=2 would need DeepSpeed's own"),
+        (dict(cpu_offload=True, zero_stage=3), r"put .*offload_optimizer.* in deepspeed_config"),
+        (dict(deepspeed_config="/nonexistent/ds.json"), r"is not a file"),
+    ],
+)
 def test_invalid_configs_are_refused_when_the_strategy_is_built(kwargs, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         HybridStrategy(zero_backend="deepspeed", **kwargs)
@@ -324,20 +396,34 @@ def _cpu_has_fp16() -> bool:
 
 
 CONTRADICTIONS = [
-    ({"gradient_accumulation_steps": 4}, {"accumulate_grad_batches": 2},
-     r"gradient_accumulation_steps=4 but Trainer\(accumulate_grad_batches\) gives 2"),
+    (
+        {"gradient_accumulation_steps": 4},
+        {"accumulate_grad_batches": 2},
+        r"gradient_accumulation_steps=4 but Trainer\(accumulate_grad_batches\) gives 2",
+    ),
     ({"gradient_clipping": 1.0}, {}, r"gradient_clipping=1.0 but Trainer\(gradient_clip_val\) gives 0.0"),
-    ({"bf16": {"enabled": True}}, {"precision": "32-true"},
-     r"bf16.enabled=True but Trainer\(precision='32-true'\) means bf16.enabled=False"),
+    (
+        {"bf16": {"enabled": True}},
+        {"precision": "32-true"},
+        r"bf16.enabled=True but Trainer\(precision='32-true'\) means bf16.enabled=False",
+    ),
     ({}, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, r"clips by the global norm only"),
     ({"train_micro_batch_size_per_gpu": 16}, {}, r"train_micro_batch_size_per_gpu=16 but the train dataloader"),
-    ({"train_batch_size": 64}, {},
-     r"train_batch_size=64 but batch_size x accumulate_grad_batches x data_parallel_size gives 8"),
-    ({"fp16": {"enabled": True}}, {"precision": "bf16-mixed"},
-     r"fp16.enabled=True but Trainer\(precision='bf16-mixed'\) means fp16.enabled=False"),
+    (
+        {"train_batch_size": 64},
+        {},
+        r"train_batch_size=64 but batch_size x accumulate_grad_batches x data_parallel_size gives 8",
+    ),
+    (
+        {"fp16": {"enabled": True}},
+        {"precision": "bf16-mixed"},
+        r"fp16.enabled=True but Trainer\(precision='bf16-mixed'\) means fp16.enabled=False",
+    ),
 ]
 if not _cpu_has_fp16():  # then 16-mixed is refused before training, naming the alternatives
-    CONTRADICTIONS.append(({}, {"precision": "16-mixed"}, r"not support on this cpu device. Use precision='bf16-mixed'"))
+    CONTRADICTIONS.append(
+        ({}, {"precision": "16-mixed"}, r"not support on this cpu device. Use precision='bf16-mixed'")
+    )
 
 
 class _StepCounter(L.Callback):
@@ -361,9 +447,11 @@ def _fit_errors(runs: list[dict[str, Any]]) -> list[tuple[str, int]]:
 
 
 def test_configs_contradicting_the_trainer_fail_before_training():
-    runs = [{"model": "llama", "strategy": _ds(1, deepspeed_config=config), "trainer": trainer, "devices": 1}
-            for config, trainer, _ in CONTRADICTIONS]
-    errors, = run_distributed(_fit_errors, 1, runs, timeout=600)
+    runs = [
+        {"model": "llama", "strategy": _ds(1, deepspeed_config=config), "trainer": trainer, "devices": 1}
+        for config, trainer, _ in CONTRADICTIONS
+    ]
+    (errors,) = run_distributed(_fit_errors, 1, runs, timeout=600)
     for (message, steps), (_, _, match) in zip(errors, CONTRADICTIONS):
         assert re.search(match, message), (match, message)
         assert steps == 0, (match, steps)
@@ -373,10 +461,14 @@ def test_config_file_passes_through(tmp_path):
     from lightning_mgpu.deepspeed_config import build_config
 
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000, "offload_optimizer":
-                                                      {"device": "cpu"}}}))
+    path.write_text(
+        json.dumps({"zero_optimization": {"reduce_bucket_size": 1000, "offload_optimizer": {"device": "cpu"}}})
+    )
     config = build_config(str(path), 2, "bf16-mixed", None, None, 1, 4, 2)
-    assert config["zero_optimization"] == {"reduce_bucket_size": 1000, "offload_optimizer": {"device": "cpu"},
-                                           "stage": 2}
+    assert config["zero_optimization"] == {
+        "reduce_bucket_size": 1000,
+        "offload_optimizer": {"device": "cpu"},
+        "stage": 2,
+    }
     assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
     assert config["train_batch_size"] == 8 and config["gradient_clipping"] == 0.0

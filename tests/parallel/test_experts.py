@@ -35,11 +35,18 @@ _REFERENCES: dict[str, Any] = {}
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One process's run of a model factory (losses, weights, expert probes and token counts), once per module."""
+
     def run(factory: Any) -> Any:
         if factory.__name__ not in _REFERENCES:
             path = tmp_path_factory.mktemp(f"one-{factory.__name__}")
-            _REFERENCES[factory.__name__] = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS,
-                                                callbacks_factory=lambda: [ExpertProbe(), ExpertTokens(path)])[0]
+            _REFERENCES[factory.__name__] = fit(
+                factory,
+                lambda: _tokens(GLOBAL_BATCH),
+                None,
+                1,
+                STEPS,
+                callbacks_factory=lambda: [ExpertProbe(), ExpertTokens(path)],
+            )[0]
         return _REFERENCES[factory.__name__]
 
     return run
@@ -119,7 +126,7 @@ def _assert_experts_match(reference: dict[str, Any], extras: list[dict[str, Any]
         held = next(v for k, v in extra.items() if k.startswith(kind))
         assert held, "a rank holds no experts"
         for (name, first), value in held.items():
-            expected = full[(name, 0)][first:first + value.shape[0]]
+            expected = full[(name, 0)][first : first + value.shape[0]]
             torch.testing.assert_close(value, expected, msg=lambda m: f"{kind} {name}[{first}:]: {m}", **tol)
             seen.add(name)
     assert seen == {name for name, _ in full}, (seen, list(full))
@@ -130,14 +137,23 @@ def _expert_count(factory: Any) -> int:
 
 
 def _assert_same_losses_and_dense_weights(reference: Any, result: Any) -> None:
-    torch.testing.assert_close(torch.tensor(result.losses, dtype=torch.float64),
-                               torch.tensor(reference.losses, dtype=torch.float64), rtol=LOSS_RTOL, atol=0.0,
-                               msg=lambda m: f"{m}\nref={reference.losses}\ngot={result.losses}")
+    torch.testing.assert_close(
+        torch.tensor(result.losses, dtype=torch.float64),
+        torch.tensor(reference.losses, dtype=torch.float64),
+        rtol=LOSS_RTOL,
+        atol=0.0,
+        msg=lambda m: f"{m}\nref={reference.losses}\ngot={result.losses}",
+    )
     dense = [k for k in reference.state_dict if ".experts." not in k and not k.endswith(_FUSED)]
     assert dense and set(dense) <= set(result.state_dict)
     for key in dense:
-        torch.testing.assert_close(result.state_dict[key], reference.state_dict[key], rtol=1e-4, atol=TP_WEIGHT_ATOL,
-                                   msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            result.state_dict[key],
+            reference.state_dict[key],
+            rtol=1e-4,
+            atol=TP_WEIGHT_ATOL,
+            msg=lambda m: f"{key}: {m}",
+        )
 
 
 class Expert(torch.nn.Module):
@@ -211,17 +227,23 @@ TORCH_LAYOUTS = [  # (name, strategy extras, devices)
 
 
 @pytest.mark.parametrize(("name", "extra", "devices"), TORCH_LAYOUTS, ids=[c[0] for c in TORCH_LAYOUTS])
-def test_a_hand_written_torch_moe_splits_over_ep_and_trains_like_one_process(name, extra, devices, one_process,
-                                                                          tmp_path):
+def test_a_hand_written_torch_moe_splits_over_ep_and_trains_like_one_process(
+    name, extra, devices, one_process, tmp_path
+):
     """Experts of an nn.ModuleList: each rank keeps its own under their indices (plain FQNs); the block's gating
     code runs unchanged (twice: calls recorded, then answered after one all-to-all each way). The checkpoint holds
     every expert once and loads strictly into one process."""
     from lightning_mgpu.checkpoint import consolidate
 
     reference = one_process(TorchMoEModule)
-    result, extras = fit(TorchMoEModule, lambda: _tokens(GLOBAL_BATCH // devices),
-                         {"data_parallel_size": devices, "expert_parallel_size": 2, **extra}, devices, STEPS,
-                         callbacks_factory=lambda: [ListedExperts(tmp_path / "ep.ckpt"), ExpertTokens(tmp_path)])
+    result, extras = fit(
+        TorchMoEModule,
+        lambda: _tokens(GLOBAL_BATCH // devices),
+        {"data_parallel_size": devices, "expert_parallel_size": 2, **extra},
+        devices,
+        STEPS,
+        callbacks_factory=lambda: [ListedExperts(tmp_path / "ep.ckpt"), ExpertTokens(tmp_path)],
+    )
     _assert_same_losses_and_dense_weights(reference, result)
     _assert_same_expert_tokens(reference.extra, result.extra, GLOBAL_BATCH * SEQUENCE * 2 * STEPS)  # top-2
     single = TorchMoEModule()
@@ -264,17 +286,35 @@ LAYOUTS = [  # (name, model, strategy extras, devices, dp, experts per rank divi
     ("qwen3_moe-ep2-zero3", qwen3_moe_with_aux_loss, {"expert_parallel_size": 2, "zero_stage": 3}, 2, 2, 2),
     # Experts also shard over their replicas with FSDP2 (at every ZeRO stage): 1/dp of them per rank. ZeRO-1 steps
     # them on every rank (each its own shard) and shards the other parameters' optimizer states over dp.
-    ("mixtral-dp2xep2-zero1-checkpointed", mixtral_with_aux_loss,
-     {"expert_parallel_size": 2, "zero_stage": 1, "activation_checkpointing": True}, 4, 4, 4),
+    (
+        "mixtral-dp2xep2-zero1-checkpointed",
+        mixtral_with_aux_loss,
+        {"expert_parallel_size": 2, "zero_stage": 1, "activation_checkpointing": True},
+        4,
+        4,
+        4,
+    ),
     ("mixtral-dp2xep2-zero2", mixtral_with_aux_loss, {"expert_parallel_size": 2, "zero_stage": 2}, 4, 4, 4),
     # Experts inside pipeline stages, ep over the stage's data-parallel ranks: a rank holds half the experts of
     # half the layers. (Under pipelining the load-balancing loss would see the last stage's layers only: refused.)
-    ("mixtral-pp2xep2-zero1", _mixtral_without_aux_loss,
-     {"expert_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1}, 4, 2, 4),
+    (
+        "mixtral-pp2xep2-zero1",
+        _mixtral_without_aux_loss,
+        {"expert_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1},
+        4,
+        2,
+        4,
+    ),
     # Tensor parallelism of the attention (the model's own plan without its expert entries), experts whole on both
     # tensor-parallel ranks and split over ep.
-    ("mixtral-dp2xtp2xep2-zero3", mixtral_with_aux_loss,
-     {"expert_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, 4, 2, 2),
+    (
+        "mixtral-dp2xtp2xep2-zero3",
+        mixtral_with_aux_loss,
+        {"expert_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3},
+        4,
+        2,
+        2,
+    ),
 ]
 
 
@@ -285,8 +325,14 @@ def test_experts_split_over_ep_train_like_one_process(name, factory, extra, devi
     loads strictly into one process."""
     reference = one_process(factory)
     ckpt = tmp_path / "ep.ckpt"
-    result, extras = fit(factory, lambda: _tokens(GLOBAL_BATCH // dp), {"data_parallel_size": dp, **extra}, devices,
-                         STEPS, callbacks_factory=lambda: [ExpertProbe(ckpt), ExpertTokens(tmp_path)])
+    result, extras = fit(
+        factory,
+        lambda: _tokens(GLOBAL_BATCH // dp),
+        {"data_parallel_size": dp, **extra},
+        devices,
+        STEPS,
+        callbacks_factory=lambda: [ExpertProbe(ckpt), ExpertTokens(tmp_path)],
+    )
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)  # every key, full shapes
     # Activation checkpointing recomputes the experts in backward: not counted twice. (A pipeline schedule's
     # shape-inference forward at the first step is counted: left out here.)
@@ -313,8 +359,11 @@ def test_expert_parallel_refuses_what_it_cannot_do_before_training():
     with pytest.raises(ValueError, match=r"expert_parallel_size=4 must divide data_parallel_size=2.*\[1, 2\]"):
         L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(expert_parallel_size=4))
     with pytest.raises(NotImplementedError, match=r"does not compose with sequence_parallel.*sequence_parallel=False"):
-        L.Trainer(accelerator="cpu", devices=4, strategy=HybridStrategy(
-            expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True))
+        L.Trainer(
+            accelerator="cpu",
+            devices=4,
+            strategy=HybridStrategy(expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True),
+        )
     from lightning_mgpu.parallel.router_loss import check_no_router_loss
 
     with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM's load-balancing loss.*output_router_logits=Fa"):
@@ -332,14 +381,21 @@ def test_checkpoint_saved_at_ep2_resumes_at_dp2_zero3_and_on_one_process(tmp_pat
     from tests.test_checkpoint import CROSS_LAYOUT_RTOL, SaveAt, _assert_same_states, _losses_match, _resume
 
     factory = _mixtral_without_aux_loss
-    data = lambda: _tokens(GLOBAL_BATCH // 2)  # noqa: E731
-    reference, _ = fit(factory, data, {"data_parallel_size": 2, "expert_parallel_size": 2}, 2, 4,
-                       callbacks_factory=lambda: [SaveAt(tmp_path, (2,))])
+    data = lambda: _tokens(GLOBAL_BATCH // 2)
+    reference, _ = fit(
+        factory,
+        data,
+        {"data_parallel_size": 2, "expert_parallel_size": 2},
+        2,
+        4,
+        callbacks_factory=lambda: [SaveAt(tmp_path, (2,))],
+    )
     for devices, kwargs, batch in ((2, {"zero_stage": 3}, GLOBAL_BATCH // 2), (1, {}, GLOBAL_BATCH)):
         out = tmp_path / f"dp{devices}"
         out.mkdir()
-        resumed = _resume(tmp_path, tmp_path / "step2.ckpt", devices, kwargs, out, factory,
-                          lambda batch=batch: _tokens(batch), 4)
+        resumed = _resume(
+            tmp_path, tmp_path / "step2.ckpt", devices, kwargs, out, factory, lambda batch=batch: _tokens(batch), 4
+        )
         _losses_match(reference.losses, resumed.losses, 2, CROSS_LAYOUT_RTOL)
         _assert_same_states(tmp_path / "step2.ckpt", out / "resaved.ckpt")
 
@@ -354,7 +410,8 @@ def test_hugging_face_moe_layers_are_found_and_the_rest_left_alone():
         assert sorted(found) == [f"model.model.layers.{i}.mlp.experts" for i in range(2)], (type(module), found)
     assert not find_experts(TorchMoEModule())  # a ModuleList of experts is the other kind
     llama4 = transformers.models.llama4.modeling_llama4.Llama4TextExperts(
-        transformers.Llama4TextConfig(hidden_size=64, intermediate_size=32, num_local_experts=4))
+        transformers.Llama4TextConfig(hidden_size=64, intermediate_size=32, num_local_experts=4)
+    )
     assert not find_experts(llama4)  # called with tokens already grouped per expert, not with the routing
     from lightning_mgpu.parallel.experts import find_expert_lists
 
@@ -364,5 +421,10 @@ def test_hugging_face_moe_layers_are_found_and_the_rest_left_alone():
 
 def test_checkpointing_a_torch_moe_block_under_ep_is_refused_at_setup():
     with pytest.raises(RuntimeError, match=r"activation checkpointing of TopKMoE.*activation_checkpointing=False"):
-        fit(TorchMoEModule, lambda: RandomTokenDataModule(batch_size=4),
-            {"data_parallel_size": 2, "expert_parallel_size": 2, "activation_checkpointing": True}, 2, 1)
+        fit(
+            TorchMoEModule,
+            lambda: RandomTokenDataModule(batch_size=4),
+            {"data_parallel_size": 2, "expert_parallel_size": 2, "activation_checkpointing": True},
+            2,
+            1,
+        )

@@ -30,7 +30,7 @@ def _nanogpt():
 def _models(tp: int) -> dict:
     # GQA Llama (2 KV heads) for tp=2; tp=4 needs 4 KV heads.
     llama = partial(LlamaModule, num_key_value_heads=2 if tp == 2 else 4)
-    tokens = lambda batch: RandomTokenDataModule(batch_size=batch)  # noqa: E731
+    tokens = lambda batch: RandomTokenDataModule(batch_size=batch)
     return {
         "llama": (llama, tokens),
         "gpt2": (GPT2Module, tokens),
@@ -59,7 +59,9 @@ LAYOUTS = [  # (devices, dp, tp, zero_stage)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize(("devices", "dp", "tp", "zero_stage"), LAYOUTS, ids=[f"dp{d}-tp{t}-z{z}" for _, d, t, z in LAYOUTS])
+@pytest.mark.parametrize(
+    ("devices", "dp", "tp", "zero_stage"), LAYOUTS, ids=[f"dp{d}-tp{t}-z{z}" for _, d, t, z in LAYOUTS]
+)
 @pytest.mark.parametrize("model", ["llama", "gpt2", "nanogpt"])
 def test_tensor_parallel_trains_like_one_process(model, devices, dp, tp, zero_stage, sequence_parallel):
     module, data = _models(tp)[model]
@@ -69,13 +71,25 @@ def test_tensor_parallel_trains_like_one_process(model, devices, dp, tp, zero_st
 
 
 def test_explicit_dict_plan_and_gradient_clipping():
-    plan = {"model.transformer.h.*.attn.c_attn": "colwise_qkv", "model.transformer.h.*.attn.c_proj": "rowwise",
-            "model.transformer.h.*.mlp.c_fc": "colwise", "model.transformer.h.*.mlp.c_proj": "rowwise",
-            "model.lm_head": "colwise_gather_output"}
+    plan = {
+        "model.transformer.h.*.attn.c_attn": "colwise_qkv",
+        "model.transformer.h.*.attn.c_proj": "rowwise",
+        "model.transformer.h.*.mlp.c_fc": "colwise",
+        "model.transformer.h.*.mlp.c_proj": "rowwise",
+        "model.lm_head": "colwise_gather_output",
+    }
     clip = {"gradient_clip_val": 0.05}
-    reference, _ = fit(_nanogpt, lambda: TextDataModule(batch_size=8, block_size=32), None, 1, STEPS, trainer_kwargs=clip)
-    result, _ = fit(_nanogpt, lambda: TextDataModule(batch_size=4, block_size=32),
-                    {"tensor_parallel_size": 2, "tp_plan": plan, "zero_stage": 1}, 4, STEPS, trainer_kwargs=clip)
+    reference, _ = fit(
+        _nanogpt, lambda: TextDataModule(batch_size=8, block_size=32), None, 1, STEPS, trainer_kwargs=clip
+    )
+    result, _ = fit(
+        _nanogpt,
+        lambda: TextDataModule(batch_size=4, block_size=32),
+        {"tensor_parallel_size": 2, "tp_plan": plan, "zero_stage": 1},
+        4,
+        STEPS,
+        trainer_kwargs=clip,
+    )
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
 
 
@@ -92,16 +106,26 @@ class _HandParallelGPT(GPTLightningModule):
 
 def test_user_configure_model_with_device_mesh_keeps_working():
     reference, _ = fit(_nanogpt, lambda: TextDataModule(batch_size=8, block_size=32), None, 1, STEPS)
-    result, _ = fit(_HandParallelGPT.__call__.__self__ if False else lambda: _HandParallelGPT(
-        block_size=32, n_layer=2, n_head=4, n_embd=32, lr=1e-3), lambda: TextDataModule(batch_size=8, block_size=32),
-        {"tensor_parallel_size": 2}, 2, STEPS)
+    result, _ = fit(
+        _HandParallelGPT.__call__.__self__
+        if False
+        else lambda: _HandParallelGPT(block_size=32, n_layer=2, n_head=4, n_embd=32, lr=1e-3),
+        lambda: TextDataModule(batch_size=8, block_size=32),
+        {"tensor_parallel_size": 2},
+        2,
+        STEPS,
+    )
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
 
 
 def test_auto_plans():
     gpt = auto_plan(_nanogpt())
-    assert gpt == {"model.transformer.h.*.attn.c_attn": "colwise_qkv", "model.transformer.h.*.attn.c_proj": "rowwise",
-                   "model.transformer.h.*.mlp.c_fc": "colwise", "model.transformer.h.*.mlp.c_proj": "rowwise"}
+    assert gpt == {
+        "model.transformer.h.*.attn.c_attn": "colwise_qkv",
+        "model.transformer.h.*.attn.c_proj": "rowwise",
+        "model.transformer.h.*.mlp.c_fc": "colwise",
+        "model.transformer.h.*.mlp.c_proj": "rowwise",
+    }
     llama = auto_plan(LlamaModule())
     assert llama["model.lm_head"] == "colwise_gather_output"
     assert llama["model.model.layers.*.self_attn.q_proj"] == "colwise"
@@ -109,7 +133,9 @@ def test_auto_plans():
     gpt2 = auto_plan(GPT2Module())
     assert gpt2["model.transformer.h.*.attn.c_attn"] == "colwise_qkv"  # Conv1D, fused q|k|v
     sp = auto_plan(_nanogpt(), sequence_parallel=True)
-    assert sp["model.transformer.h.0.ln_1"] == "sequence_parallel" and sp["model.transformer.ln_f"] == "sequence_parallel"
+    assert (
+        sp["model.transformer.h.0.ln_1"] == "sequence_parallel" and sp["model.transformer.ln_f"] == "sequence_parallel"
+    )
     assert sp["model.transformer.wte"] == "embedding_rowwise" and sp["model.lm_head"] == "colwise_gather_output"
 
 
@@ -121,7 +147,9 @@ class _UnknownLayers(GPTLightningModule):
 
 
 def test_auto_plan_names_layers_it_cannot_place():
-    with pytest.raises(ValueError, match=r"cannot tell how to shard.*transformer.h.0.mlp.mystery.*Pass `tp_plan` as a dict"):
+    with pytest.raises(
+        ValueError, match=r"cannot tell how to shard.*transformer.h.0.mlp.mystery.*Pass `tp_plan` as a dict"
+    ):
         auto_plan(_UnknownLayers())
 
 
@@ -140,11 +168,21 @@ def _apply_worker(module_factory, plan, tp, loss_parallel=False):
 @pytest.mark.parametrize(
     ("factory", "plan", "match"),
     [
-        (partial(LlamaModule, num_key_value_heads=2), "auto",
-         r"tensor_parallel_size=4 must divide.*config.num_key_value_heads = 2"),
-        (_nanogpt, {"model.transformer.h.*.attn.nope": "colwise"}, r"`tp_plan` entry 'model.transformer.h.\*.attn.nope' matches no module"),
-        (lambda: GPTLightningModule(block_size=32, n_layer=1, n_head=2, n_embd=34), "auto",
-         r"attn.c_attn: 34 output features per q/k/v.*attn.n_head = 2"),
+        (
+            partial(LlamaModule, num_key_value_heads=2),
+            "auto",
+            r"tensor_parallel_size=4 must divide.*config.num_key_value_heads = 2",
+        ),
+        (
+            _nanogpt,
+            {"model.transformer.h.*.attn.nope": "colwise"},
+            r"`tp_plan` entry 'model.transformer.h.\*.attn.nope' matches no module",
+        ),
+        (
+            lambda: GPTLightningModule(block_size=32, n_layer=1, n_head=2, n_embd=34),
+            "auto",
+            r"attn.c_attn: 34 output features per q/k/v.*attn.n_head = 2",
+        ),
     ],
 )
 def test_misconfigurations_fail_before_training_with_the_numbers(factory, plan, match):
@@ -190,8 +228,11 @@ def test_collectives_per_step_match_the_analytic_count():
     # forward, AG backward) and the head gathers its input (AG forward, RS backward) and its logits (AG forward).
     # Replicated parameters used on sequence shards get partial gradients, all-reduced once right after backward:
     # per block 2 norms x (weight, bias), plus the final norm's 2 and the position embedding.
-    assert sp == {"all_gather_into_tensor": 5 * layers + 3, "reduce_scatter_tensor": 4 * layers + 2,
-                  "all_reduce": 4 * layers + 3}, sp
+    assert sp == {
+        "all_gather_into_tensor": 5 * layers + 3,
+        "reduce_scatter_tensor": 4 * layers + 2,
+        "all_reduce": 4 * layers + 3,
+    }, sp
     print("tp=2 collectives per step:", counts, "with sequence parallel:", sp)
 
 
@@ -226,8 +267,8 @@ def _tied_gpt2():
     return GPT2Module(tie_word_embeddings=True)
 
 
-_tokens = lambda batch: RandomTokenDataModule(batch_size=batch)  # noqa: E731
-_text = lambda batch: TextDataModule(batch_size=batch, block_size=32)  # noqa: E731
+_tokens = lambda batch: RandomTokenDataModule(batch_size=batch)
+_text = lambda batch: TextDataModule(batch_size=batch, block_size=32)
 LOSS_PARALLEL = [  # (name, module, data, devices, dp, extra strategy arguments)
     ("nanogpt-tp2", _nanogpt, _text, 2, 1, {}),
     ("nanogpt-dp2-tp2-z1-sp", _nanogpt, _text, 4, 2, {"zero_stage": 1, "sequence_parallel": True}),
@@ -239,8 +280,9 @@ LOSS_PARALLEL = [  # (name, module, data, devices, dp, extra strategy arguments)
 ]
 
 
-@pytest.mark.parametrize(("name", "module", "data", "devices", "dp", "extra"), LOSS_PARALLEL,
-                         ids=[case[0] for case in LOSS_PARALLEL])
+@pytest.mark.parametrize(
+    ("name", "module", "data", "devices", "dp", "extra"), LOSS_PARALLEL, ids=[case[0] for case in LOSS_PARALLEL]
+)
 def test_loss_parallel_trains_like_one_process(name, module, data, devices, dp, extra):
     if module is _nanogpt:
         reference = _reference("nanogpt", 2)  # the same single-process run as the tests above
@@ -249,8 +291,9 @@ def test_loss_parallel_trains_like_one_process(name, module, data, devices, dp, 
             _references[module], _ = fit(module, lambda: data(GLOBAL_BATCH), None, 1, STEPS)
         reference = _references[module]
     strategy = {"tensor_parallel_size": 2, "loss_parallel": True, **extra}
-    result, extras = fit(module, lambda: data(GLOBAL_BATCH // dp), strategy, devices, STEPS,
-                         callbacks_factory=lambda: [_HeadLayout()])
+    result, extras = fit(
+        module, lambda: data(GLOBAL_BATCH // dp), strategy, devices, STEPS, callbacks_factory=lambda: [_HeadLayout()]
+    )
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
     last_stage = extras[-1]  # with pipelining the head lives on the last stage
     assert "Shard(dim=0)" in last_stage["head_placements"]  # sharded over the vocabulary
@@ -265,8 +308,10 @@ class _HeadLayout(L.Callback):
     def on_train_start(self, trainer, pl_module):
         head = getattr(pl_module.model.lm_head, "weight", None)  # None on a pipeline stage without the head
         embedding = pl_module.model.get_input_embeddings() if hasattr(pl_module.model, "get_input_embeddings") else None
-        self.results = {"head_placements": str(getattr(head, "placements", "plain")),
-                        "head_tied": embedding is not None and embedding.weight is head}
+        self.results = {
+            "head_placements": str(getattr(head, "placements", "plain")),
+            "head_tied": embedding is not None and embedding.weight is head,
+        }
 
     def on_train_end(self, trainer, pl_module):
         if trainer.strategy.layout.pipeline_parallel_size > 1:
@@ -286,8 +331,11 @@ def test_loss_parallel_needs_tensor_parallelism():
 
 
 def test_loss_parallel_without_a_head_to_shard_fails_before_training():
-    plan = {"model.transformer.h.*.attn.c_attn": "colwise_qkv", "model.transformer.h.*.attn.c_proj": "rowwise",
-            "model.lm_head": "replicate"}
+    plan = {
+        "model.transformer.h.*.attn.c_attn": "colwise_qkv",
+        "model.transformer.h.*.attn.c_proj": "rowwise",
+        "model.lm_head": "replicate",
+    }
     message = run_distributed(_apply_worker, 2, _nanogpt, plan, 2, loss_parallel=True, timeout=120)[0]
     assert "`loss_parallel=True` needs the LM head sharded over the vocabulary" in message, message
     assert "'colwise_loss_parallel'" in message, message
@@ -303,9 +351,13 @@ def _loss_parallel_comm_worker(loss_parallel):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     module = GPTLightningModule(block_size=16, n_layer=3, n_head=4, n_embd=32)
-    plan = {"model.transformer.h.*.attn.c_attn": "colwise_qkv", "model.transformer.h.*.attn.c_proj": "rowwise",
-            "model.transformer.h.*.mlp.c_fc": "colwise", "model.transformer.h.*.mlp.c_proj": "rowwise",
-            "model.lm_head": "colwise_gather_output"}
+    plan = {
+        "model.transformer.h.*.attn.c_attn": "colwise_qkv",
+        "model.transformer.h.*.attn.c_proj": "rowwise",
+        "model.transformer.h.*.mlp.c_fc": "colwise",
+        "model.transformer.h.*.mlp.c_proj": "rowwise",
+        "model.lm_head": "colwise_gather_output",
+    }
     apply_tensor_parallel(module, mesh, plan, False, loss_parallel=loss_parallel)
     tokens = torch.randint(0, 256, (2, 17))
     with CommDebugMode() as comm, tensor_parallel_context(False, loss_parallel):
@@ -379,14 +431,18 @@ def _llama_collectives_worker():
                     loss = module.model(input_ids=inputs, labels=tokens).loss
                 with CommDebugMode() as backward:
                     loss.backward()
-            grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                     for name, p in module.named_parameters()}
+            grads = {
+                name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                for name, p in module.named_parameters()
+            }
             results[(sp, lp)] = {
                 "fwd": {str(op).split(".")[-1]: n for op, n in forward.get_comm_counts().items()},
                 "bwd": {str(op).split(".")[-1]: n for op, n in backward.get_comm_counts().items()},
                 "loss_type": type(loss).__name__,
                 "loss_error": abs(float(loss) - float(reference_loss)) / float(reference_loss),
-                "grad_error": max(float((grads[name] - p.grad).abs().max()) for name, p in reference.named_parameters()),
+                "grad_error": max(
+                    float((grads[name] - p.grad).abs().max()) for name, p in reference.named_parameters()
+                ),
             }
     return results
 
@@ -410,8 +466,11 @@ def test_llama_collectives_per_step_and_loss_parallel_match_the_analytic_count()
     assert results[(True, False)]["fwd"] == {"reduce_scatter_tensor": 2 * L + 1, "all_gather_into_tensor": 2 * L + 2}
     sp_backward = {"reduce_scatter_tensor": 2 * L + 1, "all_gather_into_tensor": 2 * L + 1, "all_reduce": 2 * L + 1}
     assert results[(True, False)]["bwd"] == sp_backward  # was 5 * L + 1 reduce-scatters, 5 * L + 2 gathers forward
-    assert results[(True, True)]["fwd"] == {"reduce_scatter_tensor": 2 * L + 1, "all_gather_into_tensor": 2 * L + 1,
-                                            "all_reduce": 3}
+    assert results[(True, True)]["fwd"] == {
+        "reduce_scatter_tensor": 2 * L + 1,
+        "all_gather_into_tensor": 2 * L + 1,
+        "all_reduce": 3,
+    }
     assert results[(True, True)]["bwd"] == sp_backward
     for key, result in results.items():
         assert result["loss_type"] == "Tensor", key  # Lightning gets a plain tensor, also under loss_parallel

@@ -33,9 +33,17 @@ VOCAB, CLASSES = 128, 10
 
 
 def _bert_config(**overrides: Any) -> Any:
-    settings = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                    max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                    num_labels=CLASSES)
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=CLASSES,
+    )
     return transformers.BertConfig(**{**settings, **overrides})
 
 
@@ -79,9 +87,18 @@ class ViTClassifier(L.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        config = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
-                                        num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=CLASSES)
+        config = transformers.ViTConfig(
+            image_size=16,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=CLASSES,
+        )
         self.model = transformers.ViTForImageClassification(config)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -134,20 +151,45 @@ def test_bert_plan_is_derived_from_the_data_flow_and_logged(caplog):
 
 
 def test_roberta_is_derived_like_bert():
-    config = transformers.RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                        intermediate_size=64, max_position_embeddings=64)
+    config = transformers.RobertaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     plan = auto_plan(transformers.RobertaForMaskedLM(config))
     assert plan == {glob.replace("model.bert.", "roberta."): s for glob, s in BERT_PLAN.items()}
 
 
 @pytest.mark.parametrize(
     ("factory", "blocks"),
-    [(ViTClassifier, "model.vit.layers"), (NanoGPTModule, "model.transformer.h"),
-     (lambda: transformers.DeiTForImageClassification(transformers.DeiTConfig(
-         image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-         intermediate_size=64)), "deit.layers"),
-     (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB,
-                                                                   bos_token_id=0, eos_token_id=0)), "transformer.h")],
+    [
+        (ViTClassifier, "model.vit.layers"),
+        (NanoGPTModule, "model.transformer.h"),
+        (
+            lambda: transformers.DeiTForImageClassification(
+                transformers.DeiTConfig(
+                    image_size=16,
+                    patch_size=4,
+                    hidden_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    intermediate_size=64,
+                )
+            ),
+            "deit.layers",
+        ),
+        (
+            lambda: transformers.GPT2LMHeadModel(
+                transformers.GPT2Config(
+                    n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
+                )
+            ),
+            "transformer.h",
+        ),
+    ],
     ids=["vit", "nanogpt", "deit", "gpt2-conv1d"],
 )
 def test_derivation_agrees_with_the_gpt_block_name_rules(factory, blocks):
@@ -227,8 +269,10 @@ class _ShardedParameters(L.Callback):
         from torch.distributed.tensor import DTensor
 
         self.results["sharded"] = sorted(
-            name for name, p in pl_module.named_parameters()
-            if isinstance(p, DTensor) and not all(placement.is_replicate() for placement in p.placements))
+            name
+            for name, p in pl_module.named_parameters()
+            if isinstance(p, DTensor) and not all(placement.is_replicate() for placement in p.placements)
+        )
 
 
 def _split_by_plan(prefix: str, colwise: tuple[str, ...], rowwise: tuple[str, ...]) -> list[str]:
@@ -237,11 +281,17 @@ def _split_by_plan(prefix: str, colwise: tuple[str, ...], rowwise: tuple[str, ..
     return sorted(names + [f"{prefix}.{i}.{n}.weight" for i in (0, 1) for n in rowwise])
 
 
-BERT_SPLIT = _split_by_plan("model.bert.encoder.layer", ("attention.self.query", "attention.self.key",
-                                                         "attention.self.value", "intermediate.dense"),
-                            ("attention.output.dense", "output.dense"))
-VIT_SPLIT = _split_by_plan("model.vit.layers", ("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1"),
-                           ("attention.o_proj", "mlp.fc2"))
+BERT_SPLIT = _split_by_plan(
+    "model.bert.encoder.layer",
+    ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"),
+    ("attention.output.dense", "output.dense"),
+)
+VIT_SPLIT = _split_by_plan(
+    "model.vit.layers",
+    ("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1"),
+    ("attention.o_proj", "mlp.fc2"),
+)
+
 
 class _SaveAtTheEnd(L.Callback):
     def __init__(self, path: Any) -> None:
@@ -277,17 +327,31 @@ CASES = [  # (name, module factory, data, devices, dp, strategy arguments, param
     ("bert-mlm-tp2", BertMaskedLM, _tokens, 2, 1, {"tensor_parallel_size": 2}, BERT_SPLIT),
     ("vit-tp2", ViTClassifier, _images, 2, 1, {"tensor_parallel_size": 2}, VIT_SPLIT),
     ("bert-classifier-dp2-tp2-z1", BertClassifier, _tokens, 4, 2, {"tensor_parallel_size": 2, "zero_stage": 1}, None),
-    ("bert-classifier-tp2-sp", BertClassifier, _tokens, 2, 1, {"tensor_parallel_size": 2, "sequence_parallel": True},
-     None),
+    (
+        "bert-classifier-tp2-sp",
+        BertClassifier,
+        _tokens,
+        2,
+        1,
+        {"tensor_parallel_size": 2, "sequence_parallel": True},
+        None,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "factory", "data", "devices", "dp", "strategy", "split"), CASES,
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("name", "factory", "data", "devices", "dp", "strategy", "split"), CASES, ids=[c[0] for c in CASES]
+)
 def test_derived_plans_train_like_one_process(name, factory, data, devices, dp, strategy, split, tmp_path):
     ckpt = tmp_path / "end.ckpt"
-    result, _ = fit(factory, lambda: data(GLOBAL_BATCH // dp), {**strategy, "tp_plan": "auto"}, devices, STEPS,
-                    callbacks_factory=lambda: [_ShardedParameters(), _SaveAtTheEnd(ckpt)])
+    result, _ = fit(
+        factory,
+        lambda: data(GLOBAL_BATCH // dp),
+        {**strategy, "tp_plan": "auto"},
+        devices,
+        STEPS,
+        callbacks_factory=lambda: [_ShardedParameters(), _SaveAtTheEnd(ckpt)],
+    )
     reference = _reference(factory, data)
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
     if split is not None:

@@ -38,22 +38,69 @@ TP_WEIGHT_ATOL = 2e-3
 MAX_PARAMETERS = 8_000_000  # a shrunk model above this was not shrunk by _TINY: a new size field to add there
 
 # Configuration fields shrunk wherever a configuration class has them (its own defaults otherwise).
-_TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, moe_intermediate_size=32,
-             shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
-             num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
-             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-             vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, num_kv_shared_layers=0, num_layers=2,
-             ffn_hidden_size=128, expert_ffn_hidden_size=32, moe_topk=2, zero_expert_num=2,
-             shared_experts_intermediate_size=32, index_n_heads=2, index_head_dim=16, index_topk=16,
-             linear_num_heads=4, linear_head_dim=16, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
-             mamba_chunk_size=16, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=1, chunk_size=16,
-             attention_dropout=0.0, residual_dropout=0.0,  # dropout draws differ on shards: off, as in every test
-             tie_word_embeddings=False, use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=1)
+_TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    vocab_size_per_layer_input=VOCAB,
+    hidden_size_per_layer_input=16,
+    num_kv_shared_layers=0,
+    num_layers=2,
+    ffn_hidden_size=128,
+    expert_ffn_hidden_size=32,
+    moe_topk=2,
+    zero_expert_num=2,
+    shared_experts_intermediate_size=32,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=16,
+    linear_num_heads=4,
+    linear_head_dim=16,
+    mamba_n_heads=4,
+    mamba_d_head=32,
+    mamba_d_state=16,
+    mamba_chunk_size=16,
+    mamba_num_heads=4,
+    mamba_head_dim=32,
+    ssm_state_size=16,
+    n_groups=1,
+    chunk_size=16,
+    attention_dropout=0.0,
+    residual_dropout=0.0,  # dropout draws differ on shards: off, as in every test
+    tie_word_embeddings=False,
+    use_cache=False,
+    pad_token_id=0,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 
 # Every model type of transformers 5.23 declaring a base_model_tp_plan (itself or in a sub-configuration).
-ARCHITECTURES = sorted("""
+ARCHITECTURES = sorted(
+    """
 afmoe apertus arcee aria aria_text axk1 axk2 bailing_hybrid beam cohere cohere2 cohere2_moe cohere_compass
 cohere_compass_text cosmos3_edge cosmos3_edge_text cwm deepseek_ocr2 deepseek_ocr2_encoder deepseek_ocr2_text
 deepseek_ocr2_vision deepseek_v2 deepseek_v3 deepseek_v32 deepseek_v4 diffusion_gemma diffusion_gemma_text doge dots1
@@ -74,33 +121,74 @@ qwen3_moe qwen3_next qwen3_omni_moe_talker_code_predictor qwen3_omni_moe_talker_
 qwen3_omni_moe_thinker qwen3_vl_moe qwen3_vl_moe_text qwen4_exp qwen4_exp_text seed_oss smollm3 solar_open starcoder2
 step3p5 step3p7 t5_gemma_module t5gemma t5gemma2 t5gemma2_decoder t5gemma2_encoder t5gemma2_text ultrabert
 unlimited_ocr unlimited_ocr_text vaultgemma voxtral_realtime_text youtu
-""".split())
+""".split()
+)
 
 _NO_MODEL = "the configuration holding the plan has no model class of its own (only the composite model, which needs"
 _VISION = "a vision/audio encoder: its forward needs pixel or audio inputs, not token ids"
 NOT_BUILDABLE = {  # model type -> why it is not trained here
-    **{t: f"{_NO_MODEL} image or audio inputs)" for t in (
-        "deepseek_ocr2", "deepseek_ocr2_text", "diffusion_gemma", "diffusion_gemma_text", "ernie4_5_vl_moe",
-        "ernie4_5_vl_moe_text", "granite4_vision", "granite4_vision_text", "paddleocr_vl", "paddleocr_vl_text",
-        "qwen2_5_omni_text", "qwen2_5_omni_thinker", "qwen3_omni_moe_talker_code_predictor",
-        "qwen3_omni_moe_talker_text", "qwen3_omni_moe_text", "qwen3_omni_moe_thinker", "step3p5", "step3p7",
-        "unlimited_ocr", "unlimited_ocr_text", "voxtral_realtime_text")},
-    **{t: f"{_NO_MODEL} encoder and decoder inputs)" for t in (
-        "t5_gemma_module", "t5gemma", "t5gemma2", "t5gemma2_decoder", "t5gemma2_encoder", "t5gemma2_text")},
-    **{t: _VISION for t in ("deepseek_ocr2_encoder", "deepseek_ocr2_vision", "dots3_note_vision_encoder",
-                            "ernie4_5_vl_moe_vision", "gemma4_vision", "llama4_vision_model", "muse_glimmer_vision")},
+    **dict.fromkeys(
+        (
+            "deepseek_ocr2",
+            "deepseek_ocr2_text",
+            "diffusion_gemma",
+            "diffusion_gemma_text",
+            "ernie4_5_vl_moe",
+            "ernie4_5_vl_moe_text",
+            "granite4_vision",
+            "granite4_vision_text",
+            "paddleocr_vl",
+            "paddleocr_vl_text",
+            "qwen2_5_omni_text",
+            "qwen2_5_omni_thinker",
+            "qwen3_omni_moe_talker_code_predictor",
+            "qwen3_omni_moe_talker_text",
+            "qwen3_omni_moe_text",
+            "qwen3_omni_moe_thinker",
+            "step3p5",
+            "step3p7",
+            "unlimited_ocr",
+            "unlimited_ocr_text",
+            "voxtral_realtime_text",
+        ),
+        f"{_NO_MODEL} image or audio inputs)",
+    ),
+    **dict.fromkeys(
+        ("t5_gemma_module", "t5gemma", "t5gemma2", "t5gemma2_decoder", "t5gemma2_encoder", "t5gemma2_text"),
+        f"{_NO_MODEL} encoder and decoder inputs)",
+    ),
+    **dict.fromkeys(
+        (
+            "deepseek_ocr2_encoder",
+            "deepseek_ocr2_vision",
+            "dots3_note_vision_encoder",
+            "ernie4_5_vl_moe_vision",
+            "gemma4_vision",
+            "llama4_vision_model",
+            "muse_glimmer_vision",
+        ),
+        _VISION,
+    ),
     "muse_glimmer_assistant": "its forward needs noise embeddings and context hidden states, not token ids",
     "phi4_multimodal": "the plan is on the multimodal model itself, which builds its vision and audio encoders too",
-    **{t: "its own default configuration does not build: the rotary embedding reads rope parameters per layer type"
-          " that the configuration leaves empty (KeyError 'full_attention')" for t in ("cohere_compass",
-                                                                                      "cohere_compass_text")},
+    **dict.fromkeys(
+        ("cohere_compass", "cohere_compass_text"),
+        "its own default configuration does not build: the rotary embedding reads rope parameters per layer type"
+        " that the configuration leaves empty (KeyError 'full_attention')",
+    ),
     "lfm2_moe": "its own default configuration does not build: layer_types is None and the layers index it",
-    **{t: "its own default configuration does not build: the indexer sizes are None" for t in ("qwen4_exp",
-                                                                                             "qwen4_exp_text")},
-    **{t: "does not shrink below 38M parameters with the generic fields of _TINY (indexed attention sizes)"
-       for t in ("dots3_note", "dots3_note_text")},
-    **{t: "no shrunk configuration of _VARIANTS runs a forward (its linear-attention sizes are derived from fields"
-          " beyond the generic ones)" for t in ("bailing_hybrid", "kimi_linear")},
+    **dict.fromkeys(
+        ("qwen4_exp", "qwen4_exp_text"), "its own default configuration does not build: the indexer sizes are None"
+    ),
+    **dict.fromkeys(
+        ("dots3_note", "dots3_note_text"),
+        "does not shrink below 38M parameters with the generic fields of _TINY (indexed attention sizes)",
+    ),
+    **dict.fromkeys(
+        ("bailing_hybrid", "kimi_linear"),
+        "no shrunk configuration of _VARIANTS runs a forward (its linear-attention sizes are derived from fields"
+        " beyond the generic ones)",
+    ),
 }
 
 
@@ -108,15 +196,15 @@ NOT_BUILDABLE = {  # model type -> why it is not trained here
 # The test fails when one of them starts to pass (remove it here) or another one fails.
 KNOWN_DIVERGENT = {
     "doge": "Hugging Face's plan makes dt_proj rowwise, so its output (one value per key/value head) is all-reduced"
-            " whole while the rank attends with its own heads only: the dynamic mask would need dt_proj's output"
-            " reduce-scattered over heads and the per-head parameter A sharded alike",
+    " whole while the rank attends with its own heads only: the dynamic mask would need dt_proj's output"
+    " reduce-scattered over heads and the per-head parameter A sharded alike",
     "neomme": "the exclusive self-attention's per-head parameter alpha (num_attention_heads wide) is applied to the"
-              " rank's own heads: it would need sharding over heads inside a module the plan does not name",
+    " rank's own heads: it would need sharding over heads inside a module the plan does not name",
     "mistral_large4": "losses differ by up to 5.7e-5 relative (step 7; the first steps equal): marginally chaotic,"
-                      " one 1e-7 weight perturbation moves its losses as much (5.7e-5), another 9e-8; not diagnosed",
+    " one 1e-7 weight perturbation moves its losses as much (5.7e-5), another 9e-8; not diagnosed",
     "gemma3n": "its MLP's activation sparsity (a Gaussian top-k) takes the mean and standard deviation over the"
-               " intermediate width, which the plan shards: on plain shards each rank thresholds by its own half's"
-               " statistics (first-step loss off by 2.4e-5; not chaotic: 1e-7 weight noise moves it <1e-5)",
+    " intermediate width, which the plan shards: on plain shards each rank thresholds by its own half's"
+    " statistics (first-step loss off by 2.4e-5; not chaotic: 1e-7 weight noise moves it <1e-5)",
 }
 
 # Training these is chaotic in one process already: weights perturbed by 1e-7 relative (rounding noise) move their
@@ -142,8 +230,11 @@ def _plan_holder(model_type: str) -> type:
 def _model_class(config_class: type) -> type:
     from transformers.models.auto import modeling_auto as auto
 
-    for mapping in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-                    auto.MODEL_MAPPING_NAMES):
+    for mapping in (
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        auto.MODEL_MAPPING_NAMES,
+    ):
         name = mapping.get(config_class.model_type)
         if name:
             return getattr(transformers, name[0] if isinstance(name, (list, tuple)) else name)
@@ -158,8 +249,11 @@ def _tiny_config(config_class: type, **variant: Any) -> Any:
     kwargs = {k: v for k, v in {**_TINY, **variant}.items() if k in values and values[k] != 0}
     layers = values.get("num_hidden_layers", values.get("num_layers"))
     for name, value in values.items():
-        if isinstance(value, list) and len(value) == layers and not isinstance(getattr(config_class, name, None),
-                                                                             property):
+        if (
+            isinstance(value, list)
+            and len(value) == layers
+            and not isinstance(getattr(config_class, name, None), property)
+        ):
             kinds = list(dict.fromkeys(map(str, value)))[:2]
             kwargs[name] = [next(v for v in value if str(v) == kind) for kind in (kinds * 2)[:2]]
     rope = getattr(default, "rope_parameters", None)
@@ -175,9 +269,14 @@ def _tiny_config(config_class: type, **variant: Any) -> Any:
 # Tried in order until the shrunk model runs a forward: grouped-query key/value heads; one per head (multi-head only
 # configurations); a head as wide as the rotary part (latent attention taking head_dim for it); 64- and 128-wide
 # heads (multimodal rotary sections fixed in the model code).
-_VARIANTS = ({}, {"num_key_value_heads": 4}, {"head_dim": 8}, {"num_key_value_heads": 4, "head_dim": 8},
-             {"hidden_size": 256, "head_dim": 64, "intermediate_size": 256},
-             {"hidden_size": 512, "head_dim": 128, "intermediate_size": 256})
+_VARIANTS = (
+    {},
+    {"num_key_value_heads": 4},
+    {"head_dim": 8},
+    {"num_key_value_heads": 4, "head_dim": 8},
+    {"hidden_size": 256, "head_dim": 64, "intermediate_size": 256},
+    {"hidden_size": 512, "head_dim": 128, "intermediate_size": 256},
+)
 
 
 def _tiny_model(model_type: str) -> torch.nn.Module:
@@ -296,7 +395,8 @@ def _assert_within_rounding_drift(expected: list[float], noisy: list[float], los
     assert gap[0] <= LOSS_RTOL, f"the first step's loss differs by {gap[0]:.1e} relative"
     assert max(gap) <= CHAOTIC_MARGIN * drift, (
         f"losses differ by up to {max(gap):.1e} relative, more than {CHAOTIC_MARGIN:g} x the {drift:.1e} that 1e-7"
-        " weight noise alone causes")
+        " weight noise alone causes"
+    )
 
 
 def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_refused_before_training():
@@ -332,15 +432,16 @@ def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_
             if model_type in CHAOTIC:
                 _assert_within_rounding_drift(expected[model_type]["losses"], noisy[model_type], result["losses"])
             else:
-                assert_same_training(RunResult(**expected[model_type]), RunResult(**result),
-                                     weight_atol=TP_WEIGHT_ATOL)
+                assert_same_training(RunResult(**expected[model_type]), RunResult(**result), weight_atol=TP_WEIGHT_ATOL)
         except AssertionError as error:
             failures[model_type] = " ".join(str(error).split())[:400]
     chaotic = len(CHAOTIC & set(trained) - set(failures))
-    summary = (f"tp=2 trains like one process: {len(trained) - len(failures)} of {len(trained)} model classes"
-               f" ({sum(map(len, served.values()))} model types; {chaotic} of them chaotic, held to their rounding"
-               f" drift); known divergent: {len(failures)}; refused before"
-               f" training: {len(refused)}; not buildable tiny: {len(NOT_BUILDABLE)}")
+    summary = (
+        f"tp=2 trains like one process: {len(trained) - len(failures)} of {len(trained)} model classes"
+        f" ({sum(map(len, served.values()))} model types; {chaotic} of them chaotic, held to their rounding"
+        f" drift); known divergent: {len(failures)}; refused before"
+        f" training: {len(refused)}; not buildable tiny: {len(NOT_BUILDABLE)}"
+    )
     print(summary)
     fixed = sorted(set(KNOWN_DIVERGENT) - set(failures))
     assert not fixed, f"{summary}\nnow training like one process: remove {fixed} from KNOWN_DIVERGENT"
@@ -363,8 +464,14 @@ def test_nanogpt_as_published_under_dp2_tp2_zero3_bf16_mixed_tracks_one_process(
     bf16 = {"precision": "bf16-mixed"}
     reference, _ = fit(NanoGPTModule, lambda: RandomTokenDataModule(batch_size=8), None, 1, STEPS, trainer_kwargs=bf16)
     fp32, _ = fit(NanoGPTModule, lambda: RandomTokenDataModule(batch_size=8), None, 1, STEPS)
-    result, _ = fit(NanoGPTModule, lambda: RandomTokenDataModule(batch_size=4),
-                    {"tensor_parallel_size": 2, "zero_stage": 3}, 4, STEPS, trainer_kwargs=bf16)
+    result, _ = fit(
+        NanoGPTModule,
+        lambda: RandomTokenDataModule(batch_size=4),
+        {"tensor_parallel_size": 2, "zero_stage": 3},
+        4,
+        STEPS,
+        trainer_kwargs=bf16,
+    )
     assert result.losses != fp32.losses  # autocast really ran
     assert_same_training(reference, result, loss_rtol=BF16_RTOL, weight_rtol=0.0, weight_atol=BF16_WEIGHT_ATOL)
     assert_same_training(fp32, result, loss_rtol=BF16_RTOL, weight_rtol=0.0, weight_atol=BF16_WEIGHT_ATOL)

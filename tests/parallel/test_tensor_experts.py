@@ -95,8 +95,14 @@ def test_moe_trains_under_tp2_with_its_own_plan_and_loads_into_one_process(facto
     assert "model.model.layers.*.mlp.gate" not in plan  # the router stays replicated
     reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
     ckpt = tmp_path / "tp2.ckpt"
-    result, extras = fit(factory, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": "auto"}, 2,
-                         STEPS, callbacks_factory=lambda: [ExpertShards(ckpt)])
+    result, extras = fit(
+        factory,
+        lambda: _tokens(GLOBAL_BATCH),
+        {"tensor_parallel_size": 2, "tp_plan": "auto"},
+        2,
+        STEPS,
+        callbacks_factory=lambda: [ExpertShards(ckpt)],
+    )
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
     _experts_sharded(extras, ranks=2, parts=2)
 
@@ -119,8 +125,14 @@ COMPOSED = [  # (name, strategy extras, devices, dp, parts of the expert weights
 @pytest.mark.parametrize(("name", "extra", "devices", "dp", "parts"), COMPOSED, ids=[c[0] for c in COMPOSED])
 def test_mixtral_experts_compose_with_zero_and_sequence_parallel(mixtral_reference, name, extra, devices, dp, parts):
     layout = {"tensor_parallel_size": 2, **extra}
-    result, extras = fit(mixtral_without_aux_loss, lambda: _tokens(GLOBAL_BATCH // dp), layout, devices, STEPS,
-                         callbacks_factory=lambda: [ExpertShards()])
+    result, extras = fit(
+        mixtral_without_aux_loss,
+        lambda: _tokens(GLOBAL_BATCH // dp),
+        layout,
+        devices,
+        STEPS,
+        callbacks_factory=lambda: [ExpertShards()],
+    )
     assert_same_training(mixtral_reference, result, weight_atol=TP_WEIGHT_ATOL)
     _experts_sharded(extras, ranks=devices, parts=parts)
 
@@ -139,14 +151,20 @@ def test_expert_placements_follow_hugging_face_parameter_styles():
 
     module = mixtral()
     placed = _placements(module, auto_plan(module))
-    assert placed["model.model.layers.1.mlp.experts"] == {"gate_up_proj": _StridedShard(1, split_factor=2),
-                                                         "down_proj": Shard(2)}
+    assert placed["model.model.layers.1.mlp.experts"] == {
+        "gate_up_proj": _StridedShard(1, split_factor=2),
+        "down_proj": Shard(2),
+    }
     # Llama-4 layout (transposed: [E, H, 2I] and [E, I, H]): its plan says 'packed_rowwise' and 'colwise'.
-    transposed = {"model.model.layers.*.mlp.experts": "moe_tp_experts",
-                  "model.model.layers.*.mlp.experts.gate_up_proj": "packed_rowwise",
-                  "model.model.layers.*.mlp.experts.down_proj": "colwise"}
+    transposed = {
+        "model.model.layers.*.mlp.experts": "moe_tp_experts",
+        "model.model.layers.*.mlp.experts.gate_up_proj": "packed_rowwise",
+        "model.model.layers.*.mlp.experts.down_proj": "colwise",
+    }
     assert _placements(module, transposed)["model.model.layers.0.mlp.experts"] == {
-        "gate_up_proj": _StridedShard(2, split_factor=2), "down_proj": Shard(1)}
+        "gate_up_proj": _StridedShard(2, split_factor=2),
+        "down_proj": Shard(1),
+    }
 
 
 def test_expert_plans_that_cannot_work_fail_naming_the_fix():
@@ -160,20 +178,39 @@ def test_expert_plans_that_cannot_work_fail_naming_the_fix():
         _placements(module, unplaced)
     odd = qwen3_moe(moe_intermediate_size=30)  # divisible by 2, not by 4
     _placements(odd, auto_plan(odd), tp=2)
-    with pytest.raises(ValueError, match=r"sequence_parallel=True with a mixture-of-experts model that returns its"
-                                         r" router logits, model \(MixtralForCausalLM\).*output_router_logits=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"sequence_parallel=True with a mixture-of-experts model that returns its"
+        r" router logits, model \(MixtralForCausalLM\).*output_router_logits=False",
+    ):
         _placements(module, plan, sp=True)  # found failing mid-step (DTensor's in-place add) before this check
     _placements(mixtral_without_aux_loss(), plan, sp=True)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide.*gate_up_proj: 30 features in each"
-                                         r" of its 2 packed chunks.*Valid tensor_parallel_size values.*\[2, 3, 5"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=4 must divide.*gate_up_proj: 30 features in each"
+        r" of its 2 packed chunks.*Valid tensor_parallel_size values.*\[2, 3, 5",
+    ):
         _placements(odd, auto_plan(odd), tp=4)
 
 
 def longcat_flash() -> HFModule:
-    return HFModule("LongcatFlashConfig", "LongcatFlashForCausalLM", num_layers=2, kv_lora_rank=16, q_lora_rank=32,
-                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8, num_key_value_heads=4,
-                    ffn_hidden_size=128, expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=2,
-                    moe_topk=2)
+    return HFModule(
+        "LongcatFlashConfig",
+        "LongcatFlashForCausalLM",
+        num_layers=2,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        head_dim=8,
+        num_key_value_heads=4,
+        ffn_hidden_size=128,
+        expert_ffn_hidden_size=32,
+        n_routed_experts=4,
+        zero_expert_num=2,
+        moe_topk=2,
+    )
 
 
 def test_identity_experts_count_once_in_the_experts_sum():
@@ -189,8 +226,9 @@ def test_identity_experts_count_once_in_the_experts_sum():
     module(torch.randint(0, 128, (GLOBAL_BATCH, 32)))
     assert calls, "no token reached an identity expert: the test would not see a wrong share"
     reference, _ = fit(longcat_flash, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
-    result, _ = fit(longcat_flash, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": plan}, 2,
-                    STEPS)
+    result, _ = fit(
+        longcat_flash, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": plan}, 2, STEPS
+    )
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
 
 
@@ -219,9 +257,13 @@ def _transposed_experts_worker() -> dict[str, float]:
     (y1**2).sum().backward()
     (y2**2).sum().backward()
     grads = [(p.grad, q.grad.full_tensor()) for p, q in zip(reference.parameters(), sharded.parameters())]
-    return {"placed": sorted(str(p) for p in placed.values()), "local": tuple(sharded.gate_up_proj.to_local().shape),
-            "out": float((y1 - y2).abs().max() / y1.abs().max()), "x": float((x1.grad - x2.grad).abs().max()),
-            "weights": max(float((a - b).abs().max() / a.abs().max()) for a, b in grads)}
+    return {
+        "placed": sorted(str(p) for p in placed.values()),
+        "local": tuple(sharded.gate_up_proj.to_local().shape),
+        "out": float((y1 - y2).abs().max() / y1.abs().max()),
+        "x": float((x1.grad - x2.grad).abs().max()),
+        "weights": max(float((a - b).abs().max() / a.abs().max()) for a, b in grads),
+    }
 
 
 def test_transposed_experts_of_llama4_shard_by_their_plan():

@@ -54,18 +54,33 @@ CASES = [  # (name, module factory, devices, dp, strategy arguments)
     ("nanogpt-tp2", NanoGPTModule, 2, 1, {"tensor_parallel_size": 2}),
     ("nanogpt-dp2-tp2-z1", NanoGPTModule, 4, 2, {"tensor_parallel_size": 2, "zero_stage": 1}),
     ("nanogpt-tp2-sp", NanoGPTModule, 2, 1, {"tensor_parallel_size": 2, "sequence_parallel": True}),
-    ("nanogpt-dp2-tp2-z1-sp", NanoGPTModule, 4, 2,
-     {"tensor_parallel_size": 2, "zero_stage": 1, "sequence_parallel": True}),
+    (
+        "nanogpt-dp2-tp2-z1-sp",
+        NanoGPTModule,
+        4,
+        2,
+        {"tensor_parallel_size": 2, "zero_stage": 1, "sequence_parallel": True},
+    ),
     ("nanogpt-tp2-loss-parallel", NanoGPTModule, 2, 1, {"tensor_parallel_size": 2, "loss_parallel": True}),
     ("nanogpt-without-flash-tp2", _nanogpt_without_flash, 2, 1, {"tensor_parallel_size": 2}),
     ("nanogpt-tp4", NanoGPTModule, 4, 1, {"tensor_parallel_size": 4}),
     ("nanogpt-tp2-checkpointing", NanoGPTModule, 2, 1, {"tensor_parallel_size": 2, "activation_checkpointing": True}),
-    ("nanogpt-tp2-selective-checkpointing", NanoGPTModule, 2, 1,
-     {"tensor_parallel_size": 2, "activation_checkpointing": "selective"}),
+    (
+        "nanogpt-tp2-selective-checkpointing",
+        NanoGPTModule,
+        2,
+        1,
+        {"tensor_parallel_size": 2, "activation_checkpointing": "selective"},
+    ),
     ("nanogpt-pp2-tp2", NanoGPTModule, 4, 1, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
     ("litgpt-tp2", LitGPTModule, 2, 1, {"tensor_parallel_size": 2}),
-    ("litgpt-dp2-tp2-z1-sp", LitGPTModule, 4, 2,
-     {"tensor_parallel_size": 2, "zero_stage": 1, "sequence_parallel": True}),
+    (
+        "litgpt-dp2-tp2-z1-sp",
+        LitGPTModule,
+        4,
+        2,
+        {"tensor_parallel_size": 2, "zero_stage": 1, "sequence_parallel": True},
+    ),
 ]
 
 
@@ -141,8 +156,11 @@ def test_collectives_with_sequence_parallel():
     layers = 4
     result = run_distributed(_step_worker, 2, NanoGPTModule, True)[0]
     assert result["fwd"] == {"all_gather_into_tensor": 2 * layers + 2, "reduce_scatter_tensor": 2 * layers + 1}, result
-    assert result["bwd"] == {"all_gather_into_tensor": 3 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1,
-                             "all_reduce": 4 * layers + 3}, result
+    assert result["bwd"] == {
+        "all_gather_into_tensor": 3 * layers + 1,
+        "reduce_scatter_tensor": 2 * layers + 1,
+        "all_reduce": 4 * layers + 3,
+    }, result
     assert result["loss_error"] < 1e-6 and result["grad_error"] < 1e-6, result
 
 
@@ -162,17 +180,24 @@ def _fused_grouped_query_worker():
 
 def test_fused_grouped_query_attention_fails_before_training():
     message = run_distributed(_fused_grouped_query_worker, 2)[0]
-    assert re.search(r"model.transformer.h.0.attn.qkv fuses q, k and v of grouped-query attention \(4 query heads, 2"
-                     r" key/value heads", message), message
+    assert re.search(
+        r"model.transformer.h.0.attn.qkv fuses q, k and v of grouped-query attention \(4 query heads, 2"
+        r" key/value heads",
+        message,
+    ), message
     assert "{'model.transformer.h.*.attn.qkv': 'replicate', 'model.transformer.h.*.attn.proj': 'replicate'}" in message
 
 
 def test_fused_grouped_query_attention_kept_whole_trains_like_one_process():
     """The way out the error names: attention replicated, MLP sharded (with global shapes too)."""
     factory = partial(LitGPTModule, n_query_groups=2)
-    plan = {"model.transformer.h.*.attn.qkv": "replicate", "model.transformer.h.*.attn.proj": "replicate",
-            "model.transformer.h.*.mlp.fc_1": "colwise", "model.transformer.h.*.mlp.fc_2": "colwise",
-            "model.transformer.h.*.mlp.proj": "rowwise"}
+    plan = {
+        "model.transformer.h.*.attn.qkv": "replicate",
+        "model.transformer.h.*.attn.proj": "replicate",
+        "model.transformer.h.*.mlp.fc_1": "colwise",
+        "model.transformer.h.*.mlp.fc_2": "colwise",
+        "model.transformer.h.*.mlp.proj": "rowwise",
+    }
     reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
     result, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": plan}, 2, STEPS)
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
@@ -183,7 +208,7 @@ def _region_ops_worker():
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -213,8 +238,9 @@ def _region_ops_worker():
     with warnings.catch_warnings(record=True) as caught, GlobalShapeMode():
         warnings.simplefilter("always")
         uneven = sharded.split([32, 8, 8], dim=2)  # not the three equal chunks it is sharded as: DTensor gathers
-    results["uneven_error"] = max(float((part.full_tensor() - ref).abs().max())
-                                  for part, ref in zip(uneven, fused.split([32, 8, 8], dim=2)))
+    results["uneven_error"] = max(
+        float((part.full_tensor() - ref).abs().max()) for part, ref in zip(uneven, fused.split([32, 8, 8], dim=2))
+    )
     results["warning"] = str(caught[0].message) if caught else ""
     return results
 
@@ -283,9 +309,11 @@ def _nested_worker():
         out = run(module)
         out.square().mean().backward()
     grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in module.named_parameters()}
-    return {"comm": {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()},
-            "error": float((out - expected).abs().max()),
-            "grad_error": max(float((grads[n] - p.grad).abs().max()) for n, p in reference.named_parameters())}
+    return {
+        "comm": {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()},
+        "error": float((out - expected).abs().max()),
+        "grad_error": max(float((grads[n] - p.grad).abs().max()) for n, p in reference.named_parameters()),
+    }
 
 
 def test_a_projection_nested_deeper_shares_the_region_of_its_row_parallel_partner():

@@ -46,7 +46,7 @@ REFUSED = {"grouped_gemm", "ep_dispatch_experts", "mla_kv_a_proj", "all_reduce",
 
 
 def _registered_styles() -> set[str]:
-    import transformers.distributed.expert_parallel  # noqa: F401  (registers the expert-parallel styles)
+    import transformers.distributed.expert_parallel
     import transformers.distributed.tensor_parallel  # noqa: F401
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
@@ -95,40 +95,194 @@ def test_every_style_in_every_model_plan_is_mapped_or_refused():
 # by what tp_plan='auto' does with it. UNBUILT: the default configuration does not build a model on its own
 # (a sub-configuration of a composite model, or an optional dependency); their styles are still checked above.
 SERVED = {
-    'afmoe', 'apertus', 'arcee', 'aria', 'aria_text', 'axk1', 'bailing_hybrid', 'cohere', 'cohere2', 'cohere2_moe',
-    'cosmos3_edge', 'cosmos3_edge_text', 'cwm', 'deepseek_v3', 'deepseek_v4', 'doge', 'embedding_gemma2',
-    'embedding_gemma2_text', 'ernie4_5', 'ernie4_5_moe', 'ernie4_5_vl_moe', 'esmc', 'eurobert', 'exaone4',
-    'exaone_moe', 'flex_olmo', 'flint', 'gemma', 'gemma2', 'gemma3', 'gemma3_text', 'gemma3n_text', 'gemma4',
-    'gemma4_text', 'gemma4_unified', 'gemma4_unified_text', 'gemma4_vision', 'glm', 'glm4', 'glm4_moe', 'glm4v',
-    'glm4v_moe', 'glm4v_moe_text', 'glm4v_text', 'glm_image', 'glm_image_text', 'glm_ocr', 'glm_ocr_text', 'gpt_neox',
-    'granite', 'granite_docling', 'granite_docling_text', 'granitemoe', 'granitemoehybrid', 'granitemoeshared',
-    'helium', 'higgs_audio_v2', 'hrm_text', 'hy_v3', 'hyperclovax', 'inkling2', 'inkling2_text', 'internlm3',
-    'iquestcoder', 'jais2', 'jamba', 'kimi_linear', 'kolibri1', 'laguna', 'llama', 'llama4_text', 'mellum', 'minimax',
-    'minimax_m2', 'minimax_m3_vl', 'minimax_m3_vl_text', 'ministral3', 'mistral', 'mistral4', 'mistral_large4',
-    'mistral_large4_text', 'mixtral', 'muse_glimmer', 'muse_glimmer_assistant', 'muse_glimmer_text',
-    'muse_glimmer_vision', 'muse_spark', 'muse_spark_text', 'nanochat', 'nemotron_h', 'neomme', 'olmo', 'olmo2',
-    'olmo3', 'olmo_hybrid', 'olmoe', 'paddleocr_vl', 'phi', 'phi3', 'phi4_multimodal', 'phimoe', 'qwen2',
-    'qwen2_5_omni_thinker', 'qwen2_5_vl', 'qwen2_5_vl_text', 'qwen2_moe', 'qwen2_vl', 'qwen2_vl_text', 'qwen3',
-    'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next', 'qwen3_omni_moe_thinker', 'qwen3_vl_moe',
-    'qwen3_vl_moe_text', 'seed_oss', 'smollm3', 'solar_open', 'starcoder2', 'step3p7', 't5gemma', 't5gemma2',
-    'ultrabert', 'unlimited_ocr', 'vaultgemma', 'youtu',
+    "afmoe",
+    "apertus",
+    "arcee",
+    "aria",
+    "aria_text",
+    "axk1",
+    "bailing_hybrid",
+    "cohere",
+    "cohere2",
+    "cohere2_moe",
+    "cosmos3_edge",
+    "cosmos3_edge_text",
+    "cwm",
+    "deepseek_v3",
+    "deepseek_v4",
+    "doge",
+    "embedding_gemma2",
+    "embedding_gemma2_text",
+    "ernie4_5",
+    "ernie4_5_moe",
+    "ernie4_5_vl_moe",
+    "esmc",
+    "eurobert",
+    "exaone4",
+    "exaone_moe",
+    "flex_olmo",
+    "flint",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+    "gemma3n_text",
+    "gemma4",
+    "gemma4_text",
+    "gemma4_unified",
+    "gemma4_unified_text",
+    "gemma4_vision",
+    "glm",
+    "glm4",
+    "glm4_moe",
+    "glm4v",
+    "glm4v_moe",
+    "glm4v_moe_text",
+    "glm4v_text",
+    "glm_image",
+    "glm_image_text",
+    "glm_ocr",
+    "glm_ocr_text",
+    "gpt_neox",
+    "granite",
+    "granite_docling",
+    "granite_docling_text",
+    "granitemoe",
+    "granitemoehybrid",
+    "granitemoeshared",
+    "helium",
+    "higgs_audio_v2",
+    "hrm_text",
+    "hy_v3",
+    "hyperclovax",
+    "inkling2",
+    "inkling2_text",
+    "internlm3",
+    "iquestcoder",
+    "jais2",
+    "jamba",
+    "kimi_linear",
+    "kolibri1",
+    "laguna",
+    "llama",
+    "llama4_text",
+    "mellum",
+    "minimax",
+    "minimax_m2",
+    "minimax_m3_vl",
+    "minimax_m3_vl_text",
+    "ministral3",
+    "mistral",
+    "mistral4",
+    "mistral_large4",
+    "mistral_large4_text",
+    "mixtral",
+    "muse_glimmer",
+    "muse_glimmer_assistant",
+    "muse_glimmer_text",
+    "muse_glimmer_vision",
+    "muse_spark",
+    "muse_spark_text",
+    "nanochat",
+    "nemotron_h",
+    "neomme",
+    "olmo",
+    "olmo2",
+    "olmo3",
+    "olmo_hybrid",
+    "olmoe",
+    "paddleocr_vl",
+    "phi",
+    "phi3",
+    "phi4_multimodal",
+    "phimoe",
+    "qwen2",
+    "qwen2_5_omni_thinker",
+    "qwen2_5_vl",
+    "qwen2_5_vl_text",
+    "qwen2_moe",
+    "qwen2_vl",
+    "qwen2_vl_text",
+    "qwen3",
+    "qwen3_5_moe_text",
+    "qwen3_5_text",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_omni_moe_thinker",
+    "qwen3_vl_moe",
+    "qwen3_vl_moe_text",
+    "seed_oss",
+    "smollm3",
+    "solar_open",
+    "starcoder2",
+    "step3p7",
+    "t5gemma",
+    "t5gemma2",
+    "ultrabert",
+    "unlimited_ocr",
+    "vaultgemma",
+    "youtu",
 }
 # Refused by name (each plan also shards its experts, 'moe_tp_experts'): DeepSeek-style MLA ('mla_kv_a_proj'),
 # attention sinks ('local_params'), a shared expert all-reduced by a hook ('all_reduce').
 REFUSED_MODELS = {
-    'axk2', 'beam', 'deepseek_v2', 'deepseek_v32', 'dots3_note_text', 'glm4_moe_lite', 'glm5_next', 'glm5_next_text',
-    'glm_moe_dsa', 'granite_swa', 'granitemoe_swa', 'hy_v4', 'inkling_mm_model', 'inkling_text', 'longcat_flash',
-    'mimo_v2_flash', 'minicpm3',
+    "axk2",
+    "beam",
+    "deepseek_v2",
+    "deepseek_v32",
+    "dots3_note_text",
+    "glm4_moe_lite",
+    "glm5_next",
+    "glm5_next_text",
+    "glm_moe_dsa",
+    "granite_swa",
+    "granitemoe_swa",
+    "hy_v4",
+    "inkling_mm_model",
+    "inkling_text",
+    "longcat_flash",
+    "mimo_v2_flash",
+    "minicpm3",
 }
 UNBUILT = {
-    'cohere_compass', 'cohere_compass_text', 'deepseek_ocr2', 'deepseek_ocr2_encoder', 'deepseek_ocr2_text',
-    'deepseek_ocr2_vision', 'diffusion_gemma', 'diffusion_gemma_text', 'dots1', 'dots3_note',
-    'dots3_note_vision_encoder', 'ernie4_5_vl_moe_text', 'ernie4_5_vl_moe_vision', 'gemma3n', 'granite4_vision',
-    'granite4_vision_text', 'hunyuan_v1_moe', 'lfm2_moe', 'llama4', 'llama4_vision_model', 'ministral', 'nemotron',
-    'paddleocr_vl_text', 'qwen2_5_omni_text', 'qwen3_5', 'qwen3_5_moe', 'qwen3_omni_moe_talker_code_predictor',
-    'qwen3_omni_moe_talker_text', 'qwen3_omni_moe_text', 'qwen4_exp', 'qwen4_exp_text', 'step3p5',
-    't5_gemma_module', 't5gemma2_decoder', 't5gemma2_encoder', 't5gemma2_text', 'unlimited_ocr_text',
-    'voxtral_realtime_text',
+    "cohere_compass",
+    "cohere_compass_text",
+    "deepseek_ocr2",
+    "deepseek_ocr2_encoder",
+    "deepseek_ocr2_text",
+    "deepseek_ocr2_vision",
+    "diffusion_gemma",
+    "diffusion_gemma_text",
+    "dots1",
+    "dots3_note",
+    "dots3_note_vision_encoder",
+    "ernie4_5_vl_moe_text",
+    "ernie4_5_vl_moe_vision",
+    "gemma3n",
+    "granite4_vision",
+    "granite4_vision_text",
+    "hunyuan_v1_moe",
+    "lfm2_moe",
+    "llama4",
+    "llama4_vision_model",
+    "ministral",
+    "nemotron",
+    "paddleocr_vl_text",
+    "qwen2_5_omni_text",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_omni_moe_talker_code_predictor",
+    "qwen3_omni_moe_talker_text",
+    "qwen3_omni_moe_text",
+    "qwen4_exp",
+    "qwen4_exp_text",
+    "step3p5",
+    "t5_gemma_module",
+    "t5gemma2_decoder",
+    "t5gemma2_encoder",
+    "t5gemma2_text",
+    "unlimited_ocr_text",
+    "voxtral_realtime_text",
 }
 
 
@@ -172,9 +326,21 @@ def test_auto_plan_of_every_architecture_maps_every_style_or_refuses_by_name():
 
 
 # ----------------------------------------------------------------------------------------------- tiny models
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
-               bos_token_id=0, eos_token_id=1, pad_token_id=0, attn_implementation="eager")
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    use_cache=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=0,
+    attn_implementation="eager",
+)
 
 
 class HFModule(_CausalLMModule):
@@ -235,10 +401,22 @@ def _explicit_plan(message: str) -> dict[str, str]:
 
 
 def deepseek_v2(**kw):
-    return HFModule("DeepseekV2Config", "DeepseekV2ForCausalLM", n_routed_experts=4, num_experts_per_tok=2,
-                    moe_intermediate_size=32, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None,
-                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
-                    num_key_value_heads=4, **kw)
+    return HFModule(
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        first_k_dense_replace=1,
+        num_key_value_heads=4,
+        **kw,
+    )
 
 
 def test_a_refused_style_is_named_and_the_explicit_plan_trains_with_its_experts_sharded():
@@ -268,8 +446,11 @@ def _apply_worker(factory, tp):
 
 def test_key_value_heads_not_divisible_fail_before_training_with_the_valid_degrees():
     messages = run_distributed(_apply_worker, 4, lambda: qwen3(num_key_value_heads=2), 4, timeout=120)
-    assert re.search(r"tensor_parallel_size=4 must divide.*config.num_key_value_heads = 2.*Valid tensor_parallel_size"
-                     r" values for this model and plan: \[2\]", messages[0]), messages[0]
+    assert re.search(
+        r"tensor_parallel_size=4 must divide.*config.num_key_value_heads = 2.*Valid tensor_parallel_size"
+        r" values for this model and plan: \[2\]",
+        messages[0],
+    ), messages[0]
 
 
 def _phi3_step_worker(plan):
@@ -288,19 +469,30 @@ def _phi3_step_worker(plan):
         logits = module(tokens[:, :-1])
         torch.nn.functional.cross_entropy(logits.reshape(-1, 128), tokens[:, 1:].reshape(-1)).backward()
     counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
-    return {"counts": counts, "placements": str(weight.placements) if isinstance(weight, DTensor) else None,
-            "local": tuple(weight.to_local().shape), "loss": float(logits.float().logsumexp(-1).mean())}
+    return {
+        "counts": counts,
+        "placements": str(weight.placements) if isinstance(weight, DTensor) else None,
+        "local": tuple(weight.to_local().shape),
+        "loss": float(logits.float().logsumexp(-1).mean()),
+    }
 
 
 def test_phi3_packed_gate_up_is_sharded_as_two_chunks_without_gathering():
-    hf_semantics = {glob: "colwise_gather_output" if s == "colwise_gate_up" else
-                    "rowwise_split_input" if glob.endswith("mlp.down_proj") else s
-                    for glob, s in auto_plan(phi3()).items()}
+    hf_semantics = {
+        glob: "colwise_gather_output"
+        if s == "colwise_gate_up"
+        else "rowwise_split_input"
+        if glob.endswith("mlp.down_proj")
+        else s
+        for glob, s in auto_plan(phi3()).items()
+    }
     auto, gathered = (run_distributed(_phi3_step_worker, 2, plan, timeout=120)[0] for plan in ("auto", hf_semantics))
     assert "_StridedShard" in auto["placements"] and auto["local"] == (128, 64), auto  # halves of gate and of up
     # Per layer, the gathered MLP costs an all-gather forward and one backward more (2 layers).
     assert auto["counts"].get("all_gather_into_tensor", 0) + 4 == gathered["counts"].get("all_gather_into_tensor"), (
-        auto, gathered)
+        auto,
+        gathered,
+    )
     assert auto["loss"] == pytest.approx(gathered["loss"], rel=1e-6)
 
 
@@ -308,11 +500,15 @@ def test_phi3_packed_gate_up_is_sharded_as_two_chunks_without_gathering():
 # colwise/rowwise; OLMo-2 q/k/v gathered for its full-width q/k norms, o_proj 'rowwise_split_input'; GLM-4 a packed
 # gate_up_proj ('colwise_gate_up'); Gemma-2 soft-capping and sandwich norms; StarCoder2 biases and LayerNorm;
 # GPT-NeoX a fused query_key_value laid out per head (plain 'colwise' keeps each head's q, k, v together).
-TRAINED = {"mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-           "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "glm4": ("Glm4Config", "Glm4ForCausalLM"),
-           "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-           "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
-           "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM")}
+TRAINED = {
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+}
 
 
 @pytest.mark.parametrize("model_type", sorted(TRAINED))
