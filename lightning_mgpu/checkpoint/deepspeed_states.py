@@ -19,7 +19,7 @@ An object of :class:`DeepSpeedStates` stands in for the ``states`` module in ``C
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,9 +31,6 @@ from torch.optim import Optimizer
 
 from lightning_mgpu.checkpoint import states
 from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, CheckpointError
-
-if TYPE_CHECKING:
-    from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
 
 _STATE = "state."
 _GROUPS = "param_groups."
@@ -72,10 +69,19 @@ def _is_scalar(value: Any) -> bool:
     return not torch.is_tensor(value) or value.dim() == 0
 
 
+class EngineRunner(Protocol):
+    """What is read of the runner that built the engine (``parallel.deepspeed_engine.DeepSpeedEngineRunner``), here
+    and by ``parallel.deepspeed_release``: a protocol, so this checkpoint layer does not import the parallel one."""
+
+    engine: Any  # None once released
+    optimizer: Optimizer | None
+    param_groups: list[list[nn.Parameter]]
+
+
 class DeepSpeedStates:
     """``Checkpointer``'s state access for a model trained through :class:`DeepSpeedEngineRunner`."""
 
-    def __init__(self, runner: "DeepSpeedEngineRunner") -> None:
+    def __init__(self, runner: EngineRunner) -> None:
         self.runner = runner
 
     @property
@@ -267,7 +273,7 @@ def _strip(entries: dict[str, Any], prefix: str) -> dict[str, Any]:
     return {key[len(prefix):]: value for key, value in entries.items() if key.startswith(prefix)}
 
 
-def _is_module_param(tensor: torch.Tensor, runner: "DeepSpeedEngineRunner") -> bool:
+def _is_module_param(tensor: torch.Tensor, runner: EngineRunner) -> bool:
     return any(tensor is param for params in runner.param_groups for param in params)
 
 

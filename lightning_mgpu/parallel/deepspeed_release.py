@@ -19,8 +19,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_mgpu._compat.tensors import plain_parameter_slots
+
 if TYPE_CHECKING:
-    from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
+    from lightning_mgpu.checkpoint.deepspeed_states import EngineRunner
 
 _STATE = "state."
 # Attributes DeepSpeed puts on modules (deepspeed 0.19: runtime/zero/parameter_offload.py, partition_parameters.py);
@@ -38,7 +40,7 @@ class DeepSpeedRelease:
         self.buffers = {id(b): b.dtype for b in root.buffers()}
         self.groups = [list(group["params"]) for group in optimizer.param_groups] if optimizer else []
 
-    def release(self, runner: "DeepSpeedEngineRunner", module: nn.Module) -> None:
+    def release(self, runner: EngineRunner, module: nn.Module) -> None:
         """Gather the trained values, destroy the engine, and put the plain module and optimizer back."""
         from lightning_mgpu.checkpoint.deepspeed_states import DeepSpeedStates
 
@@ -60,8 +62,7 @@ class DeepSpeedRelease:
             self._release_optimizer(optimizer, flat, names)
 
     def _release_module(self, sub: nn.Module) -> None:
-        if type(sub._parameters) is not dict:  # ZeRO-3's gathering dict; read it without triggering a gather
-            sub._parameters = dict(dict.items(sub._parameters))
+        plain_parameter_slots(sub)  # ZeRO-3's gathering dict; read without triggering a gather
         before = self.module_keys.get(id(sub), frozenset())
         for key in set(vars(sub)) - before:
             if key.startswith("ds_") or key in _MODULE_ATTRIBUTES:
