@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import lightning_mgpu
 
 PACKAGE = Path(lightning_mgpu.__file__).parent
@@ -20,12 +18,6 @@ ROOT = "lightning_mgpu"
 UPPER = ("lightning_mgpu.strategy", "lightning_mgpu.options")
 # What sits below it and must not reach up into it.
 LOWER = ("lightning_mgpu.parallel", "lightning_mgpu.checkpoint", "lightning_mgpu.precision")
-# Circles that a change in flight removes: (module, module) pairs of one circle; remove an entry once its circle is
-# gone (`test_no_import_circles` then reports it in a skip message).
-PENDING_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({"lightning_mgpu.parallel.deepspeed_engine", "lightning_mgpu.parallel.deepspeed_release"}):
-        "the DeepSpeed backend's teardown, in progress (engine <-> release <-> checkpoint.deepspeed_states)",
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -113,14 +105,9 @@ def _edges_within(graph: dict[str, dict[str, int]], members: list[str]) -> list[
 def test_no_import_circles():
     graph = import_graph()
     circles = _circles(graph)
-    known = [c for c in circles if any(pair <= set(c) for pair in PENDING_CIRCLES)]
-    stale = [sorted(pair) for pair in PENDING_CIRCLES if not any(pair <= set(c) for c in circles)]
-    left = [c for c in circles if c not in known]
-    assert not left, "Import circles (each edge with the line importing it):\n" + "\n\n".join(
-        "\n".join(_edges_within(graph, circle)) for circle in left
+    assert not circles, "Import circles (each edge with the line importing it):\n" + "\n\n".join(
+        "\n".join(_edges_within(graph, circle)) for circle in circles
     )
-    if stale:
-        pytest.skip(f"PENDING_CIRCLES lists circles that are gone; remove them: {stale}")
 
 
 def test_nothing_below_the_strategy_imports_it_or_its_options():

@@ -14,8 +14,6 @@ internal fails at import with :class:`InternalChanged`, naming it and the instal
 - ``lightning.py``: Lightning's launchers, distributed helpers, precision utilities and trainer internals.
 - ``pipelining.py``: torch.distributed.pipelining internals of the pipeline runtime (its own contract test).
 - ``versions.py``: the import-time guard refusing framework releases the shims were not checked on.
-
-Files still being moved behind this layer are listed as pending in ``tests/_compat/test_private_uses.py``.
 """
 
 from __future__ import annotations

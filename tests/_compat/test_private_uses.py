@@ -15,7 +15,6 @@ import importlib
 import inspect
 from pathlib import Path
 
-import pytest
 import torch
 
 import lightning_mgpu
@@ -31,11 +30,6 @@ OTHER_LIBRARIES = {
 }
 # Names Python's own machinery puts on classes (abc, typing), not private APIs of the frameworks.
 _MACHINERY = {"_abc_impl", "_is_protocol", "_is_runtime_protocol"}
-# Files another change in flight rewrites (their offenders are reported as a warning). Remove an entry once its
-# file is clean: `test_pending_entries_still_needed` then says so.
-PENDING: dict[str, str] = {
-    "lightning_mgpu/parallel/deepspeed_release.py": "nn.Module parameter slots, in progress with the DeepSpeed backend",
-}
 
 
 def _framework_privates() -> set[str]:
@@ -198,21 +192,12 @@ def _package_offenders() -> tuple[str, ...]:
 
 
 def test_no_private_framework_api_outside_compat():
-    offenders = _package_offenders()
-    left = [o for o in offenders if o.split(":")[0] not in PENDING]
+    left = _package_offenders()
     assert not left, (
         "Private torch/Lightning/torchmetrics API used outside lightning_mgpu/_compat (add a shim there, documented"
         " with the public API it stands in for, and a contract test in tests/_compat/test_contract.py):\n"
         + "\n".join(sorted(left))
     )
-
-
-def test_pending_entries_still_needed():
-    offenders = _package_offenders()
-    stale = sorted(p for p in PENDING if (PACKAGE.parent / p).exists()
-                   and not any(o.startswith(p + ":") for o in offenders))
-    if stale:
-        pytest.skip(f"PENDING lists files that are clean now; remove them: {stale}")
 
 
 def test_the_scan_finds_what_it_is_meant_to_find():
