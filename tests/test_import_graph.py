@@ -98,8 +98,12 @@ def _circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 
 def _edges_within(graph: dict[str, dict[str, int]], members: list[str]) -> list[str]:
-    return [f"{a} -> {b} ({_modules()[a].relative_to(PACKAGE.parent)}:{line})"
-            for a in members for b, line in graph[a].items() if b in members]
+    return [
+        f"{a} -> {b} ({_modules()[a].relative_to(PACKAGE.parent)}:{line})"
+        for a in members
+        for b, line in graph[a].items()
+        if b in members
+    ]
 
 
 def test_no_import_circles():
@@ -114,8 +118,10 @@ def test_nothing_below_the_strategy_imports_it_or_its_options():
     graph = import_graph()
     upward = [
         f"{source} -> {target} ({_modules()[source].relative_to(PACKAGE.parent)}:{line})"
-        for source, targets in graph.items() if source.startswith(LOWER)
-        for target, line in targets.items() if target in UPPER
+        for source, targets in graph.items()
+        if source.startswith(LOWER)
+        for target, line in targets.items()
+        if target in UPPER
     ]
     assert not upward, "Imports from parallel/, checkpoint/ or precision.py up into strategy/options:\n" + "\n".join(
         upward

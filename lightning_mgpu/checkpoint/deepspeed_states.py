@@ -19,7 +19,7 @@ An object of :class:`DeepSpeedStates` stands in for the ``states`` module in ``C
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -154,7 +154,7 @@ class DeepSpeedStates:
         optimizers: list[Optimizer],
         strict: bool,
         where: str,
-        checkpoint_id: Optional[Any] = None,
+        checkpoint_id: Any | None = None,
     ) -> None:
         """Read whole tensors (any layout saved them) and scatter them into DeepSpeed's partitions. Collective."""
         index = reader.read_metadata().state_dict_metadata
@@ -192,7 +192,7 @@ class DeepSpeedStates:
         for key, value in request.items():
             if not key.startswith(MODEL_KEY + "."):
                 continue
-            name = key[len(MODEL_KEY) + 1:]
+            name = key[len(MODEL_KEY) + 1 :]
             if name in buffers:
                 buffers[name].data.copy_(value)
             param = params.get(name)
@@ -212,7 +212,7 @@ class DeepSpeedStates:
         names = self._fqns(model)
         sample = next((k for k in flat if k.startswith(_STATE)), None)
         if sample is not None:
-            fqn = states._split_state_key(sample[len(_STATE):], set(names.values()))[0]
+            fqn = states._split_state_key(sample[len(_STATE) :], set(names.values()))[0]
             prefix = f"{_STATE}{fqn}."
             self._create_missing_states(optimizer, _strip(flat, prefix))
         tensor_keys, scalars = self._state_layout(optimizer)
@@ -243,8 +243,11 @@ class DeepSpeedStates:
                 if partition is None or optimizer.state.get(partition):
                     continue
                 optimizer.state[partition] = {
-                    key: value.clone() if _is_scalar(value) and torch.is_tensor(value) else
-                    value if _is_scalar(value) else torch.zeros_like(partition)
+                    key: value.clone()
+                    if _is_scalar(value) and torch.is_tensor(value)
+                    else value
+                    if _is_scalar(value)
+                    else torch.zeros_like(partition)
                     for key, value in example.items()
                 }
                 created = True
@@ -270,7 +273,7 @@ class DeepSpeedStates:
 
 def _strip(entries: dict[str, Any], prefix: str) -> dict[str, Any]:
     """The entries under ``prefix``, keyed without it."""
-    return {key[len(prefix):]: value for key, value in entries.items() if key.startswith(prefix)}
+    return {key[len(prefix) :]: value for key, value in entries.items() if key.startswith(prefix)}
 
 
 def _is_module_param(tensor: torch.Tensor, runner: EngineRunner) -> bool:

@@ -13,7 +13,7 @@ parameters again with their whole per-parameter states. Collective (values are g
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,14 +27,23 @@ if TYPE_CHECKING:
 _STATE = "state."
 # Attributes DeepSpeed puts on modules (deepspeed 0.19: runtime/zero/parameter_offload.py, partition_parameters.py);
 # modules also carry Lightning's and the user's own attributes, so only these go.
-_MODULE_ATTRIBUTES = frozenset({"_external_params", "_original_parameters", "pre_bwd_fn", "post_bwd_fn",
-                                "applied_pre_backward_ref_cnt", "all_parameters", "wall_clock_breakdown"})
+_MODULE_ATTRIBUTES = frozenset(
+    {
+        "_external_params",
+        "_original_parameters",
+        "pre_bwd_fn",
+        "post_bwd_fn",
+        "applied_pre_backward_ref_cnt",
+        "all_parameters",
+        "wall_clock_breakdown",
+    }
+)
 
 
 class DeepSpeedRelease:
     """What the module and optimizer looked like before ``deepspeed.initialize``; :meth:`release` restores it."""
 
-    def __init__(self, root: nn.Module, optimizer: Optional[Optimizer]) -> None:
+    def __init__(self, root: nn.Module, optimizer: Optimizer | None) -> None:
         self.module_keys = {id(m): frozenset(vars(m)) for m in root.modules()}
         self.params = {id(p): (frozenset(vars(p)), p.dtype) for p in root.parameters()}
         self.buffers = {id(b): b.dtype for b in root.buffers()}
@@ -81,7 +90,7 @@ class DeepSpeedRelease:
             group["params"] = params
             for param in params:
                 prefix = f"{_STATE}{names[param]}."
-                state = {key[len(prefix):]: value for key, value in flat.items() if key.startswith(prefix)}
+                state = {key[len(prefix) :]: value for key, value in flat.items() if key.startswith(prefix)}
                 if state:
                     optimizer.state[param] = {
                         key: value.to(param.dtype) if torch.is_tensor(value) and value.dim() > 0 else value

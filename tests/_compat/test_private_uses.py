@@ -41,9 +41,20 @@ def _framework_privates() -> set[str]:
     from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader
 
-    classes = (torch.nn.Module, torch.Tensor, DTensor, DeviceMesh, DataLoader, torch.optim.Optimizer,
-               torch.amp.GradScaler, pl.Trainer, pl.LightningModule, pl.strategies.Strategy,
-               pl.plugins.precision.Precision, torchmetrics.Metric)
+    classes = (
+        torch.nn.Module,
+        torch.Tensor,
+        DTensor,
+        DeviceMesh,
+        DataLoader,
+        torch.optim.Optimizer,
+        torch.amp.GradScaler,
+        pl.Trainer,
+        pl.LightningModule,
+        pl.strategies.Strategy,
+        pl.plugins.precision.Precision,
+        torchmetrics.Metric,
+    )
     return {name for cls in classes for name in dir(cls) if _private(name)}
 
 
@@ -70,8 +81,12 @@ def _own_names(trees: dict[Path, ast.AST]) -> set[str]:
                 names.add(node.id)
             elif isinstance(node, ast.arg):
                 names.add(node.arg)
-            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
                 names.add(node.attr)
     return names
 
@@ -97,12 +112,18 @@ def _class_scopes(tree: ast.AST, framework_names: set[str]) -> dict[ast.ClassDef
     for node in ast.walk(tree):
         if not isinstance(node, ast.ClassDef):
             continue
-        bases = [b.value.id if isinstance(b, ast.Attribute) and isinstance(b.value, ast.Name) else
-                 getattr(b, "id", None) for b in node.bases]
+        bases = [
+            b.value.id if isinstance(b, ast.Attribute) and isinstance(b.value, ast.Name) else getattr(b, "id", None)
+            for b in node.bases
+        ]
         defined = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
         for sub in ast.walk(node):
-            if (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) and isinstance(sub.value, ast.Name)
-                    and sub.value.id == "self"):
+            if (
+                isinstance(sub, ast.Attribute)
+                and isinstance(sub.ctx, ast.Store)
+                and isinstance(sub.value, ast.Name)
+                and sub.value.id == "self"
+            ):
                 defined.add(sub.attr)
             elif isinstance(sub, ast.Assign):
                 defined.update(t.id for t in sub.targets if isinstance(t, ast.Name))
@@ -145,16 +166,31 @@ def _static_offenders() -> list[str]:
                         report(node, f"self.{node.attr} (a framework base class's private attribute)")
                 elif node.attr not in ours and not node.attr.startswith("_lightning_mgpu"):
                     report(node, f".{node.attr}")
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                  and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1
-                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
                 name = node.args[1].value
-                if (_private(name) and name not in ours and name not in OTHER_LIBRARIES
-                        and not name.startswith("_lightning_mgpu")):
+                if (
+                    _private(name)
+                    and name not in ours
+                    and name not in OTHER_LIBRARIES
+                    and not name.startswith("_lightning_mgpu")
+                ):
                     report(node, f"{node.func.id}(..., {name!r})")
-            elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
-                  and node.value.attr == "__dict__" and isinstance(node.slice, ast.Constant)
-                  and isinstance(node.slice.value, str) and _private(node.slice.value) and node.slice.value not in ours):
+            elif (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "__dict__"
+                and isinstance(node.slice, ast.Constant)
+                and isinstance(node.slice.value, str)
+                and _private(node.slice.value)
+                and node.slice.value not in ours
+            ):
                 report(node, f"__dict__[{node.slice.value!r}]")
             for child in ast.iter_child_nodes(node):
                 visit(child, scope)
@@ -181,8 +217,10 @@ def _override_offenders() -> list[str]:
             for attr in vars(cls):
                 if _private(attr) and attr not in _MACHINERY and any(attr in vars(b) for b in foreign):
                     line = inspect.getsourcelines(cls)[1]
-                    offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {cls.__name__}.{attr} overrides a"
-                                     f" framework class's private {attr}")
+                    offenders.append(
+                        f"{path.relative_to(PACKAGE.parent)}:{line}: {cls.__name__}.{attr} overrides a"
+                        f" framework class's private {attr}"
+                    )
     return offenders
 
 
@@ -213,7 +251,12 @@ def test_the_scan_finds_what_it_is_meant_to_find():
         offenders = "\n".join(_static_offenders() + _override_offenders())
     finally:
         planted.unlink()
-    for expected in (":2: from torch.utils._pytree", ":5: ._forward_hooks", "getattr(..., '_buffers')",
-                     "self._private_of_torch", "S._apply overrides"):
+    for expected in (
+        ":2: from torch.utils._pytree",
+        ":5: ._forward_hooks",
+        "getattr(..., '_buffers')",
+        "self._private_of_torch",
+        "S._apply overrides",
+    ):
         assert expected in offenders, (expected, offenders)
     assert "_exit" not in offenders.replace("_planted", "")  # os is not a framework
