@@ -14,6 +14,8 @@ process starts (:func:`check_config`); those that need the Trainer run in :func:
 from __future__ import annotations
 
 import copy
+import difflib
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -101,6 +103,7 @@ def check_config(config: DeepSpeedConfig, zero_stage: int | str) -> None:
                 " or remove offload_param."
             )
     _check_zero_section(zero)
+    _check_with_deepspeeds_parser(user, zero_stage if isinstance(zero_stage, int) else None)
 
 
 def _check_zero_section(zero: dict[str, Any]) -> None:
@@ -120,6 +123,93 @@ def _check_zero_section(zero: dict[str, Any]) -> None:
             f"`deepspeed_config['zero_optimization']` is not valid for DeepSpeed: {problems}. Correct or remove"
             " these keys (DeepSpeed's ZeRO configuration reference lists the valid ones)."
         ) from None
+
+
+# Top-level keys `deepspeed.initialize` reads itself, outside the config parser (Ulysses sequence parallelism's mesh;
+# deepspeed/__init__.py), and the autotuner's section (read by DeepSpeed's launcher).
+_READ_OUTSIDE_THE_PARSER = ("sequence_parallel_size", "data_parallel_size", "autotuning")
+# Placeholders for the values filled from the Trainer (build_config checks the user's own against the Trainer's).
+_PROBE_BATCH = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+
+
+class _ReadRecorder(dict):
+    """A config dict that records which keys DeepSpeed's parser asks for (however it asks)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.read: set[Any] = set()
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def keys(self) -> Any:  # `key in config.keys()` is recorded too
+        return self
+
+
+class _OneRank:
+    """DeepSpeed's ``mpu`` for parsing a config outside a job: one data-parallel rank."""
+
+    def get_data_parallel_world_size(self) -> int:
+        return 1
+
+
+def _parse(config: dict[str, Any]) -> set[Any]:
+    """Run DeepSpeed's own config parser (``DeepSpeedConfig``) over ``config``; the top-level keys it read."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    probe = _ReadRecorder(config)
+    DeepSpeedConfig(probe, mpu=_OneRank())
+    return probe.read
+
+
+@functools.cache
+def _known_keys() -> frozenset[str]:
+    """Every top-level key the installed DeepSpeed reads: what its parser asks of a minimal config (sections it
+    looks for, whether present or not), plus the few read outside the parser."""
+    return frozenset(k for k in _parse(dict(_PROBE_BATCH)) if isinstance(k, str)) | set(_READ_OUTSIDE_THE_PARSER)
+
+
+def _check_with_deepspeeds_parser(user: dict[str, Any], zero_stage: int | None) -> None:
+    """DeepSpeed's parser over the user's config, before any process starts: its own errors surface here, and a
+    top-level key it never reads (``"zero_optimisation"``, which DeepSpeed would silently ignore) is refused,
+    naming the closest key DeepSpeed knows."""
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfigError
+    except ImportError:
+        return  # the engine reports the missing package when it is built
+    probe = {key: value for key, value in user.items() if key not in _PROBE_BATCH} | _PROBE_BATCH
+    if zero_stage is not None:
+        probe["zero_optimization"] = {**probe.get("zero_optimization", {}), "stage": zero_stage}
+    try:
+        read = _parse(probe)
+    except (DeepSpeedConfigError, ValueError, TypeError, KeyError, AssertionError) as error:
+        raise ValueError(f"`deepspeed_config` is not valid for DeepSpeed {_deepspeed_version()}: {error}") from None
+    known = _known_keys() | {k for k in read if isinstance(k, str)}
+    for key in user:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"`deepspeed_config` has the top-level key {key!r}, which DeepSpeed {_deepspeed_version()} does not"
+            f" read (it would be ignored).{hint} Correct or remove it (DeepSpeed's configuration reference lists"
+            " the valid keys)."
+        )
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return str(deepspeed.__version__)
 
 
 def build_config(

@@ -371,6 +371,15 @@ def _flat_keys(full: dict[str, Any]) -> list[str]:
             dict(zero_stage=2, deepspeed_config={"zero_optimization": {"reduce_bucket_sise": 5}}),
             r"not valid for DeepSpeed: reduce_bucket_sise: Extra inputs are not permitted",
         ),
+        (
+            dict(zero_stage=2, deepspeed_config={"zero_optimisation": {"stage": 2}}),
+            r"top-level key 'zero_optimisation', which DeepSpeed \S+ does not read .* Did you mean 'zero_optimization'",
+        ),
+        (
+            dict(zero_stage=3, deepspeed_config={"gradient_allreduce_op": "sum"}),
+            r"not valid for DeepSpeed \S+: gradient_allreduce_op='sum' is not supported with ZeRO stage 3",
+        ),
+        (dict(deepspeed_config={"amp": {"enabled": True}}), r"not valid for DeepSpeed \S+: NVIDIA Apex AMP .* removed"),
         (dict(pipeline_parallel_size=2, zero_stage=1), r"pipeline_parallel_size=2 would need DeepSpeed's own"),
         (dict(deepspeed_config={"optimizer": {"type": "Adam"}}), r"optimizer comes from the LightningModule"),
         (dict(tensor_parallel_size=2), r"tensor_parallel_size=2 shards parameters as DTensors"),
