@@ -1,6 +1,9 @@
 """HybridStrategy: the Lightning face of lightning-mgpu.
 
-It owns Lightning's hooks and hands every piece of parallel work to ``layout``, ``parallel/`` and ``checkpoint``.
+It owns Lightning's hooks and hands every piece of parallel work to ``layout``, ``parallel/`` and ``checkpoint``:
+the layout's checks and planned choice (``layout_choice``), the module made parallel and its optimizers wired
+(``module_setup``), where a step runs (``step_dispatch``); the checkpoint and collective hooks are mixed in from
+``strategy_checkpoint`` and ``strategy_collectives``.
 """
 
 from __future__ import annotations
@@ -12,15 +15,11 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
@@ -28,33 +27,31 @@ from typing_extensions import override
 from lightning_mgpu import checkpoint as sharded_checkpoint
 from lightning_mgpu._compat.lightning import (
     IS_INTERACTIVE,
-    PATH,
     StrategyHooks,
-    all_gather_ddp_if_available,
-    attached_trainer,
     default_process_group_backend,
     init_dist_connection,
     layer_sync,
     materialize_distributed_module,
     optimizers_to_device,
     reset_optimizers_and_schedulers,
-    sync_ddp_if_available,
 )
 from lightning_mgpu.checkpoint.plain import restore_plain
 from lightning_mgpu.failures import handle_rank_failure
 from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
-from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size, warn_about_layout
+from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
+from lightning_mgpu.layout_choice import agreed_plan, check_sizes, check_trainer_layout
+from lightning_mgpu.module_setup import data_parallel_roots, parallelize_for_run, wire_optimizers
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
-from lightning_mgpu.parallel import StepRunner, parallelize
+from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
-from lightning_mgpu.parallel.deepspeed_engine import CHECKPOINT_KEY as DEEPSPEED_KEY
 from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
-from lightning_mgpu.parallel.experts import expert_parameters
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
-from lightning_mgpu.parallel.tensor import tensor_parallel_context
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
+from lightning_mgpu.step_dispatch import run_step, step_context
+from lightning_mgpu.strategy_checkpoint import CheckpointHooks
+from lightning_mgpu.strategy_collectives import DataParallelCollectives
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -63,7 +60,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class HybridStrategy(StrategyHooks, ParallelStrategy):
+class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
     """Data, tensor and pipeline parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
 
     Arguments: the README's "HybridStrategy arguments" table. Sizes multiply to ``devices x num_nodes``;
@@ -222,33 +219,15 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
             self._check_layout(self._layout)
 
     def _check_sizes(self, layout: ParallelLayout) -> None:
-        """The options against one layout's sizes (raises naming the option and the fix)."""
-        names = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
-        auto = tuple(name for name, size in zip(names, self._requested_sizes) if size == "auto")
-        self.options.check_sizes(layout.zero_stage, layout.tensor_parallel_size, layout.pipeline_parallel_size, auto)
-        if self.options.expert_parallel_size > 1:
-            from lightning_mgpu.parallel.experts import check_expert_layout
-
-            check_expert_layout(self.options, layout)
-        self.precision_plugin.check_layout(layout.tensor_parallel_size)
+        check_sizes(self.options, self.precision_plugin, self._requested_sizes, layout)
 
     def _check_layout(self, layout: ParallelLayout | None) -> None:
-        """What needs the resolved sizes and the Trainer's devices: raised here, in the launching process.
-
-        ``None``: the planner chooses at setup among ``_layout_choices``, which ``_check_sizes`` already accepted.
-        """
         assert self.parallel_devices is not None
         self._launch_options.check_device(self.parallel_devices[0].type)
-        if layer_sync(self) is not None:  # set from Trainer(sync_batchnorm=True) just before this call
-            raise NotImplementedError(
-                "HybridStrategy does not implement Trainer(sync_batchnorm=True) yet: BatchNorm statistics would stay"
-                " per rank. Remove sync_batchnorm=True (or use GroupNorm/LayerNorm, which need no synchronization)."
-            )
-        if layout is None:
-            return
-        # At dp=1 the data-parallel wrap still serves cpu_offload or a param_dtype cast.
-        wrapped = self.options.cpu_offload or self.precision_plugin.param_dtype is not None
-        warn_about_layout(layout, self.num_processes, self.num_nodes, wrapped)
+        sync_batchnorm = layer_sync(self) is not None  # set from Trainer(sync_batchnorm=True) just before this call
+        check_trainer_layout(
+            layout, self.options, self.precision_plugin, sync_batchnorm, self.num_processes, self.num_nodes
+        )
 
     @property
     @override
@@ -315,35 +294,13 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
             self.lightning_module._device_mesh = self._device_mesh
 
     def _planned_layout(self) -> ParallelLayout:
-        """Global rank 0 asks the planner (module, devices, batch size, precision) and every rank runs its answer,
-        so that ranks never disagree; an error there is raised on every rank rather than left to hang the others."""
-        answer: Any = None
-        failure: Exception | None = None
-        if self.global_rank == 0:
-            try:
-                cluster = planner_auto.local_cluster(self.world_size, self.num_processes, self.root_device.type)
-                module = self.lightning_module
-                assert module is not None
-                answer = planner_auto.plan_strategy_layout(
-                    module,
-                    self._layout_choices,
-                    cluster,
-                    planner_auto.batch_per_replica(module),
-                    str(self.precision_plugin.precision),
-                    self.options,
-                )
-            except Exception as error:  # noqa: BLE001 - raised on every rank below
-                failure = error
-                answer = error if isinstance(error, ValueError) else RuntimeError(f"{type(error).__name__}: {error}")
-        answer = self.broadcast(answer, src=0)
-        if isinstance(answer, Exception):
-            raise failure or answer
-        self._plan = answer
-        if answer.estimate is None:
-            rank_zero_warn(answer.describe())
-        else:
-            rank_zero_info(answer.describe())
-        return answer.layout
+        def cluster() -> planner_auto.ClusterSpec:
+            return planner_auto.local_cluster(self.world_size, self.num_processes, self.root_device.type)
+
+        precision = str(self.precision_plugin.precision)
+        args = (self._layout_choices, self.options, precision, self.global_rank, cluster, self.broadcast)
+        self._plan = agreed_plan(self.lightning_module, *args)
+        return self._plan.layout
 
     @property
     def plan(self) -> planner_auto.StrategyPlan | None:
@@ -372,7 +329,11 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
             self._failed = False
             if self._restore_module and self._deepspeed is None:
                 self._snapshot = ModuleSnapshot.take(self.lightning_module)
-            self.model = self._runner = self._parallelize()
+            module, mesh, precision = self.lightning_module, self.device_mesh, self.precision_plugin
+            self._runner, self._pipeline = parallelize_for_run(
+                module, self.layout, mesh, self.options, precision, self.root_device, self._patches
+            )
+            self.model = self._runner
             if self._snapshot is not None:
                 self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains
         reduce_metrics_over(self.lightning_module, self.device_mesh[DP_AXIS].get_group(), self._patches)
@@ -392,37 +353,9 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self) -> StepRunner:
-        assert self.lightning_module is not None
-        runner = StepRunner(self.lightning_module)
-        pipeline = parallelize(
-            self.lightning_module,
-            self.layout,
-            self.device_mesh,
-            self.options,
-            mp_policy=self.precision_plugin.mp_policy(),
-            root=runner,
-        )
-        if pipeline is not None:
-            pp_mesh = self.device_mesh[PP_AXIS]
-            self._pipeline = PipelineEngine(
-                self.lightning_module,
-                pipeline,
-                self.options.pipeline_schedule,
-                self.options.num_microbatches,
-                pp_mesh.get_group(),
-                self.root_device,
-            )
-            self._pipeline.share_with(self.precision_plugin)
-            self._patches.add(self._pipeline.remove)
-        return runner
-
     @property
     def _data_parallel_roots(self) -> list[nn.Module]:
-        """The modules the data-parallel root wraps went on: pipeline stages, or the step runner."""
-        if self._pipeline is not None:
-            return list(self._pipeline.runtime.stages)
-        return [self.model] if self.model is not None else []
+        return data_parallel_roots(self._pipeline, self.model)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -430,18 +363,11 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         for sharding in self._optimizer_sharding:
             sharding.remove()
         super().setup_optimizers(trainer)
-        if self._pipeline is not None:
-            for optimizer in self.optimizers:
-                self._patches.keep_attribute(optimizer, "zero_grad")
-                self._pipeline.guard_zero_grad(optimizer)
-        if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1 and self._deepspeed is None:
-            dp_mesh = self.device_mesh[DP_AXIS]
-            assert self.lightning_module is not None
-            local = expert_parameters(self.lightning_module)  # sharded over their own mesh: each rank steps its own
-            self._optimizer_sharding = [
-                OptimizerStateSharding(optimizer, dp_mesh, self._data_parallel_roots, self.precision_plugin, local)
-                for optimizer in self.optimizers
-            ]
+        assert self.lightning_module is not None
+        run = (self.layout, self.device_mesh, self._pipeline, self._data_parallel_roots, self.precision_plugin)
+        self._optimizer_sharding = wire_optimizers(
+            self.optimizers, self.lightning_module, *run, self._patches, self._deepspeed
+        )
 
     @override
     def model_to_device(self) -> None:
@@ -457,26 +383,9 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
             yield
 
     # ------------------------------------------------------------------------------------------------------ steps
-    def _redirect(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        # Run the step through the root wrapper's __call__ so the data-parallel hooks fire even when the step calls
-        # a submodule directly (`self.model(input_ids=x)`).
-        assert self.model is not None  # the StepRunner, or the DeepSpeed engine around it
-        with self._tensor_parallel_context(method_name):
-            return self.model(method_name, *args, **kwargs)
-
-    def _pipelined(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        assert self._pipeline is not None and self.lightning_module is not None
-        if kwargs:
-            raise TypeError(f"Under pipeline parallelism {method_name} is called with positional arguments only.")
-        with self._tensor_parallel_context(method_name):
-            if method_name == "training_step":
-                accumulate = self.lightning_module.trainer.accumulate_grad_batches
-                return self._pipeline.training_step(*args, accumulate_grad_batches=accumulate)
-            return self._pipeline.evaluation_step(method_name, *args)
-
     def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        run = self._pipelined if self._pipeline is not None else self._redirect
-        return run(method_name, *args, **kwargs)
+        context = self._tensor_parallel_context(method_name)
+        return run_step(self.model, self._pipeline, self.lightning_module, context, method_name, args, kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -520,10 +429,7 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _tensor_parallel_context(self, method_name: str = "training_step") -> Any:
-        # Predictions keep whole logits: loss parallelism serves steps that compute a loss, and their backward.
-        tp = self.layout.tensor_parallel_size > 1
-        loss_parallel = self.options.loss_parallel and tp and method_name != "predict_step"
-        return tensor_parallel_context(self.options.sequence_parallel and tp, loss_parallel)
+        return step_context(self.layout, self.options, method_name)
 
     @contextmanager
     @override
@@ -540,114 +446,6 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
                 set_gradient_sync(root, True)
             if self._pipeline is not None:
                 self._pipeline.sync_gradients = True
-
-    # ------------------------------------------------------------------------------------------------ collectives
-    def _data_parallel_group(self, group: Any | None) -> Any | None:
-        if group is not None or self._device_mesh is None:
-            return group
-        return self._dp_group
-
-    @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor:
-        """Reduce over the data-parallel group by default: tensor/pipeline peers hold the same samples' values."""
-        group = self._data_parallel_group(group)
-        if not isinstance(tensor, Tensor) or (group is not None and dist.get_world_size(group) == 1):
-            return tensor  # nothing to reduce (dp=1 under tp/pp): skip Lightning's barrier + all-reduce per log
-        return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # ModelCheckpoint/EarlyStopping: the vote is over every rank (Lightning compares it with the world size).
-        votes = sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
-        return bool(votes == self.world_size) if all else bool(votes)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Gather over the data-parallel group by default, one entry per distinct data shard."""
-        return all_gather_ddp_if_available(tensor, group=self._data_parallel_group(group), sync_grads=sync_grads)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed():
-            nccl = dist.get_backend() == "nccl"
-            dist.barrier(device_ids=[self.root_device.index] if nccl else None)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed():
-            return obj
-        container = [obj]
-        dist.broadcast_object_list(container, src)
-        return container[0]
-
-    # ------------------------------------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the states go through `checkpoint.Checkpointer.save`
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Done in ``load_checkpoint``."""
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Done in ``load_checkpoint``."""
-
-    @property
-    def checkpointer(self) -> sharded_checkpoint.Checkpointer:
-        """Saves and loads checkpoints (``checkpoint_format``, ``async_checkpoint``) for this strategy."""
-        return self._checkpointer
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
-        assert self.lightning_module is not None
-        if self._deepspeed is not None:  # the engine's loss scaler and step counters
-            checkpoint = {**checkpoint, DEEPSPEED_KEY: self._deepspeed.state_dict()}
-        self.checkpointer.save(checkpoint, filepath, self.lightning_module, list(self.optimizers), self.layout)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        module = self.lightning_module
-        assert module is not None
-        fitting = attached_trainer(module) is None or module.trainer.state.fn == TrainerFn.FITTING
-        loaded = self.checkpointer.load(
-            checkpoint_path,
-            module,
-            list(self.optimizers),
-            strict=module.strict_loading,
-            weights_only=weights_only,
-            fitting=fitting,
-        )
-        if self._deepspeed is not None and fitting:
-            self._deepspeed.load_state_dict(loaded.get(DEEPSPEED_KEY))
-        return loaded
-
-    @override
-    def remove_checkpoint(self, filepath: PATH) -> None:
-        self.checkpointer.remove(filepath)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        # After a mid-epoch resume the training data continues where the checkpoint stopped (Lightning alone
-        # would restart the epoch's batches); see `checkpoint.resume`.
-        assert self.lightning_module is not None
-        return self.checkpointer.process_dataloader(dataloader, self.lightning_module.trainer)
-
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """The unsharded model weights on CPU on global rank 0 (``{}`` elsewhere). Call on every rank."""
-        assert self.lightning_module is not None
-        if self._deepspeed is not None:
-            return self.checkpointer.states.full_model_state_dict(self.lightning_module)
-        pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
-        return sharded_checkpoint.full_model_state_dict(self.lightning_module, pp_group)
 
     @override
     def teardown(self) -> None:
@@ -691,7 +489,3 @@ class HybridStrategy(StrategyHooks, ParallelStrategy):
                 description=f"lightning-mgpu HybridStrategy, ZeRO stage {stage}",
                 zero_stage=stage,
             )
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()

@@ -127,6 +127,8 @@ def _class_scopes(tree: ast.AST, framework_names: set[str]) -> dict[ast.ClassDef
                 defined.add(sub.attr)
             elif isinstance(sub, ast.Assign):
                 defined.update(t.id for t in sub.targets if isinstance(t, ast.Name))
+            elif isinstance(sub, ast.AnnAssign) and isinstance(sub.target, ast.Name):
+                defined.add(sub.target.id)  # declared by a mixin for the class that sets it (`_pipeline: ...`)
         scopes[node] = (any(b in framework_names for b in bases), defined)
     return scopes
 

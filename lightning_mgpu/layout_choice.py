@@ -1,0 +1,84 @@
+"""The layout a ``HybridStrategy`` runs: each candidate checked against the options when the Trainer is built, and,
+where ``"auto"`` sizes leave several, the planner's choice at setup, agreed on by every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_mgpu.layout import ParallelLayout, Size, warn_about_layout
+from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.planner import auto as planner_auto
+from lightning_mgpu.precision import HybridPrecision
+
+_SIZE_NAMES = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
+
+
+def check_sizes(
+    options: ParallelOptions, precision: HybridPrecision, requested_sizes: tuple[Size, ...], layout: ParallelLayout
+) -> None:
+    """The options against one layout's sizes (raises naming the option and the fix)."""
+    auto = tuple(name for name, size in zip(_SIZE_NAMES, requested_sizes) if size == "auto")
+    options.check_sizes(layout.zero_stage, layout.tensor_parallel_size, layout.pipeline_parallel_size, auto)
+    if options.expert_parallel_size > 1:
+        from lightning_mgpu.parallel.experts import check_expert_layout
+
+        check_expert_layout(options, layout)
+    precision.check_layout(layout.tensor_parallel_size)
+
+
+def check_trainer_layout(
+    layout: ParallelLayout | None,
+    options: ParallelOptions,
+    precision: HybridPrecision,
+    sync_batchnorm: bool,
+    num_processes: int,
+    num_nodes: int,
+) -> None:
+    """What needs the resolved sizes and the Trainer's devices: raised in the launching process.
+
+    ``None``: the planner chooses at setup among layouts that ``check_sizes`` already accepted.
+    """
+    if sync_batchnorm:
+        raise NotImplementedError(
+            "HybridStrategy does not implement Trainer(sync_batchnorm=True) yet: BatchNorm statistics would stay"
+            " per rank. Remove sync_batchnorm=True (or use GroupNorm/LayerNorm, which need no synchronization)."
+        )
+    if layout is None:
+        return
+    # At dp=1 the data-parallel wrap still serves cpu_offload or a param_dtype cast.
+    wrapped = options.cpu_offload or precision.param_dtype is not None
+    warn_about_layout(layout, num_processes, num_nodes, wrapped)
+
+
+def agreed_plan(
+    module: Any,
+    choices: list[ParallelLayout],
+    options: ParallelOptions,
+    precision: str,
+    global_rank: int,
+    cluster: Callable[[], Any],
+    broadcast: Callable[[Any, int], Any],
+) -> planner_auto.StrategyPlan:
+    """Global rank 0 asks the planner (module, devices, batch size, precision) and every rank runs its answer,
+    so that ranks never disagree; an error there is raised on every rank rather than left to hang the others."""
+    answer: Any = None
+    failure: Exception | None = None
+    if global_rank == 0:
+        try:
+            answer = planner_auto.plan_strategy_layout(
+                module, choices, cluster(), planner_auto.batch_per_replica(module), precision, options
+            )
+        except Exception as error:  # noqa: BLE001 - raised on every rank below
+            failure = error
+            answer = error if isinstance(error, ValueError) else RuntimeError(f"{type(error).__name__}: {error}")
+    answer = broadcast(answer, 0)
+    if isinstance(answer, Exception):
+        raise failure or answer
+    if answer.estimate is None:
+        rank_zero_warn(answer.describe())
+    else:
+        rank_zero_info(answer.describe())
+    return answer

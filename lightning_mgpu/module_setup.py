@@ -1,0 +1,79 @@
+"""The user's module made parallel for one run, and its optimizers wired to the result.
+
+``HybridStrategy.setup`` calls these; every patch they make on the user's objects goes into the run's ``PatchLog``
+and is undone at ``teardown``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout
+from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.parallel import StepRunner, parallelize
+from lightning_mgpu.parallel.data import OptimizerStateSharding
+from lightning_mgpu.parallel.experts import expert_parameters
+from lightning_mgpu.parallel.pipeline_step import PipelineEngine
+from lightning_mgpu.patches import PatchLog
+from lightning_mgpu.precision import HybridPrecision
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def parallelize_for_run(
+    module: nn.Module,
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    options: ParallelOptions,
+    precision: HybridPrecision,
+    device: torch.device,
+    patches: PatchLog,
+) -> tuple[StepRunner, PipelineEngine | None]:
+    """Every parallelism of ``layout`` applied to ``module``; the step runner Lightning calls, and the pipeline
+    engine that runs the schedule when ``layout`` pipelines."""
+    runner = StepRunner(module)
+    pipeline = parallelize(module, layout, mesh, options, mp_policy=precision.mp_policy(), root=runner)
+    if pipeline is None:
+        return runner, None
+    engine = PipelineEngine(
+        module, pipeline, options.pipeline_schedule, options.num_microbatches, mesh[PP_AXIS].get_group(), device
+    )
+    engine.share_with(precision)
+    patches.add(engine.remove)
+    return runner, engine
+
+
+def data_parallel_roots(pipeline: PipelineEngine | None, model: nn.Module | None) -> list[nn.Module]:
+    """The modules the data-parallel root wraps went on: pipeline stages, or the step runner."""
+    if pipeline is not None:
+        return list(pipeline.runtime.stages)
+    return [model] if model is not None else []
+
+
+def wire_optimizers(
+    optimizers: Sequence[Optimizer],
+    module: nn.Module,
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    pipeline: PipelineEngine | None,
+    roots: list[nn.Module],
+    precision: HybridPrecision,
+    patches: PatchLog,
+    deepspeed: Any | None,
+) -> list[OptimizerStateSharding]:
+    """The user's optimizers made to fit the run: ``zero_grad`` guarded under pipelining (the schedule made the
+    gradients before Lightning zeroes them), states sharded over data parallelism at ZeRO stage 1."""
+    if pipeline is not None:
+        for optimizer in optimizers:
+            patches.keep_attribute(optimizer, "zero_grad")
+            pipeline.guard_zero_grad(optimizer)
+    if layout.zero_stage != 1 or layout.data_parallel_size == 1 or deepspeed is not None:
+        return []
+    local = expert_parameters(module)  # sharded over their own mesh: each rank steps its own
+    return [OptimizerStateSharding(optimizer, mesh[DP_AXIS], roots, precision, local) for optimizer in optimizers]

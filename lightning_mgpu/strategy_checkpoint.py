@@ -1,0 +1,106 @@
+"""Lightning's checkpoint hooks for ``HybridStrategy``: every state goes through ``checkpoint.Checkpointer``.
+
+Lightning's own model and optimizer state hooks are empty: the checkpointer saves and loads the sharded states
+under the plain module's FQNs, whatever the layout (see ``checkpoint/``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_mgpu import checkpoint as sharded_checkpoint
+from lightning_mgpu._compat.lightning import PATH, attached_trainer
+from lightning_mgpu.layout import PP_AXIS, ParallelLayout
+from lightning_mgpu.parallel.deepspeed_engine import CHECKPOINT_KEY as DEEPSPEED_KEY
+from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
+from lightning_mgpu.parallel.pipeline_step import PipelineEngine
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class CheckpointHooks(ParallelStrategy):
+    """Mixed into ``HybridStrategy``, which sets the checkpointer, the DeepSpeed runner and the pipeline engine."""
+
+    _checkpointer: sharded_checkpoint.Checkpointer
+    _deepspeed: DeepSpeedEngineRunner | None
+    _pipeline: PipelineEngine | None
+
+    if TYPE_CHECKING:
+
+        @property
+        def layout(self) -> ParallelLayout: ...
+
+        @property
+        def device_mesh(self) -> DeviceMesh: ...
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the states go through `checkpoint.Checkpointer.save`
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Done in ``load_checkpoint``."""
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Done in ``load_checkpoint``."""
+
+    @property
+    def checkpointer(self) -> sharded_checkpoint.Checkpointer:
+        """Saves and loads checkpoints (``checkpoint_format``, ``async_checkpoint``) for this strategy."""
+        return self._checkpointer
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
+        assert self.lightning_module is not None
+        if self._deepspeed is not None:  # the engine's loss scaler and step counters
+            checkpoint = {**checkpoint, DEEPSPEED_KEY: self._deepspeed.state_dict()}
+        self.checkpointer.save(checkpoint, filepath, self.lightning_module, list(self.optimizers), self.layout)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        fitting = attached_trainer(module) is None or module.trainer.state.fn == TrainerFn.FITTING
+        loaded = self.checkpointer.load(
+            checkpoint_path,
+            module,
+            list(self.optimizers),
+            strict=module.strict_loading,
+            weights_only=weights_only,
+            fitting=fitting,
+        )
+        if self._deepspeed is not None and fitting:
+            self._deepspeed.load_state_dict(loaded.get(DEEPSPEED_KEY))
+        return loaded
+
+    @override
+    def remove_checkpoint(self, filepath: PATH) -> None:
+        self.checkpointer.remove(filepath)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # After a mid-epoch resume the training data continues where the checkpoint stopped (Lightning alone
+        # would restart the epoch's batches); see `checkpoint.resume`.
+        assert self.lightning_module is not None
+        return self.checkpointer.process_dataloader(dataloader, self.lightning_module.trainer)
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The unsharded model weights on CPU on global rank 0 (``{}`` elsewhere). Call on every rank."""
+        assert self.lightning_module is not None
+        if self._deepspeed is not None:
+            return self.checkpointer.states.full_model_state_dict(self.lightning_module)
+        pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
+        return sharded_checkpoint.full_model_state_dict(self.lightning_module, pp_group)

@@ -1,0 +1,71 @@
+"""Lightning's collective hooks for ``HybridStrategy``: reductions and gathers default to the data-parallel group.
+
+Tensor and pipeline peers hold the same samples' values, so logged metrics and ``all_gather`` results are reduced
+over distinct data shards only; votes (``ModelCheckpoint``/``EarlyStopping``) and barriers span every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_mgpu._compat.lightning import all_gather_ddp_if_available, sync_ddp_if_available
+
+
+class DataParallelCollectives(ParallelStrategy):
+    """Mixed into ``HybridStrategy``: its mesh (``_device_mesh``) and data-parallel group (``_dp_group``) are set
+    in ``setup_environment``."""
+
+    _device_mesh: Any | None
+    _dp_group: Any
+
+    def _data_parallel_group(self, group: Any | None) -> Any | None:
+        if group is not None or self._device_mesh is None:
+            return group
+        return self._dp_group
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
+        """Reduce over the data-parallel group by default: tensor/pipeline peers hold the same samples' values."""
+        group = self._data_parallel_group(group)
+        if not isinstance(tensor, Tensor) or (group is not None and dist.get_world_size(group) == 1):
+            return tensor  # nothing to reduce (dp=1 under tp/pp): skip Lightning's barrier + all-reduce per log
+        return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # ModelCheckpoint/EarlyStopping: the vote is over every rank (Lightning compares it with the world size).
+        votes = sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather over the data-parallel group by default, one entry per distinct data shard."""
+        return all_gather_ddp_if_available(tensor, group=self._data_parallel_group(group), sync_grads=sync_grads)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed():
+            nccl = dist.get_backend() == "nccl"
+            dist.barrier(device_ids=[self.root_device.index] if nccl else None)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src)
+        return container[0]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
