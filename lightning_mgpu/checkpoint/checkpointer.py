@@ -22,6 +22,7 @@ from lightning_mgpu._compat.dcp import flatten_state_dict
 from lightning_mgpu._compat.lightning import attached_trainer
 from lightning_mgpu.checkpoint import format as fmt
 from lightning_mgpu.checkpoint import resume, states
+from lightning_mgpu.checkpoint.flat_fragments import FragmentSavePlanner
 from lightning_mgpu.checkpoint.format import INFO_KEY, LAYOUT_KEY, MODEL_KEY, OPTIMIZER_KEY, CheckpointError
 
 if TYPE_CHECKING:
@@ -226,10 +227,12 @@ class Checkpointer:
             if _rank() == 0:
                 fmt.write_file(meta, staging / fmt.METADATA_FILE)
             group = self._checkpoint_group()
-            future = dcp.async_save(state, storage_writer=writer, checkpoint_id=staging, process_group=group)
+            future = dcp.async_save(
+                state, storage_writer=writer, checkpoint_id=staging, process_group=group, planner=FragmentSavePlanner()
+            )
             self._pending = _PendingSave(future, staging, path, writer, group)
             return
-        dcp.save(state, storage_writer=writer, checkpoint_id=staging)
+        dcp.save(state, storage_writer=writer, checkpoint_id=staging, planner=FragmentSavePlanner())
         sharded = self.checkpoint_format == "sharded"  # a full file carries its own checksums
         parts = _gather_object(_checksum_written(staging, writer) if sharded else {})
         error = None

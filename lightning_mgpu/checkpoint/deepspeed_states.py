@@ -1,24 +1,24 @@
 """Model and optimizer states of a DeepSpeed engine in the checkpoint format of the torch backend.
 
-DeepSpeed keeps fp32 master weights and optimizer states as flat partitions of its own. Here they are gathered
-per parameter with DeepSpeed's ``safe_get_full_*`` APIs and written under the same plain FQN keys as the torch
-backend (``state_dict.<fqn>``, ``optimizer_states.<i>.state.<fqn>.<name>``, ``...param_groups.<fqn>.<hparam>``),
-as whole tensors (DCP writes each once); loading reads whole tensors and scatters them back with
-``safe_set_full_*``. So a DeepSpeed run resumes under the torch backend, any layout, and the other way round, and
-``lightning-mgpu inspect/consolidate`` read it like any other checkpoint.
+DeepSpeed keeps fp32 master weights and optimizer states as flat partitions of its own. A save writes them under
+the same plain FQN keys as the torch backend (``state_dict.<fqn>``, ``optimizer_states.<i>.state.<fqn>.<name>``,
+``...param_groups.<fqn>.<hparam>``), each rank only what it owns: its piece of each parameter's flat range, handed
+to DCP as the N-d boxes that range covers (``flat_fragments``), views of DeepSpeed's own partitions. Nothing is
+gathered, so a save holds no more per rank than the rank's partitions (plus DCP's per-chunk copy while writing),
+and sends nothing but DCP's plan. Loading reads whole tensors (any layout saved them) and scatters them back with
+DeepSpeed's ``safe_set_full_*``: transiently the whole model and optimizer state per rank. A DeepSpeed run thus
+resumes under the torch backend, any layout, and the other way round, and ``lightning-mgpu inspect/consolidate``
+read it like any other checkpoint.
 
-Cost of a save: every rank gathers each parameter's fp32 master and optimizer states whole (``safe_get_full_*``
-all-reduce a zero-filled full tensor, one parameter and state at a time) and holds them until DCP has written,
-which it does once per tensor: transiently 12 bytes per parameter of the whole model per rank (fp32 AdamW: master
-and two moments), and about 3 x 4N x 2(dp-1)/dp bytes sent per rank. Writing shard-wise would need DeepSpeed's
-partitions re-cut first: they split parameters at arbitrary flat offsets, which DCP's chunk metadata (an N-d box
-per chunk) cannot describe.
+Where whole values are needed (the plain module given back after ``fit``, ``full_model_state_dict``) they are
+gathered per parameter with DeepSpeed's ``safe_get_full_*`` (:meth:`DeepSpeedStates.full_model_state`).
 
 An object of :class:`DeepSpeedStates` stands in for the ``states`` module in ``Checkpointer`` (same functions).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import torch
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.optim import Optimizer
 
 from lightning_mgpu.checkpoint import states
+from lightning_mgpu.checkpoint.flat_fragments import FlatFragment
 from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, CheckpointError
 
 _STATE = "state."
@@ -59,6 +60,34 @@ def _full_param(param: nn.Parameter) -> torch.Tensor:
     if full is None:
         full = param.detach()
     return full.detach().reshape(_shape(param)).clone()
+
+
+def _local_fragment(param: Any, zero: Any, key: str | None = None) -> FlatFragment | torch.Tensor:
+    """This rank's piece of a parameter's fp32 master (``key=None``) or of its optimizer state ``key``: views of
+    DeepSpeed's flat partitions, as the elements of the whole tensor they hold (none, on a rank that holds none)."""
+    shape = tuple(_shape(param))
+    if math.prod(shape) == 0:
+        return torch.empty(shape)  # nothing to own: every rank writes the empty tensor (DCP keeps one)
+    if hasattr(param, "ds_id"):  # ZeRO-3: rank r holds elements [r * n, (r + 1) * n) of the flat parameter
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+        if not param.requires_grad:
+            data = param.ds_tensor if key is None else torch.empty(0)  # frozen: the module's copy, no state
+        elif key is None:
+            data = safe_get_local_fp32_param(param)
+        else:
+            data = safe_get_local_optimizer_state(param, key)
+        if getattr(zero, "swap_optimizer", False):
+            data = data.clone()  # NVMe offload: the view's swap buffer is handed back after the call
+        size = param.partition_numel()
+        start = dist.get_rank(param.ds_process_group) * size
+        owned = max(0, min(size, math.prod(shape) - start))
+        return FlatFragment(shape, data.reshape(-1)[:owned], start)
+    mapping = param._hp_mapping  # ZeRO-1/2, bf16: the fragment of this rank's partition, if any
+    if mapping is None:
+        return FlatFragment(shape, torch.empty(0), 0)
+    data = mapping.hp_fragment if key is None else mapping.get_optim_state_fragment(key)
+    return FlatFragment(shape, data, mapping.lp_fragment_address.start)
 
 
 def _shape(param: Any) -> torch.Size:  # a DeepSpeed-partitioned parameter carries its full shape in ds_shape
@@ -92,26 +121,46 @@ class DeepSpeedStates:
 
     # ------------------------------------------------------------------------------------------------------ save
     def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """Every entry of ``model.state_dict()``, parameters as this rank's pieces of their fp32 masters."""
+        if self._released:
+            return states.model_state(model)
+        zero = self.runner.engine.optimizer
+        return self._model_entries(model, lambda param: _local_fragment(param, zero))
+
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Every entry of ``model.state_dict()``, parameters as whole fp32 masters. Collective."""
         if self._released:
             return states.model_state(model)
+        return self._model_entries(model, _full_param)
+
+    def _model_entries(self, model: nn.Module, value_of: Any) -> dict[str, Any]:
         params = dict(model.named_parameters(remove_duplicate=False))
-        gathered: dict[nn.Parameter, torch.Tensor] = {}
+        values: dict[nn.Parameter, Any] = {}
         state = {}
         for key, value in model.state_dict().items():
             param = params.get(key)
             if param is None:
                 state[key] = value.detach()
                 continue
-            if param not in gathered:
-                gathered[param] = _full_param(param)
-            state[key] = gathered[param]
+            if param not in values:
+                values[param] = value_of(param)
+            state[key] = values[param]
         return state
 
     def optimizer_state(self, model: nn.Module, optimizer: Optimizer, initialize: bool = False) -> dict[str, Any]:
-        """The torch backend's flattened optimizer state, per parameter FQN. Collective."""
+        """The torch backend's flattened optimizer state, per parameter FQN, as this rank's pieces."""
+        zero = None if self._released else self.runner.engine.optimizer
+        return self._optimizer_entries(model, optimizer, initialize, lambda p, key: _local_fragment(p, zero, key))
+
+    def full_optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        """The torch backend's flattened optimizer state, per parameter FQN, whole. Collective."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
+        return self._optimizer_entries(
+            model, optimizer, False, lambda p, key: safe_get_full_optimizer_state(p, key).reshape(_shape(p))
+        )
+
+    def _optimizer_entries(self, model: nn.Module, optimizer: Optimizer, initialize: bool, value_of: Any) -> Any:
         if self._released:
             return states.optimizer_state(model, optimizer, initialize)
         _relink_optimizer_states(self.runner.engine)
@@ -128,7 +177,7 @@ class DeepSpeedStates:
                     if not tensor_keys:
                         continue
                     for key in tensor_keys:
-                        flat[f"{_STATE}{fqn}.{key}"] = safe_get_full_optimizer_state(param, key).reshape(_shape(param))
+                        flat[f"{_STATE}{fqn}.{key}"] = value_of(param, key)
                     flat.update({f"{_STATE}{fqn}.{key}": value for key, value in scalars.items()})
                 else:
                     own = optimizer.state.get(param, {})
@@ -143,7 +192,7 @@ class DeepSpeedStates:
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model on CPU on global rank 0 (``{}`` elsewhere). Collective."""
-        state = {key: value.cpu() for key, value in self.model_state(model).items()}
+        state = {key: value.cpu() for key, value in self.full_model_state(model).items()}
         return state if dist.get_rank() == 0 else {}
 
     # ------------------------------------------------------------------------------------------------------ load

@@ -54,9 +54,9 @@ class DeepSpeedRelease:
         from lightning_mgpu.checkpoint.deepspeed_states import DeepSpeedStates
 
         access = DeepSpeedStates(runner)
-        values = access.model_state(module)
+        values = access.full_model_state(module)
         optimizer = runner.optimizer
-        flat = access.optimizer_state(module, optimizer) if optimizer is not None else {}
+        flat = access.full_optimizer_state(module, optimizer) if optimizer is not None else {}
         names = {param: name for name, param in reversed(list(module.named_parameters(remove_duplicate=False)))}
         assert runner.engine is not None
         runner.engine.destroy()
