@@ -18,7 +18,7 @@ import pytest
 import torch
 from typing_extensions import override
 
-from lightning_mgpu import HybridStrategy
+from lightning_mgpu import HybridPrecision, HybridStrategy
 from tests.helpers.distributed import run_distributed
 from tests.helpers.equivalence import RunResult, _fit_worker, assert_same_training
 from tests.helpers.modules import GPT2Module, LlamaModule, RandomTokenDataModule
@@ -98,6 +98,11 @@ def _ds(stage: int, **kwargs: Any) -> dict[str, Any]:
     return {"zero_backend": "deepspeed", "zero_stage": stage, **kwargs}
 
 
+def _fp16() -> dict[str, Any]:
+    """fp16 on CPU, one plugin per fit: the explicit plugin (Lightning runs Trainer(precision="16-mixed") as bf16)."""
+    return {"plugins": [HybridPrecision("16-mixed")]}
+
+
 # ------------------------------------------------------------------------------------------------------ teardown
 def _structure(module: L.LightningModule) -> dict[str, Any]:
     """What DeepSpeed changes in place: each submodule's class, attributes, hooks, parameter dict and objects, and
@@ -134,51 +139,63 @@ def _check_given_back(trainer: L.Trainer) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ equivalence
+BF16 = {"precision": "bf16-mixed"}
+KNOBS = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+STAGES = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, RunResult]:
+    """Every one-process run the module compares against, in one spawn: each model in fp32, Llama in bf16-mixed
+    and with accumulation and clipping."""
+    runs = {model: {"model": model} for model in sorted(MODELS)}
+    runs |= {"llama-bf16": {"model": "llama", "trainer": BF16}, "llama-knobs": {"model": "llama", "trainer": KNOBS}}
+    return dict(zip(runs, _run(1, list(runs.values()))))
+
+
+@pytest.fixture(scope="module")
+def stage_results() -> dict[tuple[str, int], RunResult]:
+    """Every model at every stage, dp 2, in one spawn; after fit each checks the module and optimizer it gets back."""
+    keys = [(model, stage) for model in sorted(MODELS) for stage in STAGES]
+    runs = [
+        {
+            "model": model,
+            "strategy": _ds(stage),
+            "after_fit": _check_given_back,
+            "callbacks": lambda: [_StructureBeforeSetup()],
+        }
+        for model, stage in keys
+    ]
+    return dict(zip(keys, _run(DP, runs)))
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_stages_train_like_one_process(model):
+def test_stages_train_like_one_process(model, references, stage_results):
     """Each stage like one process; after fit (teardown) the module holds the trained weights as plain tensors,
     with DeepSpeed's attributes, hooks and gathering parameter dicts gone, and the user's optimizer holds its
     parameters and their whole states (``_check_given_back``)."""
-    (reference,) = _run(1, [{"model": model}])
-    results = _run(
-        DP,
-        [
-            {
-                "model": model,
-                "strategy": _ds(stage),
-                "after_fit": _check_given_back,
-                "callbacks": lambda: [_StructureBeforeSetup()],
-            }
-            for stage in (1, 2, 3)
-        ],
-    )
-    for stage, result in zip((1, 2, 3), results):
+    for stage in STAGES:
         try:
-            assert_same_training(reference, result, weight_atol=WEIGHT_ATOL)
+            assert_same_training(references[model], stage_results[model, stage], weight_atol=WEIGHT_ATOL)
         except AssertionError as error:
             raise AssertionError(f"{model} at DeepSpeed ZeRO-{stage}: {error}") from None
 
 
-def test_bf16_mixed_accumulation_and_clipping_follow_the_trainer():
+def test_bf16_mixed_accumulation_and_clipping_follow_the_trainer(references):
     """bf16-mixed (DeepSpeed bf16 with fp32 masters) within 2e-2; accumulate_grad_batches and gradient_clip_val
     from the Trainer act exactly as on one process (fp32)."""
-    bf16 = {"precision": "bf16-mixed"}
-    knobs = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
-    references = _run(
-        1, [{"model": "llama", "trainer": bf16}, {"model": "llama", "trainer": knobs}, {"model": "llama"}]
-    )
-    assert references[1].losses != references[2].losses  # accumulation and the clip change the run
+    assert references["llama-knobs"].losses != references["llama"].losses  # accumulation and the clip change the run
     results = _run(
         DP,
         [
-            {"model": "llama", "strategy": _ds(2), "trainer": bf16},
-            {"model": "llama", "strategy": _ds(3), "trainer": knobs},
+            {"model": "llama", "strategy": _ds(2), "trainer": BF16},
+            {"model": "llama", "strategy": _ds(3), "trainer": KNOBS},
         ],
     )
     torch.testing.assert_close(
-        torch.tensor(results[0].losses), torch.tensor(references[0].losses), rtol=BF16_RTOL, atol=0.0
+        torch.tensor(results[0].losses), torch.tensor(references["llama-bf16"].losses), rtol=BF16_RTOL, atol=0.0
     )
-    assert_same_training(references[1], results[1], weight_atol=WEIGHT_ATOL)
+    assert_same_training(references["llama-knobs"], results[1], weight_atol=WEIGHT_ATOL)
 
 
 # ------------------------------------------------------------------------------------------------------ memory
@@ -264,32 +281,53 @@ def _save_to(path: str) -> Callable[[L.Trainer], None]:
     return lambda trainer: trainer.save_checkpoint(path)
 
 
-def test_checkpoints_cross_backends_and_resume_exactly(tmp_path):
-    """DeepSpeed ZeRO-2 -> torch ZeRO-3 and torch ZeRO-1 -> DeepSpeed ZeRO-3 continue the uninterrupted run;
-    DeepSpeed -> DeepSpeed continues it exactly; `consolidate`/`inspect` read a DeepSpeed checkpoint."""
+class _SaveAt(L.Callback):
+    """Saves at the end of a training step, while the DeepSpeed engine holds the states (as ModelCheckpoint does;
+    a save after `fit` reads the plain module given back)."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def _saving_at(step: int, path: str) -> Callable[[], list[L.Callback]]:
+    return lambda: [_SaveAt(step, path)]
+
+
+def test_checkpoints_cross_backends_and_resume_exactly(tmp_path, references):
+    """DeepSpeed ZeRO-2 -> torch ZeRO-3, torch ZeRO-1 -> DeepSpeed ZeRO-3 and DeepSpeed ZeRO-3 -> torch ZeRO-2
+    continue the uninterrupted run; DeepSpeed -> DeepSpeed continues it exactly; each rank wrote only its pieces
+    (``_check_written_by_pieces``); `consolidate`/`inspect` read a DeepSpeed checkpoint."""
     half = STEPS // 2
-    ds_ckpt, torch_ckpt = str(tmp_path / "ds2.ckpt"), str(tmp_path / "torch1.ckpt")
+    ds_ckpt, torch_ckpt, ds3_ckpt = (str(tmp_path / name) for name in ("ds2.ckpt", "torch1.ckpt", "ds3.ckpt"))
     model = "gpt2"
-    (reference,) = _run(1, [{"model": model}])
+    reference = references[model]
     results = _run(
         DP,
         [
-            {"model": model, "strategy": _ds(2), "steps": half, "after_fit": _save_to(ds_ckpt)},
+            {"model": model, "strategy": _ds(2), "steps": half, "callbacks": _saving_at(half, ds_ckpt)},
             {"model": model, "strategy": {"zero_stage": 3}, "fit": {"ckpt_path": ds_ckpt}},
             {"model": model, "strategy": {"zero_stage": 1}, "steps": half, "after_fit": _save_to(torch_ckpt)},
             {"model": model, "strategy": _ds(3), "fit": {"ckpt_path": torch_ckpt}},
+            {"model": model, "strategy": _ds(3), "steps": half, "callbacks": _saving_at(half, ds3_ckpt)},
+            {"model": model, "strategy": {"zero_stage": 2}, "fit": {"ckpt_path": ds3_ckpt}},
             {"model": model, "strategy": _ds(2)},
             {"model": model, "strategy": _ds(2), "fit": {"ckpt_path": ds_ckpt}},
         ],
     )
-    ds_first, torch_after_ds, torch_first, ds_after_torch, ds_whole, ds_after_ds = results
-    for first, second in ((ds_first, torch_after_ds), (torch_first, ds_after_torch)):
+    ds_first, torch_after_ds, torch_first, ds_after_torch, ds3_first, torch_after_ds3, ds_whole, ds_after_ds = results
+    for first, second in ((ds_first, torch_after_ds), (torch_first, ds_after_torch), (ds3_first, torch_after_ds3)):
         assert_same_training(
             reference, RunResult(first.losses + second.losses, second.state_dict), weight_atol=WEIGHT_ATOL
         )
     assert ds_after_ds.losses == ds_whole.losses[half:]  # bit for bit within the backend
     for key, value in ds_whole.state_dict.items():
         assert torch.equal(ds_after_ds.state_dict[key], value), key
+    _check_written_by_pieces(tmp_path / "ds3.ckpt", every_tensor=True)
+    _check_written_by_pieces(tmp_path / "ds2.ckpt", every_tensor=False)
 
     from lightning_mgpu.checkpoint import consolidate, describe
 
@@ -297,6 +335,26 @@ def test_checkpoints_cross_backends_and_resume_exactly(tmp_path):
     assert set(full["state_dict"]) == set(reference.state_dict)
     assert "state.model.transformer.h.0.attn.c_attn.weight.exp_avg" in json.dumps(list(_flat_keys(full)))
     assert "model.transformer.wte.weight" in describe(tmp_path / "ds2.ckpt")
+
+
+def _check_written_by_pieces(path: Any, every_tensor: bool) -> None:
+    """Each rank wrote its own piece of the parameters and their optimizer states (several chunks per tensor),
+    not whole gathered tensors: under ZeRO-3 every tensor is cut between the ranks, under ZeRO-2 the tensors that
+    straddle the partition boundary."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    cut = {
+        key: len(entry.chunks)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.endswith((".weight", ".exp_avg", ".exp_avg_sq")) and hasattr(entry, "chunks") and entry.size.numel() > 1
+    }
+    assert cut, sorted(metadata.state_dict_metadata)
+    if every_tensor:
+        assert all(chunks >= DP for chunks in cut.values()), cut
+    else:
+        assert any(chunks >= DP for chunks in cut.values()), cut
+    assert {info.relative_path.split("_")[2] for info in metadata.storage_data.values()} == {"0", "1"}
 
 
 class _LossScale(L.Callback):
@@ -320,16 +378,15 @@ def test_fp16_resume_continues_the_loss_scaler(tmp_path):
     run = {
         "model": "llama",
         "strategy": _ds(2, deepspeed_config=config),
-        "trainer": {"precision": "16-mixed"},
         "fp16_on_cpu": True,
         "callbacks": lambda: [_LossScale()],
     }
     whole, first, resumed = _run(
         DP,
         [
-            run,
-            {**run, "steps": half, "after_fit": _save_to(ckpt)},
-            {**run, "fit": {"ckpt_path": ckpt}},
+            {**run, "trainer": _fp16()},
+            {**run, "trainer": _fp16(), "steps": half, "after_fit": _save_to(ckpt)},
+            {**run, "trainer": _fp16(), "fit": {"ckpt_path": ckpt}},
         ],
     )
     scales = whole.extra["scales"]
@@ -430,9 +487,7 @@ CONTRADICTIONS = [
     ),
 ]
 if not _cpu_has_fp16():  # then 16-mixed is refused before training, naming the alternatives
-    CONTRADICTIONS.append(
-        ({}, {"precision": "16-mixed"}, r"not support on this cpu device. Use precision='bf16-mixed'")
-    )
+    CONTRADICTIONS.append(({}, _fp16(), r"not support on this cpu device. Use precision='bf16-mixed'"))
 
 
 class _StepCounter(L.Callback):
