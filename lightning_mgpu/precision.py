@@ -44,7 +44,6 @@ from lightning_mgpu._compat.lightning import (
     after_closure,
     convert_fp_tensor,
     optimizer_handles_unscaling,
-    trainer_precision_flag,
 )
 from lightning_mgpu.parallel.blocks import is_float8_linear
 from lightning_mgpu.parallel.grads import clip_grad_norm_
@@ -85,9 +84,10 @@ class HybridPrecision(Precision):
         fp8_emulate: run ``fp8-mixed`` through torchao's emulation (any device, slow; for testing on CPU).
         init_scale, growth_interval: the loss scaler's (``16-mixed`` only), as in ``torch.amp.GradScaler``.
 
-    ``Trainer(precision=...)`` with :class:`~lightning_mgpu.HybridStrategy` selects this plugin, including
-    ``"16-mixed"`` on CPU (Lightning itself would switch to bf16 there). Options beyond the name, and
-    ``"fp8-mixed"``, are given as ``Trainer(plugins=[HybridPrecision(...)])``.
+    ``Trainer(precision=...)`` with :class:`~lightning_mgpu.HybridStrategy` selects this plugin at the precision
+    Lightning chose (on CPU Lightning turns ``"16-mixed"`` into ``"bf16-mixed"``, with a warning). Options beyond
+    the name, ``"fp8-mixed"``, and fp16 with loss scaling on CPU are given as
+    ``Trainer(plugins=[HybridPrecision(...)])``.
     """
 
     precision: str  # type: ignore[assignment]  # Lightning's names and "fp8-mixed"
@@ -187,29 +187,21 @@ class HybridPrecision(Precision):
             )
 
     @classmethod
-    def honour_trainer_flag(cls, plugin: Precision | None, accelerator: Any = None) -> Precision | None:
-        """Undo Lightning's CPU rewrite of ``Trainer(precision="16-mixed")`` into bf16-mixed.
+    def handed_over(cls, plugin: Precision | None, accelerator: Any = None) -> HybridPrecision | None:
+        """The plugin the Trainer hands the strategy (when it is built), translated then, so that a precision this
+        plugin cannot run fails before any launch.
 
-        Lightning's accelerator connector replaces ``"16-mixed"`` with ``"bf16-mixed"`` on CPU (with a warning)
-        before the strategy sees the plugin. HybridStrategy runs real fp16 autocast with loss scaling on CPU too,
-        so when the plugin is being handed over by the connector, the flag the user passed is read from the
-        connector's frame and honoured. ``plugins=[HybridPrecision("16-mixed")]`` does the same explicitly.
-        With the ``accelerator`` already chosen, a precision the CPU cannot run fails here, before any launch.
+        Lightning's choice is the one that runs: its plugin's ``precision`` (on CPU ``Trainer(precision="16-mixed")``
+        arrives as ``"bf16-mixed"``, and Lightning has said so). With the ``accelerator`` already chosen as the CPU,
+        a ``HybridPrecision`` the CPU cannot run fails here; otherwise its device type is set once the devices are
+        known (``from_lightning``).
         """
         from lightning.pytorch.accelerators import CPUAccelerator
 
-        if isinstance(plugin, HybridPrecision) and isinstance(accelerator, CPUAccelerator):
-            plugin.device_type = "cpu"
-            plugin._check_device()
-        if not (isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"):
+        if plugin is None or (isinstance(plugin, HybridPrecision) and not isinstance(accelerator, CPUAccelerator)):
             return plugin
-        if trainer_precision_flag() != "16-mixed":
-            return plugin
-        rank_zero_warn(
-            "HybridStrategy honours `precision='16-mixed'` on CPU: fp16 autocast with loss scaling (Lightning's"
-            " note about switching to 'bf16-mixed' does not apply to this strategy)."
-        )
-        return cls("16-mixed", plugin.device)
+        device_type = "cpu" if isinstance(plugin, HybridPrecision) else getattr(plugin, "device", None) or "cpu"
+        return cls.from_lightning(plugin, device_type)
 
     # ------------------------------------------------------------------------------------------------- policies
     def mp_policy(self) -> Any | None:

@@ -240,13 +240,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        # Lightning turns Trainer(precision="16-mixed") into bf16-mixed on CPU; we run real fp16 there.
-        plugin = HybridPrecision.honour_trainer_flag(precision_plugin, self.accelerator)
-        if plugin is not None and not isinstance(plugin, HybridPrecision):
-            # Translated when handed over (at Trainer construction), so that a precision HybridPrecision cannot run
-            # fails before launch; the getter sets the device type once the devices are known.
-            plugin = HybridPrecision.from_lightning(plugin, getattr(plugin, "device", None) or "cpu")
-        self._precision_plugin = plugin
+        self._precision_plugin = HybridPrecision.handed_over(precision_plugin, self.accelerator)
 
     # ---------------------------------------------------------------------------------------------- launch / setup
     @override

@@ -97,6 +97,12 @@ def reference(precision: str, inject: bool = False):
     return _references[key]
 
 
+def _trainer_precision(precision: str) -> dict:
+    """``Trainer(precision=...)``; fp16 with loss scaling on CPU through the explicit plugin (Lightning runs
+    ``Trainer(accelerator="cpu", precision="16-mixed")`` as bf16-mixed, and HybridStrategy follows it)."""
+    return {"plugins": [HybridPrecision(precision)]} if precision == "16-mixed" else {"precision": precision}
+
+
 def _assert_close_run(result, expected, loss_rtol: float, weight_atol: float = WEIGHT_ATOL) -> None:
     assert all(torch.isfinite(torch.tensor(result.losses))), result.losses
     torch.testing.assert_close(
@@ -151,13 +157,15 @@ def test_lightning_plugins_and_flags_are_translated():
     plugin = HybridPrecision.from_lightning(MixedPrecision("16-mixed", "cpu", scaler=scaler), "cpu")
     assert plugin.precision == "16-mixed" and isinstance(plugin.scaler, JobGradScaler)
     assert plugin.scaler.get_scale() == 128.0 and plugin.scaler.get_growth_interval() == 7
-    for flag in ("bf16-mixed", "bf16-true", "16-true", "32-true", "16-mixed"):
+    # Lightning's choice runs: "16-mixed" on CPU is bf16-mixed (Lightning warns); fp16 there is the explicit plugin.
+    runs_as = [("bf16-mixed",) * 2, ("bf16-true",) * 2, ("16-true",) * 2, ("32-true",) * 2, ("16-mixed", "bf16-mixed")]
+    for flag, runs in runs_as:
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(), precision=flag, logger=False)
         assert isinstance(trainer.precision_plugin, HybridPrecision), flag
-        # Lightning alone would run bf16-mixed for "16-mixed" on CPU; HybridStrategy keeps fp16 with loss scaling.
-        assert trainer.precision_plugin.precision == flag
-    assert trainer.precision_plugin.scaler is not None
+        assert trainer.precision_plugin.precision == runs
+        assert trainer.precision_plugin.scaler is None
     explicit = HybridPrecision("16-mixed", reduce_dtype="bf16")
+    assert explicit.scaler is not None
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(), plugins=[explicit], logger=False)
     assert trainer.precision_plugin is explicit
 
@@ -203,10 +211,8 @@ def test_fp8_refusals_are_clear(monkeypatch):
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(layout):
     world = 2 * layout.get("tensor_parallel_size", 1)
     dp = 1 if "pipeline_parallel_size" in layout else 2
-    # Trainer(precision="16-mixed") on one layout, the explicit plugin on the others: both must give real fp16.
-    trainer_kwargs = (
-        {"precision": "16-mixed"} if layout == {"zero_stage": 3} else {"plugins": [HybridPrecision("16-mixed")]}
-    )
+    # fp16 with loss scaling on CPU is the explicit plugin (Lightning runs Trainer(precision="16-mixed") as bf16).
+    trainer_kwargs = {"plugins": [HybridPrecision("16-mixed")]}
     result, extras = fit(
         LlamaModule,
         _llama_data(8 // dp),
@@ -288,7 +294,7 @@ def test_mixed_precision_tracks_one_process_in_every_layout(precision, layout):
         layout,
         4,
         STEPS,
-        trainer_kwargs={"precision": precision},
+        trainer_kwargs=_trainer_precision(precision),
         callbacks_factory=lambda: [StepProbe()],
     )
     assert {e["precision"] for e in extras} == {precision}

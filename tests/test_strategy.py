@@ -73,14 +73,30 @@ def test_registered_names(name, stage):
 
 @pytest.mark.parametrize(
     ("precision", "expected"),
-    [("32-true", "32-true"), ("bf16-mixed", "bf16-mixed"), (HybridPrecision("bf16-mixed"), "bf16-mixed")],
+    [
+        ("32-true", "32-true"),
+        ("bf16-mixed", "bf16-mixed"),
+        ("bf16-true", "bf16-true"),
+        ("16-mixed", "bf16-mixed"),  # Lightning's CPU choice, which it warns about (asserted below)
+        (HybridPrecision("bf16-mixed"), "bf16-mixed"),
+        (HybridPrecision("16-mixed"), "16-mixed"),  # fp16 with loss scaling on CPU: the explicit plugin
+    ],
 )
 def test_trainer_precision_selects_hybrid_precision(precision, expected):
+    """The precision is the one Lightning's plugin carries: read from the plugin handed over, no call stack."""
     kwargs = {"plugins": [precision]} if isinstance(precision, HybridPrecision) else {"precision": precision}
-    trainer = _trainer(strategy=HybridStrategy(), **kwargs)
+    if precision == "16-mixed":
+        with pytest.warns(UserWarning, match=r"precision='16-mixed'.*Using `precision='bf16-mixed'` instead"):
+            trainer = _trainer(strategy=HybridStrategy(), **kwargs)
+    else:
+        trainer = _trainer(strategy=HybridStrategy(), **kwargs)
     plugin = trainer.strategy.precision_plugin
     assert isinstance(plugin, HybridPrecision)
     assert plugin.precision == expected and plugin.device_type == "cpu"
+    assert (plugin.scaler is not None) == (expected == "16-mixed")
+    # The same plugin handed over outside the Trainer's construction translates the same (nothing read elsewhere).
+    lightning_plugin = _trainer(devices=1, **kwargs).precision_plugin if isinstance(precision, str) else precision
+    assert HybridPrecision.handed_over(lightning_plugin, trainer.accelerator).precision == expected
 
 
 def test_unsupported_precision_is_named():

@@ -17,17 +17,12 @@ equivalent for most of them:
 - Trainer internals: ``LightningModule._trainer`` (``.trainer`` raises when detached), the fit loop's data source
   and data fetcher, the fetcher's profiler hooks (``_start_profiler``/``_stop_profiler``: where a batch waits for
   data), and ``trainer.call``'s hook dispatchers.
-- ``trainer_precision_flag``: the ``precision`` the user gave ``Trainer``. Lightning rewrites ``"16-mixed"``
-  into ``"bf16-mixed"`` on CPU inside the accelerator connector's ``__init__`` and keeps the original nowhere
-  (not on the Trainer, the connector or the plugin): it is read from that ``__init__``'s arguments while it runs.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from lightning_mgpu._compat import changed, internal
@@ -130,7 +125,6 @@ def reset_optimizers_and_schedulers(strategy: Any) -> None:
 optimizer_handles_unscaling = internal("lightning.fabric.plugins.precision.amp", "_optimizer_handles_unscaling")
 convert_fp_tensor = internal("lightning.fabric.plugins.precision.utils", "_convert_fp_tensor")
 DtypeContextManager = internal("lightning.fabric.plugins.precision.utils", "_DtypeContextManager")
-convert_precision_to_unified_args = internal("lightning.fabric.connector", "_convert_precision_to_unified_args")
 
 
 def after_closure(plugin: Any, model: Any, optimizer: Any) -> None:
@@ -175,27 +169,6 @@ def call_callback_hooks(trainer: Any, hook: str, *args: Any) -> None:
 
 def call_lightning_module_hook(trainer: Any, hook: str, *args: Any) -> Any:
     return internal("lightning.pytorch.trainer.call", "_call_lightning_module_hook")(trainer, hook, *args)
-
-
-def trainer_precision_flag() -> str | None:
-    """The ``precision`` given to the ``Trainer`` being built, or None outside its construction.
-
-    Read from the arguments of the accelerator connector's ``__init__`` (the caller chain that hands the
-    precision plugin to the strategy). A connector found without its ``precision`` argument raises.
-    """
-    connector = internal("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector")
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), connector):
-            if "precision" not in frame.f_code.co_varnames[: frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]:
-                raise RuntimeError(changed("_AcceleratorConnector.__init__(precision=...)", "lightning"))
-            raw = frame.f_locals.get("precision")
-            try:
-                return convert_precision_to_unified_args(raw) if raw is not None else None
-            except ValueError:
-                return None
-        frame = frame.f_back
-    return None
 
 
 def _attribute(owner: Any, name: str, where: str) -> Any:

@@ -381,9 +381,6 @@ def test_lightning_internals(tmp_path):
     )
     _expect(lc.WorkerOutput._fields[:2] == ("best_model_path", "weights_path"), "_WorkerOutput", "lightning", "")
     _expect(
-        lc.convert_precision_to_unified_args(16) == "16-mixed", "_convert_precision_to_unified_args", "lightning", ""
-    )
-    _expect(
         lc.convert_fp_tensor(torch.ones(1), torch.float16).dtype == torch.float16, "_convert_fp_tensor", "lightning", ""
     )
     with lc.DtypeContextManager(torch.float16):
@@ -454,12 +451,25 @@ def test_lightning_internals(tmp_path):
     _expect(isinstance(lc.IS_INTERACTIVE, bool), "_IS_INTERACTIVE", "lightning", "")
 
 
-def test_the_trainer_precision_flag_is_found_while_the_trainer_is_built():
+def test_lightning_hands_the_strategy_a_plugin_that_names_its_precision():
+    """``HybridPrecision.handed_over`` reads only the plugin Lightning built (its public ``precision``; no call
+    stack). On CPU Lightning turns ``"16-mixed"`` into ``"bf16-mixed"`` and warns: that is what runs, and if
+    Lightning stops doing so, this says so (fp16 on CPU then needs no explicit plugin any more)."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+
     from lightning_mgpu import HybridPrecision, HybridStrategy
 
-    _expect(lc.trainer_precision_flag() is None, "_AcceleratorConnector.__init__", "lightning", "found outside")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    plugins = [
+        (Precision(), "32-true"),
+        (MixedPrecision("bf16-mixed", "cpu"), "bf16-mixed"),
+        (MixedPrecision("16-mixed", "cpu"), "16-mixed"),
+        (HalfPrecision("bf16-true"), "bf16-true"),
+        (DoublePrecision(), "64-true"),
+    ]
+    for plugin, name in plugins:
+        _expect(plugin.precision == name, f"{type(plugin).__name__}.precision", "lightning", repr(plugin.precision))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer = L.Trainer(
             accelerator="cpu",
             devices=1,
@@ -470,8 +480,14 @@ def test_the_trainer_precision_flag_is_found_while_the_trainer_is_built():
         )
     plugin = trainer.strategy.precision_plugin
     _expect(
-        isinstance(plugin, HybridPrecision) and plugin.precision == "16-mixed",
-        "_AcceleratorConnector.__init__(precision=...)",
+        isinstance(plugin, HybridPrecision) and plugin.precision == "bf16-mixed",
+        "Trainer(accelerator='cpu', precision='16-mixed') runs bf16-mixed",
         "lightning",
-        f"a 16-mixed Trainer ran {plugin.precision}",
+        f"the strategy got {plugin.precision}",
+    )
+    _expect(
+        any("Using `precision='bf16-mixed'` instead" in str(w.message) for w in caught),
+        "the accelerator connector's warning about 16-mixed on CPU",
+        "lightning",
+        "no warning",
     )
