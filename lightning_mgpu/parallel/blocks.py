@@ -7,7 +7,9 @@ weights (one Parameter held by several modules, which every split must keep one 
 from __future__ import annotations
 
 import sys
+from typing import cast
 
+import torch
 from torch import nn
 
 
@@ -63,6 +65,14 @@ def is_transposed_linear(module: nn.Module) -> bool:
 def is_projection(module: nn.Module) -> bool:
     """A layer tensor parallelism shards by rows or columns: ``nn.Linear`` or a transposed one."""
     return isinstance(module, nn.Linear) or is_transposed_linear(module)
+
+
+def projection_features(projection: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a projection: a Linear, or GPT-2's Conv1D (weight stored transposed)."""
+    if isinstance(projection, nn.Linear):
+        return projection.in_features, projection.out_features
+    weight = cast(torch.Tensor, projection.weight)  # Conv1D's; nn.Module types attributes as Tensor | Module
+    return weight.shape[0], weight.shape[1]
 
 
 def is_float8_linear(module: nn.Module) -> bool:

@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import math
-from typing import cast
 
-import torch
 from torch import nn
 
-from lightning_mgpu.parallel.blocks import is_projection
+from lightning_mgpu.parallel.blocks import is_projection, projection_features
 
 # Attributes an attention module keeps about its global size: checked against the degree before training.
 _HEAD_COUNT_ATTRIBUTES = (
@@ -34,9 +32,9 @@ def check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None
         if style_name.startswith("colwise") and is_projection(child):
             chunks = {"colwise_qkv": 3, "colwise_gate_up": 2}.get(style_name, 1)
             per = {3: " per q/k/v", 2: " per gate/up"}.get(chunks, "")
-            sizes[f"{name}: {{}} output features{per}"] = _features(child)[1] // chunks
+            sizes[f"{name}: {{}} output features{per}"] = projection_features(child)[1] // chunks
         elif style_name.startswith("rowwise") and is_projection(child):
-            sizes[f"{name}: {{}} input features"] = _features(child)[0]
+            sizes[f"{name}: {{}} input features"] = projection_features(child)[0]
         elif style_name.startswith("embedding") and isinstance(child, nn.Embedding):
             row = style_name == "embedding_rowwise"
             sizes[f"{name}: {{}} {'vocabulary entries' if row else 'channels'}"] = (
@@ -121,14 +119,6 @@ def _glob_hint(name: str) -> str:
     """``model.transformer.h.3.attn.qkv`` -> ``model.transformer.h.*.attn.qkv`` (the glob for every block)."""
     parts = name.split(".")
     return ".".join("*" if part.isdigit() else part for part in parts)
-
-
-def _features(module: nn.Module) -> tuple[int, int]:
-    """(in_features, out_features) of a Linear or a Conv1D."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features
-    weight = cast(torch.Tensor, module.weight)  # Conv1D's; nn.Module types attributes as Tensor | Module
-    return weight.shape[0], weight.shape[1]
 
 
 def _attention_modules(module: nn.Module, matched: dict[str, str]) -> list[tuple[str, nn.Module]]:

@@ -23,7 +23,7 @@ logged so that it can be pinned as an explicit ``tp_plan``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, cast
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -31,7 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_mgpu._compat.tensors import fake_tensor_mode, tree_flatten
-from lightning_mgpu.parallel.blocks import block_glob, is_projection
+from lightning_mgpu.parallel.blocks import block_glob, is_projection, projection_features
 
 _INPUT = "<block input>"
 _TRACE_SHAPE = (2, 4)  # (batch, sequence) of the fake hidden states
@@ -89,19 +89,11 @@ def _stream_width(block: nn.Module, projections: dict[str, nn.Module]) -> int:
         shape = getattr(child, "normalized_shape", None)
         if isinstance(shape, (tuple, list)) and len(shape) == 1:
             return int(shape[0])
-    return Counter(_features(p)[0] for p in projections.values()).most_common(1)[0][0]
-
-
-def _features(projection: nn.Module) -> tuple[int, int]:
-    """(in, out) features of a Linear, or of GPT-2's Conv1D (weight stored transposed)."""
-    if isinstance(projection, nn.Linear):
-        return projection.in_features, projection.out_features
-    weight = cast(torch.Tensor, projection.weight)  # Conv1D's; nn.Module types attributes as Tensor | Module
-    return weight.shape[0], weight.shape[1]
+    return Counter(projection_features(p)[0] for p in projections.values()).most_common(1)[0][0]
 
 
 def _guess_by_shape(projection: nn.Module, width: int) -> str:
-    fan_in, fan_out = _features(projection)
+    fan_in, fan_out = projection_features(projection)
     if fan_in == width and fan_out != width:
         return "colwise"
     if fan_out == width and fan_in != width:
