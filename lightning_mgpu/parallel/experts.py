@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_mgpu._compat.dtensor import unflatten_mesh
-from lightning_mgpu._compat.tensors import in_backward, restore_parameters, set_children, swap_parameters
+from lightning_mgpu._compat.tensors import restore_parameters, set_children, swap_parameters
 
 EP_AXIS = "ep"
 REPLICA_AXIS = "dp_replicate"  # the data-parallel ranks that hold the same experts
@@ -312,7 +312,7 @@ def _split_expert_list(block: nn.Module, experts: nn.ModuleList, ep_mesh: Device
     set_children(experts, mine)
     experts.__class__ = _LocalExperts
     calls = _TwoPassCalls(experts, mine, ep_mesh.get_group(), ep, total, tuple(sample.shape[1:]), empty)
-    experts._lightning_mgpu_calls = calls  # type: ignore[assignment]  # for ExpertTokenCounts
+    experts._lightning_mgpu_calls = calls  # type: ignore[assignment]  # for expert_counts.ExpertTokenCounts
     block.register_forward_pre_hook(calls.record, with_kwargs=True)
     block.register_forward_hook(calls.replay, with_kwargs=True, always_call=True)
     return list(mine.values())
@@ -456,55 +456,3 @@ def with_peers_listed_experts(module: nn.Module, state: dict[str, torch.Tensor])
         for part in gathered:
             state.update({key: value.to(device) for key, value in part.items() if key not in state})
     return state
-
-
-# ------------------------------------------------------------------------ per-expert token counts (ScalingMonitor)
-class ExpertTokenCounts:
-    """While installed: per MoE layer, how many (token, expert) assignments each expert got from this rank's
-    forwards, whether or not the experts are split over ep. Recomputations during backward (activation
-    checkpointing) are not counted. ``remove()`` takes the hooks off."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.counts: dict[str, torch.Tensor] = {}
-        self._handles: list[Any] = []
-        experts: Any  # a fused experts module: num_experts
-        for name, experts in find_experts(module).items():  # called with the routing: count its top-k indices
-            total = getattr(experts, _TOTAL, experts.num_experts)
-            self.counts[name] = torch.zeros(total, dtype=torch.long)
-            # Prepended: under ep, the dispatch hook replaces the indices by this rank's received local ones.
-            self._handles.append(experts.register_forward_pre_hook(self._routed(name), prepend=True))
-        for name, (block, experts) in find_expert_lists(module).items():  # a torch MoE, not split: hook each expert
-            self._count_calls(_list_name(name, block, experts), list(experts), None)
-        for name, local in module.named_modules():
-            calls = getattr(local, "_lightning_mgpu_calls", None)
-            if isinstance(local, _LocalExperts) and calls is not None:  # split over ep: the block's expert calls
-                self._count_calls(name, [calls.proxies[str(i)] for i in range(calls.total)], calls)
-
-    def _routed(self, name: str) -> Any:
-        def hook(module: nn.Module, args: tuple) -> None:
-            if not _in_backward():
-                flat = args[1].reshape(-1).to("cpu")
-                self.counts[name] += torch.bincount(flat, minlength=self.counts[name].numel())
-
-        return hook
-
-    def _count_calls(self, name: str, experts: list[nn.Module], calls: _TwoPassCalls | None) -> None:
-        self.counts[name] = torch.zeros(len(experts), dtype=torch.long)
-        for index, expert in enumerate(experts):
-
-            def hook(module: nn.Module, args: tuple, index: int = index) -> None:
-                # A split list's block runs twice per forward: count the first (recording) pass only.
-                if not _in_backward() and (calls is None or calls.answers is None):
-                    self.counts[name][index] += args[0].shape[0]
-
-            self._handles.append(expert.register_forward_pre_hook(hook))
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward (where activation checkpointing recomputes forwards)."""
-    return in_backward()
