@@ -138,6 +138,8 @@ class DeepSpeedEngineRunner:
             mpu=_DataParallelGroups(dp_group),
             dist_init_required=False,
         )
+        if optimizer is not None:
+            self._release.route_zero_grad(optimizer, self.engine.optimizer)
         return self.engine
 
     def release(self, module: nn.Module) -> None:

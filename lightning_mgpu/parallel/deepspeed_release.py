@@ -48,6 +48,15 @@ class DeepSpeedRelease:
         self.params = {id(p): (frozenset(vars(p)), p.dtype) for p in root.parameters()}
         self.buffers = {id(b): b.dtype for b in root.buffers()}
         self.groups = [list(group["params"]) for group in optimizer.param_groups] if optimizer else []
+        self._own_zero_grad: tuple[bool, Any] = (False, None)  # the optimizer's instance `zero_grad` before routing
+
+    def route_zero_grad(self, optimizer: Optimizer, zero: Any) -> None:
+        """Lightning zeroes gradients through the user's optimizer, whose groups DeepSpeed pointed at its flat fp32
+        partitions: ``zero_grad(set_to_none=True)`` there drops the gradient buffers DeepSpeed keeps on them (ZeRO-1/2
+        with ``offload_optimizer``: the next backward fails). Route it to DeepSpeed's optimizer (``zero``), which
+        zeroes the module's gradients, as under Lightning's DeepSpeedStrategy; :meth:`release` undoes it."""
+        self._own_zero_grad = ("zero_grad" in vars(optimizer), vars(optimizer).get("zero_grad"))
+        optimizer.zero_grad = zero.zero_grad  # type: ignore[method-assign]
 
     def release(self, runner: EngineRunner, module: nn.Module) -> None:
         """Gather the trained values, destroy the engine, and put the plain module and optimizer back."""
@@ -85,6 +94,11 @@ class DeepSpeedRelease:
         param.grad = None
 
     def _release_optimizer(self, optimizer: Optimizer, flat: dict[str, Any], names: dict[nn.Parameter, str]) -> None:
+        had_own, own = self._own_zero_grad
+        if had_own:
+            optimizer.zero_grad = own  # type: ignore[method-assign]
+        else:
+            vars(optimizer).pop("zero_grad", None)
         optimizer.state.clear()
         for group, params in zip(optimizer.param_groups, self.groups):
             group["params"] = params

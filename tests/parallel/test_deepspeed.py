@@ -136,6 +136,7 @@ def _check_given_back(trainer: L.Trainer) -> None:
     params = list(module.parameters())
     assert sorted(id(p) for group in optimizer.param_groups for p in group["params"]) == sorted(map(id, params))
     assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in params)
+    assert "zero_grad" not in vars(optimizer)  # routed to DeepSpeed's optimizer during fit, given back
 
 
 # ------------------------------------------------------------------------------------------------ equivalence
@@ -146,27 +147,46 @@ STAGES = (1, 2, 3)
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, RunResult]:
-    """Every one-process run the module compares against, in one spawn: each model in fp32, Llama in bf16-mixed
-    and with accumulation and clipping."""
+    """Every one-process run the module compares against, in one spawn: each model in fp32 and bf16-mixed, Llama
+    with accumulation and clipping."""
     runs = {model: {"model": model} for model in sorted(MODELS)}
-    runs |= {"llama-bf16": {"model": "llama", "trainer": BF16}, "llama-knobs": {"model": "llama", "trainer": KNOBS}}
+    runs |= {f"{model}-bf16": {"model": model, "trainer": BF16} for model in sorted(MODELS)}
+    runs["llama-knobs"] = {"model": "llama", "trainer": KNOBS}
     return dict(zip(runs, _run(1, list(runs.values()))))
 
 
+# The user's own optimizer with DeepSpeed's CPU offload: DeepSpeed insists on its DeepSpeedCPUAdam unless told not to.
+OFFLOAD_OPTIMIZER = {
+    "zero_force_ds_cpu_optimizer": False,
+    "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+}
+OFFLOAD_BOTH = {
+    "zero_force_ds_cpu_optimizer": False,
+    "zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+}
+# Beyond every model at stages 1-3: ZeRO-0, and offloading (a config section that passes through) at 2 and 3.
+EXTRA_RUNS = {
+    ("nanogpt", "zero-0"): _ds(0),
+    ("nanogpt", "zero-2 offload_optimizer"): _ds(2, deepspeed_config=OFFLOAD_OPTIMIZER),
+    ("nanogpt", "zero-3 offload_optimizer+param"): _ds(3, deepspeed_config=OFFLOAD_BOTH),
+}
+
+
 @pytest.fixture(scope="module")
-def stage_results() -> dict[tuple[str, int], RunResult]:
-    """Every model at every stage, dp 2, in one spawn; after fit each checks the module and optimizer it gets back."""
-    keys = [(model, stage) for model in sorted(MODELS) for stage in STAGES]
+def stage_results() -> dict[tuple[str, Any], RunResult]:
+    """Every model at every stage, and ``EXTRA_RUNS``, dp 2, in one spawn; after fit each checks the module and
+    optimizer it gets back."""
+    strategies = {(model, stage): _ds(stage) for model in sorted(MODELS) for stage in STAGES} | EXTRA_RUNS
     runs = [
         {
             "model": model,
-            "strategy": _ds(stage),
+            "strategy": strategy,
             "after_fit": _check_given_back,
             "callbacks": lambda: [_StructureBeforeSetup()],
         }
-        for model, stage in keys
+        for (model, _), strategy in strategies.items()
     ]
-    return dict(zip(keys, _run(DP, runs)))
+    return dict(zip(strategies, _run(DP, runs)))
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -181,21 +201,30 @@ def test_stages_train_like_one_process(model, references, stage_results):
             raise AssertionError(f"{model} at DeepSpeed ZeRO-{stage}: {error}") from None
 
 
+def test_zero_0_and_cpu_offload_train_like_one_process(references, stage_results):
+    """ZeRO-0, and the user's optimizer with DeepSpeed's CPU offload (optimizer at ZeRO-2, optimizer and
+    parameters at ZeRO-3): the offload sections pass through to the engine, and train like one process."""
+    for model, name in EXTRA_RUNS:
+        try:
+            assert_same_training(references[model], stage_results[model, name], weight_atol=WEIGHT_ATOL)
+        except AssertionError as error:
+            raise AssertionError(f"{model} at DeepSpeed {name}: {error}") from None
+
+
+# bf16-mixed: each model once, the stages spread over the models.
+BF16_STAGES = {"nanogpt": 1, "llama": 2, "gpt2": 3}
+
+
 def test_bf16_mixed_accumulation_and_clipping_follow_the_trainer(references):
     """bf16-mixed (DeepSpeed bf16 with fp32 masters) within 2e-2; accumulate_grad_batches and gradient_clip_val
     from the Trainer act exactly as on one process (fp32)."""
     assert references["llama-knobs"].losses != references["llama"].losses  # accumulation and the clip change the run
-    results = _run(
-        DP,
-        [
-            {"model": "llama", "strategy": _ds(2), "trainer": BF16},
-            {"model": "llama", "strategy": _ds(3), "trainer": KNOBS},
-        ],
-    )
-    torch.testing.assert_close(
-        torch.tensor(results[0].losses), torch.tensor(references["llama-bf16"].losses), rtol=BF16_RTOL, atol=0.0
-    )
-    assert_same_training(references["llama-knobs"], results[1], weight_atol=WEIGHT_ATOL)
+    runs = [{"model": model, "strategy": _ds(stage), "trainer": BF16} for model, stage in BF16_STAGES.items()]
+    *bf16, knobs = _run(DP, [*runs, {"model": "llama", "strategy": _ds(3), "trainer": KNOBS}])
+    for model, result in zip(BF16_STAGES, bf16):
+        reference = torch.tensor(references[f"{model}-bf16"].losses)
+        torch.testing.assert_close(torch.tensor(result.losses), reference, rtol=BF16_RTOL, atol=0.0, msg=model)
+    assert_same_training(references["llama-knobs"], knobs, weight_atol=WEIGHT_ATOL)
 
 
 # ------------------------------------------------------------------------------------------------------ memory
