@@ -17,6 +17,7 @@ from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding
 from lightning_mgpu.parallel.experts import expert_parameters
+from lightning_mgpu.parallel.local_step import ShardLocalStep, steps_on_shards
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
 from lightning_mgpu.patches import PatchLog
 from lightning_mgpu.precision import HybridPrecision
@@ -68,11 +69,15 @@ def wire_optimizers(
     deepspeed: Any | None,
 ) -> list[OptimizerStateSharding]:
     """The user's optimizers made to fit the run: ``zero_grad`` guarded under pipelining (the schedule made the
-    gradients before Lightning zeroes them), states sharded over data parallelism at ZeRO stage 1."""
+    gradients before Lightning zeroes them), elementwise ones stepped on their DTensors' local shards, states
+    sharded over data parallelism at ZeRO stage 1."""
     if pipeline is not None:
         for optimizer in optimizers:
             patches.keep_attribute(optimizer, "zero_grad")
             pipeline.guard_zero_grad(optimizer)
+    for optimizer in optimizers if deepspeed is None else ():
+        if steps_on_shards(optimizer):
+            patches.add(ShardLocalStep(optimizer).remove)
     if layout.zero_stage != 1 or layout.data_parallel_size == 1 or deepspeed is not None:
         return []
     local = expert_parameters(module)  # sharded over their own mesh: each rank steps its own

@@ -1,0 +1,135 @@
+"""Optimizer steps on the local shards of DTensor parameters: the same arithmetic without DTensor's dispatch.
+
+FSDP2 (ZeRO-2/3) and tensor parallelism leave parameters, gradients and optimizer states as DTensors, so a torch
+optimizer pays DTensor's Python dispatch on every op of its update (on CPU, where torch's optimizers loop over
+tensors one by one, that costs more than the arithmetic). The update of an elementwise optimizer (Adam, AdamW,
+SGD, ...) at an element needs only that element's parameter, gradient and state: ``ShardLocalStep`` runs the
+user's optimizer on the local tensors instead, handing each parameter's state over as its local tensors, and
+wraps state the step created back into DTensors laid out like the parameter, so ``state_dict``, checkpoints and
+clipping see exactly what the DTensor step leaves.
+
+A step falls back to the DTensor path where the shortcut would be wrong: an optimizer class not known to be
+elementwise (norm-based ones such as Adafactor, Muon or LAMB-like subclasses), or a gradient laid out unlike its
+parameter (e.g. a ``Partial`` gradient that DTensor still has to reduce).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+# Exact classes whose update is elementwise in parameter, gradient and state (a subclass may change the math).
+_ELEMENTWISE: frozenset[type] = frozenset(
+    {
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.SGD,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.RMSprop,
+    }
+)
+
+
+def steps_on_shards(optimizer: Optimizer) -> bool:
+    """Whether ``ShardLocalStep`` has work on ``optimizer``: its class is elementwise and it steps DTensors."""
+    params = (p for group in optimizer.param_groups for p in group["params"])
+    return type(optimizer) in _ELEMENTWISE and any(isinstance(p, DTensor) for p in params)
+
+
+class ShardLocalStep:
+    """Wraps ``optimizer.step`` (undone by ``remove``): the closure runs first, as torch's step would run it,
+    then the update runs on the local tensors of the DTensor parameters."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        self._unwrapped_step: Callable[..., Any] = optimizer.step
+        self._own_step = vars(optimizer).get("step")  # an instance attribute already there (another wrapper)
+        optimizer.step = self._step  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self._own_step is None:
+            vars(self.optimizer).pop("step", None)
+        else:
+            self.optimizer.step = self._own_step  # type: ignore[method-assign]
+
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():  # to_local() then hands out the local tensors themselves
+            self._step_locally()
+        return loss
+
+    def _step_locally(self) -> None:
+        locals_ = _local_parameters(self.optimizer)
+        if not locals_:
+            self._unwrapped_step()
+            return
+        groups = self.optimizer.param_groups
+        saved_params = [group["params"] for group in groups]
+        state = self.optimizer.state
+        saved_states = {param: state.pop(param) for param in locals_ if param in state}
+        try:
+            for param, (local, grad) in locals_.items():
+                local.grad = grad
+                if param in saved_states:
+                    state[local] = {key: _to_local(value) for key, value in saved_states[param].items()}
+            for group in groups:
+                group["params"] = [locals_[p][0] if p in locals_ else p for p in group["params"]]
+            self._unwrapped_step()
+        finally:
+            for group, params in zip(groups, saved_params):
+                group["params"] = params
+            for param, (local, _) in locals_.items():
+                local.grad = None
+                stepped = state.pop(local, None)
+                before = saved_states.get(param, {})
+                if stepped is not None:
+                    before = {key: _as_dtensor_like(value, before.get(key), param) for key, value in stepped.items()}
+                if before:
+                    state[param] = before
+
+
+def _local_parameters(optimizer: Optimizer) -> dict[DTensor, tuple[torch.Tensor, torch.Tensor | None]]:
+    """``{DTensor parameter: (its local tensor, its gradient's local tensor)}``, or ``{}`` if this step must run on
+    the DTensors (no DTensor parameter, or a gradient not laid out like its parameter)."""
+    out: dict[DTensor, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor):
+                continue
+            if param.dim() == 0:
+                return {}  # its state would be 0-dim too, indistinguishable from a step count: keep DTensor's step
+            grad = param.grad
+            if grad is not None and not (
+                isinstance(grad, DTensor)
+                and grad.placements == param.placements
+                and grad.device_mesh == param.device_mesh
+            ):
+                return {}
+            out[param] = (param.to_local(), None if grad is None else grad.to_local())
+    return out
+
+
+def _to_local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _as_dtensor_like(value: Any, before: Any, param: DTensor) -> Any:
+    """A state value after the local step, as the DTensor step would have left it."""
+    if isinstance(before, DTensor) and before.to_local() is value:
+        return before  # updated in place through its local tensor
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.to_local().shape:
+        return DTensor.from_local(
+            value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    return value
