@@ -30,13 +30,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from math import nan
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness  # noqa: E402
-from benchmarks.harness import MB, QUIET_TRAINER, SEED  # noqa: E402
+from benchmarks import demo_gpt, harness
+from benchmarks.harness import QUIET_TRAINER, SEED
 
 TARGET = 1.05  # our DeepSpeed backend's step time over Lightning's DeepSpeedStrategy
 
@@ -90,8 +89,8 @@ def _memory_probe(mem_step: int) -> Any:
     import lightning as L
 
     class DeepSpeedMemory(L.Callback):
-        memory: Optional[dict[str, int]] = None
-        zero_config: Optional[dict[str, Any]] = None
+        memory: dict[str, int] | None = None
+        zero_config: dict[str, Any] | None = None
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             from lightning_mgpu.parallel.deepspeed_engine import memory_per_rank
@@ -136,17 +135,21 @@ def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     harness.quiet_worker(args["verbose"])
     import lightning as L
 
-    from lightning_mgpu.demo import GPTLightningModule, TextDataModule
+    from lightning_mgpu.demo import GPTLightningModule
 
     L.seed_everything(SEED, verbose=False)
     probe = harness.make_step_probe(args["mem_step"], verbose=args["verbose"])
     memory = _memory_probe(args["mem_step"])
     callbacks = [probe, memory] + ([_step_profiler(name, args)] if args["profile"] else [])
-    trainer = L.Trainer(accelerator="cpu", devices=args["devices"], strategy=_strategy(name), max_steps=args["steps"],
-                        callbacks=callbacks, **QUIET_TRAINER)
-    module = GPTLightningModule(block_size=args["block_size"], n_layer=args["n_layer"], n_head=args["n_head"],
-                                n_embd=args["n_embd"], seed=SEED)
-    trainer.fit(module, TextDataModule(batch_size=args["batch_size"], block_size=args["block_size"], val_fraction=0.1))
+    trainer = L.Trainer(
+        devices=args["devices"],
+        strategy=_strategy(name),
+        max_steps=args["steps"],
+        callbacks=callbacks,
+        **QUIET_TRAINER,
+    )
+    module = GPTLightningModule(**demo_gpt.gpt_kwargs(args))
+    trainer.fit(module, demo_gpt.demo_data(args))
     result = probe.result()
     if memory.memory is not None:
         result["memory"] = memory.memory
@@ -162,21 +165,6 @@ TORCH_BYTES_PER_PARAM = {1: lambda dp: 8 + 8 / dp, 2: lambda dp: 16 / dp, 3: lam
 KINDS = ("lightning-ds", "ds", "ds-lz", "torch")
 
 
-def _run_abba(jobs: dict[str, tuple], repeats: int, timeout: float, verbose: bool, warmup: int) -> dict[str, list]:
-    """Every configuration once per repeat, odd repeats in reverse order (ABBA): a drift of the shared machine's
-    load within a repeat then hits both members of a compared pair alike."""
-    runs: dict[str, list] = {name: [] for name in jobs}
-    for repeat in range(repeats):
-        order = list(jobs) if repeat % 2 == 0 else list(jobs)[::-1]
-        order = [name for name in order if repeat == 0 or runs[name]]  # a configuration that failed is not retried
-        print(f"-- repeat {repeat + 1}/{repeats}, load average {harness.load_average()}", flush=True)
-        done = harness.run_interleaved({name: jobs[name] for name in order}, 1, timeout, verbose,
-                                       report=lambda n, o: f"{harness.summarize([o], warmup)['median'] * 1e3:.1f} ms")
-        for name, outputs in done.items():
-            runs[name] += outputs
-    return {name: done for name, done in runs.items() if done}
-
-
 def _expected_bytes_per_param(name: str, dp: int) -> float:
     from lightning_mgpu.parallel.deepspeed_engine import zero_bytes_per_param
 
@@ -186,10 +174,16 @@ def _expected_bytes_per_param(name: str, dp: int) -> float:
     return sum(zero_bytes_per_param(stage, dp).values())
 
 
+def _held_per_param(name: str, r: dict[str, Any]) -> str:
+    mem = r["memory"] or {}
+    return f"{sum(mem.get(k, 0) for k in ('params', 'grads', 'optim')) / mem['numel']:.2f}" if "numel" in mem else "nan"
+
+
 def _config_differences(runs: dict[str, list], stage: int) -> str:
     """The ZeRO settings in which our engine's config and Lightning's differ (the rest is equal)."""
-    configs = [runs[name][0][0].get("zero_config") if name in runs else None for name in (f"ds{stage}",
-                                                                                           f"lightning-ds{stage}")]
+    configs = [
+        runs[name][0][0].get("zero_config") if name in runs else None for name in (f"ds{stage}", f"lightning-ds{stage}")
+    ]
     if None in configs:
         return "?"
     ours, theirs = configs
@@ -197,55 +191,37 @@ def _config_differences(runs: dict[str, list], stage: int) -> str:
     return ", ".join(f"{k}: {ours.get(k, 'default')} vs {theirs.get(k, 'default')}" for k in keys) or "none"
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--stages", default="1,2,3")
-    parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=4, help="ABBA-ordered; an even number keeps the order fair")
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=192)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8, help="per rank")
+    demo_gpt.add_run_args(parser, steps=25, warmup=5, repeats=4)
     parser.add_argument("--mem-step", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--profile", default="", help="directory: cProfile of rank 0's timed steps per configuration")
-    parser.add_argument("--verbose", action="store_true")
-    ns = parser.parse_args(argv)
-    args = vars(ns)
-    import deepspeed  # noqa: F401  (imported before forking)
-    import lightning  # noqa: F401
-
-    import lightning_mgpu  # noqa: F401
-
-    stages = [int(s) for s in ns.stages.split(",")]
+    args = harness.parse_run_args(parser, argv)
+    harness.preload("deepspeed")
+    stages = [int(s) for s in args["stages"].split(",")]
     names = [f"{kind}{stage}" for stage in stages for kind in KINDS]
-    jobs = {name: (job, ns.devices, (name, args)) for name in names}
     load_before = harness.load_average()
-    runs = _run_abba(jobs, ns.repeats, ns.timeout, ns.verbose, ns.warmup)
-    results = {name: harness.summarize(done, ns.warmup) for name, done in runs.items()}
-    print(f"\nGPT n_layer={ns.n_layer} n_embd={ns.n_embd}; dp={ns.devices} x batch {ns.batch_size}, gloo;"
-          f" {ns.repeats} ABBA-interleaved repeats x {ns.steps - ns.warmup} timed steps; {os.cpu_count()} cores,"
-          f" load average {load_before} before, {harness.load_average()} after")
+    jobs = {name: (job, args["devices"], (name, args)) for name in names}
+    runs = harness.run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"], abba=True)
+    results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}
+    print(
+        f"\nGPT n_layer={args['n_layer']} n_embd={args['n_embd']}; dp={args['devices']} x batch {args['batch_size']},"
+        f" gloo; {args['repeats']} ABBA-interleaved repeats x {args['steps'] - args['warmup']} timed steps;"
+        f" {os.cpu_count()} cores, load average {load_before} before, {harness.load_average()} after"
+    )
     pairs = [(f"{kind}{s}", f"lightning-ds{s}", TARGET) for s in stages for kind in ("ds", "ds-lz")]
-    pairs += [(f"torch{s}", f"ds{s}", None) for s in stages]
-    rows = harness.ratio_table(results, pairs)
-    for row in rows[:2 * len(stages)]:
-        verdicts = [f"{what} {'ok' if row[key][0] <= TARGET else 'MISSED'}" for what, key in (("step", "wall"),
-                                                                                             ("CPU", "cpu"))]
-        print(f"  {row['name']} vs {row['peer']} (target <= {TARGET}): {', '.join(verdicts)}")
-    print(f"\nmemory per rank after backward (step {ns.mem_step}), fp32 AdamW; B/param against the ZeRO formulas")
-    print(f"{'configuration':<16} {'step ms':>8} {'cpu ms':>7} {'param MB':>9} {'grad MB':>8} {'optim MB':>9}"
-          f" {'B/param':>8} {'formula':>8} {'loss':>7}")
-    for name in [n for n in names if n in runs]:
-        first = runs[name][0]
-        mem = max((o.get("memory") or {} for o in first), key=lambda m: sum(m.values()), default={})
-        mems = " ".join(f"{mem.get(k, float('nan')) / MB:>8.3f}" for k in ("params", "grads", "optim"))
-        held = sum(mem.get(k, 0) for k in ("params", "grads", "optim")) / mem["numel"] if mem.get("numel") else nan
-        print(f"{name:<16} {results[name]['median'] * 1e3:8.1f} {results[name]['cpu'] * 1e3:7.1f}  {mems}"
-              f" {held:8.2f} {_expected_bytes_per_param(name, ns.devices):8.2f} {first[0]['loss']:7.4f}")
+    rows = harness.ratio_table(results, pairs + [(f"torch{s}", f"ds{s}", None) for s in stages])
+    columns = {
+        "B/param": _held_per_param,
+        "formula": lambda n, r: f"{_expected_bytes_per_param(n, args['devices']):.2f}",
+    }
+    harness.table(
+        results,
+        {**harness.memory_columns(3), **columns, "   loss": lambda n, r: f"{r['loss']:.4f}"},
+        title=f"\nmemory per rank after backward (step {args['mem_step']}), fp32 AdamW; B/param: vs formula",
+    )
     print("\nZeRO settings that differ, ours vs Lightning's DeepSpeedStrategy (DeepSpeed's defaults where unset):")
     for stage in stages:
         print(f"  stage {stage}: {_config_differences(runs, stage)}")

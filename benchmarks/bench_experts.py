@@ -27,13 +27,22 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness  # noqa: E402
-from benchmarks.harness import QUIET_TRAINER, SEED  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import MB, QUIET_TRAINER, SEED
 
 DEVICES = 4
 CONFIGS = {"ep1": 1, "ep2": 2, "ep4": 4}
-MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+)
 
 
 def analytic_token_bytes(ep: int, args: dict[str, Any]) -> float:
@@ -76,31 +85,38 @@ def _data(args: dict[str, Any]) -> Any:
 
 
 class AllToAllBytes:
-    """Counts, while active, the bytes this rank's ``all_to_all_single`` calls send to other ranks."""
+    """Around one step: the bytes this rank's ``all_to_all_single`` calls send to other ranks (hidden states and
+    routing counts apart), and the expert parameters the rank holds."""
 
-    def __init__(self) -> None:
-        self.tokens = self.counts = 0
-        self.calls = 0
-        self._original: Any = None
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.result = {"tokens": 0, "counts": 0, "calls": 0}
 
-    def __enter__(self) -> "AllToAllBytes":
+    def __enter__(self) -> AllToAllBytes:
         import torch.distributed as dist
 
-        self._original = dist.all_to_all_single
+        from lightning_mgpu.parallel.experts import expert_parameters, find_experts
 
-        def counted(output: Any, input: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
-                    group: Any = None, async_op: bool = False) -> Any:
-            size = dist.get_world_size(group)
+        split = expert_parameters(self.module) or {
+            p for m in find_experts(self.module).values() for p in m.parameters()
+        }
+        self.result["expert_params"] = sum(harness.local_bytes(p) // p.element_size() for p in split)
+        self._original = original = dist.all_to_all_single
+
+        def counted(
+            output: Any,
+            input: Any,
+            output_split_sizes: Any = None,
+            input_split_sizes: Any = None,
+            group: Any = None,
+            async_op: bool = False,
+        ) -> Any:
             rows = input.shape[0]
-            splits = input_split_sizes or [rows // size] * size
-            own = splits[dist.get_rank(group)]
-            sent = (rows - own) * (input.numel() // max(rows, 1)) * input.element_size()
-            if input.dim() > 1:
-                self.tokens += sent
-            else:
-                self.counts += sent
-            self.calls += 1
-            return self._original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+            splits = input_split_sizes or [rows // dist.get_world_size(group)] * dist.get_world_size(group)
+            sent = (rows - splits[dist.get_rank(group)]) * (input.numel() // max(rows, 1)) * input.element_size()
+            self.result["tokens" if input.dim() > 1 else "counts"] += sent
+            self.result["calls"] += 1
+            return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
         dist.all_to_all_single = counted
         return self
@@ -116,44 +132,17 @@ def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     import lightning as L
 
     from lightning_mgpu import HybridStrategy
-    from lightning_mgpu.parallel.experts import expert_parameters
-
-    class Counter(L.Callback):
-        """The all-to-all bytes of the last (untimed) step, and the expert parameters this rank holds."""
-
-        def __init__(self) -> None:
-            self.bytes: Any = None
-            self.expert_params = 0
-            self._count: Any = None
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if trainer.global_step == args["steps"]:
-                self._count = AllToAllBytes().__enter__()
-
-        def on_train_batch_end(self, trainer: Any, *rest: Any) -> None:
-            if self._count is not None:
-                self._count.__exit__()
-                self.bytes = {"tokens": self._count.tokens, "counts": self._count.counts, "calls": self._count.calls}
-                self._count = None
-
-        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            from lightning_mgpu.parallel.experts import find_experts
-
-            split = expert_parameters(pl_module) or {p for m in find_experts(pl_module).values()
-                                                     for p in m.parameters()}
-            self.expert_params = sum(harness.local_bytes(p) // p.element_size() for p in split)
 
     L.seed_everything(SEED, verbose=False)
-    probe = harness.make_step_probe(profile_step=None, verbose=args["verbose"])
-    counter = Counter()
+    counter = {args["steps"]: lambda trainer: AllToAllBytes(trainer.lightning_module)}  # the last step, untimed
+    probe = harness.make_step_probe(probes=counter, verbose=args["verbose"])
     strategy = HybridStrategy(data_parallel_size=DEVICES, expert_parallel_size=CONFIGS[name])
-    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=strategy, max_steps=args["steps"] + 1,
-                        callbacks=[probe, counter], **QUIET_TRAINER)
+    trainer = L.Trainer(
+        devices=DEVICES, strategy=strategy, max_steps=args["steps"] + 1, callbacks=[probe], **QUIET_TRAINER
+    )
     trainer.fit(_module(), _data(args))
     result = probe.result()
-    # The last step counted bytes: leave it out of the timings like the harness's profiled step.
-    result["times"], result["cpu_times"] = result["times"][:-1], result["cpu_times"][:-1]
-    return {**result, "a2a": counter.bytes, "expert_params": counter.expert_params}
+    return {**result, "a2a": result["probes"][args["steps"]]}
 
 
 def main() -> None:
@@ -164,31 +153,31 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--verbose", action="store_true")
-    ns = parser.parse_args()
-    args = {"steps": ns.steps, "batch_size": ns.batch_size, "seq_len": ns.seq_len, "verbose": ns.verbose,
-            "mem_step": 1}
-    print(f"Mixtral {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, {MODEL['num_local_experts']}"
-          f" experts top-{MODEL['num_experts_per_tok']}; {DEVICES} ranks x {ns.batch_size} x {ns.seq_len} tokens;"
-          f" load {harness.load_average()}")
+    args = harness.parse_run_args(parser, None)
+    print(
+        f"Mixtral {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, {MODEL['num_local_experts']}"
+        f" experts top-{MODEL['num_experts_per_tok']}; {DEVICES} ranks x {args['batch_size']} x {args['seq_len']}"
+        f" tokens; load {harness.load_average()}"
+    )
     jobs = {name: (job, DEVICES, (name, args)) for name in CONFIGS}
-    runs = harness.run_interleaved(jobs, ns.repeats, report=lambda n, o: f"{o[0]['a2a']}")
-    results = {name: harness.summarize(done, ns.warmup) for name, done in runs.items()}
-    harness.ratio_table(results, [(name, "ep1", None) for name in CONFIGS if name != "ep1"],
-                        title="step time against ep1 (same world, batch and model)")
-    head = (f"{'config':<7}{'step ms':>9}{'expert params/rank':>20}{'a2a tokens MB':>15}{'analytic MB':>13}"
-            f"{'measured/analytic':>19}{'a2a counts B':>14}{'a2a calls':>11}")
-    print(head)
-    print("-" * len(head))
-    for name, ep in CONFIGS.items():
-        if name not in runs:
-            continue
-        first = runs[name][0]
-        a2a = max((o["a2a"] for o in first), key=lambda b: b["tokens"])  # the busiest rank
-        analytic = analytic_token_bytes(ep, args)
-        share = f"{a2a['tokens'] / analytic:.2f}" if analytic else "-"
-        print(f"{name:<7}{results[name]['median'] * 1e3:>9.1f}{first[0]['expert_params']:>20,}"
-              f"{a2a['tokens'] / 2**20:>15.2f}{analytic / 2**20:>13.2f}{share:>19}{a2a['counts']:>14}"
-              f"{a2a['calls']:>11}")
+    runs = harness.run_interleaved(jobs, args["repeats"], report=lambda n, o: f"{o[0]['a2a']}")
+    results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}
+    harness.ratio_table(
+        results,
+        [(name, "ep1", None) for name in CONFIGS if name != "ep1"],
+        title="step time against ep1 (same world, batch and model)",
+    )
+    busiest = {name: max((o["a2a"] for o in runs[name][0]), key=lambda b: b["tokens"]) for name in runs}
+    analytic = {name: analytic_token_bytes(CONFIGS[name], args) for name in runs}
+    columns = {
+        "expert params/rank": lambda n, r: f"{r['rank0']['a2a']['expert_params']:,}",
+        "a2a tokens MB": lambda n, r: f"{busiest[n]['tokens'] / MB:.2f}",
+        "analytic MB": lambda n, r: f"{analytic[n] / MB:.2f}",
+        "measured/analytic": lambda n, r: f"{busiest[n]['tokens'] / analytic[n]:.2f}" if analytic[n] else "-",
+        "a2a counts B": lambda n, r: f"{busiest[n]['counts']}",
+        "a2a calls": lambda n, r: f"{busiest[n]['calls']}",
+    }
+    harness.table(results, columns, title="\nall-to-all of one untimed step, the busiest rank")
 
 
 if __name__ == "__main__":

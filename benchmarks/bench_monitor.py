@@ -8,7 +8,8 @@
    alternating rounds). Divided by the step's process CPU time (median, rank 0). Stable on a loaded machine: it
    counts work, not the waits of a preempted process.
 2. *Side by side*: the same fits with and without the monitor, interleaved (``benchmarks/harness.py``'s table:
-   median of per-repeat ratios of the slowest rank's median step, and process CPU time). On a shared 2-core
+   median of per-repeat ratios of the slowest rank's median time from one step's start to the next, every hook
+   included, and of process CPU time). On a shared 2-core
    machine its spread is far wider than 3%; it is printed to show the order of magnitude, not to judge the target.
 
     .venv/bin/python benchmarks/bench_monitor.py [--repeats 2] [--steps 20]
@@ -25,32 +26,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness  # noqa: E402
-from benchmarks.harness import QUIET_TRAINER, SEED  # noqa: E402
+from benchmarks import demo_gpt, harness
+from benchmarks.harness import QUIET_TRAINER, SEED
 
 LAYOUTS = {"dp2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2)}
 TARGET = 1.03
 _HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
-
-
-def _interval_probe() -> Any:
-    """Wall and process CPU time from one step's end to the next (data fetch and every hook included)."""
-    import lightning as L
-
-    class IntervalProbe(L.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.cpu_times: list[float] = []
-            self._last: Any = None
-
-        def on_train_batch_end(self, *args: Any) -> None:
-            now = (time.perf_counter(), time.process_time())
-            if self._last is not None:
-                self.times.append(now[0] - self._last[0])
-                self.cpu_times.append(now[1] - self._last[1])
-            self._last = now
-
-    return IntervalProbe()
 
 
 def _self_timed_monitor(**kwargs: Any) -> Any:
@@ -60,15 +41,18 @@ def _self_timed_monitor(**kwargs: Any) -> Any:
     class SelfTimed(ScalingMonitor):
         hook_seconds = 0.0
 
-    for name in _HOOKS:
-        def timed(self: Any, *args: Any, _hook: Any = getattr(ScalingMonitor, name)) -> None:
+    def timing(hook: Any) -> Any:
+        def timed(self: Any, *args: Any) -> None:
             start = time.thread_time()  # CPU work: a preempted hook on a loaded machine would count its wait
             try:
-                _hook(self, *args)
+                hook(self, *args)
             finally:
                 type(self).hook_seconds += time.thread_time() - start
 
-        setattr(SelfTimed, name, timed)
+        return timed
+
+    for name in _HOOKS:
+        setattr(SelfTimed, name, timing(getattr(ScalingMonitor, name)))
     return SelfTimed(**kwargs)
 
 
@@ -119,25 +103,25 @@ def job(layout: str, monitored: bool, args: dict[str, Any]) -> dict[str, Any]:
     import lightning as L
 
     from lightning_mgpu import HybridStrategy
-    from lightning_mgpu.demo import GPTLightningModule, TextDataModule
+    from lightning_mgpu.demo import GPTLightningModule
 
     dp, tp, pp = LAYOUTS[layout]
     L.seed_everything(SEED, verbose=False)
-    probe = _interval_probe()
+    probe = harness.make_step_probe(verbose=args["verbose"])  # its 'iter' times: start to next start, all hooks in
     out = Path(args["out"]) / layout
     monitor = _self_timed_monitor(every_n_steps=1, dirpath=out, verbose=False) if monitored else None
     trainer = L.Trainer(
-        accelerator="cpu", devices=dp * tp * pp, max_steps=args["steps"],
+        devices=dp * tp * pp,
+        max_steps=args["steps"],
         callbacks=[monitor, probe] if monitor else [probe],
         strategy=HybridStrategy(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp),
         **QUIET_TRAINER,
     )
-    model = GPTLightningModule(block_size=args["block_size"], n_layer=4, n_head=4, n_embd=args["n_embd"])
-    trainer.fit(model, TextDataModule(batch_size=args["batch_size"], block_size=args["block_size"]))
-    result = {"times": probe.times, "cpu_times": probe.cpu_times}
+    trainer.fit(GPTLightningModule(**demo_gpt.gpt_kwargs(args)), demo_gpt.demo_data(args))
+    result = probe.result()
     if monitor is not None:
         report = monitor.report
-        result["hook_s_per_step"] = type(monitor).hook_seconds / max(1, len(probe.times) + 1)
+        result["hook_s_per_step"] = type(monitor).hook_seconds / args["steps"]
         if report is not None:  # global rank 0
             result["timed_calls"] = sum(s["timed_calls"] for s in report["steps"]) / len(report["steps"])
             result["step_s"] = report["time_split"]["step_s"]
@@ -154,27 +138,25 @@ def _counted_overhead(runs: dict[str, list], cost: float, warmup: int) -> None:
             rank0 = repeat[0]
             hooks = max(o["hook_s_per_step"] for o in repeat)
             wrappers = rank0["timed_calls"] * cost
-            step_cpu = statistics.median(rank0["cpu_times"][warmup:] or rank0["cpu_times"])
+            step_cpu = statistics.median(rank0["iter_cpu_times"][warmup:] or rank0["iter_cpu_times"])
             share = (hooks + wrappers) / step_cpu
             verdict = "ok" if share < TARGET - 1 else "MISSED"
-            print(f"{name:<16}{step_cpu * 1e3:>9.1f}{hooks * 1e6:>10.0f}{rank0['timed_calls']:>13.0f}"
-                  f"{wrappers * 1e6:>13.0f}{share:>10.2%} {verdict}")
+            print(
+                f"{name:<16}{step_cpu * 1e3:>9.1f}{hooks * 1e6:>10.0f}{rank0['timed_calls']:>13.0f}"
+                f"{wrappers * 1e6:>13.0f}{share:>10.2%} {verdict}"
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3, help="steps of each run left out")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--n-embd", type=int, default=128)
+    demo_gpt.add_run_args(parser, repeats=2, block_size=128, n_embd=128)
     parser.add_argument("--out", default="/tmp/bench_monitor", help="where the monitored runs write their reports")
-    parser.add_argument("--verbose", action="store_true")
-    options = parser.parse_args()
-    args = vars(options)
-    print(f"bench_monitor: demo GPT n_embd={options.n_embd} block={options.block_size} batch={options.batch_size},"
-          f" {options.steps} steps x {options.repeats} repeats; load average {harness.load_average()}")
+    args = harness.parse_run_args(parser, None)
+    options = argparse.Namespace(**args)
+    print(
+        f"bench_monitor: demo GPT n_embd={options.n_embd} block={options.block_size} batch={options.batch_size},"
+        f" {options.steps} steps x {options.repeats} repeats; load average {harness.load_average()}"
+    )
     jobs = {}
     for layout, (dp, tp, pp) in LAYOUTS.items():
         jobs[layout] = (job, dp * tp * pp, (layout, False, args))
@@ -182,11 +164,15 @@ def main() -> None:
     costs = harness.run_or_report("wrapper cost", wrapper_cost, 1)
     cost = max(costs[0].values()) if costs else float("nan")
     print("timer wrapper cost per call (us):", {k: round(v * 1e6, 2) for k, v in (costs[0] if costs else {}).items()})
-    runs = harness.run_interleaved(jobs, options.repeats, verbose=options.verbose)
+    runs = harness.run_interleaved(jobs, options.repeats, options.timeout, options.verbose)
     _counted_overhead(runs, cost, options.warmup)
     results = {name: harness.summarize(outputs, options.warmup) for name, outputs in runs.items()}
-    harness.ratio_table(results, [(f"{layout}+mon", layout, TARGET) for layout in LAYOUTS],
-                        title="ScalingMonitor overhead (monitored / plain; target <= 1.03)")
+    harness.ratio_table(
+        results,
+        [(f"{layout}+mon", layout, TARGET) for layout in LAYOUTS],
+        span="iter",
+        title="ScalingMonitor overhead (monitored / plain, step start to next start; target <= 1.03)",
+    )
 
 
 if __name__ == "__main__":

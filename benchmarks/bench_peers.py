@@ -7,16 +7,17 @@ configuration          what                                                     
 ``zero0``              ``HybridStrategy(zero_stage=0)``                                          ``ddp`` (<= 1.00)
 ``deepspeed-zero1/2``  DeepSpeed ZeRO-1/2: ``deepspeed.initialize`` by hand in a plain loop      -
                        (Lightning's ``DeepSpeedStrategy`` refuses CPU), the module's own AdamW
-``zero1``, ``zero2``   ``HybridStrategy(zero_stage=1|2)``                                        ``deepspeed-zero1|2`` (<= 0.97)
+``zero1``, ``zero2``   ``HybridStrategy(zero_stage=1|2)``                                        ``deepspeed-zero1|2``
+                                                                                                 (<= 0.97)
 ``fsdp2``              Lightning ``ModelParallelStrategy``, ``fully_shard`` per block then the   -
                        root by hand in ``configure_model`` (FSDP2's defaults)
 ``zero3``              ``HybridStrategy(zero_stage=3)``                                          ``fsdp2`` (<= 1.00)
 ``mp-tp2``             Lightning ``ModelParallelStrategy``, the tp plan by hand in               -
-                       ``configure_model`` (``bench_tensor.parallelize_by_hand``; FSDP2 over dp
+                       ``configure_model`` (``by_hand.parallelize_by_hand``; FSDP2 over dp
                        if ``--devices`` > 2)
 ``tp2``                ``HybridStrategy(tensor_parallel_size=2)`` (ZeRO-3 over dp if > 1)        ``mp-tp2`` (<= 1.00)
 ``pp-hand``            1F1B by hand: ``PipelineStage`` + ``Schedule1F1B`` over stages cut like   -
-                       HybridStrategy's (``bench_pipeline._run_hand``), pp = ``--devices``
+                       HybridStrategy's (``bench_pipeline.run_by_hand``), pp = ``--devices``
 ``pp-1f1b``            ``HybridStrategy(pipeline_parallel_size=devices, pipeline_schedule=       ``pp-hand`` (<= 1.05)
                        "1F1B", num_microbatches=2*pp)``
 =====================  =======================================================================  ====================
@@ -34,15 +35,15 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness  # noqa: E402
-from benchmarks.harness import MB, QUIET_TRAINER, SEED  # noqa: E402
+from benchmarks import by_hand, demo_gpt, harness
+from benchmarks.harness import MB, QUIET_TRAINER, SEED
 
 # name -> (kind, options, peer, target)
-CONFIGS: dict[str, tuple[str, dict[str, Any], Optional[str], Optional[float]]] = {
+CONFIGS: dict[str, tuple[str, dict[str, Any], str | None, float | None]] = {
     "ddp": ("ddp", {}, None, None),
     "zero0": ("hybrid", {"zero_stage": 0}, "ddp", 1.00),
     "deepspeed-zero1": ("deepspeed", {"stage": 1}, None, None),
@@ -77,78 +78,32 @@ def analytic_comm(name: str, dp: int, n_params: int, n_root: int) -> tuple[float
 def _module(kind: str, args: dict[str, Any]) -> Any:
     from lightning_mgpu.demo import GPTLightningModule
 
-    kwargs = dict(block_size=args["block_size"], n_layer=args["n_layer"], n_head=args["n_head"], n_embd=args["n_embd"],
-                  seed=SEED)
-    if kind == "mp-tp":
-        return _tensor_parallel_by_hand(kwargs)
-    if kind != "fsdp2":
-        return GPTLightningModule(**kwargs)
-
-    class FSDP2ByHand(GPTLightningModule):
-        """The demo module with FSDP2 applied by hand, as Lightning's ModelParallelStrategy docs do it."""
-
-        def configure_model(self) -> None:
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = self.device_mesh["data_parallel"]
-            for block in self.model.transformer.h:
-                fully_shard(block, mesh=mesh)
-            fully_shard(self.model, mesh=mesh)
-
-    return FSDP2ByHand(**kwargs)
-
-
-def _tensor_parallel_by_hand(kwargs: dict[str, Any]) -> Any:
-    from benchmarks.bench_tensor import parallelize_by_hand
-    from lightning_mgpu.demo import GPTLightningModule
-
-    class TensorParallelByHand(GPTLightningModule):
-        """The demo module with the tp plan (and FSDP2 over dp) applied by hand, as Lightning's docs do it."""
-
-        def configure_model(self) -> None:
-            from torch.distributed.fsdp import fully_shard
-
-            parallelize_by_hand(self.model, self.device_mesh["tensor_parallel"], False)
-            dp_mesh = self.device_mesh["data_parallel"]
-            if dp_mesh.size() > 1:
-                for block in self.model.transformer.h:
-                    fully_shard(block, mesh=dp_mesh)
-                fully_shard(self.model, mesh=dp_mesh)
-
-    return TensorParallelByHand(**kwargs)
+    if kind in ("fsdp2", "mp-tp"):  # by hand in configure_model: FSDP2 over dp, the tp plan over tp
+        return by_hand.by_hand_module(demo_gpt.gpt_kwargs(args))
+    return GPTLightningModule(**demo_gpt.gpt_kwargs(args))
 
 
 def _strategy(kind: str, options: dict[str, Any], devices: int) -> Any:
     from datetime import timedelta
 
-    if kind == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-        return DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=120))
-    if kind == "fsdp2":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
-    if kind == "mp-tp":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        return ModelParallelStrategy(data_parallel_size=devices // 2, tensor_parallel_size=2)
     from lightning_mgpu import HybridStrategy
 
+    if kind == "ddp":
+        return DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=120))
+    if kind in ("fsdp2", "mp-tp"):
+        tp = 2 if kind == "mp-tp" else 1
+        return ModelParallelStrategy(data_parallel_size=devices // tp, tensor_parallel_size=tp)
     if kind == "hybrid-tp":
-        return HybridStrategy(tensor_parallel_size=2, data_parallel_size=devices // 2,
-                              zero_stage=3 if devices > 2 else 0)
+        return HybridStrategy(
+            tensor_parallel_size=2, data_parallel_size=devices // 2, zero_stage=3 if devices > 2 else 0
+        )
     if kind == "pp":
-        return HybridStrategy(pipeline_parallel_size=devices, data_parallel_size=1, pipeline_schedule="1F1B",
-                              num_microbatches=2 * devices)
-
+        return HybridStrategy(
+            pipeline_parallel_size=devices, data_parallel_size=1, pipeline_schedule="1F1B", num_microbatches=2 * devices
+        )
     return HybridStrategy(data_parallel_size=devices, **options)
-
-
-def _datamodule(args: dict[str, Any]) -> Any:
-    from lightning_mgpu.demo import TextDataModule
-
-    return TextDataModule(batch_size=args["batch_size"], block_size=args["block_size"], val_fraction=0.1)
 
 
 def trainer_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -159,9 +114,14 @@ def trainer_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     kind, options, _, _ = CONFIGS[name]
     L.seed_everything(SEED, verbose=False)
     probe = harness.make_step_probe(args["mem_step"], profile_step=args["steps"], verbose=args["verbose"])
-    trainer = L.Trainer(accelerator="cpu", devices=args["devices"], strategy=_strategy(kind, options, args["devices"]),
-                        max_steps=args["steps"] + 1, callbacks=[probe], **QUIET_TRAINER)
-    trainer.fit(_module(kind, args), _datamodule(args))
+    trainer = L.Trainer(
+        devices=args["devices"],
+        strategy=_strategy(kind, options, args["devices"]),
+        max_steps=args["steps"] + 1,
+        callbacks=[probe],
+        **QUIET_TRAINER,
+    )
+    trainer.fit(_module(kind, args), demo_gpt.demo_data(args))
     return {**probe.result(), "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
 
 
@@ -172,9 +132,7 @@ def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     import lightning as L
     import torch
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler
 
-    _, options, _, _ = CONFIGS[name]
     L.seed_everything(SEED, verbose=False)
     with harness.quiet_fds(not args["verbose"]):
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
@@ -183,24 +141,18 @@ def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     config = {
         "train_micro_batch_size_per_gpu": args["batch_size"],
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": options["stage"]},
+        "zero_optimization": {"stage": CONFIGS[name][1]["stage"]},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
     with harness.quiet_fds(not args["verbose"]):
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
-    dm = _datamodule(args)
-    dm.setup()
-    # Lightning substitutes DistributedSampler(shuffle=True) for the Trainer runs: the same order here.
-    sampler = DistributedSampler(dm.train_dataset, shuffle=True, seed=0)
-    loader = iter(DataLoader(dm.train_dataset, batch_size=args["batch_size"], sampler=sampler))
-    timer, memory, comm, loss = harness.LoopTimer(), None, None, torch.zeros(())
-    for step in range(args["steps"] + 1):
-        batch = next(loader)
-        profile = harness.profiled_collectives(dist.get_world_size(), args["verbose"]) if step == args["steps"] else None
-        if profile:
-            profile.__enter__()
-        with timer.step(timed=profile is None):
+    data = demo_gpt.demo_data(args)
+    data.setup()
+    profile = harness.profiled_collectives(dist.get_world_size(), args["verbose"])
+    timer, memory, loss = harness.LoopTimer(), None, torch.zeros(())
+    for step, batch in zip(range(args["steps"] + 1), demo_gpt.lightning_order(data.train_dataset, args["batch_size"])):
+        with timer.step(probe=profile if step == args["steps"] else None):
             loss = module._loss(batch)
             reported = loss.detach().clone()
             dist.all_reduce(reported)  # what `self.log(..., sync_dist=True)` costs the Trainer runs
@@ -210,46 +162,32 @@ def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
             if step == args["mem_step"]:
                 memory = _deepspeed_memory(engine, optimizer)
             engine.step()
-        if profile:
-            profile.__exit__(None, None, None)
-            comm = profile.result
-    return {**timer.result(), "memory": memory, "comm": comm, "loss": float(loss)}
+    return {**timer.result(), "memory": memory, "comm": profile.result, "loss": float(loss)}
 
 
 def pipeline_by_hand_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
-    """The same 1F1B schedule by hand (``bench_pipeline._run_hand``), timed over the same span as the Trainer's."""
+    """The same 1F1B schedule by hand (``bench_pipeline.run_by_hand``), timed over the same span as the Trainer's."""
     harness.quiet_worker(args["verbose"])
     import torch.distributed as dist
 
-    from benchmarks.bench_pipeline import _Recorder, _run_hand
+    from benchmarks.bench_pipeline import run_by_hand
 
     dist.init_process_group("gloo")
-    pp = args["devices"]
-    run = _run_hand("1F1B", 2 * pp, {**args, "pp": pp, "steps": args["steps"]}, _Recorder())
-    steps = run["steps"]
-    return {"times": [s["wall"] for s in steps], "cpu_times": [s["cpu"] for s in steps], "phases": [],
-            "memory": None, "comm": None, "loss": steps[-1]["loss"]}
+    return run_by_hand("1F1B", 2 * args["devices"], args["devices"], 1, args)
 
 
 def _deepspeed_memory(engine: Any, optimizer: Any) -> dict[str, int]:
     """DeepSpeed keeps fp32 gradients/partitions in its own flat buffers: count what the engine holds."""
-    memory = harness.memory_per_rank(engine.module, [optimizer])
-    inner = getattr(engine, "optimizer", None)
-    flat = [t for name in ("averaged_gradients", "single_partition_of_fp32_groups") for t in _tensors(inner, name)]
-    memory["grads"] += sum(harness.local_bytes(t) for t in flat if t is not None)
-    return memory
-
-
-def _tensors(obj: Any, name: str) -> list[Any]:
     import torch
 
-    value = getattr(obj, name, None)
-    if isinstance(value, dict):
-        value = list(value.values())
-    out = []
-    for item in value or []:
-        out += item if isinstance(item, list) else [item]
-    return [t for t in out if isinstance(t, torch.Tensor)]
+    memory = harness.memory_per_rank(engine.module, [optimizer])
+    inner = getattr(engine, "optimizer", None)
+    for attribute in ("averaged_gradients", "single_partition_of_fp32_groups"):
+        value = getattr(inner, attribute, None)
+        items = list(value.values()) if isinstance(value, dict) else value or []
+        flat = [t for item in items for t in (item if isinstance(item, list) else [item])]
+        memory["grads"] += sum(harness.local_bytes(t) for t in flat if isinstance(t, torch.Tensor))
+    return memory
 
 
 def _job(name: str) -> Any:
@@ -263,8 +201,7 @@ def _count_params(args: dict[str, Any]) -> tuple[int, int]:
     from lightning_mgpu.demo import GPT, GPTConfig
 
     with torch.device("meta"):
-        gpt = GPT(GPTConfig(block_size=args["block_size"], n_layer=args["n_layer"], n_head=args["n_head"],
-                            n_embd=args["n_embd"]))
+        gpt = GPT(GPTConfig(**{k: v for k, v in demo_gpt.gpt_kwargs(args).items() if k != "seed"}))
     total = sum(p.numel() for p in gpt.parameters())
     return total, total - sum(p.numel() for p in gpt.transformer.h.parameters())
 
@@ -272,63 +209,42 @@ def _count_params(args: dict[str, Any]) -> tuple[int, int]:
 def print_report(runs: dict[str, list], args: dict[str, Any]) -> dict[str, Any]:
     dp, n_params, n_root = args["devices"], *_count_params(args)
     results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}
-    print(f"\nGPT n_layer={args['n_layer']} n_embd={args['n_embd']} block={args['block_size']}: N={n_params:,}"
-          f" ({4 * n_params / MB:.2f} MB fp32); dp={dp} x batch {args['batch_size']}, gloo; {args['repeats']} interleaved"
-          f" repeats x {args['steps'] - args['warmup']} timed steps; load {harness.load_average()}")
+    print(
+        f"\nGPT n_layer={args['n_layer']} n_embd={args['n_embd']} block={args['block_size']}: N={n_params:,}"
+        f" ({4 * n_params / MB:.2f} MB fp32); dp={dp} x batch {args['batch_size']}, gloo; {args['repeats']} interleaved"
+        f" repeats x {args['steps'] - args['warmup']} timed steps; load {harness.load_average()}"
+    )
     pairs = [(name, peer, target) for name, (_, _, peer, target) in CONFIGS.items() if peer and name in results]
     rows = harness.ratio_table(results, pairs)
-    head = f"\n{'configuration':<16} {'step ms':>8} {'cpu ms':>7} {'param':>6} {'grad':>6} {'optim':>6} {'MB/step':>8} {'minimum':>8}  collectives/step"
-    print(head)
-    for name in results:
-        first = runs[name][0]
-        mem = max((o["memory"] for o in first if o["memory"]), key=lambda m: sum(m.values()), default=None)
-        comm = first[0]["comm"]
-        minimum, _ = analytic_comm(name, dp, n_params, n_root)
-        sent = f"{comm['bytes'] / MB:8.2f}" if comm else f"{'-':>8}"
-        least = f"{minimum / MB:8.2f}" if minimum else f"{'-':>8}"
-        mems = " ".join(f"{mem[k] / MB:6.2f}" for k in ("params", "grads", "optim")) if mem else f"{'-':>20}"
-        print(f"{name:<16} {results[name]['median'] * 1e3:8.1f} {results[name]['cpu'] * 1e3:7.1f} {mems} {sent}"
-              f" {least}  {harness.fmt_comm(comm)}")
-    print("\nphases, ms (median over steps of the ranks' mean), wall then CPU: forward / backward / optimizer step")
-    for name, r in results.items():
-        ph = [f"{x * 1e3:.1f}" for x in r["phases"]]
-        print(f"  {name:<16} wall {'/'.join(ph[:3]):<18} cpu {'/'.join(ph[3:])}")
+    minimum = {name: analytic_comm(name, dp, n_params, n_root)[0] for name in results}
+    mb = lambda value: f"{value / MB:.2f}" if value else "-"
+    comm = {"MB/step": lambda n, r: mb(r["comm"] and r["comm"]["bytes"]), "minimum": lambda n, r: mb(minimum[n])}
+    harness.table(
+        results,
+        {**harness.memory_columns(), **comm, "collectives/step": lambda n, r: harness.fmt_comm(r["comm"])},
+        title="\nper configuration: memory per rank, bytes sent per step",
+        phases=True,
+    )
     print("\nstep ratio / cpu ratio: median over repeats of (time / peer's time in the same repeat) [min-max].")
     print("param/grad/optim: MB per rank after backward (most loaded rank); MB/step: bytes rank 0 sends per step")
-    print("  for the collectives it issued (ring algorithms, profiler count); minimum: " + "; ".join(
-        f"{n} {analytic_comm(n, dp, n_params, n_root)[1]}" for n in ("zero0", "zero1", "zero3")))
+    print(
+        "  for the collectives it issued (ring algorithms, profiler count); minimum: "
+        + "; ".join(f"{n} {analytic_comm(n, dp, n_params, n_root)[1]}" for n in ("zero0", "zero1", "zero3"))
+    )
     return {"results": results, "rows": rows}
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=2, help="processes (= data-parallel size)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per configuration")
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=192)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8, help="per rank")
+    demo_gpt.add_run_args(parser)
     parser.add_argument("--mem-step", type=int, default=2)
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(CONFIGS)}")
-    parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--verbose", action="store_true")
-    ns = parser.parse_args(argv)
-    names = [n.strip() for n in ns.only.split(",") if n.strip()] or list(CONFIGS)
-    if set(names) - set(CONFIGS):
-        parser.error(f"unknown configurations {sorted(set(names) - set(CONFIGS))}; choose from {list(CONFIGS)}")
-    if not 0 <= ns.warmup < ns.steps or not 0 <= ns.mem_step < ns.steps:
-        parser.error("need 0 <= --warmup < --steps and 0 <= --mem-step < --steps")
-    args = vars(ns)
-    import lightning  # noqa: F401  (imported before forking: each job starts in ~1 s)
-
-    import lightning_mgpu  # noqa: F401
-
-    jobs = {name: (_job(name), ns.devices, (name, args)) for name in names}
-    runs = harness.run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose,
-                                   report=lambda n, o: f"{harness.summarize([o], ns.warmup)['median'] * 1e3:.1f} ms/step")
+    args = harness.parse_run_args(parser, argv)
+    names = harness.select(parser, args["only"], CONFIGS)
+    harness.preload()
+    jobs = {name: (_job(name), args["devices"], (name, args)) for name in names}
+    runs = harness.run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"])
     return print_report(runs, args)
 
 

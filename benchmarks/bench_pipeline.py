@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from torch import nn
 
-from benchmarks import harness
-from benchmarks.harness import QUIET_TRAINER, SEED
+from benchmarks import demo_gpt, harness
+from benchmarks.harness import QUIET_TRAINER
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 TARGET = 1.05
@@ -51,16 +51,6 @@ def parse_layout(text: str) -> tuple[int, int]:
     if match is None or int(match[1]) < 2 or int(match[2] or 1) < 1:
         raise ValueError(f"layout {text!r}: write it as pp<N>[xdp<M>] with N >= 2, e.g. pp2 or pp2xdp2")
     return int(match[1]), int(match[2] or 1)
-
-
-def _model_kwargs(args: dict[str, Any]) -> dict[str, Any]:
-    return dict(block_size=args["block_size"], n_layer=args["n_layer"], n_head=args["n_head"], n_embd=args["n_embd"])
-
-
-def _datamodule(args: dict[str, Any], dp: int) -> Any:
-    from lightning_mgpu.demo import TextDataModule
-
-    return TextDataModule(batch_size=args["batch_size"] // dp, block_size=args["block_size"], val_fraction=0.1)
 
 
 # ------------------------------------------------------------------------------------------------ in the ranks
@@ -80,14 +70,13 @@ def lightning_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict
         num_microbatches=args["microbatches"] or 2 * pp,
     )
     trainer = L.Trainer(
-        accelerator="cpu",
         devices=pp * dp,
         strategy=strategy,
         max_steps=args["steps"],
         callbacks=[probe],
         **QUIET_TRAINER,
     )
-    trainer.fit(GPTLightningModule(**_model_kwargs(args), seed=SEED), _datamodule(args, dp))
+    trainer.fit(GPTLightningModule(**demo_gpt.gpt_kwargs(args)), demo_gpt.demo_data(args, args["batch_size"] // dp))
     return {**probe.result(), "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
 
 
@@ -129,16 +118,14 @@ def run_by_hand(schedule: str, m: int, pp: int, dp: int, args: dict[str, Any]) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
-    from torch.utils.data import DataLoader, DistributedSampler
 
-    from lightning_mgpu.demo import GPT, GPTConfig
+    from lightning_mgpu.demo import GPTLightningModule
     from lightning_mgpu.parallel.pipeline import plan_split, stage_indices, stages_per_rank
 
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))  # HybridStrategy's order: pp outermost
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    with torch.random.fork_rng(devices=[]):  # the demo module's seeded init: the same weights as Lightning's run
-        torch.manual_seed(SEED)
-        gpt = GPT(GPTConfig(**_model_kwargs(args)))
+    demo = GPTLightningModule(**demo_gpt.gpt_kwargs(args))  # the same seeded init as Lightning's run
+    gpt = demo.model
     per_rank = stages_per_rank(schedule, None)
     num_stages = pp * per_rank
     split = plan_split(gpt, num_stages, "auto")
@@ -162,22 +149,11 @@ def run_by_hand(schedule: str, m: int, pp: int, dp: int, args: dict[str, Any]) -
     pipe = get_schedule_class(schedule)(
         stages[0] if len(stages) == 1 else stages, m, loss_fn=loss_fn, scale_grads=False
     )
-    params = [p for module in modules for p in module.parameters()]
-    optimizer = torch.optim.AdamW(
-        [  # the demo module's configure_optimizers, with its defaults
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ],
-        lr=3e-4,
-        betas=(0.9, 0.95),
-    )
-    dm = _datamodule(args, dp)
+    demo.model = nn.ModuleList(modules)  # the demo's configure_optimizers (its groups) over this rank's stages
+    optimizer = demo.configure_optimizers()
+    dm = demo_gpt.demo_data(args, args["batch_size"] // dp)
     dm.setup()
-    # The order Lightning trains in: DistributedSampler(shuffle=True) over the data-parallel ranks, seed 0.
-    sampler = DistributedSampler(
-        dm.train_dataset, num_replicas=dp, rank=dp_rank, shuffle=True, seed=int(os.getenv("PL_GLOBAL_SEED", 0))
-    )
-    loader = DataLoader(dm.train_dataset, batch_size=args["batch_size"] // dp, sampler=sampler)
+    loader = demo_gpt.lightning_order(dm.train_dataset, args["batch_size"] // dp, replicas=dp, rank=dp_rank)
     timer, loss = harness.LoopTimer(), float("nan")
     for step, (x, y) in enumerate(loader):
         if step == args["steps"]:
@@ -198,35 +174,15 @@ def run_by_hand(schedule: str, m: int, pp: int, dp: int, args: dict[str, Any]) -
     return {**timer.result(), "memory": None, "comm": None, "loss": loss, "rank": dist.get_rank()}
 
 
-class _Recorder:
-    """Kept for ``bench_peers.py``'s import of ``_run_hand``; records nothing."""
-
-
-def _run_hand(schedule: str, m: int, args: dict[str, Any], rec: _Recorder | None = None) -> dict[str, Any]:
-    """``run_by_hand`` at dp 1 in the shape ``bench_peers.py`` reads: ``{"steps": [{wall, cpu, loss}]}``."""
-    result = run_by_hand(schedule, m, args["pp"], 1, args)
-    return {
-        "steps": [{"wall": w, "cpu": c, "loss": result["loss"]} for w, c in zip(result["times"], result["cpu_times"])]
-    }
-
-
 # ------------------------------------------------------------------------------------------------ the report
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", default="pp2,pp2xdp2", help="comma-separated pp<N>[xdp<M>] (processes: N*M)")
     parser.add_argument("--schedules", default="1F1B", help=f"comma-separated subset of {','.join(SCHEDULES)}")
     parser.add_argument("--microbatches", type=int, default=0, help="per step (default 2*pp)")
-    parser.add_argument("--steps", type=int, default=20, help="steps per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=3, help="first steps left out (the first infers shapes)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per configuration")
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=192)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8, help="per pipeline (split over its dp ranks)")
-    parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--verbose", action="store_true")
-    ns = parser.parse_args(argv)
+    demo_gpt.add_run_args(parser, batch_help="per pipeline (split over its dp ranks)")
+    args = harness.parse_run_args(parser, argv)
+    ns = argparse.Namespace(**args)
     try:
         layouts = {text: parse_layout(text) for text in ns.layouts.split(",") if text.strip()}
     except ValueError as err:
@@ -234,13 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     schedules = [s.strip() for s in ns.schedules.split(",") if s.strip()]
     if set(schedules) - set(SCHEDULES):
         parser.error(f"unknown schedules {sorted(set(schedules) - set(SCHEDULES))}; choose from {list(SCHEDULES)}")
-    if not 0 <= ns.warmup < ns.steps:
-        parser.error("need 0 <= --warmup < --steps")
-    args = vars(ns)
-    import lightning  # noqa: F401  (imported before forking: each job starts in ~1 s)
-    import torch.distributed.pipelining  # noqa: F401
-
-    import lightning_mgpu.demo  # noqa: F401
+    harness.preload("torch.distributed.pipelining")
 
     jobs, pairs = {}, []
     for text, (pp, dp) in layouts.items():
@@ -252,13 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             jobs[f"{name} lightning"] = (lightning_job, pp * dp, (schedule, pp, dp, args))
             pairs.append((f"{name} lightning", f"{name} hand", TARGET))
     load_before = harness.load_average()
-    runs = harness.run_interleaved(
-        jobs,
-        ns.repeats,
-        ns.timeout,
-        ns.verbose,
-        report=lambda n, o: f"{harness.summarize([o], ns.warmup)['median'] * 1e3:.1f} ms/step",
-    )
+    runs = harness.run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose)
     results = {name: harness.summarize(done, ns.warmup) for name, done in runs.items()}
     print(
         f"\nGPT n_layer={ns.n_layer} n_embd={ns.n_embd} block={ns.block_size}, batch {ns.batch_size} per pipeline,"

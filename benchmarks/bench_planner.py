@@ -19,7 +19,6 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -37,7 +36,7 @@ from tests.test_planner import (  # noqa: E402
 )
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -58,29 +57,38 @@ def main(argv: Optional[list[str]] = None) -> None:
     for processes, kwargs in MEASURED_LAYOUTS:
         dp = processes // (kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1))
         try:
-            _, extras = fit(lambda: GPTLightningModule(**MEASURED_GPT), lambda dp=dp: TextDataModule(
-                batch_size=MEASURED_BATCH // dp, block_size=MEASURED_GPT["block_size"]), kwargs, processes,
-                args.steps, callbacks_factory=lambda: [StepTimer()])
+            _, extras = fit(
+                lambda: GPTLightningModule(**MEASURED_GPT),
+                lambda dp=dp: TextDataModule(batch_size=MEASURED_BATCH // dp, block_size=MEASURED_GPT["block_size"]),
+                kwargs,
+                processes,
+                args.steps,
+                callbacks_factory=lambda: [StepTimer()],
+            )
         except Exception as error:  # noqa: BLE001 - one failed layout is reported, the others still run
             print(f"{processes} processes {kwargs}: FAILED: {str(error).strip().splitlines()[-1]}", flush=True)
             continue
         wall, cpu = step_medians(extras, args.warmup)
         cluster, efficiency = machine.as_cluster(processes)
-        predicted = estimate(spec, cluster, training, layout_from_options(processes, MEASURED_BATCH, **kwargs),
-                             efficiency).time["step"]
+        predicted = estimate(
+            spec, cluster, training, layout_from_options(processes, MEASURED_BATCH, **kwargs), efficiency
+        ).time["step"]
         rows.append((processes, kwargs, wall, cpu, predicted, predicted / cluster.contention, os.getloadavg()[0]))
     print()
     print(machine.as_cluster(4)[1].source)
-    print(f"| layout | measured wall ms | predicted ms | measured CPU ms | predicted work ms | load |")
+    print("| layout | measured wall ms | predicted ms | measured CPU ms | predicted work ms | load |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for processes, kwargs, wall, cpu, predicted, work, load in rows:
         name = f"{processes} processes, " + ", ".join(f"{k}={v}" for k, v in kwargs.items())
-        print(f"| {name} | {wall * 1e3:.1f} | {predicted * 1e3:.1f} | {cpu * 1e3:.1f} | {work * 1e3:.1f}"
-              f" | {load:.1f} |")
+        print(
+            f"| {name} | {wall * 1e3:.1f} | {predicted * 1e3:.1f} | {cpu * 1e3:.1f} | {work * 1e3:.1f} | {load:.1f} |"
+        )
     if len(rows) > 2:
-        print(f"Spearman(predicted, wall) = {spearman([r[4] for r in rows], [r[2] for r in rows]):.2f};"
-              f" Spearman(predicted work, CPU) = {spearman([r[5] for r in rows], [r[3] for r in rows]):.2f}"
-              " (target >= 0.8)")
+        print(
+            f"Spearman(predicted, wall) = {spearman([r[4] for r in rows], [r[2] for r in rows]):.2f};"
+            f" Spearman(predicted work, CPU) = {spearman([r[5] for r in rows], [r[3] for r in rows]):.2f}"
+            " (target >= 0.8)"
+        )
 
 
 if __name__ == "__main__":

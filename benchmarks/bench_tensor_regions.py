@@ -26,12 +26,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness  # noqa: E402
-from benchmarks.harness import QUIET_TRAINER, SEED  # noqa: E402
+from benchmarks import demo_gpt, harness
+from benchmarks.harness import QUIET_TRAINER, SEED
 
 PATHS = ("global", "local")
 
@@ -58,16 +58,20 @@ def trainer_job(path: str, tp: int, n_embd: int, args: dict[str, Any]) -> dict[s
     import lightning as L
 
     from lightning_mgpu import HybridStrategy
-    from lightning_mgpu.demo import GPTLightningModule, TextDataModule
+    from lightning_mgpu.demo import GPTLightningModule
 
     L.seed_everything(SEED, verbose=False)
-    module = GPTLightningModule(block_size=args["block_size"], n_layer=args["n_layer"], n_head=args["n_head"],
-                                n_embd=n_embd, seed=SEED)
+    module = GPTLightningModule(**demo_gpt.gpt_kwargs({**args, "n_embd": n_embd}))
     plan = "auto" if path == "global" else _local_plan
     probe = harness.make_step_probe(mem_step=1, profile_step=args["steps"], verbose=args["verbose"])
-    trainer = L.Trainer(accelerator="cpu", devices=tp, max_steps=args["steps"] + 1, callbacks=[probe],
-                        strategy=HybridStrategy(tensor_parallel_size=tp, tp_plan=plan), **QUIET_TRAINER)
-    trainer.fit(module, TextDataModule(batch_size=args["batch_size"], block_size=args["block_size"]))
+    trainer = L.Trainer(
+        devices=tp,
+        max_steps=args["steps"] + 1,
+        callbacks=[probe],
+        strategy=HybridStrategy(tensor_parallel_size=tp, tp_plan=plan),
+        **QUIET_TRAINER,
+    )
+    trainer.fit(module, demo_gpt.demo_data(args))
     return {**probe.result(), "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
 
 
@@ -77,16 +81,18 @@ def _name(path: str, tp: int, n_embd: int) -> str:
 
 def print_report(runs: dict[str, list], sizes: list[tuple[int, int]], args: dict[str, Any]) -> list[dict[str, Any]]:
     results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}
-    print(f"\ndemo GPT n_layer={args['n_layer']} n_head={args['n_head']} block={args['block_size']} batch"
-          f" {args['batch_size']}, gloo; {args['repeats']} interleaved repeats x {args['steps'] - args['warmup']}"
-          f" timed steps; load {harness.load_average()}")
+    print(
+        f"\ndemo GPT n_layer={args['n_layer']} n_head={args['n_head']} block={args['block_size']} batch"
+        f" {args['batch_size']}, gloo; {args['repeats']} interleaved repeats x {args['steps'] - args['warmup']}"
+        f" timed steps; load {harness.load_average()}"
+    )
     pairs = [(_name("global", tp, e), _name("local", tp, e), None) for tp, e in sizes]
     rows = harness.ratio_table(results, pairs)
-    print(f"\n{'configuration':<18} {'step ms':>8} {'cpu ms':>7} {'final loss':>10}  collectives/step (rank 0)")
-    for name in results:
-        first = runs[name][0][0]
-        print(f"{name:<18} {results[name]['median'] * 1e3:8.1f} {results[name]['cpu'] * 1e3:7.1f}"
-              f" {first['loss']:10.4f}  {harness.fmt_comm(first['comm'])}")
+    columns = {
+        "final loss": lambda n, r: f"{r['loss']:.4f}",
+        "collectives/step": lambda n, r: harness.fmt_comm(r["comm"]),
+    }
+    harness.table(results, columns, title="\nper configuration")
     print("\nstep ratio / cpu ratio: global-shape path / local path in the same repeat, median [min-max].")
     print("collectives: AR all-reduce, AG all-gather, RS reduce-scatter (the logging all-reduce of the loss included).")
     return rows
@@ -100,32 +106,20 @@ def _sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
-def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="2x64,4x256", help="comma-separated TPxN_EMBD (processes x width)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per configuration")
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--verbose", action="store_true")
-    ns = parser.parse_args(argv)
+    demo_gpt.add_run_args(parser, n_embd=None)
+    args = harness.parse_run_args(parser, argv)
+    ns = argparse.Namespace(**args)
     sizes = _sizes(ns.sizes)
     bad = [f"{tp}x{e}" for tp, e in sizes if tp < 2 or ns.n_head % tp or e % ns.n_head]
     if bad:
         parser.error(f"--sizes {bad}: tp must be >= 2 and divide --n-head={ns.n_head}, which must divide n_embd")
-    if not 0 <= ns.warmup < ns.steps:
-        parser.error("need 0 <= --warmup < --steps")
-    args = vars(ns)
-    import lightning  # noqa: F401  (imported before forking: each job starts in ~1 s)
-    import lightning_mgpu  # noqa: F401
+    harness.preload()
 
     jobs = {_name(path, tp, e): (trainer_job, tp, (path, tp, e, args)) for tp, e in sizes for path in PATHS}
-    runs = harness.run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose,
-                                   report=lambda n, o: f"{harness.summarize([o], ns.warmup)['median'] * 1e3:.1f} ms/step")
+    runs = harness.run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose)
     return print_report(runs, sizes, args)
 
 

@@ -4,28 +4,37 @@ Every per-topic script (``bench_*.py``) is a list of configurations, each a job 
 processes (``tests/helpers/distributed.run_distributed``), plus its own analytic expectations. The harness does the
 rest the same way for all of them, so that a ratio means the same in every table:
 
-- ``run_interleaved``: every configuration once per repeat, the repeats interleaved, so that a slow drift of a shared
-  machine hits every configuration alike; one failing configuration prints one line and does not hide the others.
-- ``StepProbe`` (a Lightning callback) and ``LoopTimer`` (for plain loops): wall time and process CPU time per step
-  (``on_train_batch_start`` -> ``on_train_batch_end``, or the same work in a loop), split into forward / backward /
-  optimizer step; memory per rank right after backward (``memory_per_rank``); the collectives of one extra,
-  untimed step (``profiled_collectives``).
+- ``run_interleaved``: every configuration once per repeat, the repeats interleaved (``abba``: every other repeat
+  reversed), so that a slow drift of a shared machine hits every configuration alike; one failing configuration
+  prints one line and does not hide the others. ``parse_run_args``, ``select``, ``preload``: the command line.
+- ``make_step_probe`` (a Lightning callback) and ``LoopTimer`` (for plain loops): wall time and process CPU time per
+  step (``on_train_batch_start`` -> ``on_train_batch_end``, or the same work in a loop), split into forward /
+  backward / optimizer step, and from one step's start to the next (``iter``); memory and sharding per rank right
+  after backward (``memory_per_rank``, ``sharding``); the collectives of one extra, untimed step
+  (``profiled_collectives``), and any other context manager around an untimed step (``probes``, told the phase).
 - ``summarize``: per step the slowest rank, warm-up steps dropped, repeats pooled; ``ratio_table``: each
-  configuration against its peer, the median of the per-repeat ratios with their range (the spread of the noise).
+  configuration against its peer, the median of the per-repeat ratios with their range (the spread of the noise);
+  ``table``: one row per configuration with a script's own columns.
+
+Beside it: ``demo_gpt.py`` (the shared flags, the seeded demo module, its data in Lightning's order),
+``collectives.py`` (collectives by phase and module against an analytic expectation) and ``by_hand.py`` (the peers
+written by hand: the tensor-parallel plan and FSDP2 in ``configure_model``).
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import logging
 import os
 import statistics
 import sys
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -38,15 +47,23 @@ from tests.helpers.probes import collectives_of, local_bytes  # noqa: E402
 
 SEED = 1234
 MB = 2**20
-# Every benchmark Trainer: no logger, checkpoints, progress bar, summary or validation to time alongside the steps.
-QUIET_TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     num_sanity_val_steps=0, limit_val_batches=0)
+# Every benchmark Trainer: on CPU; no logger, checkpoints, progress bar, summary or validation beside the steps.
+QUIET_TRAINER = dict(
+    accelerator="cpu",
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    limit_val_batches=0,
+)
 
 
 # ------------------------------------------------------------------------------------------------ launching
-def run_or_report(name: str, job: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300.0,
-                  verbose: bool = False) -> Optional[list[Any]]:
-    """``job(*args)`` on ``nprocs`` forked ranks; on failure print one line (all of it with ``verbose``), return None."""
+def run_or_report(
+    name: str, job: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300.0, verbose: bool = False
+) -> list[Any] | None:
+    """``job(*args)`` on ``nprocs`` forked ranks; on failure print one line (all with ``verbose``), return None."""
     try:
         return run_distributed(job, nprocs, *args, timeout=timeout)
     except Exception as err:
@@ -56,15 +73,26 @@ def run_or_report(name: str, job: Callable[..., Any], nprocs: int, *args: Any, t
         return None
 
 
-def run_interleaved(jobs: dict[str, tuple[Callable[..., Any], int, tuple]], repeats: int, timeout: float = 300.0,
-                    verbose: bool = False, report: Optional[Callable[[str, list[Any]], str]] = None) -> dict[str, list]:
+def run_interleaved(
+    jobs: dict[str, tuple[Callable[..., Any], int, tuple]],
+    repeats: int,
+    timeout: float = 300.0,
+    verbose: bool = False,
+    report: Callable[[str, list[Any]], str] | None = None,
+    abba: bool = False,
+) -> dict[str, list]:
     """Run ``{name: (job, nprocs, args)}`` ``repeats`` times, interleaved; returns ``{name: [outputs per repeat]}``.
 
-    ``report(name, outputs)`` makes the progress line printed after each run.
+    ``report(name, outputs)`` makes the progress line printed after each run (default: the median step time).
+    ``abba``: odd repeats run in reverse order, so that a drift of the machine's load within a repeat hits both
+    members of a compared pair alike.
     """
     runs: dict[str, list[list[Any]]] = {name: [] for name in jobs}
     for repeat in range(repeats):
-        for name, (job, nprocs, args) in jobs.items():
+        if repeats > 1:
+            print(f"-- repeat {repeat + 1}/{repeats}, load average {load_average()}", flush=True)
+        for name in list(jobs)[::-1] if abba and repeat % 2 else list(jobs):
+            job, nprocs, args = jobs[name]
             if repeat and not runs[name]:
                 continue  # failed before
             t0 = time.perf_counter()
@@ -72,9 +100,14 @@ def run_interleaved(jobs: dict[str, tuple[Callable[..., Any], int, tuple]], repe
             if outputs is None:
                 continue
             runs[name].append(outputs)
-            line = report(name, outputs) if report else ""
+            line = report(name, outputs) if report else _median_line(outputs)
             print(f"[{repeat + 1}/{repeats}] {name}: {line} ({time.perf_counter() - t0:.1f} s job)", flush=True)
     return {name: done for name, done in runs.items() if done}
+
+
+def _median_line(outputs: list[Any]) -> str:
+    steps = [max(step) for step in zip(*(o["times"] for o in outputs))] if outputs[0].get("times") else []
+    return f"{statistics.median(steps) * 1e3:.1f} ms/step (median, warm-up included)" if steps else ""
 
 
 def quiet_worker(verbose: bool) -> None:
@@ -107,6 +140,30 @@ def quiet_fds(enabled: bool = True) -> Iterator[None]:
             os.close(fd)
 
 
+# ------------------------------------------------------------------------------------------------ the command line
+def parse_run_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> dict[str, Any]:
+    """Parsed flags as a dict, checked: 0 <= --warmup (and --mem-step) < --steps, --repeats >= 1."""
+    ns = parser.parse_args(argv)
+    if not 0 <= ns.warmup < ns.steps or not 0 <= getattr(ns, "mem_step", 0) < ns.steps or ns.repeats < 1:
+        parser.error("need 0 <= --warmup < --steps, 0 <= --mem-step < --steps and --repeats >= 1")
+    return vars(ns)
+
+
+def select(parser: argparse.ArgumentParser, only: str, choices: Iterable[str]) -> list[str]:
+    """The configurations named in ``--only`` (comma-separated; all when empty), checked against ``choices``."""
+    choices = list(choices)
+    names = [name.strip() for name in only.split(",") if name.strip()] or choices
+    if set(names) - set(choices):
+        parser.error(f"unknown configurations {sorted(set(names) - set(choices))}; choose from {choices}")
+    return names
+
+
+def preload(*modules: str) -> None:
+    """Import what the ranks need before forking them, so that each job starts in ~1 s."""
+    for module in ("lightning", "lightning_mgpu", "lightning_mgpu.demo", *modules):
+        importlib.import_module(module)
+
+
 # ------------------------------------------------------------------------------------------------ in the ranks
 def memory_per_rank(module: torch.nn.Module, optimizers: list[Any]) -> dict[str, int]:
     """Bytes of parameters (local shards), their ``.grad`` and the optimizers' state tensors held by this rank."""
@@ -122,22 +179,37 @@ def memory_per_rank(module: torch.nn.Module, optimizers: list[Any]) -> dict[str,
 class LoopTimer:
     """Times the steps of a plain training loop like ``StepProbe`` times a Trainer's: ``with timer.step(): ...``.
 
-    ``timer.mark("backward")`` / ``timer.mark("optimizer")`` inside a step split it into phases.
+    ``timer.mark("backward")`` / ``timer.mark("optimizer")`` inside a step split it into phases. ``step(probe=cm)``
+    runs the step inside the context manager ``cm`` (e.g. ``profiled_collectives``), untimed, and tells it the phase
+    (``cm.phase = "backward"``) where it has one. ``iter_times``: from a timed step's start to the next step's start.
     """
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self.cpu_times: list[float] = []
         self.phases: list[tuple[float, ...]] = []
+        self.iter_times: list[float] = []
+        self.iter_cpu_times: list[float] = []
         self._marks: list[tuple[float, float]] = []
+        self._last_start: tuple[float, float] | None = None
+        self._probe: Any = None
 
-    def mark(self, _phase: str = "") -> None:
+    def mark(self, phase: str = "") -> None:
         self._marks.append((time.perf_counter(), time.process_time()))
+        if phase and hasattr(self._probe, "phase"):
+            self._probe.phase = phase
 
     @contextmanager
-    def step(self, timed: bool = True) -> Iterator[None]:
-        self._marks = [(time.perf_counter(), time.process_time())]
-        yield
+    def step(self, timed: bool = True, probe: Any = None) -> Iterator[None]:
+        start = (time.perf_counter(), time.process_time())
+        if self._last_start is not None:
+            self.iter_times.append(start[0] - self._last_start[0])
+            self.iter_cpu_times.append(start[1] - self._last_start[1])
+        timed = timed and probe is None
+        self._last_start, self._marks, self._probe = start if timed else None, [start], probe
+        with probe if probe is not None else nullcontext():
+            yield
+        self._probe = None
         self.mark()
         if timed:
             (t0, c0), (t1, c1) = self._marks[0], self._marks[-1]
@@ -145,31 +217,52 @@ class LoopTimer:
             self.cpu_times.append(c1 - c0)
             walls = [b[0] - a[0] for a, b in zip(self._marks, self._marks[1:])]
             cpus = [b[1] - a[1] for a, b in zip(self._marks, self._marks[1:])]
-            self.phases.append((*walls, *cpus))
+            if len(walls) == 3:  # forward / backward / optimizer (a pipeline stage may see no backward hook)
+                self.phases.append((*walls, *cpus))
 
     def result(self) -> dict[str, Any]:
-        return {"times": self.times, "cpu_times": self.cpu_times, "phases": self.phases}
+        return {
+            "times": self.times,
+            "cpu_times": self.cpu_times,
+            "phases": self.phases,
+            "iter_times": self.iter_times,
+            "iter_cpu_times": self.iter_cpu_times,
+        }
 
 
-def make_step_probe(mem_step: int = 2, profile_step: Optional[int] = None, verbose: bool = False) -> Any:
+def make_step_probe(
+    mem_step: int = 2,
+    profile_step: int | None = None,
+    verbose: bool = False,
+    probes: dict[int, Callable[[Any], Any]] | None = None,
+    ops: bool = False,
+) -> Any:
     """A Lightning callback timing every step like ``LoopTimer`` (phases at ``on_before_backward`` and
-    ``on_after_backward``), reading memory at optimizer step ``mem_step`` and profiling the collectives of
-    step ``profile_step`` (left out of the timings)."""
+    ``on_after_backward``), reading memory and sharding at optimizer step ``mem_step`` and profiling the
+    collectives of step ``profile_step`` (``ops``: also the op counts), left out of the timings.
+
+    ``probes``: ``{step: factory(trainer)}`` of more context managers, each run around its step (untimed; told the
+    phase like ``LoopTimer.step(probe=...)``); their ``.result`` land in ``result()["probes"][step]``.
+    """
     import lightning as L
+
+    factories = dict(probes or {})
+    if profile_step is not None:
+        factories[profile_step] = lambda trainer: profiled_collectives(trainer.world_size, verbose, ops)
 
     class StepProbe(L.Callback):
         def __init__(self) -> None:
             self.timer = LoopTimer()
-            self.memory: Optional[dict[str, int]] = None
-            self.comm: Optional[dict[str, Any]] = None
+            self.memory: dict[str, int] | None = None
+            self.sharding: list[tuple[str, str, tuple[int, ...]]] | None = None
+            self.probed: dict[int, Any] = {}
             self._step: Any = None
-            self._profile: Any = None
+            self._probe: Any = None
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if trainer.global_step == profile_step:
-                self._profile = profiled_collectives(trainer.world_size, verbose)
-                self._profile.__enter__()
-            self._step = self.timer.step(timed=self._profile is None)
+            factory = factories.get(trainer.global_step)
+            self._probe = (trainer.global_step, factory(trainer)) if factory else None
+            self._step = self.timer.step(probe=self._probe[1] if self._probe else None)
             self._step.__enter__()
 
         def on_before_backward(self, *args: Any) -> None:
@@ -181,44 +274,52 @@ def make_step_probe(mem_step: int = 2, profile_step: Optional[int] = None, verbo
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             if trainer.global_step == mem_step and self.memory is None:
                 self.memory = memory_per_rank(pl_module, trainer.optimizers)
+                self.sharding = sharding(pl_module)
 
         def on_train_batch_end(self, *args: Any) -> None:
             self._step.__exit__(None, None, None)
-            if self._profile is not None:
-                self._profile.__exit__(None, None, None)
-                self.comm = self._profile.result
-                self._profile = None
+            if self._probe is not None:
+                self.probed[self._probe[0]] = self._probe[1].result
 
         def result(self) -> dict[str, Any]:
-            return {**self.timer.result(), "memory": self.memory, "comm": self.comm}
-
-        @property
-        def times(self) -> list[float]:
-            return self.timer.times
-
-        @property
-        def cpu_times(self) -> list[float]:
-            return self.timer.cpu_times
-
-        @property
-        def phases(self) -> list[tuple[float, ...]]:
-            return self.timer.phases
+            comm = self.probed.get(profile_step) if profile_step is not None else None
+            return {
+                **self.timer.result(),
+                "memory": self.memory,
+                "sharding": self.sharding,
+                "comm": comm,
+                "probes": self.probed,
+            }
 
     return StepProbe()
+
+
+def sharding(module: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, placements, local shape) per parameter: to compare runs' sharding."""
+    from torch.distributed.tensor import DTensor
+
+    return [
+        (name, str(tuple(p.placements)), tuple(p.to_local().shape))
+        if isinstance(p, DTensor)
+        else (name, "plain", tuple(p.shape))
+        for name, p in module.named_parameters()
+    ]
 
 
 class profiled_collectives:
     """Context manager: the collectives this rank issued inside it (``.result``; see ``probes.collectives_of``).
 
     Uses ``torch.profiler``, which also sees collectives issued from C++ (DDP's reducer), not only Python calls.
+    ``ops``: also ``result["ops"]``, the count and self CPU ms of every op.
     """
 
-    def __init__(self, world_size: int, verbose: bool = False) -> None:
+    def __init__(self, world_size: int, verbose: bool = False, ops: bool = False) -> None:
         self.world_size = world_size
         self.verbose = verbose
-        self.result: Optional[dict[str, Any]] = None
+        self.ops = ops
+        self.result: dict[str, Any] | None = None
 
-    def __enter__(self) -> "profiled_collectives":
+    def __enter__(self) -> profiled_collectives:
         from torch.profiler import ProfilerActivity, profile
 
         self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
@@ -230,70 +331,137 @@ class profiled_collectives:
         with quiet_fds(not self.verbose):
             self._profiler.__exit__(*exc)
         self.result = collectives_of(self._profiler, self.world_size)
+        if self.ops:  # {op: (count, self CPU ms)}
+            averages = self._profiler.key_averages()
+            self.result["ops"] = {e.key: (e.count, e.self_cpu_time_total / 1e3) for e in averages}
 
 
 # ------------------------------------------------------------------------------------------------ the report
 def summarize(runs: list[list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
-    """Pool a configuration's repeats: per step the slowest rank's wall time and the ranks' mean CPU time."""
-    wall, cpu, phases, run_wall, run_cpu = [], [], [], [], []
-    for outputs in runs:
-        per_step = [max(steps) for steps in zip(*(o["times"] for o in outputs))][warmup:]
-        per_cpu = [statistics.mean(steps) for steps in zip(*(o["cpu_times"] for o in outputs))][warmup:]
-        wall += per_step
-        cpu += per_cpu
-        run_wall.append(statistics.median(per_step))
-        run_cpu.append(statistics.median(per_cpu))
-        phases += [tuple(map(statistics.mean, zip(*s))) for s in zip(*(o.get("phases") or [] for o in outputs))][warmup:]
+    """Pool a configuration's repeats: per step the slowest rank's wall time and the ranks' mean CPU time.
+
+    ``median``/``cpu`` (and ``iter``/``iter_cpu`` where the probe had them: start to next start) over all repeats;
+    ``run_medians``/``run_cpu`` (``run_iter``/``run_iter_cpu``) per repeat, for ``ratio``; ``rank0``: global rank
+    0's output of the first repeat, for what a script returns beside the timings.
+    """
     first = runs[0]
     memories = [o["memory"] for o in first if o.get("memory")]
-    return {
+    out: dict[str, Any] = {
         "memory": max(memories, key=lambda m: sum(v for v in m.values() if isinstance(v, int))) if memories else None,
-        "comm": first[0].get("comm"),  # rank 0's, first repeat
+        "comm": first[0].get("comm"),
         "loss": first[0].get("loss"),
-        "median": statistics.median(wall),
-        "min": min(wall),
-        "cpu": statistics.median(cpu),
-        "run_medians": run_wall,
-        "run_cpu": run_cpu,
-        "phases": [statistics.median(column) for column in zip(*phases)] if phases else [],
+        "rank0": first[0],
     }
+    for wall_key, cpu_key, name, cpu_name in (
+        ("times", "cpu_times", "median", "cpu"),
+        ("iter_times", "iter_cpu_times", "iter", "iter_cpu"),
+    ):
+        if not all(o.get(wall_key) for outputs in runs for o in outputs):
+            continue
+        per_run = [
+            (
+                [max(s) for s in zip(*(o[wall_key] for o in outputs))][warmup:],
+                [statistics.mean(s) for s in zip(*(o[cpu_key] for o in outputs))][warmup:],
+            )
+            for outputs in runs
+        ]
+        out[name] = statistics.median(w for wall, _ in per_run for w in wall)
+        out[cpu_name] = statistics.median(c for _, cpu in per_run for c in cpu)
+        out[f"run_{'medians' if name == 'median' else name}"] = [statistics.median(wall) for wall, _ in per_run]
+        out[f"run_{cpu_name}"] = [statistics.median(cpu) for _, cpu in per_run]
+        if name == "median":
+            out["min"] = min(w for wall, _ in per_run for w in wall)
+    phases = [
+        tuple(map(statistics.mean, zip(*s)))
+        for outputs in runs
+        if all(len(o.get("phases") or []) == len(o["times"]) for o in outputs)
+        for s in list(zip(*(o["phases"] for o in outputs)))[warmup:]
+    ]
+    out["phases"] = [statistics.median(column) for column in zip(*phases)] if phases else []
+    return out
 
 
-def ratio(results: dict[str, dict[str, Any]], name: str, peer: str, key: str = "run_medians") -> tuple[float, float, float]:
+def ratio(
+    results: dict[str, dict[str, Any]], name: str, peer: str, key: str = "run_medians"
+) -> tuple[float, float, float]:
     """Median, min and max over repeats of ``name``'s time / ``peer``'s time in the same repeat (interleaved)."""
     pairs = [a / b for a, b in zip(results[name][key], results[peer][key])]
     return statistics.median(pairs), min(pairs), max(pairs)
 
 
-def ratio_table(results: dict[str, dict[str, Any]], pairs: list[tuple[str, str, Optional[float]]],
-                title: str = "") -> list[dict[str, Any]]:
+def ratio_table(
+    results: dict[str, dict[str, Any]], pairs: list[tuple[str, str, float | None]], title: str = "", span: str = "step"
+) -> list[dict[str, Any]]:
     """Print ``name / peer`` step-time and CPU-time ratios (median of per-repeat ratios [min-max]) and the target.
 
-    ``pairs``: ``(name, peer, target)``; a ratio above ``target`` is flagged ``MISSED``. Returns the rows.
+    ``pairs``: ``(name, peer, target)``; a step or CPU ratio above ``target`` is flagged ``MISSED``.
+    ``span="iter"``: the times from one step's start to the next instead of the step's own. Returns the rows.
     """
     rows = []
+    key, wall_key, cpu_key = (
+        ("median", "run_medians", "run_cpu") if span == "step" else ("iter", "run_iter", "run_iter_cpu")
+    )
     if title:
         print(title)
-    head = f"{'configuration':<22} {'peer':<22} {'step ms':>8} {'peer ms':>8} {'step ratio':>20} {'cpu ratio':>20} {'target':>7}"
+    head = (
+        f"{'configuration':<22} {'peer':<22} {span + ' ms':>8} {'peer ms':>8} {span + ' ratio':>20}"
+        f" {'cpu ratio':>20} {'target':>7}"
+    )
     print(head)
     print("-" * len(head))
     for name, peer, target in pairs:
         if name not in results or peer not in results:
             print(f"{name:<22} {peer:<22} (missing)")
             continue
-        wall, cpu = ratio(results, name, peer), ratio(results, name, peer, "run_cpu")
-        verdict = "" if target is None else ("ok" if wall[0] <= target else "MISSED")
-        print(f"{name:<22} {peer:<22} {results[name]['median'] * 1e3:8.1f} {results[peer]['median'] * 1e3:8.1f}"
-              f" {_fmt_ratio(wall):>20} {_fmt_ratio(cpu):>20} {'' if target is None else f'<={target:.2f}':>7} {verdict}")
+        wall, cpu = ratio(results, name, peer, wall_key), ratio(results, name, peer, cpu_key)
+        verdict = (
+            ""
+            if target is None
+            else ", ".join(f"{what} {'ok' if r[0] <= target else 'MISSED'}" for what, r in ((span, wall), ("cpu", cpu)))
+        )
+        print(
+            f"{name:<22} {peer:<22} {results[name][key] * 1e3:8.1f} {results[peer][key] * 1e3:8.1f}"
+            f" {_fmt_ratio(wall):>20} {_fmt_ratio(cpu):>20} {'' if target is None else f'<={target:.2f}':>7} {verdict}"
+        )
         rows.append({"name": name, "peer": peer, "wall": wall, "cpu": cpu, "target": target})
     return rows
+
+
+def table(
+    results: dict[str, dict[str, Any]],
+    columns: dict[str, Callable[[str, dict[str, Any]], str]],
+    title: str = "",
+    phases: bool = False,
+) -> None:
+    """One row per configuration: median step and CPU ms, then ``columns`` (``{header: cell(name, result)}``);
+    ``phases``: then forward / backward / optimizer ms per configuration, wall and CPU."""
+    if title:
+        print(title)
+    head = f"{'configuration':<22} {'step ms':>8} {'cpu ms':>7} " + " ".join(columns)
+    print(head + "\n" + "-" * len(head))
+    for name, r in results.items():
+        cells = " ".join(f"{cell(name, r):>{len(header)}}" for header, cell in columns.items())
+        print(f"{name:<22} {r['median'] * 1e3:8.1f} {r['cpu'] * 1e3:7.1f} {cells}")
+    if phases:
+        print("phases, ms (median over steps of the ranks' mean), wall then CPU: forward / backward / optimizer step")
+        for name, r in results.items():
+            ph = [f"{x * 1e3:.1f}" for x in r["phases"]]
+            print(f"  {name:<22} wall {'/'.join(ph[:3]):<18} cpu {'/'.join(ph[3:])}")
+
+
+def memory_columns(digits: int = 2) -> dict[str, Callable[[str, dict[str, Any]], str]]:
+    """``table`` columns: MB per rank of parameters, gradients and optimizer state (the most loaded rank)."""
+    return {
+        f"{k[:5]} MB": lambda n, r, k=k: f"{r['memory'][k] / MB:.{digits}f}" if r["memory"] else "-"
+        for k in ("params", "grads", "optim")
+    }
 
 
 def _fmt_ratio(r: tuple[float, float, float]) -> str:
     return f"{r[0]:.3f} [{r[1]:.2f}-{r[2]:.2f}]"
 
 
-def fmt_comm(comm: Optional[dict[str, Any]]) -> str:
+def fmt_comm(comm: dict[str, Any] | None) -> str:
     """``AR3 RS2 ...``: collectives per kind (logging syncs of one element included)."""
     if not comm:
         return "?"

@@ -1,0 +1,55 @@
+"""The demo GPT as every benchmark runs it: the shared flags, the seeded module, the data in Lightning's order."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from benchmarks.harness import SEED
+
+
+def add_run_args(
+    parser: argparse.ArgumentParser,
+    steps: int = 20,
+    warmup: int = 3,
+    repeats: int = 3,
+    block_size: int = 64,
+    n_embd: int | None = 192,
+    batch_help: str = "per rank",
+) -> None:
+    """The flags the scripts on the demo GPT share: steps, warm-up, repeats, model sizes, batch, timeout, verbose."""
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=warmup, help="first steps left out of the medians")
+    parser.add_argument("--repeats", type=int, default=repeats, help="interleaved runs per configuration")
+    parser.add_argument("--n-layer", type=int, default=4)
+    if n_embd is not None:
+        parser.add_argument("--n-embd", type=int, default=n_embd)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=block_size)
+    parser.add_argument("--batch-size", type=int, default=8, help=batch_help)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    parser.add_argument("--verbose", action="store_true", help="keep Lightning's and torch's messages")
+
+
+def gpt_kwargs(args: dict[str, Any]) -> dict[str, Any]:
+    """The demo ``GPTLightningModule``'s sizes from the flags, with the seeded init every run shares."""
+    return dict(
+        block_size=args["block_size"], n_layer=args["n_layer"], n_head=args["n_head"], n_embd=args["n_embd"], seed=SEED
+    )
+
+
+def demo_data(args: dict[str, Any], batch_size: int | None = None) -> Any:
+    from lightning_mgpu.demo import TextDataModule
+
+    return TextDataModule(batch_size=batch_size or args["batch_size"], block_size=args["block_size"], val_fraction=0.1)
+
+
+def lightning_order(dataset: Any, batch_size: int, replicas: int | None = None, rank: int | None = None) -> Any:
+    """A loader of the batches a Trainer feeds this rank: Lightning's ``DistributedSampler(shuffle=True)``, seeded
+    as it seeds it (``PL_GLOBAL_SEED``), over ``replicas`` data-parallel ranks (default: the world)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    seed = int(os.getenv("PL_GLOBAL_SEED", 0))
+    sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
