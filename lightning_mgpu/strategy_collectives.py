@@ -39,7 +39,9 @@ class DataParallelCollectives(ParallelStrategy):
         group = self._data_parallel_group(group)
         if not isinstance(tensor, Tensor) or (group is not None and dist.get_world_size(group) == 1):
             return tensor  # nothing to reduce (dp=1 under tp/pp): skip Lightning's barrier + all-reduce per log
-        return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        if not _distributed():
+            return tensor
+        return _all_reduce(tensor, group, reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -69,3 +71,21 @@ class DataParallelCollectives(ParallelStrategy):
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _all_reduce(tensor: Tensor, group: Any | None, reduce_op: ReduceOp | str | None) -> Tensor:
+    """Lightning's ``_sync_ddp`` (in place, "mean" as a sum divided on gloo, which has no AVG) without the barrier
+    it puts before the all-reduce: the all-reduce already waits for every rank, and the barrier doubled the cost
+    of every ``self.log(..., sync_dist=True)`` (0.2 ms CPU at dp 2, 0.4 ms at dp 4 on gloo)."""
+    group = dist.group.WORLD if group is None else group
+    op: Any = dist.ReduceOp.SUM if reduce_op is None else reduce_op
+    divide = False
+    if isinstance(reduce_op, str):
+        name = "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
+        divide = name == "avg" and dist.get_backend(group) == "gloo"
+        op = dist.ReduceOp.SUM if divide else getattr(dist.ReduceOp, name.upper())
+    dist.all_reduce(tensor, op=op, group=group)
+    if not divide:
+        return tensor
+    size = dist.get_world_size(group)
+    return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
