@@ -8,12 +8,14 @@ the q, k and v of its own heads and the full tensor keeps its original layout.
 ``tp_plan="auto"`` (``tensor_plan.py``) takes Hugging Face's own plans (``config.base_model_tp_plan`` and the model
 class's ``_tp_plan``) where present, and name rules for GPT-style blocks otherwise.
 
-What the code between the projections sees (``_global_shape_regions``): modules of a Hugging Face model that
+What the code between the projections sees (``_regions``): modules of a Hugging Face model that
 declares a tensor-parallel plan get plain per-rank tensors, as Hugging Face's own tensor parallelism gives them
 (their code reshapes with ``-1`` and ``head_dim``, never with a global head count). Every other parent of
 column-parallel projections is a *global-shape region* (``tensor_region.py``): its projections hand back DTensors
 with the unsharded shapes, so code that reads ``C`` from its input or ``n_head``/``n_embd`` from its config works
-unchanged. No attribute of the user's modules is rewritten.
+unchanged. No attribute of the user's modules is rewritten. Two refinements of plain shards: a region whose code
+mixes values across the sharded width (a mean over an MLP's features) moves to global shapes (``tensor_mixing.py``),
+and per-head parameters and per-head row-parallel outputs of an attention follow its heads (``tensor_heads.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ from lightning_mgpu.parallel.blocks import is_transposed_linear, tied_parameters
 from lightning_mgpu.parallel.tensor_checks import check_divisible, parent_name
 from lightning_mgpu.parallel.tensor_embedding import VocabParallelEmbedding, reduce_lookups_in_forward
 from lightning_mgpu.parallel.tensor_experts import ExpertsParallel, IdentityExpertParallel, place_experts
+from lightning_mgpu.parallel.tensor_heads import per_head_outputs, shard_per_head_parameters, split_per_head_inputs
 from lightning_mgpu.parallel.tensor_local import marking_shards, owned_local, watch_shard_parameters
+from lightning_mgpu.parallel.tensor_mixing import ShapeSwitch, move_mixing_regions, shape_switches
 from lightning_mgpu.parallel.tensor_plan import _hugging_face_models, _match, _with_vocab_parallel_head, auto_plan
 from lightning_mgpu.parallel.tensor_region import install_global_shape_region
 
@@ -72,6 +76,7 @@ class _Colwise(StyleHooks, ColwiseParallel):
         self.chunks = chunks
         self.global_shapes = global_shapes
         self.shared: _SharedInput | None = None  # set when siblings read the same input (see _share_inputs)
+        self.switch: ShapeSwitch | None = None  # set in a plain-shard region that may move to global shapes
 
     @override
     def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -84,12 +89,15 @@ class _Colwise(StyleHooks, ColwiseParallel):
             if fused
             else {"weight": Shard(dim), "bias": Shard(0)}
         )
+        output_fn: Callable[..., Any]
         if fused:  # strided-shard output: to_local gives [q | k | v] of this rank's heads
             output_fn = _keep_output if self.global_shapes else _local_output
         else:
             output_fn = self.prepare_output
         if not self.global_shapes:  # a plain shard: its readers' replicated parameters get partial gradients
             output_fn = marking_shards(output_fn)
+        if self.switch is not None:  # tensor_mixing.py
+            output_fn = self.switch.output_fn(_keep_output, output_fn)
         distribute_module(
             module,
             device_mesh,
@@ -356,18 +364,26 @@ def apply_tensor_parallel(
     matched = _match(module, plan)
     tp = tp_mesh.size()
     check_divisible(module, matched, tp)
-    regions = _global_shape_regions(module, matched)
+    regions, local = _regions(module, matched)
     styles = {fqn: style(name, sequence_parallel, global_shapes=fqn in regions) for fqn, name in matched.items()}
+    switches = shape_switches(module, set(local.values()))
+    for fqn, region in local.items():
+        cast(_Colwise, styles[fqn]).switch = switches.get(region)
+    for fqn in per_head_outputs(module, matched, set(local.values())):  # reduce-scattered to the rank's heads
+        styles[fqn] = _Rowwise(output_layouts=Shard(-1))
     place_experts(module, plan, matched, styles, tp, sequence_parallel)
     _share_inputs(module, matched, styles)
     tied = tied_parameters(module)
     parallelize_module(module, tp_mesh, {fqn: s for fqn, s in styles.items() if s is not None})
     for name in sorted(set(regions.values())):
         install_global_shape_region(module.get_submodule(name))
+    shard_per_head_parameters(module, set(local.values()), set(matched), tp_mesh)  # attentions: never moved below
     if sequence_parallel:
         _replicate_remaining(module, tp_mesh)
     _retie(module, tied)
-    watch_shard_parameters(module, sorted(set(_regions(module, matched)[1].values())), set(matched), tp_mesh)
+    plain = set(local.values()) - set(move_mixing_regions(module, switches, local, tp_mesh, sequence_parallel))
+    split_per_head_inputs(module, plain, tp_mesh)
+    watch_shard_parameters(module, sorted(plain), set(matched), tp_mesh)
     for child in module.modules():
         if any(isinstance(p, DTensor) for p in child.parameters(recurse=False)):
             child.register_forward_pre_hook(_arm_gradient_layout)
@@ -402,10 +418,6 @@ def _replicate_remaining(module: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def _already_parallelized(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
-
-
-def _global_shape_regions(module: nn.Module, matched: dict[str, str]) -> dict[str, str]:
-    return _regions(module, matched)[0]
 
 
 def _regions(module: nn.Module, matched: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:

@@ -23,6 +23,8 @@ not at all are done here, all without communication, by a ``TorchFunctionMode`` 
 - ``F.scaled_dot_product_attention`` on inputs sharded over heads (DTensor has no sharding rule for the CPU
   kernel): attention is independent per head, so it runs on the local heads (a mask with a heads dimension is
   cut to the local heads).
+- ``std``/``var`` over a sharded dimension (Gemma 3n's activation sparsity): DTensor computes them, but their
+  backward modifies a partial gradient in place, which DTensor refuses; composed of ``mean`` and ``sum`` here.
 - plain tensors mixed with DTensors (a causal-mask buffer, rotary ``cos``/``sin``, an unsharded parameter): every
   tensor-parallel rank holds the same plain values, so they enter as replicated DTensors. Done at this level,
   autograd records DTensor operations, so backward needs no context of its own.
@@ -46,6 +48,7 @@ from lightning_mgpu._compat.dtensor import is_strided_shard
 from lightning_mgpu._compat.tensors import tree_map
 
 _SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes, torch.Tensor.chunk, torch.chunk)
+_MOMENTS = (torch.std, torch.Tensor.std, torch.var, torch.Tensor.var)
 _SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -63,6 +66,10 @@ class GlobalShapeMode(TorchFunctionMode):
                 return parts
         elif func is F.scaled_dot_product_attention:
             return _attention_on_local_heads(args, kwargs)
+        elif func in _MOMENTS:
+            moment = _moment_over_shards(func in (torch.std, torch.Tensor.std), args, kwargs)
+            if moment is not None:
+                return moment
         if plain:
             mesh = dtensor.device_mesh
             args, kwargs = tree_map(lambda a: _replicated(a, mesh) if _is_plain(a) else a, (args, kwargs))
@@ -131,6 +138,30 @@ def _split_fused(func: Any, args: tuple, kwargs: dict) -> tuple | None:
     return tuple(
         DTensor.from_local(part, tensor.device_mesh, [Shard(dim)], run_check=False) for part in local.chunk(factor, dim)
     )
+
+
+def _moment_over_shards(std: bool, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``std``/``var`` of a DTensor over a dimension it is sharded on, as ``mean`` and ``sum`` (whose backward
+    DTensor runs); ``None`` for any other call (left to DTensor)."""
+    tensor, rest = args[0], list(args[1:])
+    if not isinstance(tensor, DTensor) or "out" in kwargs:
+        return None
+    unbiased = rest.pop(0) if rest and isinstance(rest[0], bool) else kwargs.get("unbiased", True)
+    dim = rest.pop(0) if rest else kwargs.get("dim")
+    unbiased = rest.pop(0) if rest else unbiased
+    keepdim = rest.pop(0) if rest else kwargs.get("keepdim", False)
+    correction = kwargs.get("correction", 1 if unbiased else 0)
+    dims = range(tensor.dim()) if dim is None else [dim] if isinstance(dim, int) else dim
+    dims = sorted({d % tensor.dim() for d in dims})
+    sharded = {p.dim % tensor.dim() for p in tensor.placements if isinstance(p, Shard)}
+    if not sharded & set(dims) or not isinstance(correction, (int, float)):
+        return None
+    count = 1
+    for d in dims:
+        count *= tensor.shape[d]
+    centered = tensor - tensor.mean(dim=dims, keepdim=True)
+    variance = (centered * centered).sum(dim=dims, keepdim=keepdim) / max(0, count - correction)
+    return variance.sqrt() if std else variance
 
 
 def _attention_on_local_heads(args: tuple, kwargs: dict) -> Any:
