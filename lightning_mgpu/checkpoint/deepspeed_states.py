@@ -5,10 +5,13 @@ the same plain FQN keys as the torch backend (``state_dict.<fqn>``, ``optimizer_
 ``...param_groups.<fqn>.<hparam>``), each rank only what it owns: its piece of each parameter's flat range, handed
 to DCP as the N-d boxes that range covers (``flat_fragments``), views of DeepSpeed's own partitions. Nothing is
 gathered, so a save holds no more per rank than the rank's partitions (plus DCP's per-chunk copy while writing),
-and sends nothing but DCP's plan. Loading reads whole tensors (any layout saved them) and scatters them back with
-DeepSpeed's ``safe_set_full_*``: transiently the whole model and optimizer state per rank. A DeepSpeed run thus
-resumes under the torch backend, any layout, and the other way round, and ``lightning-mgpu inspect/consolidate``
-read it like any other checkpoint.
+and sends nothing but DCP's plan. A load reads the same way, whatever layout saved the checkpoint: each rank its
+pieces of the partitioned states (ZeRO-3: into a partition-sized buffer handed over with ``safe_set_local_*``;
+ZeRO-1/2: straight into the optimizer states' fragments), ZeRO-1/2's fp32 parameters whole straight into the module
+(which each rank holds whole), then into the fp32 master fragment. Only what is neither (buffers, frozen ZeRO-1/2
+parameters, low-precision ZeRO-1/2 modules, scalars) is read whole. A DeepSpeed run thus resumes under the torch
+backend, any layout, and the other way round, and ``lightning-mgpu inspect/consolidate`` read it like any other
+checkpoint.
 
 Where whole values are needed (the plain module given back after ``fit``, ``full_model_state_dict``) they are
 gathered per parameter with DeepSpeed's ``safe_get_full_*`` (:meth:`DeepSpeedStates.full_model_state`).
@@ -30,7 +33,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.optim import Optimizer
 
 from lightning_mgpu.checkpoint import states
-from lightning_mgpu.checkpoint.flat_fragments import FlatFragment
+from lightning_mgpu.checkpoint.flat_fragments import FlatFragment, FragmentLoadPlanner
 from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, CheckpointError
 
 _STATE = "state."
@@ -205,7 +208,7 @@ class DeepSpeedStates:
         where: str,
         checkpoint_id: Any | None = None,
     ) -> None:
-        """Read whole tensors (any layout saved them) and scatter them into DeepSpeed's partitions. Collective."""
+        """Read what any layout saved into DeepSpeed's partitions, each rank its own pieces. Collective."""
         index = reader.read_metadata().state_dict_metadata
         params = dict(model.named_parameters(remove_duplicate=False))
         template = {
@@ -223,15 +226,46 @@ class DeepSpeedStates:
                     " fewer optimizers): it can initialize weights but not resume training."
                 )
             wanted += found
-        request = {key: _empty(index[key]) for key in wanted if key in index}
-        try:
-            dcp.load(request, checkpoint_id=checkpoint_id, storage_reader=reader)
-        except Exception as error:
-            raise CheckpointError(f"Loading {where} failed: {error}") from error
+        zero = self.runner.engine.optimizer
+        pieces = self._read_piecewise(model, len(optimizers), index)
+        names = self._fqns(model)
+        tied = {f"{MODEL_KEY}.{name}" for name, param in params.items() if _piecewise(param) and names[param] != name}
+        request = {key: _empty(index[key]) for key in wanted if key in index and key not in pieces and key not in tied}
+        _read(request, reader, checkpoint_id, where)
         self._load_model(model, params, request)
         for i, optimizer in enumerate(optimizers):
             prefix = f"{OPTIMIZER_KEY}.{i}."
-            self._load_optimizer(model, optimizer, _strip(request, prefix))
+            tensors = {key[len(prefix) :] for key in pieces if key.startswith(prefix)}
+            self._load_optimizer(model, optimizer, _strip(request, prefix), tensors)
+        # The pieces, once the optimizer states they go into exist: straight into DeepSpeed's partitions.
+        _relink_optimizer_states(self.runner.engine)
+        targets = {key: _piece(param, zero, name) for key, (param, name) in pieces.items()}
+        _read({key: target for key, (target, _) in targets.items()}, reader, checkpoint_id, where)
+        for _, finish in targets.values():
+            finish()
+        _refresh_zero3_partitions(self.runner.engine)
+
+    def _read_piecewise(
+        self, model: nn.Module, optimizers: int, index: dict[str, Any]
+    ) -> dict[str, tuple[Any, str | None]]:
+        """The checkpoint keys each rank reads only its own piece of, and into what: ``(parameter, None)`` for its
+        fp32 master, ``(parameter, state name)`` for an optimizer state: every state DeepSpeed partitions, ZeRO-3's
+        parameters, and ZeRO-1/2's fp32 ones whole (each rank holds the module whole) straight into the module.
+        A tied parameter's second name is not read at all."""
+        pieces: dict[str, tuple[Any, str | None]] = {}
+        names = self._fqns(model)
+        for param, fqn in names.items():
+            if _piecewise(param) and f"{MODEL_KEY}.{fqn}" in index:
+                pieces[f"{MODEL_KEY}.{fqn}"] = (param, None)
+            if not (_partitioned(param) and param.requires_grad):
+                continue
+            for i in range(optimizers):
+                prefix = f"{OPTIMIZER_KEY}.{i}.{_STATE}{fqn}."
+                for key, entry in index.items():
+                    rest = key[len(prefix) :]
+                    if key.startswith(prefix) and "." not in rest and getattr(entry, "size", None) == _shape(param):
+                        pieces[key] = (param, rest)
+        return pieces
 
     def _load_model(self, model: nn.Module, params: dict[str, nn.Parameter], request: dict[str, Any]) -> None:
         from deepspeed.utils import safe_set_full_fp32_param
@@ -255,15 +289,18 @@ class DeepSpeedStates:
             param.data.copy_(value.reshape(param.shape))
         _refresh_zero3_partitions(self.runner.engine)
 
-    def _load_optimizer(self, model: nn.Module, optimizer: Optimizer, flat: dict[str, Any]) -> None:
+    def _load_optimizer(self, model: nn.Module, optimizer: Optimizer, flat: dict[str, Any], tensors: set[str]) -> None:
+        """Hyperparameters, scalar states and the states of parameters DeepSpeed does not partition, from ``flat``;
+        the partitioned parameters' tensor states (``tensors``, read piecewise after) are created empty."""
         from deepspeed.utils import safe_set_full_optimizer_state
 
         names = self._fqns(model)
-        sample = next((k for k in flat if k.startswith(_STATE)), None)
+        sample = next((k for k in [*flat, *sorted(tensors)] if k.startswith(_STATE)), None)
         if sample is not None:
             fqn = states._split_state_key(sample[len(_STATE) :], set(names.values()))[0]
             prefix = f"{_STATE}{fqn}."
-            self._create_missing_states(optimizer, _strip(flat, prefix))
+            placeholders = {key: torch.empty(1) for key in _strip(dict.fromkeys(tensors), prefix)}
+            self._create_missing_states(optimizer, _strip(flat, prefix) | placeholders)
         tensor_keys, scalars = self._state_layout(optimizer)
         for group, params in zip(optimizer.param_groups, self.runner.param_groups):
             saved = _strip(flat, f"{_GROUPS}{names[params[0]]}.") if params else {}  # the group's hyperparameters
@@ -318,6 +355,47 @@ class DeepSpeedStates:
         tensor_keys = sorted({k for state in flats for k, v in state.items() if not _is_scalar(v)})
         scalars = {k: v for state in flats for k, v in state.items() if _is_scalar(v)}
         return tensor_keys, scalars
+
+
+def _piecewise(param: Any) -> bool:
+    """Whether a load reads this parameter's own piece only: ZeRO-3's, or ZeRO-1/2's fp32 trainable ones (whole
+    into the module, then into the rank's fp32 master fragment)."""
+    if hasattr(param, "ds_id"):
+        return True
+    return hasattr(param, "_hp_mapping") and param.requires_grad and param.dtype == torch.float32
+
+
+def _piece(param: Any, zero: Any, name: str | None) -> tuple[Any, Any]:
+    """What DCP reads a piecewise key into, and what puts it in place after.
+
+    ZeRO-3: a buffer of the rank's (padded) partition, handed over with DeepSpeed's ``safe_set_local_*`` (which
+    also swap NVMe-offloaded states); a frozen parameter's goes into its partition. ZeRO-1/2: the module's whole
+    parameter (then its fp32 master fragment from it, ``update_hp``) or the state's fragment, a view."""
+    from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+    if hasattr(param, "ds_id"):
+        shape, size = tuple(_shape(param)), param.partition_numel()
+        start = dist.get_rank(param.ds_process_group) * size
+        owned = max(0, min(size, math.prod(shape) - start))
+        buffer = torch.zeros(size, dtype=torch.float32)
+        if not param.requires_grad:
+            finish = lambda: param.ds_tensor.data.copy_(buffer)
+        elif name is None:
+            finish = lambda: safe_set_local_fp32_param(param, buffer)
+        else:
+            finish = lambda: safe_set_local_optimizer_state(param, buffer, name)
+        return FlatFragment(shape, buffer[:owned], start), finish
+    if name is None:
+        mapping = param._hp_mapping
+        return param.data, (mapping.update_hp if mapping is not None else lambda: None)
+    return _local_fragment(param, zero, name), lambda: None
+
+
+def _read(request: dict[str, Any], reader: StorageReader, checkpoint_id: Any, where: str) -> None:
+    try:
+        dcp.load(request, checkpoint_id=checkpoint_id, storage_reader=reader, planner=FragmentLoadPlanner())
+    except Exception as error:
+        raise CheckpointError(f"Loading {where} failed: {error}") from error
 
 
 def _strip(entries: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -6,11 +6,12 @@ is a short run of boxes (a partial row, whole rows, a partial row; recursively p
 ``2 * ndim - 1``), and each box is itself a contiguous run of the range. :class:`FlatFragment` tells DCP's
 planner about those boxes (``__create_write_items__``, the hook DTensor implements) and hands out each box as a
 view of the rank's own data, so a save writes what the rank owns and nothing else, in the same layout-independent
-format as any other checkpoint: one tensor per FQN, its chunks wherever they were cut. Reading picks the pieces
-back by box from any layout.
+format as any other checkpoint: one tensor per FQN, its chunks wherever they were cut.
 
-DCP looks an object up by chunk offset only when it is a tensor; :class:`FragmentSavePlanner` (the default
-planner otherwise) looks a fragment's box up itself.
+A load reads into the same boxes (``__create_chunk_list__``): DCP copies each from whichever saved chunks overlap
+it, straight into the rank's data. DCP looks an object up by chunk offset only when it is a tensor;
+:class:`FragmentSavePlanner` and :class:`FragmentLoadPlanner` (the default planners otherwise) look a fragment's
+box up themselves.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -74,6 +75,16 @@ class FlatFragment:
             for offsets, sizes in self._boxes.values()
         ]
 
+    def size(self) -> torch.Size:  # the whole tensor's, which DCP checks against the checkpoint's before a load
+        return torch.Size(self.shape)
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        """The boxes, for a load: DCP reads each from whichever saved chunks overlap it."""
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            for offsets, sizes in self._boxes.values()
+        ]
+
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         """The box at ``index.offset``: a view of this rank's data."""
         assert index.offset is not None
@@ -95,3 +106,35 @@ class FragmentSavePlanner(DefaultSavePlanner):
         if isinstance(value, FlatFragment):
             return value.__get_tensor_shard__(index)
         return super().lookup_object(index)
+
+
+class FragmentLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, which also reads into a :class:`FlatFragment`'s boxes (views of the rank's own
+    data: a load writes straight into the partitions the fragment views). Its set-up replaces every value that is
+    not a tensor or a plain object by ``None``; fragments are kept aside and put back."""
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        kept = _take_fragments(state_dict, ())
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        for path, (container, key, fragment) in kept.items():
+            container[key] = fragment
+            self.state_dict[".".join(path) if self.flatten_state_dict else path[-1]] = fragment
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        value = self.state_dict.get(index.fqn)
+        if isinstance(value, FlatFragment):
+            return value.__get_tensor_shard__(index)
+        return super().lookup_tensor(index)
+
+
+def _take_fragments(value: Any, path: tuple[str, ...]) -> dict[tuple[str, ...], tuple[Any, Any, FlatFragment]]:
+    """Every fragment in a nested state dict by its path, each replaced by ``None`` in its container."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    kept = {}
+    for key, item in list(items):
+        if isinstance(item, FlatFragment):
+            kept[(*path, str(key))] = (value, key, item)
+            value[key] = None
+        else:
+            kept |= _take_fragments(item, (*path, str(key)))
+    return kept
