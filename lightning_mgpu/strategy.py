@@ -36,6 +36,7 @@ from lightning_mgpu._compat.lightning import (
     reset_optimizers_and_schedulers,
 )
 from lightning_mgpu.checkpoint.plain import restore_plain
+from lightning_mgpu.failure_vote import every_rank_failed
 from lightning_mgpu.failures import handle_rank_failure
 from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
@@ -266,6 +267,8 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         report = getattr(self._launcher, "report_failure", None)
         self._failed = True  # teardown then runs no collective (the module is not gathered back)
         handle_rank_failure(exception, self.global_rank, self.world_size, mesh_shape, report)
+        # ... unless every rank failed in this run: none is left in a collective, the module comes back plain.
+        self._failed = not every_rank_failed(exception, self.world_size)
 
     @override
     def setup_environment(self) -> None:
@@ -457,7 +460,8 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
     def _restore_user_objects(self) -> None:
         """Undo every patch on the user's objects and give back the plain module with the trained values.
 
-        After a failure only what needs no collective is undone; the module stays parallelized.
+        After a failure that not every rank shares, only what needs no collective is undone; the module stays
+        parallelized.
         """
         snapshot, self._snapshot = self._snapshot, None
         if self._deepspeed is not None and not self._failed:  # collective: DeepSpeed's changes undone in place

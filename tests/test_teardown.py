@@ -174,3 +174,64 @@ def test_fit_twice_then_plain_torch(layout: str) -> None:
                 msg=lambda m: f"rank {rank} {key}: {m}",
             )
         torch.testing.assert_close(result["logits"], reference["logits"], rtol=TOLERANCE, atol=TOLERANCE)
+
+
+class _FailsAtStep2(LlamaModule):
+    """The user's training_step raises at the second step, on every rank."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if batch_idx == 1:
+            raise ValueError("the user's step 2 failed")
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_and_fail(strategy_kwargs: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    from lightning_mgpu import HybridStrategy
+
+    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    L.seed_everything(1234, verbose=False)
+    module = _FailsAtStep2()
+    before = _structure(module)
+    initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=HybridStrategy(timeout=timedelta(seconds=120), **strategy_kwargs),
+        max_steps=STEPS + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    try:
+        trainer.fit(module, RandomTokenDataModule(batch_size=batch_size))
+        error = "fit did not fail"
+    except ValueError as failure:
+        error = str(failure)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    trained = any(not torch.equal(initial[k], v) for k, v in module.state_dict().items())
+    return {
+        "rank": rank,
+        "error": error,
+        "changed": _changes(before, _structure(module)),
+        "trained": trained,
+        **_use_plainly(module, trainer.optimizers[0]),
+    }
+
+
+def test_a_failed_fit_gives_the_module_back_plain() -> None:
+    """training_step raises at step 2 on every rank (tp2): the module still comes back plain with the values of
+    the step that ran (every rank failed in the same run, so none is left in a collective)."""
+    results = run_distributed(_fit_and_fail, 2, LAYOUTS["tp2"], GLOBAL_BATCH)
+    for result in results:
+        rank = result["rank"]
+        assert result["error"] == "the user's step 2 failed", (rank, result["error"])
+        assert result["changed"] == {}, (rank, result["changed"])
+        assert set(result["kinds"].values()) == {("Parameter", "Tensor", "cpu")}, (rank, result["kinds"])
+        assert result["grads_plain"] and result["trained"], rank
+        assert result["optimizer_on_module"] and result["optimizer_states_plain"], rank
+    # Full (gathered) weights on both ranks: the same values.
+    for key, value in results[0]["state_dict"].items():
+        torch.testing.assert_close(results[1]["state_dict"][key], value, rtol=0.0, atol=0.0)

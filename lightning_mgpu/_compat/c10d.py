@@ -10,6 +10,8 @@
   receive through; the public ``dist.batch_isend_irecv`` is called inside it with no group to attribute.
 - ``FUNCTIONAL_OPS``: the ``torch.ops._c10d_functional`` namespace (collectives as graph ops, what selective
   activation checkpointing recognises); None where it does not exist.
+- ``default_store()``: ``distributed_c10d._get_default_store``, the key-value store of the default process group
+  (no public accessor): ranks that failed agree through it, without a collective, on what their teardown may do.
 """
 
 from __future__ import annotations
@@ -45,3 +47,10 @@ def pipelining_p2p() -> tuple[ModuleType, str] | None:
 
 
 FUNCTIONAL_OPS: Any = getattr(torch.ops, "_c10d_functional", None)
+
+
+def default_store() -> Any:
+    """The default process group's ``Store`` (``add``, ``compare_set``, ...)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

@@ -275,6 +275,13 @@ def _distributed_contract() -> dict:
         c10d.pipelining_p2p() is not None,
         hasattr(c10d.FUNCTIONAL_OPS, "all_reduce"),
     )
+    store = c10d.default_store()
+    out["store"] = (
+        store.add("contract/votes", 1) == 1 and store.add("contract/votes", 0) == 1,
+        bytes(store.compare_set("contract/decision", "", "first")) == b"first",  # absent: set
+        bytes(store.compare_set("contract/decision", "", "second")) == b"first",  # present: kept, returned
+        store.check(["contract/decision"]) and not store.check(["contract/absent"]),
+    )
     summed = c10d.all_reduce(torch.ones(2), "sum", mesh)
     leaf = torch.ones(2, requires_grad=True)
     reduced = DTensor.from_local(leaf, mesh, [Replicate()], run_check=False) * 2  # fresh, as a collective's result
@@ -334,6 +341,12 @@ def test_distributed_shims_in_a_process_group():
     )
     _expect(
         all(out["c10d"]), "_functional_collectives/_resolve_group_name/schedules._batch_p2p", "torch", str(out["c10d"])
+    )
+    _expect(
+        all(out["store"]),
+        "distributed_c10d._get_default_store (add, compare_set, check)",
+        "torch",
+        f"(add, compare_set absent, compare_set present, check): {out['store']}",
     )
     _expect(
         all(out["owned"]),
