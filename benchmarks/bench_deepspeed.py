@@ -35,7 +35,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import demo_gpt, harness
-from benchmarks.harness import QUIET_TRAINER, SEED
 
 TARGET = 1.05  # our DeepSpeed backend's step time over Lightning's DeepSpeedStrategy
 
@@ -132,31 +131,27 @@ def _step_profiler(name: str, args: dict[str, Any]) -> Any:
 
 
 def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
-    harness.quiet_worker(args["verbose"])
-    import lightning as L
-
     from lightning_mgpu.demo import GPTLightningModule
 
-    L.seed_everything(SEED, verbose=False)
+    harness.start_rank(args["verbose"])
     probe = harness.make_step_probe(args["mem_step"], verbose=args["verbose"])
     memory = _memory_probe(args["mem_step"])
     callbacks = [probe, memory] + ([_step_profiler(name, args)] if args["profile"] else [])
-    trainer = L.Trainer(
+    module = GPTLightningModule(**demo_gpt.gpt_kwargs(args))
+    result = harness.fit(
+        probe,
+        module,
+        demo_gpt.demo_data(args),
+        callbacks,
         devices=args["devices"],
         strategy=_strategy(name),
         max_steps=args["steps"],
-        callbacks=callbacks,
-        **QUIET_TRAINER,
     )
-    module = GPTLightningModule(**demo_gpt.gpt_kwargs(args))
-    trainer.fit(module, demo_gpt.demo_data(args))
-    result = probe.result()
     if memory.memory is not None:
         result["memory"] = memory.memory
     elif result.get("memory"):  # the torch backend: the harness's probe (local shards, their grads, states)
         result["memory"]["numel"] = sum(p.numel() for p in module.parameters())
-    result["zero_config"] = memory.zero_config
-    return {**result, "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
+    return {**result, "zero_config": memory.zero_config}
 
 
 # The torch backend's bytes per parameter per rank after backward (fp32 AdamW, no master copy): ZeRO-1 under DDP

@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import harness
-from benchmarks.harness import MB, QUIET_TRAINER, SEED
+from benchmarks.harness import MB, SEED
 
 DEVICES = 4
 CONFIGS = {"ep1": 1, "ep2": 2, "ep4": 4}
@@ -128,20 +128,13 @@ class AllToAllBytes:
 
 
 def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
-    harness.quiet_worker(args["verbose"])
-    import lightning as L
-
     from lightning_mgpu import HybridStrategy
 
-    L.seed_everything(SEED, verbose=False)
+    harness.start_rank(args["verbose"])
     counter = {args["steps"]: lambda trainer: AllToAllBytes(trainer.lightning_module)}  # the last step, untimed
     probe = harness.make_step_probe(probes=counter, verbose=args["verbose"])
     strategy = HybridStrategy(data_parallel_size=DEVICES, expert_parallel_size=CONFIGS[name])
-    trainer = L.Trainer(
-        devices=DEVICES, strategy=strategy, max_steps=args["steps"] + 1, callbacks=[probe], **QUIET_TRAINER
-    )
-    trainer.fit(_module(), _data(args))
-    result = probe.result()
+    result = harness.fit(probe, _module(), _data(args), devices=DEVICES, strategy=strategy, max_steps=args["steps"] + 1)
     return {**result, "a2a": result["probes"][args["steps"]]}
 
 
@@ -159,6 +152,8 @@ def main() -> None:
         f" experts top-{MODEL['num_experts_per_tok']}; {DEVICES} ranks x {args['batch_size']} x {args['seq_len']}"
         f" tokens; load {harness.load_average()}"
     )
+    with harness.quiet_fds(not args["verbose"]):  # torchao (pulled in by transformers) prints load failures
+        harness.preload("transformers.models.mixtral.modeling_mixtral")
     jobs = {name: (job, DEVICES, (name, args)) for name in CONFIGS}
     runs = harness.run_interleaved(jobs, args["repeats"], report=lambda n, o: f"{o[0]['a2a']}")
     results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}

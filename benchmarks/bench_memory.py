@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import demo_gpt, harness
-from benchmarks.harness import MB, QUIET_TRAINER, SEED
+from benchmarks.harness import MB
 
 CONFIGS: dict[str, Any] = {"off": False, "full": "full", "selective": "selective"}
 
@@ -89,32 +89,28 @@ class ActivationProbe:
 
 
 def fit_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
-    harness.quiet_worker(args["verbose"])
     from datetime import timedelta
-
-    import lightning as L
 
     from lightning_mgpu import HybridStrategy
     from lightning_mgpu.demo import GPTLightningModule
 
-    L.seed_everything(SEED, verbose=False)
+    harness.start_rank(args["verbose"])
     module = GPTLightningModule(**demo_gpt.gpt_kwargs(args))
     steps = args["steps"]  # then one more, measured for memory and not timed
     probe = harness.make_step_probe(probes={steps: lambda trainer: ActivationProbe(module)}, verbose=args["verbose"])
     strategy = HybridStrategy(
         zero_stage=args["zero_stage"], activation_checkpointing=CONFIGS[name], timeout=timedelta(seconds=120)
     )
-    trainer = L.Trainer(
+    result = harness.fit(
+        probe,
+        module,
+        demo_gpt.demo_data(args),
         devices=args["devices"],
         strategy=strategy,
         precision=args["precision"],
         max_steps=steps + 1,
-        callbacks=[probe],
-        **QUIET_TRAINER,
     )
-    trainer.fit(module, demo_gpt.demo_data(args))
-    result = probe.result()
-    return {**result, "activations": result["probes"][steps], "loss": float(trainer.callback_metrics["train_loss"])}
+    return {**result, "activations": result["probes"][steps]}
 
 
 def _memory(runs: list[list[dict[str, Any]]], key: str) -> float | None:

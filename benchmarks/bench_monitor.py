@@ -27,7 +27,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import demo_gpt, harness
-from benchmarks.harness import QUIET_TRAINER, SEED
 
 LAYOUTS = {"dp2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2)}
 TARGET = 1.03
@@ -99,26 +98,25 @@ def wrapper_cost(calls: int = 1000, rounds: int = 9) -> dict[str, float]:
 
 
 def job(layout: str, monitored: bool, args: dict[str, Any]) -> dict[str, Any]:
-    harness.quiet_worker(args["verbose"])
-    import lightning as L
-
     from lightning_mgpu import HybridStrategy
     from lightning_mgpu.demo import GPTLightningModule
 
     dp, tp, pp = LAYOUTS[layout]
-    L.seed_everything(SEED, verbose=False)
+    harness.start_rank(args["verbose"])
     probe = harness.make_step_probe(verbose=args["verbose"])  # its 'iter' times: start to next start, all hooks in
     out = Path(args["out"]) / layout
     monitor = _self_timed_monitor(every_n_steps=1, dirpath=out, verbose=False) if monitored else None
-    trainer = L.Trainer(
+    strategy = HybridStrategy(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    module, callbacks = GPTLightningModule(**demo_gpt.gpt_kwargs(args)), [monitor, probe] if monitor else [probe]
+    result = harness.fit(
+        probe,
+        module,
+        demo_gpt.demo_data(args),
+        callbacks,
         devices=dp * tp * pp,
+        strategy=strategy,
         max_steps=args["steps"],
-        callbacks=[monitor, probe] if monitor else [probe],
-        strategy=HybridStrategy(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp),
-        **QUIET_TRAINER,
     )
-    trainer.fit(GPTLightningModule(**demo_gpt.gpt_kwargs(args)), demo_gpt.demo_data(args))
-    result = probe.result()
     if monitor is not None:
         report = monitor.report
         result["hook_s_per_step"] = type(monitor).hook_seconds / args["steps"]

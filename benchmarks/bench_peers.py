@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import by_hand, demo_gpt, harness
-from benchmarks.harness import MB, QUIET_TRAINER, SEED
+from benchmarks.harness import MB
 
 # name -> (kind, options, peer, target)
 CONFIGS: dict[str, tuple[str, dict[str, Any], str | None, float | None]] = {
@@ -108,32 +108,27 @@ def _strategy(kind: str, options: dict[str, Any], devices: int) -> Any:
 
 def trainer_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     """One Trainer fit of configuration ``name`` in this rank."""
-    harness.quiet_worker(args["verbose"])
-    import lightning as L
-
     kind, options, _, _ = CONFIGS[name]
-    L.seed_everything(SEED, verbose=False)
+    harness.start_rank(args["verbose"])
     probe = harness.make_step_probe(args["mem_step"], profile_step=args["steps"], verbose=args["verbose"])
-    trainer = L.Trainer(
+    strategy = _strategy(kind, options, args["devices"])
+    return harness.fit(
+        probe,
+        _module(kind, args),
+        demo_gpt.demo_data(args),
         devices=args["devices"],
-        strategy=_strategy(kind, options, args["devices"]),
+        strategy=strategy,
         max_steps=args["steps"] + 1,
-        callbacks=[probe],
-        **QUIET_TRAINER,
     )
-    trainer.fit(_module(kind, args), demo_gpt.demo_data(args))
-    return {**probe.result(), "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
 
 
 def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     """DeepSpeed ZeRO-1/2 in a plain loop: the same module, optimizer, batches and per-step logging all-reduce."""
-    harness.quiet_worker(args["verbose"])
     import deepspeed
-    import lightning as L
     import torch
     import torch.distributed as dist
 
-    L.seed_everything(SEED, verbose=False)
+    harness.start_rank(args["verbose"])
     with harness.quiet_fds(not args["verbose"]):
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     module = _module("deepspeed", args)
@@ -167,7 +162,7 @@ def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
 
 def pipeline_by_hand_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     """The same 1F1B schedule by hand (``bench_pipeline.run_by_hand``), timed over the same span as the Trainer's."""
-    harness.quiet_worker(args["verbose"])
+    harness.start_rank(args["verbose"])
     import torch.distributed as dist
 
     from benchmarks.bench_pipeline import run_by_hand

@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from benchmarks import demo_gpt, harness
-from benchmarks.harness import QUIET_TRAINER
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 TARGET = 1.05
@@ -56,12 +55,10 @@ def parse_layout(text: str) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------ in the ranks
 def lightning_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict[str, Any]:
     """One ``Trainer.fit`` under ``HybridStrategy`` in this rank, timed by the harness's probe."""
-    harness.quiet_worker(args["verbose"])
-    import lightning as L
-
     from lightning_mgpu import HybridStrategy
     from lightning_mgpu.demo import GPTLightningModule
 
+    harness.start_rank(args["verbose"])
     probe = harness.make_step_probe(mem_step=args["steps"], verbose=args["verbose"])
     strategy = HybridStrategy(
         pipeline_parallel_size=pp,
@@ -69,20 +66,13 @@ def lightning_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict
         pipeline_schedule=schedule,
         num_microbatches=args["microbatches"] or 2 * pp,
     )
-    trainer = L.Trainer(
-        devices=pp * dp,
-        strategy=strategy,
-        max_steps=args["steps"],
-        callbacks=[probe],
-        **QUIET_TRAINER,
-    )
-    trainer.fit(GPTLightningModule(**demo_gpt.gpt_kwargs(args)), demo_gpt.demo_data(args, args["batch_size"] // dp))
-    return {**probe.result(), "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
+    module, data = GPTLightningModule(**demo_gpt.gpt_kwargs(args)), demo_gpt.demo_data(args, args["batch_size"] // dp)
+    return harness.fit(probe, module, data, devices=pp * dp, strategy=strategy, max_steps=args["steps"])
 
 
 def hand_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict[str, Any]:
     """The same schedule by hand in this rank (see the module docstring), timed by the harness's ``LoopTimer``."""
-    harness.quiet_worker(args["verbose"])
+    harness.start_rank(args["verbose"])
     import torch.distributed as dist
 
     dist.init_process_group("gloo")

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from benchmarks import by_hand, collectives, demo_gpt, harness
-from benchmarks.harness import MB, QUIET_TRAINER, SEED
+from benchmarks.harness import MB, SEED
 
 MAIN = {
     "hybrid": "(a) HybridStrategy, tp_plan='auto'",
@@ -133,36 +133,25 @@ def _found_blocks(module: nn.Module) -> str | None:
 
 def fit_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     """One Trainer fit of run ``name`` in this rank: timed steps, then the profiled step, then the recorded one."""
-    harness.quiet_worker(args["verbose"])
-    import lightning as L
-
-    L.seed_everything(SEED, verbose=False)
+    harness.start_rank(args["verbose"])
     steps = args["steps_for"][name]
     module, datamodule, dims = _module_and_data(name, args)
     recorder = {steps + 1: lambda trainer: collectives.comm_recorder(trainer.world_size)}
     probe = harness.make_step_probe(args["mem_step"], steps, args["verbose"], probes=recorder, ops=args["profile"])
     devices, strategy = 1 if name == "empty-single" else args["tp"], _strategy(name, args)
-    trainer = L.Trainer(devices=devices, strategy=strategy, max_steps=steps + 2, callbacks=[probe], **QUIET_TRAINER)
-    trainer.fit(module, datamodule)
-    result = {**probe.result(), "blocks": _found_blocks(module), "dims": dims}
-    return {
-        **result,
-        "records": result["probes"].get(steps + 1),
-        "loss": float(trainer.callback_metrics.get("train_loss", torch.nan)),
-    }
+    result = harness.fit(probe, module, datamodule, devices=devices, strategy=strategy, max_steps=steps + 2)
+    return {**result, "records": result["probes"].get(steps + 1), "blocks": _found_blocks(module), "dims": dims}
 
 
 def loop_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     """The plain loop, timed like the Trainer's steps: ``by-hand`` (the demo GPT, plan by hand) or ``empty-loop``."""
-    harness.quiet_worker(args["verbose"])
-    import lightning as L
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_mgpu.demo import GPTLightningModule
 
+    harness.start_rank(args["verbose"])
     dist.init_process_group("gloo", timeout=TIMEOUT)
-    L.seed_everything(SEED, verbose=False)  # PL_GLOBAL_SEED: the sampler's seed under the Trainer
     tp, steps, sp = args["tp"], args["steps_for"][name], args["sequence_parallel"] and name == "by-hand"
     module = _empty_module() if name == "empty-loop" else GPTLightningModule(**demo_gpt.gpt_kwargs(args))
     if name == "by-hand":

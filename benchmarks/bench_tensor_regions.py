@@ -31,7 +31,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import demo_gpt, harness
-from benchmarks.harness import QUIET_TRAINER, SEED
 
 PATHS = ("global", "local")
 
@@ -54,25 +53,17 @@ def _local_plan(module: Any, tp_mesh: Any) -> None:
 
 def trainer_job(path: str, tp: int, n_embd: int, args: dict[str, Any]) -> dict[str, Any]:
     """One Trainer fit of the demo GPT under tp=``tp`` on the ``path`` path, in this rank."""
-    harness.quiet_worker(args["verbose"])
-    import lightning as L
-
     from lightning_mgpu import HybridStrategy
     from lightning_mgpu.demo import GPTLightningModule
 
-    L.seed_everything(SEED, verbose=False)
+    harness.start_rank(args["verbose"])
     module = GPTLightningModule(**demo_gpt.gpt_kwargs({**args, "n_embd": n_embd}))
     plan = "auto" if path == "global" else _local_plan
     probe = harness.make_step_probe(mem_step=1, profile_step=args["steps"], verbose=args["verbose"])
-    trainer = L.Trainer(
-        devices=tp,
-        max_steps=args["steps"] + 1,
-        callbacks=[probe],
-        strategy=HybridStrategy(tensor_parallel_size=tp, tp_plan=plan),
-        **QUIET_TRAINER,
+    strategy = HybridStrategy(tensor_parallel_size=tp, tp_plan=plan)
+    return harness.fit(
+        probe, module, demo_gpt.demo_data(args), devices=tp, strategy=strategy, max_steps=args["steps"] + 1
     )
-    trainer.fit(module, demo_gpt.demo_data(args))
-    return {**probe.result(), "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
 
 
 def _name(path: str, tp: int, n_embd: int) -> str:

@@ -165,6 +165,25 @@ def preload(*modules: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ in the ranks
+def start_rank(verbose: bool) -> None:
+    """First thing in a rank: logs quiet (unless ``verbose``), seeded as every run is (``PL_GLOBAL_SEED`` included:
+    Lightning seeds its ``DistributedSampler`` with it)."""
+    import lightning as L
+
+    quiet_worker(verbose)
+    L.seed_everything(SEED, verbose=False)
+
+
+def fit(probe: Any, module: Any, datamodule: Any, callbacks: list[Any] | None = None, **trainer: Any) -> dict[str, Any]:
+    """``Trainer(**trainer).fit`` in this rank with the quiet settings (``callbacks`` default: ``[probe]``); the
+    probe's result and the last logged ``train_loss``."""
+    import lightning as L
+
+    fitted = L.Trainer(callbacks=callbacks or [probe], **QUIET_TRAINER, **trainer)
+    fitted.fit(module, datamodule)
+    return {**probe.result(), "loss": float(fitted.callback_metrics.get("train_loss", float("nan")))}
+
+
 def memory_per_rank(module: torch.nn.Module, optimizers: list[Any]) -> dict[str, int]:
     """Bytes of parameters (local shards), their ``.grad`` and the optimizers' state tensors held by this rank."""
     params = list({id(p): p for p in module.parameters()}.values())
