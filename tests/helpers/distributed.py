@@ -8,10 +8,12 @@ that does not finish in time is killed and fails its test alone, naming the rank
 from __future__ import annotations
 
 import gc
+import importlib
 import io
 import multiprocessing as mp
 import os
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -47,14 +49,15 @@ def _worker(
 ) -> None:
     os.environ.update(torchrun_env(rank, world_size, port))
     torch.set_num_threads(1)
+    inherited = set(sys.modules)
     try:
         result = fn(*args, **kwargs)
         # Serialize here: tensors sent through a Queue as shared memory die with this process.
         buffer = io.BytesIO()
         torch.save(result, buffer)
-        queue.put((rank, True, buffer.getvalue()))
+        queue.put((rank, True, buffer.getvalue(), sorted(set(sys.modules) - inherited)))
     except BaseException:  # report everything, including KeyboardInterrupt-like exits
-        queue.put((rank, False, traceback.format_exc()))
+        queue.put((rank, False, traceback.format_exc(), []))
     finally:
         try:
             import torch.distributed as dist
@@ -63,6 +66,17 @@ def _worker(
                 dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _import_here(names: list[str]) -> None:
+    """Import what a child had to import itself, so that later children inherit it instead (Hugging Face model
+    classes pull in hundreds of modules lazily: ~0.5 s of CPU per rank and job)."""
+    for name in names:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # a module that only imports in a child's state is simply imported there again
+                pass
 
 
 def run_distributed(
@@ -97,7 +111,7 @@ def run_distributed(
                 missing = sorted(set(range(world_size)) - set(results))
                 raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
             try:
-                rank, ok, value = queue.get(timeout=min(remaining, 1.0))
+                rank, ok, value, imported = queue.get(timeout=min(remaining, 1.0))
             except Exception:
                 dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in results]
                 if dead:
@@ -106,6 +120,7 @@ def run_distributed(
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            _import_here(imported)
     finally:
         for process in processes:
             process.join(timeout=5)
