@@ -128,6 +128,8 @@ def _as_dtensor_like(value: Any, before: Any, param: DTensor) -> Any:
     """A state value after the local step, as the DTensor step would have left it."""
     if isinstance(before, DTensor) and before.to_local() is value:
         return before  # updated in place through its local tensor
+    if before is value:
+        return value  # a plain value (a step count) updated in place
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.to_local().shape:
         return DTensor.from_local(
             value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
