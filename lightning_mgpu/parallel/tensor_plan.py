@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_mgpu.parallel.blocks import block_glob, find_block_container, is_projection, tied_parameters
 from lightning_mgpu.parallel.tensor_experts import PARAMETER_STYLES, names_parameters_only, owned_by_experts
+from lightning_mgpu.parallel.tensor_styles import STYLES
 
 # Leaf names of projections in GPT-style blocks (nanoGPT, litgpt, GPT-2, Llama-likes without a HF plan).
 _FUSED_QKV = ("c_attn", "qkv", "qkv_proj", "Wqkv")
@@ -71,24 +72,8 @@ _HF_REFUSED = {
 # Refused styles whose module alone is kept whole (experts, an attention with sinks); for the others its parent.
 _HF_REFUSED_KEEP_MODULE = ("grouped_gemm", "ep_dispatch_experts", "local_params")
 
-STYLE_NAMES = (
-    "colwise",
-    "colwise_qkv",
-    "colwise_gate_up",
-    "colwise_gather_output",
-    "colwise_loss_parallel",
-    "rowwise",
-    "rowwise_split_input",
-    "replicated_with_grad_allreduce",
-    "embedding_rowwise",
-    "embedding_colwise",
-    "sequence_parallel",
-    "replicate",
-    "moe_tp_experts",
-    "moe_identity_expert",
-    "packed_colwise",
-    "packed_rowwise",
-)
+# Every style name a plan may give: a module's (tensor_styles.STYLES), or a parameter's of an experts module.
+STYLE_NAMES = (*STYLES, *(name for name in PARAMETER_STYLES if name not in STYLES))
 
 
 def check_style_names(plan: dict[str, str]) -> None:

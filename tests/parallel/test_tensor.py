@@ -497,7 +497,7 @@ def test_loss_parallel_context_nests_and_survives_errors():
 
 
 def test_shared_input_skips_inference_tensors_and_grad_mode_changes():
-    from lightning_mgpu.parallel.tensor import _SharedInput
+    from lightning_mgpu.parallel.tensor_styles import _SharedInput
 
     shared = _SharedInput()
     shared.open()
