@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     demo_gpt.add_run_args(parser, steps=25, warmup=5, repeats=4)
     parser.add_argument("--mem-step", type=int, default=2)
     parser.add_argument("--profile", default="", help="directory: cProfile of rank 0's timed steps per configuration")
-    args = harness.parse_run_args(parser, argv)
-    harness.preload("deepspeed")
+    args = demo_gpt.parse_run_args(parser, argv)
+    demo_gpt.preload("deepspeed")
     stages = [int(s) for s in args["stages"].split(",")]
     names = [f"{kind}{stage}" for stage in stages for kind in KINDS]
     load_before = harness.load_average()

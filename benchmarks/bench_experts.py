@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness
+from benchmarks import demo_gpt, harness
 from benchmarks.harness import MB, SEED
 
 DEVICES = 4
@@ -146,14 +146,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--verbose", action="store_true")
-    args = harness.parse_run_args(parser, None)
+    args = demo_gpt.parse_run_args(parser, None)
     print(
         f"Mixtral {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, {MODEL['num_local_experts']}"
         f" experts top-{MODEL['num_experts_per_tok']}; {DEVICES} ranks x {args['batch_size']} x {args['seq_len']}"
         f" tokens; load {harness.load_average()}"
     )
     with harness.quiet_fds(not args["verbose"]):  # torchao (pulled in by transformers) prints load failures
-        harness.preload("transformers.models.mixtral.modeling_mixtral")
+        demo_gpt.preload("transformers.models.mixtral.modeling_mixtral")
     jobs = {name: (job, DEVICES, (name, args)) for name in CONFIGS}
     runs = harness.run_interleaved(jobs, args["repeats"], report=lambda n, o: f"{o[0]['a2a']}")
     results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}

@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", type=str, default="32-true", help="e.g. 32-true, bf16-mixed, 16-mixed")
     demo_gpt.add_run_args(parser, steps=12, warmup=2, repeats=1, block_size=128)
     parser.add_argument("--only", type=str, default="", help=f"comma-separated subset of {','.join(CONFIGS)}")
-    args = harness.parse_run_args(parser, argv)
-    names = harness.select(parser, args["only"], CONFIGS)
-    harness.preload()
+    args = demo_gpt.parse_run_args(parser, argv)
+    names = demo_gpt.select(parser, args["only"], CONFIGS)
+    demo_gpt.preload()
     jobs = {name: (fit_job, args["devices"], (name, args)) for name in names}
     print_report(harness.run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"]), args)
 

@@ -149,7 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     demo_gpt.add_run_args(parser, repeats=2, block_size=128, n_embd=128)
     parser.add_argument("--out", default="/tmp/bench_monitor", help="where the monitored runs write their reports")
-    args = harness.parse_run_args(parser, None)
+    args = demo_gpt.parse_run_args(parser, None)
     options = argparse.Namespace(**args)
     print(
         f"bench_monitor: demo GPT n_embd={options.n_embd} block={options.block_size} batch={options.batch_size},"

@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     demo_gpt.add_run_args(parser)
     parser.add_argument("--mem-step", type=int, default=2)
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(CONFIGS)}")
-    args = harness.parse_run_args(parser, argv)
-    names = harness.select(parser, args["only"], CONFIGS)
-    harness.preload()
+    args = demo_gpt.parse_run_args(parser, argv)
+    names = demo_gpt.select(parser, args["only"], CONFIGS)
+    demo_gpt.preload()
     jobs = {name: (_job(name), args["devices"], (name, args)) for name in names}
     runs = harness.run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"])
     return print_report(runs, args)

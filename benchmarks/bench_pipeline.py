@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--schedules", default="1F1B", help=f"comma-separated subset of {','.join(SCHEDULES)}")
     parser.add_argument("--microbatches", type=int, default=0, help="per step (default 2*pp)")
     demo_gpt.add_run_args(parser, batch_help="per pipeline (split over its dp ranks)")
-    args = harness.parse_run_args(parser, argv)
+    args = demo_gpt.parse_run_args(parser, argv)
     ns = argparse.Namespace(**args)
     try:
         layouts = {text: parse_layout(text) for text in ns.layouts.split(",") if text.strip()}
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     schedules = [s.strip() for s in ns.schedules.split(",") if s.strip()]
     if set(schedules) - set(SCHEDULES):
         parser.error(f"unknown schedules {sorted(set(schedules) - set(SCHEDULES))}; choose from {list(SCHEDULES)}")
-    harness.preload("torch.distributed.pipelining")
+    demo_gpt.preload("torch.distributed.pipelining")
 
     jobs, pairs = {}, []
     for text, (pp, dp) in layouts.items():

@@ -404,12 +404,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="(c): re-arm the gradient-layout hooks that ModelParallelStrategy's module.to() drops",
     )
     parser.add_argument("--profile", action="store_true", help="torch.profiler op counts of (a) and (b), one step")
-    args = harness.parse_run_args(parser, argv)
+    args = demo_gpt.parse_run_args(parser, argv)
     if args["tp"] < 2 or args["empty_steps"] <= args["warmup"]:
         parser.error("need --tp >= 2 and --empty-steps > --warmup")
     names = [
         n
-        for n in harness.select(parser, args["only"], ORDER)
+        for n in demo_gpt.select(parser, args["only"], ORDER)
         if args["only"] or not ((args["no_empty"] and n in EMPTY) or (args["no_llama"] and n == "llama"))
     ]
     if "llama" in names and (4 % args["tp"] or args["tp"] > 4):
@@ -418,11 +418,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args["steps_for"] = {
         n: args["empty_steps"] if n in EMPTY else args["warmup"] + 1 if n == "llama" else args["steps"] for n in ORDER
     }
-    harness.preload()
+    demo_gpt.preload()
     if "llama" in names:
         try:
             with harness.quiet_fds(not args["verbose"]):  # torchao (pulled in by transformers) prints load failures
-                harness.preload("transformers.models.llama.modeling_llama", "tests.helpers.modules")
+                demo_gpt.preload("transformers.models.llama.modeling_llama", "tests.helpers.modules")
         except ImportError:
             print("note: transformers is not importable: no Llama run")
             names.remove("llama")

@@ -1,9 +1,12 @@
-"""The demo GPT as every benchmark runs it: the shared flags, the seeded module, the data in Lightning's order."""
+"""The command line the scripts share (flags, checks, ``--only``, imports before forking) and the demo GPT as every
+benchmark runs it: its seeded module and its data in Lightning's order."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from benchmarks.harness import SEED
@@ -53,3 +56,26 @@ def lightning_order(dataset: Any, batch_size: int, replicas: int | None = None, 
     seed = int(os.getenv("PL_GLOBAL_SEED", 0))
     sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def parse_run_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> dict[str, Any]:
+    """Parsed flags as a dict, checked: 0 <= --warmup (and --mem-step) < --steps, --repeats >= 1."""
+    ns = parser.parse_args(argv)
+    if not 0 <= ns.warmup < ns.steps or not 0 <= getattr(ns, "mem_step", 0) < ns.steps or ns.repeats < 1:
+        parser.error("need 0 <= --warmup < --steps, 0 <= --mem-step < --steps and --repeats >= 1")
+    return vars(ns)
+
+
+def select(parser: argparse.ArgumentParser, only: str, choices: Iterable[str]) -> list[str]:
+    """The configurations named in ``--only`` (comma-separated; all when empty), checked against ``choices``."""
+    choices = list(choices)
+    names = [name.strip() for name in only.split(",") if name.strip()] or choices
+    if set(names) - set(choices):
+        parser.error(f"unknown configurations {sorted(set(names) - set(choices))}; choose from {choices}")
+    return names
+
+
+def preload(*modules: str) -> None:
+    """Import what the ranks need before forking them, so that each job starts in ~1 s."""
+    for module in ("lightning", "lightning_mgpu", "lightning_mgpu.demo", *modules):
+        importlib.import_module(module)

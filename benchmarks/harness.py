@@ -6,7 +6,7 @@ rest the same way for all of them, so that a ratio means the same in every table
 
 - ``run_interleaved``: every configuration once per repeat, the repeats interleaved (``abba``: every other repeat
   reversed), so that a slow drift of a shared machine hits every configuration alike; one failing configuration
-  prints one line and does not hide the others. ``parse_run_args``, ``select``, ``preload``: the command line.
+  prints one line and does not hide the others.
 - ``make_step_probe`` (a Lightning callback) and ``LoopTimer`` (for plain loops): wall time and process CPU time per
   step (``on_train_batch_start`` -> ``on_train_batch_end``, or the same work in a loop), split into forward /
   backward / optimizer step, and from one step's start to the next (``iter``); memory and sharding per rank right
@@ -16,22 +16,20 @@ rest the same way for all of them, so that a ratio means the same in every table
   configuration against its peer, the median of the per-repeat ratios with their range (the spread of the noise);
   ``table``: one row per configuration with a script's own columns.
 
-Beside it: ``demo_gpt.py`` (the shared flags, the seeded demo module, its data in Lightning's order),
+Beside it: ``demo_gpt.py`` (the command line, the seeded demo module, its data in Lightning's order),
 ``collectives.py`` (collectives by phase and module against an analytic expectation) and ``by_hand.py`` (the peers
 written by hand: the tensor-parallel plan and FSDP2 in ``configure_model``).
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import logging
 import os
 import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -138,30 +136,6 @@ def quiet_fds(enabled: bool = True) -> Iterator[None]:
         os.dup2(saved[1], 2)
         for fd in (*saved, devnull):
             os.close(fd)
-
-
-# ------------------------------------------------------------------------------------------------ the command line
-def parse_run_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> dict[str, Any]:
-    """Parsed flags as a dict, checked: 0 <= --warmup (and --mem-step) < --steps, --repeats >= 1."""
-    ns = parser.parse_args(argv)
-    if not 0 <= ns.warmup < ns.steps or not 0 <= getattr(ns, "mem_step", 0) < ns.steps or ns.repeats < 1:
-        parser.error("need 0 <= --warmup < --steps, 0 <= --mem-step < --steps and --repeats >= 1")
-    return vars(ns)
-
-
-def select(parser: argparse.ArgumentParser, only: str, choices: Iterable[str]) -> list[str]:
-    """The configurations named in ``--only`` (comma-separated; all when empty), checked against ``choices``."""
-    choices = list(choices)
-    names = [name.strip() for name in only.split(",") if name.strip()] or choices
-    if set(names) - set(choices):
-        parser.error(f"unknown configurations {sorted(set(names) - set(choices))}; choose from {choices}")
-    return names
-
-
-def preload(*modules: str) -> None:
-    """Import what the ranks need before forking them, so that each job starts in ~1 s."""
-    for module in ("lightning", "lightning_mgpu", "lightning_mgpu.demo", *modules):
-        importlib.import_module(module)
 
 
 # ------------------------------------------------------------------------------------------------ in the ranks
