@@ -34,9 +34,8 @@ from torch.optim import Optimizer
 
 from lightning_mgpu.checkpoint import states
 from lightning_mgpu.checkpoint.flat_fragments import FlatFragment, FragmentLoadPlanner
-from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, CheckpointError
+from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, STATE_PREFIX, CheckpointError
 
-_STATE = "state."
 _GROUPS = "param_groups."
 # Where DeepSpeed's optimizers keep the flat fp32 partitions the user's optimizer steps: ZeRO-1/2, ZeRO-3, bf16 at 0.
 _FP32_PARTITIONS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
@@ -180,11 +179,11 @@ class DeepSpeedStates:
                     if not tensor_keys:
                         continue
                     for key in tensor_keys:
-                        flat[f"{_STATE}{fqn}.{key}"] = value_of(param, key)
-                    flat.update({f"{_STATE}{fqn}.{key}": value for key, value in scalars.items()})
+                        flat[f"{STATE_PREFIX}{fqn}.{key}"] = value_of(param, key)
+                    flat.update({f"{STATE_PREFIX}{fqn}.{key}": value for key, value in scalars.items()})
                 else:
                     own = optimizer.state.get(param, {})
-                    flat.update({f"{_STATE}{fqn}.{key}": value for key, value in own.items()})
+                    flat.update({f"{STATE_PREFIX}{fqn}.{key}": value for key, value in own.items()})
         return flat
 
     def group_fqns(self, model: nn.Module, optimizer: Optimizer, flat_state: dict[str, Any]) -> list[list[str]]:
@@ -260,7 +259,7 @@ class DeepSpeedStates:
             if not (_partitioned(param) and param.requires_grad):
                 continue
             for i in range(optimizers):
-                prefix = f"{OPTIMIZER_KEY}.{i}.{_STATE}{fqn}."
+                prefix = f"{OPTIMIZER_KEY}.{i}.{STATE_PREFIX}{fqn}."
                 for key, entry in index.items():
                     rest = key[len(prefix) :]
                     if key.startswith(prefix) and "." not in rest and getattr(entry, "size", None) == _shape(param):
@@ -295,10 +294,10 @@ class DeepSpeedStates:
         from deepspeed.utils import safe_set_full_optimizer_state
 
         names = self._fqns(model)
-        sample = next((k for k in [*flat, *sorted(tensors)] if k.startswith(_STATE)), None)
+        sample = next((k for k in [*flat, *sorted(tensors)] if k.startswith(STATE_PREFIX)), None)
         if sample is not None:
-            fqn = states._split_state_key(sample[len(_STATE) :], set(names.values()))[0]
-            prefix = f"{_STATE}{fqn}."
+            fqn = states._split_state_key(sample[len(STATE_PREFIX) :], set(names.values()))[0]
+            prefix = f"{STATE_PREFIX}{fqn}."
             placeholders = {key: torch.empty(1) for key in _strip(dict.fromkeys(tensors), prefix)}
             self._create_missing_states(optimizer, _strip(flat, prefix) | placeholders)
         tensor_keys, scalars = self._state_layout(optimizer)
@@ -306,7 +305,7 @@ class DeepSpeedStates:
             saved = _strip(flat, f"{_GROUPS}{names[params[0]]}.") if params else {}  # the group's hyperparameters
             group.update({name: value for name, value in saved.items() if name != "params"})
             for param in params:
-                prefix = f"{_STATE}{names[param]}."
+                prefix = f"{STATE_PREFIX}{names[param]}."
                 entries = _strip(flat, prefix)
                 if not _partitioned(param):
                     if entries:

@@ -51,6 +51,8 @@ MANIFEST_FILE = "manifest.json"  # size and CRC-32 of every other file, written 
 _CHUNK = 16 << 20
 MODEL_KEY = "state_dict"
 OPTIMIZER_KEY = "optimizer_states"
+# A flattened optimizer state's per-parameter keys (torch's `flatten_optimizer_state_dict`): "state.<fqn>.<name>".
+STATE_PREFIX = "state."
 INFO_KEY = "lightning_mgpu"
 LAYOUT_KEY = "parallel_layout"
 

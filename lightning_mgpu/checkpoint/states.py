@@ -29,10 +29,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.optim import Optimizer
 
-from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, CheckpointError
+from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, STATE_PREFIX, CheckpointError
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-_STATE = "state."
 _GROUPS = "param_groups."
 
 
@@ -187,8 +186,8 @@ def flat_to_native(flat: dict[str, Any], groups: list[list[str]]) -> dict[str, A
         if key.startswith(_GROUPS):
             fqn, name = key[len(_GROUPS) :].rsplit(".", 1)
             hparams[fqn][name] = value
-        elif key.startswith(_STATE):
-            fqn, path = _split_state_key(key[len(_STATE) :], fqns)
+        elif key.startswith(STATE_PREFIX):
+            fqn, path = _split_state_key(key[len(STATE_PREFIX) :], fqns)
             node = states[fqn]
             for part in path[:-1]:
                 node = node.setdefault(part, {})
@@ -233,7 +232,7 @@ def native_to_flat(native: dict[str, Any], groups: list[list[str]]) -> dict[str,
                 if name != "params":
                     flat[f"{_GROUPS}{fqn}.{name}"] = value
             for name, value in native["state"].get(pid, {}).items():
-                add_state(f"{_STATE}{fqn}.{name}", value)
+                add_state(f"{STATE_PREFIX}{fqn}.{name}", value)
     return flat
 
 
@@ -295,8 +294,8 @@ def _params_without_saved_state(
     fqns = {fqn for groups in group_fqns(model, optimizer, template) for fqn in groups}
     by_param: dict[str, list[str]] = defaultdict(list)
     for key in template:
-        if key.startswith(_STATE):
-            by_param[_split_state_key(key[len(_STATE) :], fqns)[0]].append(key)
+        if key.startswith(STATE_PREFIX):
+            by_param[_split_state_key(key[len(STATE_PREFIX) :], fqns)[0]].append(key)
     without = set()
     for fqn, keys in by_param.items():
         absent = [k for k in keys if prefix + k not in available]

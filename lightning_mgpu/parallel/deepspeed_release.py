@@ -20,11 +20,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mgpu._compat.tensors import plain_parameter_slots
+from lightning_mgpu.checkpoint.format import STATE_PREFIX
 
 if TYPE_CHECKING:
     from lightning_mgpu.checkpoint.deepspeed_states import EngineRunner
 
-_STATE = "state."
 # Attributes DeepSpeed puts on modules (deepspeed 0.19: runtime/zero/parameter_offload.py, partition_parameters.py);
 # modules also carry Lightning's and the user's own attributes, so only these go.
 _MODULE_ATTRIBUTES = frozenset(
@@ -103,7 +103,7 @@ class DeepSpeedRelease:
         for group, params in zip(optimizer.param_groups, self.groups):
             group["params"] = params
             for param in params:
-                prefix = f"{_STATE}{names[param]}."
+                prefix = f"{STATE_PREFIX}{names[param]}."
                 state = {key[len(prefix) :]: value for key, value in flat.items() if key.startswith(prefix)}
                 if state:
                     optimizer.state[param] = {
