@@ -40,12 +40,17 @@ def _local_plan(module: Any, tp_mesh: Any) -> None:
     (as for a Hugging Face model), and the attentions' head counts are localized for it (the demo GPT reads them)."""
     from lightning_mgpu.parallel import tensor
 
-    regions = tensor._global_shape_regions
-    tensor._global_shape_regions = lambda *args: {}
+    regions = tensor._regions
+
+    def all_local(*args: Any) -> tuple[dict[str, str], dict[str, str]]:
+        global_shapes, local = regions(*args)
+        return {}, {**global_shapes, **local}
+
+    tensor._regions = all_local
     try:
         tensor.apply_tensor_parallel(module, tp_mesh, "auto", sequence_parallel=False)
     finally:
-        tensor._global_shape_regions = regions
+        tensor._regions = regions
     for block in module.model.transformer.h:
         block.attn.n_head //= tp_mesh.size()
         block.attn.n_embd //= tp_mesh.size()
@@ -101,13 +106,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="2x64,4x256", help="comma-separated TPxN_EMBD (processes x width)")
     demo_gpt.add_run_args(parser, n_embd=None)
-    args = harness.parse_run_args(parser, argv)
+    args = demo_gpt.parse_run_args(parser, argv)
     ns = argparse.Namespace(**args)
     sizes = _sizes(ns.sizes)
     bad = [f"{tp}x{e}" for tp, e in sizes if tp < 2 or ns.n_head % tp or e % ns.n_head]
     if bad:
         parser.error(f"--sizes {bad}: tp must be >= 2 and divide --n-head={ns.n_head}, which must divide n_embd")
-    harness.preload()
+    demo_gpt.preload()
 
     jobs = {_name(path, tp, e): (trainer_job, tp, (path, tp, e, args)) for tp, e in sizes for path in PATHS}
     runs = harness.run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose)
