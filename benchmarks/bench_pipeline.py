@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from benchmarks import demo_gpt, harness
+from lightning_mgpu.parallel.pipeline import PIPELINE_SCHEDULES as SCHEDULES
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 TARGET = 1.05
 
 

@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args
 from lightning_mgpu.parallel.microbatches import microbatch_count_error
 from lightning_mgpu.parallel.pipeline import (
     LOOP_SCHEDULES,
+    PIPELINE_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
 )
@@ -26,7 +27,6 @@ from lightning_mgpu.parallel.pipeline import (
     stages_per_rank as resolve_stages_per_rank,
 )
 
-PIPELINE_SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOP_SCHEDULES + V_SCHEDULES
 StartMethod = Literal["auto", "popen", "fork", "spawn", "forkserver"]
 START_METHODS = get_args(StartMethod)
 ZERO_BACKENDS = ("torch", "deepspeed")

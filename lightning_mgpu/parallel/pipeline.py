@@ -35,6 +35,7 @@ from lightning_mgpu.parallel.pipeline_ties import TiedGradients, find_cross_stag
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 LOOP_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+PIPELINE_SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOP_SCHEDULES + V_SCHEDULES  # every `pipeline_schedule` we run
 
 
 class _StageDone(Exception):

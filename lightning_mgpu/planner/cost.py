@@ -30,7 +30,14 @@ PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     "bf16-true": (2, 2, 4, 2),
     "16-true": (2, 2, 4, 2),
 }
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # the pipeline schedules the cost model has a bubble for
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Stages per rank of a modelled schedule (``"none"``: no pipeline): two for the interleaved one."""
+    return 2 if schedule == "Interleaved1F1B" else 1
+
+
 CHECKPOINTING = ("none", "selective", "full")
 DP_BUCKET_BYTES = 25 * 2**20  # one all-reduce bucket (DDP's default size); two are in flight
 
@@ -68,7 +75,7 @@ class Layout:
 
     @property
     def stages_per_rank(self) -> int:
-        return 2 if self.schedule == "Interleaved1F1B" else 1
+        return stages_per_rank(self.schedule)
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}"]

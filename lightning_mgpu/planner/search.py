@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
-from lightning_mgpu.planner.cost import CHECKPOINTING, SCHEDULES, Estimate, Layout, Training, estimate
+from lightning_mgpu.planner.cost import CHECKPOINTING, SCHEDULES, Estimate, Layout, Training, estimate, stages_per_rank
 from lightning_mgpu.planner.model_spec import ModelSpec
 
 _FIX_KEYS = {
@@ -273,7 +273,7 @@ def layout_from_options(
     dp = world_size // (tp * pp)
     per_rank = global_batch // dp
     schedule = pipeline_schedule if pp > 1 else "none"
-    stages = pp * (2 if schedule == "Interleaved1F1B" else 1)
+    stages = pp * stages_per_rank(schedule)
     m = (num_microbatches or stages) if pp > 1 else 1
     names = {False: "none", True: "full", "full": "full", "selective": "selective"}
     ckpt = names.get(activation_checkpointing, "full")  # module classes: full
