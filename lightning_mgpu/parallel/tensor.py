@@ -8,7 +8,7 @@ the q, k and v of its own heads and the full tensor keeps its original layout.
 ``tp_plan="auto"`` (``tensor_plan.py``) takes Hugging Face's own plans (``config.base_model_tp_plan`` and the model
 class's ``_tp_plan``) where present, and name rules for GPT-style blocks otherwise.
 
-What the code between the projections sees (``_regions``): modules of a Hugging Face model that
+What the code between the projections sees (``_global_shape_regions``): modules of a Hugging Face model that
 declares a tensor-parallel plan get plain per-rank tensors, as Hugging Face's own tensor parallelism gives them
 (their code reshapes with ``-1`` and ``head_dim``, never with a global head count). Every other parent of
 column-parallel projections is a *global-shape region* (``tensor_region.py``): its projections hand back DTensors
@@ -142,6 +142,10 @@ def _replicate_remaining(module: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def _already_parallelized(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _global_shape_regions(module: nn.Module, matched: dict[str, str]) -> dict[str, str]:
+    return _regions(module, matched)[0]
 
 
 def _regions(module: nn.Module, matched: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:

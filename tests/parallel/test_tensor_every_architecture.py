@@ -11,7 +11,7 @@ of that job: it runs on the cores the two sharded ranks leave idle, instead of a
 covered for a dozen of these architectures by test_tensor_hf_styles.py.
 
 To run some architectures only (after a library change, say): ``TP_ARCHITECTURES=doge,llama pytest -q <this file>
--k every_architecture``.
+-k every_architecture_with``.
 """
 
 from __future__ import annotations
