@@ -17,6 +17,7 @@ import copy
 import difflib
 import functools
 import json
+from collections.abc import KeysView
 from pathlib import Path
 from typing import Any
 
@@ -151,8 +152,8 @@ class _ReadRecorder(dict):
         self.read.add(key)
         return super().get(key, default)
 
-    def keys(self) -> Any:  # `key in config.keys()` is recorded too
-        return self
+    def keys(self) -> Any:  # a view whose `key in ...` asks this dict: recorded too
+        return KeysView(self)
 
 
 class _OneRank:
