@@ -88,7 +88,7 @@ class ParallelLayout:
             if world_size % fixed:
                 raise ValueError(
                     f"The fixed parallel sizes multiply to {fixed}, which does not divide the world size {world_size}"
-                    f" (devices x num_nodes). Choose sizes whose product divides {world_size}: {_divisors(world_size)}."
+                    f" (devices x num_nodes). Choose sizes whose product divides {world_size}: {divisors(world_size)}."
                 )
             sizes[absorber] = world_size // fixed
         layout = cls(zero_stage=zero_stage, **sizes)  # type: ignore[arg-type]
@@ -158,7 +158,8 @@ def _check_zero_stage(zero_stage: object, allow_auto: bool = False) -> None:
         )
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending (the sizes an axis of ``n`` ranks can take)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 

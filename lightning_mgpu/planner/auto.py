@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_mgpu.layout import ParallelLayout, Size
+from lightning_mgpu.layout import ParallelLayout, Size, divisors
 from lightning_mgpu.planner.cluster import GB, PRESETS, ClusterSpec, Efficiency, preset
 from lightning_mgpu.planner.cost import PRECISIONS, Estimate, Training, estimate
 from lightning_mgpu.planner.model_spec import spec_from_module
@@ -144,8 +144,8 @@ def layout_candidates(
     )
     requested = {"dp": data_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
     found = [first]
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
+    for tp in divisors(world_size):
+        for pp in divisors(world_size // tp):
             dp = world_size // (tp * pp)
             if any(value != "auto" and value != size for value, size in zip(requested.values(), (dp, tp, pp))):
                 continue
@@ -294,10 +294,6 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def _positive(value: Any) -> bool:

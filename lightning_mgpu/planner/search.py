@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from lightning_mgpu.layout import divisors
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
 from lightning_mgpu.planner.cost import CHECKPOINTING, SCHEDULES, Estimate, Layout, Training, estimate, stages_per_rank
 from lightning_mgpu.planner.model_spec import ModelSpec
@@ -65,10 +66,6 @@ def parse_fix(text: str | None) -> dict[str, object]:
     return fixed
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def _structural_problem(
     model: ModelSpec, cluster: ClusterSpec, training: Training, tp: int, pp: int, dp: int
 ) -> str | None:
@@ -92,10 +89,10 @@ def candidates(
         fixed_text = " x ".join(f"{k}={v}" for k, v in degrees.items())
         yield f"{fixed_text} does not match the {n} GPUs: the product must divide {n} (and equal it with dp fixed)"
         return
-    for tp in _divisors(n):
+    for tp in divisors(n):
         if "tp" in fixed and tp != fixed["tp"]:
             continue
-        for pp in _divisors(n // tp):
+        for pp in divisors(n // tp):
             if "pp" in fixed and pp != fixed["pp"]:
                 continue
             dp = n // (tp * pp)
@@ -117,7 +114,7 @@ def _variants(
     if isinstance(mbs_fixed, int) and per_rank % mbs_fixed:
         yield f"mbs={mbs_fixed} does not divide the {per_rank} sequences per data-parallel rank at dp={dp}"
         return
-    for mbs in _divisors(per_rank):
+    for mbs in divisors(per_rank):
         if mbs > 64 or fixed.get("microbatch_size", mbs) != mbs:
             continue
         m = per_rank // mbs
