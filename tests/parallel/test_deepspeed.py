@@ -41,6 +41,22 @@ def _nanogpt() -> L.LightningModule:
 MODELS: dict[str, Callable[[], L.LightningModule]] = {"nanogpt": _nanogpt, "llama": LlamaModule, "gpt2": GPT2Module}
 
 
+class _NanoGPTWithSchedule(NanoGPTModule):
+    """nanoGPT with a per-step LR schedule from ``configure_optimizers``: Lightning steps it, the engine must not."""
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# Modules run beside MODELS in a few configurations only.
+EXTRA_MODELS: dict[str, Callable[[], L.LightningModule]] = {
+    "nanogpt-lr-schedule": lambda: _NanoGPTWithSchedule(n_layer=2, n_head=2, n_embd=32)
+}
+
+
 def _data(batch_size: int) -> Callable[[], L.LightningDataModule]:
     return lambda: RandomTokenDataModule(batch_size=batch_size)
 
@@ -64,7 +80,7 @@ def _fits(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             _allow_fp16_on_cpu()
         results.append(
             _fit_worker(
-                MODELS[run["model"]],
+                {**MODELS, **EXTRA_MODELS}[run["model"]],
                 _data(GLOBAL_BATCH // run["devices"]),
                 run.get("strategy"),
                 run["devices"],
@@ -149,7 +165,7 @@ STAGES = (1, 2, 3)
 def references() -> dict[str, RunResult]:
     """Every one-process run the module compares against, in one spawn: each model in fp32 and bf16-mixed, Llama
     with accumulation and clipping."""
-    runs = {model: {"model": model} for model in sorted(MODELS)}
+    runs = {model: {"model": model} for model in [*sorted(MODELS), *EXTRA_MODELS]}
     runs |= {f"{model}-bf16": {"model": model, "trainer": BF16} for model in sorted(MODELS)}
     runs["llama-knobs"] = {"model": "llama", "trainer": KNOBS}
     return dict(zip(runs, _run(1, list(runs.values()))))
@@ -164,11 +180,13 @@ OFFLOAD_BOTH = {
     "zero_force_ds_cpu_optimizer": False,
     "zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
 }
-# Beyond every model at stages 1-3: ZeRO-0, and offloading (a config section that passes through) at 2 and 3.
+# Beyond every model at stages 1-3: ZeRO-0, offloading (a config section that passes through) at 2 and 3, and an LR
+# scheduler from configure_optimizers.
 EXTRA_RUNS = {
     ("nanogpt", "zero-0"): _ds(0),
     ("nanogpt", "zero-2 offload_optimizer"): _ds(2, deepspeed_config=OFFLOAD_OPTIMIZER),
     ("nanogpt", "zero-3 offload_optimizer+param"): _ds(3, deepspeed_config=OFFLOAD_BOTH),
+    ("nanogpt-lr-schedule", "zero-2"): _ds(2),
 }
 
 
@@ -201,9 +219,10 @@ def test_stages_train_like_one_process(model, references, stage_results):
             raise AssertionError(f"{model} at DeepSpeed ZeRO-{stage}: {error}") from None
 
 
-def test_zero_0_and_cpu_offload_train_like_one_process(references, stage_results):
-    """ZeRO-0, and the user's optimizer with DeepSpeed's CPU offload (optimizer at ZeRO-2, optimizer and
-    parameters at ZeRO-3): the offload sections pass through to the engine, and train like one process."""
+def test_zero_0_cpu_offload_and_lr_schedule_train_like_one_process(references, stage_results):
+    """ZeRO-0; the user's optimizer with DeepSpeed's CPU offload (optimizer at ZeRO-2, optimizer and parameters at
+    ZeRO-3: the offload sections pass through to the engine); a per-step LR schedule (ZeRO-2): like one process."""
+    assert references["nanogpt-lr-schedule"].losses != references["nanogpt"].losses  # the schedule changes the run
     for model, name in EXTRA_RUNS:
         try:
             assert_same_training(references[model], stage_results[model, name], weight_atol=WEIGHT_ATOL)
