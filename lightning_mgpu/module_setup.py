@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout
@@ -55,6 +56,17 @@ def data_parallel_roots(pipeline: PipelineEngine | None, model: nn.Module | None
     if pipeline is not None:
         return list(pipeline.runtime.stages)
     return [model] if model is not None else []
+
+
+def reshard(roots: list[nn.Module]) -> None:
+    """FSDP groups a step left unsharded (it raised between a forward's start and end) sharded again, so that the
+    module holds the parameters the optimizer steps before the run hands them back. A no-op otherwise."""
+    for root in roots:
+        for sub in root.modules():
+            if isinstance(sub, FSDPModule):
+                # The root group keeps its parameters unsharded after forward: only ours, it is discarded next.
+                sub.set_reshard_after_forward(True, recurse=False)
+                sub.reshard()
 
 
 def wire_optimizers(

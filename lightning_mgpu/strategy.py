@@ -41,7 +41,7 @@ from lightning_mgpu.failures import handle_rank_failure
 from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
 from lightning_mgpu.layout_choice import agreed_plan, check_sizes, check_trainer_layout
-from lightning_mgpu.module_setup import data_parallel_roots, parallelize_for_run, wire_optimizers
+from lightning_mgpu.module_setup import data_parallel_roots, parallelize_for_run, reshard, wire_optimizers
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
@@ -472,6 +472,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             self._patches.undo()
             return
         pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
+        reshard(self._data_parallel_roots)
         restore_plain(snapshot, list(self.optimizers), self._patches, pp_group)
         self.model, self._runner, self._pipeline = self.lightning_module, None, None
         gc.collect()  # DDP's reducer (its autograd hooks on the parameters) goes with the step runner
