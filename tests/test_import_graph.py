@@ -8,6 +8,7 @@ first); the top-level ``lightning_mgpu/__init__`` (public names only) is left ou
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import lightning_mgpu
@@ -30,6 +31,7 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
+@functools.cache  # built once for the three tests (it parses every file of the package); not to be mutated
 def import_graph() -> dict[str, dict[str, int]]:
     """``{module: {imported module: line}}`` within the package."""
     modules = _modules()
