@@ -91,10 +91,15 @@ _runs: dict[str, Any] = {}
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """dp=2, ZeRO-1, 10 steps, saving at 3, 4, 6."""
+    """dp=2, ZeRO-1, 10 steps, saving at 3, 4, 6 and at each epoch's end (``epoch0_end.ckpt``: after step 4)."""
     directory = tmp_path_factory.mktemp("uninterrupted")
     result, _ = fit(
-        ResumeModule, _data(2), {"zero_stage": 1}, 2, STEPS, callbacks_factory=lambda: [SaveAt(directory, SAVE_AT)]
+        ResumeModule,
+        _data(2),
+        {"zero_stage": 1},
+        2,
+        STEPS,
+        callbacks_factory=lambda: [SaveAt(directory, SAVE_AT), SaveAtEpochEnd(directory)],
     )
     assert len(result.losses) == STEPS
     return directory, result
@@ -207,16 +212,40 @@ def test_resume_restores_the_loss_scaler_even_before_any_optimizer_step(tmp_path
     assert resaved["HybridPrecision"] == saved["HybridPrecision"] and resaved["optimizer_states"][0]["state"] == {}
 
 
-def test_resume_from_tensor_parallel_into_zero3(tmp_path):
-    """Hugging Face Llama: saved under tp=2 (DTensors sharded by heads, fused ranks), resumed under dp=2 ZeRO-3."""
-    data = lambda per_rank: lambda: RandomTokenDataModule(num_samples=32, batch_size=per_rank)
-    module = lambda: LlamaModule(seed=0)
-    reference, _ = fit(
-        module, data(8), {"tensor_parallel_size": 2}, 2, 6, callbacks_factory=lambda: [SaveAt(tmp_path, (3,))]
+class ValLoss(L.Callback):
+    """The first validation's loss (the weights a checkpoint saved at that step holds)."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.results.setdefault("val_loss", float(trainer.callback_metrics["val_loss"]))
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_llama(tmp_path_factory):
+    """Hugging Face Llama under tp=2, 6 steps, saving at step 3 and validating there (one batch): the run that
+    `test_resume_from_tensor_parallel_into_zero3` continues and the tp2 case of the consolidation test exports."""
+    directory = tmp_path_factory.mktemp("tensor_parallel_llama")
+    result, extras = fit(
+        lambda: LlamaModule(seed=0),
+        lambda: RandomTokenDataModule(num_samples=32, batch_size=8, with_val=True),
+        {"tensor_parallel_size": 2},
+        2,
+        6,
+        trainer_kwargs={"limit_val_batches": 1, "val_check_interval": 3},
+        callbacks_factory=lambda: [SaveAt(directory, (3,)), ValLoss()],
     )
-    resumed = _resume(tmp_path, tmp_path / "step3.ckpt", 2, {"zero_stage": 3}, tmp_path, module, data(4), 6)
+    return directory / "step3.ckpt", result, extras[0]["val_loss"]
+
+
+def test_resume_from_tensor_parallel_into_zero3(tensor_parallel_llama, tmp_path):
+    """Hugging Face Llama: saved under tp=2 (DTensors sharded by heads, fused ranks), resumed under dp=2 ZeRO-3."""
+    ckpt, reference, _ = tensor_parallel_llama
+    data = lambda: RandomTokenDataModule(num_samples=32, batch_size=4)
+    resumed = _resume(ckpt.parent, ckpt, 2, {"zero_stage": 3}, tmp_path, lambda: LlamaModule(seed=0), data, 6)
     _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
-    _assert_same_states(tmp_path / "step3.ckpt", tmp_path / "resaved.ckpt")
+    _assert_same_states(ckpt, tmp_path / "resaved.ckpt")
 
 
 def test_resume_from_pipeline_parallel_into_zero3(tmp_path):
@@ -254,29 +283,38 @@ RESUME_POINTS = {  # checkpoint -> the step it continues after
 }
 
 
-def _resume_from_every_kind_of_save(directory: Path, module, data, strategy_kwargs: dict, devices: int):
-    """One job, several fits: the uninterrupted run saves at steps 3 and 4 and at the end of epoch 0; runs stopped
-    by ``max_steps`` save after ``fit`` returned; each checkpoint resumes to step 10."""
+def _resume_from_every_kind_of_save(
+    directory: Path, module, data, strategy_kwargs: dict, devices: int, saved: Path | None = None
+):
+    """One job, several fits: the uninterrupted run saves at steps 3 and 4 and at the end of epoch 0 (or it ran
+    before and saved those in ``saved``); runs stopped by ``max_steps`` save after ``fit`` returned; each checkpoint
+    resumes to step 10."""
 
     def run(steps: int, **kwargs: Any) -> list[float]:
         return _fit_worker(
             module, data, strategy_kwargs, devices, steps, 1234, {}, kwargs.pop("callbacks", None), **kwargs
         )["losses"]
 
-    losses = {"reference": run(STEPS, callbacks=lambda: [SaveAt(directory, (3, 4)), SaveAtEpochEnd(directory)])}
+    losses = {}
+    if saved is None:
+        saved = directory
+        losses["reference"] = run(STEPS, callbacks=lambda: [SaveAt(directory, (3, 4)), SaveAtEpochEnd(directory)])
     for steps in (3, 4):
         run(steps, after_fit=lambda trainer: trainer.save_checkpoint(directory / f"after_fit{steps}.ckpt"))
     for name in RESUME_POINTS:
-        losses[name] = run(STEPS, fit_kwargs={"ckpt_path": str(directory / f"{name}.ckpt")})
+        path = (directory if name.startswith("after_fit") else saved) / f"{name}.ckpt"
+        losses[name] = run(STEPS, fit_kwargs={"ckpt_path": str(path)})
     return losses
 
 
 @pytest.mark.parametrize("layout", ["dp2-zero1", "pp2"])
-def test_every_kind_of_save_resumes_bit_identically(tmp_path, layout):
+def test_every_kind_of_save_resumes_bit_identically(request, tmp_path, layout):
     """Mid-epoch or at an epoch's end, from a callback or after `fit` returned: in the same layout the resumed
-    run sees the same batches and gives the uninterrupted run's losses bit for bit."""
+    run sees the same batches and gives the uninterrupted run's losses bit for bit. Under dp2 ZeRO-1 the
+    uninterrupted run is the module's (`uninterrupted`), which saved the callback checkpoints."""
     if layout == "dp2-zero1":
-        job = (ResumeModule, _data(2), {"zero_stage": 1}, 2)
+        saved, uninterrupted = request.getfixturevalue("uninterrupted")
+        job = (ResumeModule, _data(2), {"zero_stage": 1}, 2, saved)
     else:
         job = (
             lambda: LlamaModule(seed=0),
@@ -285,7 +323,7 @@ def test_every_kind_of_save_resumes_bit_identically(tmp_path, layout):
             2,
         )
     losses = run_distributed(_resume_from_every_kind_of_save, 2, tmp_path, *job)[0]
-    reference = losses["reference"]
+    reference = losses["reference"] if layout == "pp2" else uninterrupted.losses
     assert len(reference) == STEPS
     for name, step in RESUME_POINTS.items():
         assert losses[name] == reference[step:], (name, losses[name], reference)
@@ -341,31 +379,26 @@ def test_a_plain_lightning_checkpoint_resumes_under_hybrid_strategy(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- consolidation
-class ValLoss(L.Callback):
-    def __init__(self) -> None:
-        self.results: dict[str, Any] = {}
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.results["val_loss"] = float(trainer.callback_metrics["val_loss"])
-
-
 @pytest.mark.parametrize("layout", [{"zero_stage": 3}, {"tensor_parallel_size": 2}], ids=["dp2-zero3", "tp2"])
-def test_consolidated_file_loads_strictly_into_the_unmodified_module(tmp_path, capsys, layout):
+def test_consolidated_file_loads_strictly_into_the_unmodified_module(request, tmp_path, capsys, layout):
     """Sharded Llama -> `lightning-mgpu consolidate` (torch and safetensors) -> same loss on a batch."""
-    steps, per_rank = 3, 4 if "zero_stage" in layout else 8
-    data = lambda: RandomTokenDataModule(batch_size=per_rank, with_val=True)
-    _, extras = fit(
-        lambda: LlamaModule(seed=0),
-        data,
-        layout,
-        2,
-        steps,
-        trainer_kwargs={"limit_val_batches": 1, "val_check_interval": steps},
-        callbacks_factory=lambda: [SaveAt(tmp_path, (steps,)), ValLoss()],
-    )
-    sharded_loss = extras[0]["val_loss"]
-    ckpt = tmp_path / f"step{steps}.ckpt"
-    x, y = RandomTokenDataModule().val_data[:8]
+    steps = 3
+    if "tensor_parallel_size" in layout:  # the tp2 run the resume test above continues
+        ckpt, _, sharded_loss = request.getfixturevalue("tensor_parallel_llama")
+        x, y = RandomTokenDataModule(num_samples=32).val_data[:8]
+    else:
+        _, extras = fit(
+            lambda: LlamaModule(seed=0),
+            lambda: RandomTokenDataModule(batch_size=4, with_val=True),
+            layout,
+            2,
+            steps,
+            trainer_kwargs={"limit_val_batches": 1, "val_check_interval": steps},
+            callbacks_factory=lambda: [SaveAt(tmp_path, (steps,)), ValLoss()],
+        )
+        sharded_loss = extras[0]["val_loss"]
+        ckpt = tmp_path / f"step{steps}.ckpt"
+        x, y = RandomTokenDataModule().val_data[:8]
 
     def loss_of(module: LlamaModule) -> float:
         with torch.no_grad():
