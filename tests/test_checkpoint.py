@@ -248,20 +248,36 @@ def test_resume_from_tensor_parallel_into_zero3(tensor_parallel_llama, tmp_path)
     _assert_same_states(ckpt, tmp_path / "resaved.ckpt")
 
 
-def test_resume_from_pipeline_parallel_into_zero3(tmp_path):
-    """Saved by two pipeline stages (each rank holds half the model, and half the optimizer's parameters)."""
+@pytest.fixture(scope="module")
+def pipeline_parallel_llama(tmp_path_factory):
+    """Hugging Face Llama under pp=2, 10 steps, saving at steps 3 and 4 and at each epoch's end: the uninterrupted
+    run of the pp2 case of `test_every_kind_of_save_resumes_bit_identically`, and (its first 6 steps: no LR
+    schedule) the run `test_resume_from_pipeline_parallel_into_zero3` continues."""
     try:
         HybridStrategy(pipeline_parallel_size=2)
     except NotImplementedError:
         pytest.skip("pipeline parallelism is not implemented in this version")
-    data = lambda per_rank: lambda: RandomTokenDataModule(num_samples=32, batch_size=per_rank)
-    module = lambda: LlamaModule(seed=0)
-    reference, _ = fit(
-        module, data(8), {"pipeline_parallel_size": 2}, 2, 6, callbacks_factory=lambda: [SaveAt(tmp_path, (3,))]
+    directory = tmp_path_factory.mktemp("pipeline_parallel_llama")
+    result, _ = fit(
+        lambda: LlamaModule(seed=0),
+        lambda: RandomTokenDataModule(num_samples=32, batch_size=8),
+        {"pipeline_parallel_size": 2},
+        2,
+        STEPS,
+        callbacks_factory=lambda: [SaveAt(directory, (3, 4)), SaveAtEpochEnd(directory)],
     )
-    resumed = _resume(tmp_path, tmp_path / "step3.ckpt", 2, {"zero_stage": 3}, tmp_path, module, data(4), 6)
-    _losses_match(reference.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
-    _assert_same_states(tmp_path / "step3.ckpt", tmp_path / "resaved.ckpt")
+    assert len(result.losses) == STEPS
+    return directory, result
+
+
+def test_resume_from_pipeline_parallel_into_zero3(pipeline_parallel_llama, tmp_path):
+    """Saved by two pipeline stages (each rank holds half the model, and half the optimizer's parameters)."""
+    directory, reference = pipeline_parallel_llama
+    data = lambda: RandomTokenDataModule(num_samples=32, batch_size=4)
+    ckpt = directory / "step3.ckpt"
+    resumed = _resume(directory, ckpt, 2, {"zero_stage": 3}, tmp_path, lambda: LlamaModule(seed=0), data, 6)
+    _losses_match(reference.losses[:6], resumed.losses, 3, CROSS_LAYOUT_RTOL)
+    _assert_same_states(ckpt, tmp_path / "resaved.ckpt")
 
 
 class SaveAtEpochEnd(L.Callback):
@@ -283,22 +299,15 @@ RESUME_POINTS = {  # checkpoint -> the step it continues after
 }
 
 
-def _resume_from_every_kind_of_save(
-    directory: Path, module, data, strategy_kwargs: dict, devices: int, saved: Path | None = None
-):
-    """One job, several fits: the uninterrupted run saves at steps 3 and 4 and at the end of epoch 0 (or it ran
-    before and saved those in ``saved``); runs stopped by ``max_steps`` save after ``fit`` returned; each checkpoint
-    resumes to step 10."""
+def _resume_from_every_kind_of_save(directory: Path, saved: Path, module, data, strategy_kwargs: dict, devices: int):
+    """One job, several fits: the uninterrupted run (a module fixture) saved at steps 3 and 4 and at the end of
+    epoch 0 in ``saved``; runs stopped by ``max_steps`` save after ``fit`` returned; each checkpoint resumes to
+    step 10."""
 
     def run(steps: int, **kwargs: Any) -> list[float]:
-        return _fit_worker(
-            module, data, strategy_kwargs, devices, steps, 1234, {}, kwargs.pop("callbacks", None), **kwargs
-        )["losses"]
+        return _fit_worker(module, data, strategy_kwargs, devices, steps, 1234, {}, None, **kwargs)["losses"]
 
     losses = {}
-    if saved is None:
-        saved = directory
-        losses["reference"] = run(STEPS, callbacks=lambda: [SaveAt(directory, (3, 4)), SaveAtEpochEnd(directory)])
     for steps in (3, 4):
         run(steps, after_fit=lambda trainer: trainer.save_checkpoint(directory / f"after_fit{steps}.ckpt"))
     for name in RESUME_POINTS:
@@ -310,20 +319,21 @@ def _resume_from_every_kind_of_save(
 @pytest.mark.parametrize("layout", ["dp2-zero1", "pp2"])
 def test_every_kind_of_save_resumes_bit_identically(request, tmp_path, layout):
     """Mid-epoch or at an epoch's end, from a callback or after `fit` returned: in the same layout the resumed
-    run sees the same batches and gives the uninterrupted run's losses bit for bit. Under dp2 ZeRO-1 the
-    uninterrupted run is the module's (`uninterrupted`), which saved the callback checkpoints."""
+    run sees the same batches and gives the uninterrupted run's losses bit for bit. The uninterrupted runs are the
+    module's fixtures, which saved the callback checkpoints."""
     if layout == "dp2-zero1":
         saved, uninterrupted = request.getfixturevalue("uninterrupted")
-        job = (ResumeModule, _data(2), {"zero_stage": 1}, 2, saved)
+        job = (ResumeModule, _data(2), {"zero_stage": 1}, 2)
     else:
+        saved, uninterrupted = request.getfixturevalue("pipeline_parallel_llama")
         job = (
             lambda: LlamaModule(seed=0),
             lambda: RandomTokenDataModule(num_samples=32, batch_size=8),
             {"pipeline_parallel_size": 2},
             2,
         )
-    losses = run_distributed(_resume_from_every_kind_of_save, 2, tmp_path, *job)[0]
-    reference = losses["reference"] if layout == "pp2" else uninterrupted.losses
+    losses = run_distributed(_resume_from_every_kind_of_save, 2, tmp_path, saved, *job)[0]
+    reference = uninterrupted.losses
     assert len(reference) == STEPS
     for name, step in RESUME_POINTS.items():
         assert losses[name] == reference[step:], (name, losses[name], reference)
