@@ -19,8 +19,9 @@ from torch import nn
 from lightning_mgpu.parallel.tensor import _global_shape_regions
 from lightning_mgpu.parallel.tensor_derive import derive_block_plan
 from lightning_mgpu.parallel.tensor_plan import _block_rules, _match, auto_plan
+from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.distributed import run_distributed
-from tests.helpers.equivalence import assert_same_training, fit
+from tests.helpers.equivalence import assert_same_training
 from tests.helpers.modules import RandomImageDataModule, RandomTokenDataModule
 from tests.helpers.nanogpt import NanoGPTModule
 
@@ -250,15 +251,6 @@ def test_a_block_that_cannot_be_traced_fails_with_a_plan_by_shapes():
 
 
 # ------------------------------------------------------------------------------------------------ training
-_references: dict = {}
-
-
-def _reference(factory: Any, data: Any) -> Any:
-    if factory not in _references:
-        _references[factory], _ = fit(factory, lambda: data(GLOBAL_BATCH), None, 1, STEPS)
-    return _references[factory]
-
-
 class _ShardedParameters(L.Callback):
     """Which parameters tensor parallelism split (a DTensor placed other than replicated), as training starts."""
 
@@ -342,22 +334,33 @@ CASES = [  # (name, module factory, data, devices, dp, strategy arguments, param
 @pytest.mark.parametrize(
     ("name", "factory", "data", "devices", "dp", "strategy", "split"), CASES, ids=[c[0] for c in CASES]
 )
-def test_derived_plans_train_like_one_process(name, factory, data, devices, dp, strategy, split, tmp_path):
-    ckpt = tmp_path / "end.ckpt"
-    result, _ = fit(
-        factory,
-        lambda: data(GLOBAL_BATCH // dp),
-        {**strategy, "tp_plan": "auto"},
-        devices,
-        STEPS,
-        callbacks_factory=lambda: [_ShardedParameters(), _SaveAtTheEnd(ckpt)],
-    )
-    reference = _reference(factory, data)
-    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
+def test_derived_plans_train_like_one_process(name, factory, data, devices, dp, strategy, split, derived, tmp_path):
+    trained, _ = result(derived["trained"][name])
+    reference = result(derived["references"][factory.__name__])
+    assert_same_training(reference, trained, weight_atol=TP_WEIGHT_ATOL)
     if split is not None:
-        assert result.extra["sharded"] == split
+        assert trained.extra["sharded"] == split
     if factory is BertMaskedLM:
-        _check_consolidation(ckpt, reference, tmp_path)
+        _check_consolidation(derived["directory"] / f"{name}.ckpt", reference, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def derived(tmp_path_factory: Any) -> dict[str, Any]:
+    """Every case's run (one job per world size, each saving its checkpoint at the end) and every model's
+    one-process reference (one job)."""
+    directory = tmp_path_factory.mktemp("derived")
+    by_devices: dict[int, dict[str, Run]] = {2: {}, 4: {}}
+    for name, factory, data, devices, dp, strategy, _ in CASES:
+        by_devices[devices][name] = Run(
+            factory,
+            lambda d=data, b=GLOBAL_BATCH // dp: d(b),
+            {**strategy, "tp_plan": "auto"},
+            callbacks_factory=lambda p=directory / f"{name}.ckpt": [_ShardedParameters(), _SaveAtTheEnd(p)],
+        )
+    trained = {name: r for devices, runs in by_devices.items() for name, r in fit_each(runs, devices, 900).items()}
+    models = {factory.__name__: (factory, data) for _, factory, data, *_ in CASES}
+    runs = {name: Run(factory, lambda d=data: d(GLOBAL_BATCH)) for name, (factory, data) in models.items()}
+    return {"trained": trained, "references": references(runs), "directory": directory}
 
 
 def test_sequence_parallel_without_a_token_embedding_fails_before_training():
