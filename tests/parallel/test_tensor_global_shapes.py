@@ -90,18 +90,54 @@ def test_global_shape_code_trains_like_one_process(name, factory, devices, dp, s
     assert_same_training(_reference(factory), result, weight_atol=TP_WEIGHT_ATOL)
 
 
-def _step_worker(factory, sequence_parallel):
+def _spawned_checks():
+    """Every check of this file that needs a tp 2 group, in one job: each on the same mesh, one after the other,
+    a failure kept as its traceback for its own test to report."""
+    import traceback
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    checks = {
+        "nanogpt": partial(_step, mesh, NanoGPTModule, False),
+        "litgpt": partial(_step, mesh, LitGPTModule, False),
+        "nanogpt-sp": partial(_step, mesh, NanoGPTModule, True),
+        "fused-grouped-query": partial(_fused_grouped_query, mesh),
+        "region-ops": partial(_region_ops, mesh),
+        "nested": partial(_nested, mesh),
+    }
+    results = {}
+    for name, check in checks.items():
+        try:
+            results[name] = check()
+        except Exception:
+            results[name] = {"failed": traceback.format_exc()}
+    return results
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    return run_distributed(_spawned_checks, 2)[0]
+
+
+def _ran(spawned, name):
+    """A check's result from the shared job; its own test fails with the traceback if it raised there."""
+    result = spawned[name]
+    if isinstance(result, dict) and "failed" in result:
+        pytest.fail(f"{name} raised in the tp 2 job:\n{result['failed']}")
+    return result
+
+
+def _step(mesh, factory, sequence_parallel):
     """One forward/backward of the sharded model against the unsharded one: collectives, loss and gradients."""
     import copy
 
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
     from lightning_mgpu.parallel.tensor import apply_tensor_parallel, tensor_parallel_context
 
-    torch.distributed.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     reference = factory()
     module = copy.deepcopy(reference)
@@ -133,28 +169,28 @@ def _step_worker(factory, sequence_parallel):
     return result
 
 
-def test_collectives_per_step_are_the_local_paths():
+def test_collectives_per_step_are_the_local_paths(spawned):
     """Per block without SP: 2 all-reduces forward, 2 backward, as with plain shards, and the one small gather of
     the fused q|k|v bias gradient (which stays replicated so that FSDP can shard it) that the local path has too;
     no gather of activations. The head is tied to the embedding and replicated, so nothing outside the blocks."""
     layers = 4
-    result = run_distributed(_step_worker, 2, NanoGPTModule, False)[0]
+    result = _ran(spawned, "nanogpt")
     assert result["fwd"] == {"all_reduce": 2 * layers}, result
     assert result["bwd"] == {"all_reduce": 2 * layers, "all_gather_into_tensor": layers}, result
     assert result["loss_error"] < 1e-6 and result["grad_error"] < 1e-6, result
     # litgpt: no biases, so nothing but the 2 + 2 all-reduces per block.
-    litgpt = run_distributed(_step_worker, 2, LitGPTModule, False)[0]
+    litgpt = _ran(spawned, "litgpt")
     assert litgpt["fwd"] == {"all_reduce": 4} and litgpt["bwd"] == {"all_reduce": 4}, litgpt
     assert litgpt["loss_error"] < 1e-6 and litgpt["grad_error"] < 1e-6, litgpt
 
 
-def test_collectives_with_sequence_parallel():
+def test_collectives_with_sequence_parallel(spawned):
     """Each all-reduce of the stream becomes a reduce-scatter and an all-gather; the token embedding scatters and the
     vocabulary-sharded head (tied to it) gathers its input and its logits; replicated norm weights and biases used
     on sequence shards get their partial gradients all-reduced once (2 norms x (weight, bias) per block, plus
     ln_f's 2 and the position embedding), and the fused q|k|v bias gradient is gathered as without SP."""
     layers = 4
-    result = run_distributed(_step_worker, 2, NanoGPTModule, True)[0]
+    result = _ran(spawned, "nanogpt-sp")
     assert result["fwd"] == {"all_gather_into_tensor": 2 * layers + 2, "reduce_scatter_tensor": 2 * layers + 1}, result
     assert result["bwd"] == {
         "all_gather_into_tensor": 3 * layers + 1,
@@ -164,13 +200,9 @@ def test_collectives_with_sequence_parallel():
     assert result["loss_error"] < 1e-6 and result["grad_error"] < 1e-6, result
 
 
-def _fused_grouped_query_worker():
-    from torch.distributed.device_mesh import init_device_mesh
-
+def _fused_grouped_query(mesh):
     from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 
-    torch.distributed.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     try:
         apply_tensor_parallel(LitGPTModule(n_query_groups=2), mesh, "auto", False)
     except ValueError as error:
@@ -178,8 +210,9 @@ def _fused_grouped_query_worker():
     return "no error"
 
 
-def test_fused_grouped_query_attention_fails_before_training():
-    message = run_distributed(_fused_grouped_query_worker, 2)[0]
+def test_fused_grouped_query_attention_fails_before_training(spawned):
+    message = _ran(spawned, "fused-grouped-query")
+    assert isinstance(message, str), message
     assert re.search(
         r"model.transformer.h.0.attn.qkv fuses q, k and v of grouped-query attention \(4 query heads, 2"
         r" key/value heads",
@@ -203,19 +236,16 @@ def test_fused_grouped_query_attention_kept_whole_trains_like_one_process():
     assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
 
 
-def _region_ops_worker():
+def _region_ops(mesh):
     """The region's own operations on a DTensor, against the same operations on the full tensors."""
     import warnings
 
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from lightning_mgpu.parallel.tensor_region import GlobalShapeMode
 
-    torch.distributed.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     generator = torch.Generator().manual_seed(0)
     fused = torch.randn(2, 8, 3 * 16, generator=generator)  # [q | k | v], 4 heads of 4
     mask = torch.randn(1, 4, 8, 8, generator=generator)  # a bias per head: cut to the local heads
@@ -245,8 +275,8 @@ def _region_ops_worker():
     return results
 
 
-def test_region_splits_fused_outputs_and_runs_attention_without_communication():
-    results = run_distributed(_region_ops_worker, 2)[0]
+def test_region_splits_fused_outputs_and_runs_attention_without_communication(spawned):
+    results = _ran(spawned, "region-ops")
     assert results["local_comm"] == 0, results
     assert results["placements"] == {"(Shard(dim=2),)"}, results
     assert results["error"] < 1e-6, results
@@ -280,17 +310,14 @@ class _NestedAttention(torch.nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
-def _nested_worker():
+def _nested(mesh):
     import copy
 
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
     from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 
-    torch.distributed.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     reference = torch.nn.ModuleDict({"h": torch.nn.ModuleList([_NestedAttention(), _NestedAttention()])})
     module = copy.deepcopy(reference)
@@ -316,10 +343,10 @@ def _nested_worker():
     }
 
 
-def test_a_projection_nested_deeper_shares_the_region_of_its_row_parallel_partner():
+def test_a_projection_nested_deeper_shares_the_region_of_its_row_parallel_partner(spawned):
     """The region is the nearest ancestor holding the row-parallel projection too (here ``attn``, not ``inner``),
     so the fused output is split and reshaped with global shapes where the author wrote it."""
-    result = run_distributed(_nested_worker, 2)[0]
+    result = _ran(spawned, "nested")
     assert result["error"] < 1e-6 and result["grad_error"] < 1e-6, result
     # 2 blocks: an all-reduce forward and the fused-bias gather each; in backward the second block's input gradient
     # (x itself needs none).
