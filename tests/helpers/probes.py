@@ -45,20 +45,27 @@ class CollectiveCounter(L.Callback):
 
     Read from ``torch.profiler`` (``collectives_of``), so collectives issued from C++ (DDP's reducer) count too.
     ``per_batch``: ops with more than one element (logging syncs left out); ``bytes_per_batch``: the ring bytes
-    this rank sent for them.
+    this rank sent for them. ``batches``: profile only the first that many training batches (the profiler costs
+    more than a tiny model's step); all of them by default.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, batches: int | None = None) -> None:
         self.results: dict[str, Any] = {"per_batch": [], "bytes_per_batch": []}
         self._profiler: Any = None
+        self._batches = batches
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         from torch.profiler import ProfilerActivity, profile
+
+        if self._batches is not None and len(self.results["per_batch"]) >= self._batches:
+            return
 
         self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
         self._profiler.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self._profiler is None:
+            return
         self._profiler.__exit__(None, None, None)
         comm = collectives_of(self._profiler, trainer.world_size)
         self.results["per_batch"].append(comm["counts"])

@@ -35,12 +35,34 @@ def reference(model: str, trainer_kwargs: dict | None = None):
     return _references[key]
 
 
+# The probes the ZeRO memory and communication tests read, attached to the matrix's own GPT fits (probes only
+# observe: the losses and weights the matrix compares are the same with them).
+COUNTED = 4  # steps profiled: DDP rebuilds its buckets in step 2, steps 3 and 4 are the steady state
+_PROBES = {("gpt", 4): lambda: [MemoryProbe(step=1)], ("gpt", 2): lambda: [CollectiveCounter(batches=COUNTED)]}
+_runs: dict = {}
+
+
+def _layout_run(model: str, dp: int, zero_stage: int):
+    """One fit per layout of the matrix, read by every test that checks something of that layout."""
+    key = (model, dp, zero_stage)
+    if key not in _runs:
+        module, data = MODELS[model]
+        _runs[key] = fit(
+            module,
+            lambda: data(GLOBAL_BATCH // dp),
+            {"zero_stage": zero_stage},
+            dp,
+            STEPS,
+            callbacks_factory=_PROBES.get((model, dp)),
+        )
+    return _runs[key]
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_zero_stage_trains_like_one_process(model, dp, zero_stage):
-    module, data = MODELS[model]
-    result, _ = fit(module, lambda: data(GLOBAL_BATCH // dp), {"zero_stage": zero_stage}, dp, STEPS)
+    result, _ = _layout_run(model, dp, zero_stage)
     assert_same_training(reference(model), result)
 
 
@@ -60,15 +82,7 @@ SHARD_IMBALANCE = 0.05  # FSDP2 cuts dim 0 in dp chunks; uneven rows leave ranks
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_memory_per_rank_follows_zero_formulas(zero_stage):
     dp = 4
-    module, data = MODELS["gpt"]
-    _, extras = fit(
-        module,
-        lambda: data(GLOBAL_BATCH // dp),
-        {"zero_stage": zero_stage},
-        dp,
-        3,
-        callbacks_factory=lambda: [MemoryProbe(step=1)],
-    )
+    _, extras = _layout_run("gpt", dp, zero_stage)  # measured at step 1 of the matrix's fit
     numel, largest = extras[0]["numel"], extras[0]["largest_numel"]
     for kind, how in ZERO_LAYOUT[zero_stage].items():
         full = FULL_BYTES[kind] * numel
@@ -97,10 +111,13 @@ def test_gradient_accumulation_communicates_only_on_the_final_micro_step(zero_st
         dp,
         STEPS,
         trainer_kwargs=trainer_kwargs,
-        callbacks_factory=lambda: [CollectiveCounter()],
+        # Three optimizer steps profiled (the first, DDP's bucket rebuild in the second, a steady one): profiling
+        # every micro-step cost more than the fit.
+        callbacks_factory=lambda: [CollectiveCounter(batches=3 * accumulate)],
     )
     assert_same_training(reference("llama", trainer_kwargs), result)
     per_batch = extras[0]["per_batch"]
+    assert len(per_batch) == 3 * accumulate, per_batch
     reductions = [b.get("AR", 0) + b.get("RS", 0) + b.get("RD", 0) for b in per_batch]
     assert all(r == 0 for r in reductions[0::accumulate]), reductions
     assert all(r > 0 for r in reductions[accumulate - 1 :: accumulate]), reductions
@@ -137,16 +154,8 @@ def test_communication_per_step_is_the_analytic_minimum(zero_stage, gathers):
     gathers each block in forward and again in backward, the root (embeddings, head) once, although the step
     calls `self(x)` inside the root's forward."""
     dp = 2
-    module, data = MODELS["gpt"]
-    _, extras = fit(
-        module,
-        lambda: data(GLOBAL_BATCH // dp),
-        {"zero_stage": zero_stage},
-        dp,
-        4,
-        callbacks_factory=lambda: [CollectiveCounter()],
-    )
-    gpt = module().model
+    _, extras = _layout_run("gpt", dp, zero_stage)  # counted in the first steps of the matrix's fit
+    gpt = MODELS["gpt"][0]().model
     numel = sum(p.numel() for p in gpt.parameters())
     blocks = gpt.transformer.h
     expected = _analytic_bytes_per_step(zero_stage, dp, numel, sum(p.numel() for p in blocks.parameters()))
@@ -154,10 +163,11 @@ def test_communication_per_step_is_the_analytic_minimum(zero_stage, gathers):
         expected += 2 * (dp - 1) / dp * 4 * len(list(gpt.parameters()))
     for rank in extras:
         # From step 3: DDP broadcasts its rebuilt bucket layout once, in step 2.
-        assert rank["bytes_per_batch"][2:] == [expected] * 2, (zero_stage, rank["bytes_per_batch"], expected)
+        counted = rank["bytes_per_batch"]
+        assert counted[2:] == [expected] * (COUNTED - 2), (zero_stage, counted, expected)
     if gathers is not None:
         per_batch = [b.get("AG", 0) for b in extras[0]["per_batch"]]
-        assert per_batch == [gathers(len(blocks))] * 4, per_batch
+        assert per_batch == [gathers(len(blocks))] * COUNTED, per_batch
 
 
 class _GPTWithUnusedLayer(GPTLightningModule):
@@ -168,10 +178,15 @@ class _GPTWithUnusedLayer(GPTLightningModule):
         self.unused = torch.nn.Linear(32, 32)
 
 
+_unused_single: list = []
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_parameters_without_gradients_train_like_one_process(zero_stage):
     dp = 2
     data = MODELS["gpt"][1]
-    single, _ = fit(_GPTWithUnusedLayer, lambda: data(GLOBAL_BATCH), {}, 1, 4)  # one process, no wrapper
+    if not _unused_single:  # one process, no wrapper: the same run for every stage
+        _unused_single.append(fit(_GPTWithUnusedLayer, lambda: data(GLOBAL_BATCH), {}, 1, 4)[0])
+    single = _unused_single[0]
     result, _ = fit(_GPTWithUnusedLayer, lambda: data(GLOBAL_BATCH // dp), {"zero_stage": zero_stage}, dp, 4)
     assert_same_training(single, result)
