@@ -6,6 +6,7 @@ release with a new style fails here until that style is mapped or refused on pur
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -13,8 +14,9 @@ import torch
 
 from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 from lightning_mgpu.parallel.tensor_plan import _HF_REFUSED, _HF_STYLES, STYLE_NAMES, auto_plan
+from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.distributed import run_distributed
-from tests.helpers.equivalence import assert_same_training, fit
+from tests.helpers.equivalence import assert_same_training
 from tests.helpers.modules import RandomTokenDataModule, _CausalLMModule
 
 transformers = pytest.importorskip("transformers")
@@ -364,11 +366,11 @@ def _tokens(batch):
     return RandomTokenDataModule(batch_size=batch)
 
 
-def _tp2(factory, tp_plan="auto"):
-    reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
-    result, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": tp_plan}, 2, STEPS)
-    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
-    return reference, result
+def _tp2(name):
+    """The run ``name`` of ``_trained()`` against its one-process reference."""
+    reference_name = name.split("-")[0]
+    reference = result(_references()[reference_name])
+    assert_same_training(reference, result(_trained()[name])[0], weight_atol=TP_WEIGHT_ATOL)
 
 
 def test_phi3_trains_under_tp2_with_its_own_plan():
@@ -379,13 +381,13 @@ def test_phi3_trains_under_tp2_with_its_own_plan():
     assert plan["model.model.layers.*.self_attn.o_proj"] == "rowwise_split_input"
     assert plan["model.model.layers.*.mlp.gate_up_proj"] == "colwise_gate_up"
     assert plan["model.model.layers.*.mlp.down_proj"] == "rowwise"
-    _tp2(phi3)
+    _tp2("phi3-tp2")
 
 
 def test_qwen3_per_head_norms_train_under_tp2():
     plan = auto_plan(qwen3())
     assert plan["model.model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
-    _tp2(qwen3)
+    _tp2("qwen3-tp2")
 
 
 def _refusal(factory) -> str:
@@ -429,7 +431,7 @@ def test_a_refused_style_is_named_and_the_explicit_plan_trains_with_its_experts_
     assert plan["model.model.layers.*.mlp.experts"] == "moe_tp_experts"
     assert plan["model.model.layers.*.mlp.experts.gate_up_proj"] == "packed_colwise"
     assert not any("self_attn" in g for g in plan)
-    _tp2(deepseek_v2, plan)
+    _tp2("deepseek_v2-tp2")
 
 
 def _apply_worker(factory, tp):
@@ -453,12 +455,16 @@ def test_key_value_heads_not_divisible_fail_before_training_with_the_valid_degre
     ), messages[0]
 
 
-def _phi3_step_worker(plan):
+def _phi3_step_worker(plans):
+    torch.distributed.init_process_group("gloo")
+    return [_phi3_step(plan) for plan in plans]
+
+
+def _phi3_step(plan):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     module = phi3()
@@ -486,7 +492,7 @@ def test_phi3_packed_gate_up_is_sharded_as_two_chunks_without_gathering():
         else s
         for glob, s in auto_plan(phi3()).items()
     }
-    auto, gathered = (run_distributed(_phi3_step_worker, 2, plan, timeout=120)[0] for plan in ("auto", hf_semantics))
+    auto, gathered = run_distributed(_phi3_step_worker, 2, ["auto", hf_semantics], timeout=120)[0]
     assert "_StridedShard" in auto["placements"] and auto["local"] == (128, 64), auto  # halves of gate and of up
     # Per layer, the gathered MLP costs an all-gather forward and one backward more (2 layers).
     assert auto["counts"].get("all_gather_into_tensor", 0) + 4 == gathered["counts"].get("all_gather_into_tensor"), (
@@ -514,8 +520,7 @@ TRAINED = {
 @pytest.mark.parametrize("model_type", sorted(TRAINED))
 def test_architecture_trains_under_tp2_with_its_own_plan(model_type):
     assert model_type in SERVED
-    config_name, model_name = TRAINED[model_type]
-    _tp2(lambda: HFModule(config_name, model_name))
+    _tp2(f"{model_type}-tp2")
 
 
 COMPOSED = [  # (name, model, strategy extras, devices, dp)
@@ -528,6 +533,36 @@ COMPOSED = [  # (name, model, strategy extras, devices, dp)
 
 @pytest.mark.parametrize(("name", "factory", "extra", "devices", "dp"), COMPOSED, ids=[c[0] for c in COMPOSED])
 def test_new_styles_compose_with_sequence_parallel_and_zero(name, factory, extra, devices, dp):
-    reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
-    result, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH // dp), {"tensor_parallel_size": 2, **extra}, devices, STEPS)
-    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
+    _tp2(name)
+
+
+# ------------------------------------------------------------------------------- the fits, one job per world size
+def _architecture(config_name, model_name):
+    return lambda: HFModule(config_name, model_name)
+
+
+def _factories():
+    factories = {"phi3": phi3, "qwen3": qwen3, "deepseek_v2": deepseek_v2}
+    factories.update({model_type: _architecture(*names) for model_type, names in TRAINED.items()})
+    return factories
+
+
+@functools.cache
+def _references():
+    """Every model's one-process run, in one job."""
+    return references({name: Run(factory, lambda: _tokens(GLOBAL_BATCH)) for name, factory in _factories().items()})
+
+
+@functools.cache
+def _trained():
+    """Every layout's run, in one job per world size: the tp=2 runs with each model's plan ('auto', or the explicit
+    plan DeepSeek-V2's refusal offers), then sequence parallelism and ZeRO over dp=2."""
+    plans = dict.fromkeys(_factories(), "auto")
+    plans["deepseek_v2"] = _explicit_plan(_refusal(deepseek_v2))
+    strategy = lambda name: {"tensor_parallel_size": 2, "tp_plan": plans[name]}
+    runs = {f"{name}-tp2": Run(f, lambda: _tokens(GLOBAL_BATCH), strategy(name)) for name, f in _factories().items()}
+    by_devices = {2: runs, 4: {}}
+    for name, factory, extra, devices, dp in COMPOSED:
+        batch = GLOBAL_BATCH // dp
+        by_devices[devices][name] = Run(factory, lambda b=batch: _tokens(b), {"tensor_parallel_size": 2, **extra})
+    return {name: r for devices, group in by_devices.items() for name, r in fit_each(group, devices, 1200).items()}
