@@ -154,6 +154,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         self._patches = PatchLog()
         self._snapshot: ModuleSnapshot | None = None
         self._failed = False
+        self._interrupted = False  # an exception ended the run (a step may have stopped inside a forward)
 
     # ----------------------------------------------------------------------------------------------- layout / mesh
     @property
@@ -265,7 +266,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         # launcher's main process prints it for all its ranks.
         mesh_shape = self._layout.mesh_shape if self._layout is not None else (1, self.world_size, 1)
         report = getattr(self._launcher, "report_failure", None)
-        self._failed = True  # teardown then runs no collective (the module is not gathered back)
+        self._failed = self._interrupted = True  # teardown then runs no collective (the module is not gathered back)
         handle_rank_failure(exception, self.global_rank, self.world_size, mesh_shape, report)
         # ... unless every rank failed in this run: none is left in a collective, the module comes back plain.
         self._failed = not every_rank_failed(exception, self.world_size)
@@ -323,7 +324,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         if self._runner is not None and self._runner.module is self.lightning_module:
             self.model = self._runner  # already parallelized by an earlier fit/validate with this Trainer
         else:
-            self._failed = False
+            self._failed = self._interrupted = False
             if self._restore_module and self._deepspeed is None:
                 self._snapshot = ModuleSnapshot.take(self.lightning_module)
             module, mesh, precision = self.lightning_module, self.device_mesh, self.precision_plugin
@@ -472,7 +473,8 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             self._patches.undo()
             return
         pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
-        reshard(self._data_parallel_roots)
+        if self._interrupted and self.layout.zero_stage >= 2:  # only sharded groups can be left unsharded
+            reshard(self._data_parallel_roots)
         restore_plain(snapshot, list(self.optimizers), self._patches, pp_group)
         self.model, self._runner, self._pipeline = self.lightning_module, None, None
         gc.collect()  # DDP's reducer (its autograd hooks on the parameters) goes with the step runner
