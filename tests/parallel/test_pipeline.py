@@ -181,15 +181,8 @@ def test_clipping_and_accumulation_across_stages():
     _check("nanogpt", {"pipeline_parallel_size": 2}, 2, trainer_kwargs=trainer_kwargs)
 
 
-def test_each_rank_keeps_only_its_stages_parameters():
-    _, extras = fit(
-        _nanogpt,
-        lambda: _text(GLOBAL_BATCH),
-        {"pipeline_parallel_size": 2},
-        2,
-        2,
-        callbacks_factory=lambda: [MemoryProbe(step=1)],
-    )
+def test_each_rank_keeps_only_its_stages_parameters(pp2_run):
+    extras = pp2_run["pipeline"]  # MemoryProbe at step 1
     module = _nanogpt()
     blocks = sum(p.numel() for p in module.model.transformer.h.parameters())
     embeddings = sum(p.numel() for n in ("wte", "wpe") for p in getattr(module.model.transformer, n).parameters())
@@ -213,41 +206,6 @@ def test_a_second_network_call_is_refused_with_the_fix():
             2,
             1,
         )
-
-
-class _Predicting(GPTLightningModule):
-    def predict_step(self, batch, batch_idx):
-        return self(batch[0]).argmax(-1)
-
-
-def _predict_worker(strategy_kwargs):
-    from lightning_mgpu import HybridStrategy
-
-    L.seed_everything(7)
-    module = _Predicting(block_size=32, n_layer=2, n_head=4, n_embd=32)
-    strategy = HybridStrategy(**strategy_kwargs) if strategy_kwargs else "auto"
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2 if strategy_kwargs else 1,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        limit_predict_batches=2,
-    )
-    data = _text(4)
-    data.setup()
-    return trainer.predict(module, data.val_dataloader())
-
-
-def test_predict_returns_the_predictions_on_every_rank():
-    from tests.helpers.distributed import run_distributed
-
-    reference = run_distributed(_predict_worker, 1, None)[0]
-    outputs = run_distributed(_predict_worker, 2, {"pipeline_parallel_size": 2})
-    for output in outputs:
-        assert len(output) == len(reference) == 2
-        for got, expected in zip(output, reference):
-            assert torch.equal(got, expected)
 
 
 def test_balance_and_placement():
@@ -296,39 +254,42 @@ class _CheckpointScore(L.Callback):
         }
 
 
-def test_model_checkpoint_and_early_stopping_monitor_validation_loss(tmp_path):
-    """Rank 0 holds the first stage, yet ModelCheckpoint(monitor="val_loss") and EarlyStopping see the loss."""
+@pytest.fixture(scope="module")
+def pp2_run(tmp_path_factory):
+    """One process's and one pp 2 fit of the nanoGPT (default schedule) as a user runs it: validation,
+    ModelCheckpoint and EarlyStopping on val_loss, and the probes the tests below read (each only observes)."""
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-    def callbacks(directory):
+    def callbacks(directory, probes):
         return lambda: [
             ModelCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=1),
             EarlyStopping(monitor="val_loss", patience=5),
             _CheckpointScore(),
+            *([MemoryProbe(step=1), _AfterBackward(), _ObjectBroadcasts()] if probes else []),
         ]
 
     kwargs = {**TRAINER, "enable_checkpointing": True}
-    _, reference = fit(
-        _nanogpt,
-        lambda: _text(GLOBAL_BATCH),
-        None,
-        1,
-        STEPS,
-        trainer_kwargs=kwargs,
-        callbacks_factory=callbacks(tmp_path / "reference"),
-    )
-    _, result = fit(
-        _nanogpt,
-        lambda: _text(GLOBAL_BATCH),
-        {"pipeline_parallel_size": 2},
-        2,
-        STEPS,
-        trainer_kwargs=kwargs,
-        callbacks_factory=callbacks(tmp_path / "pipeline"),
-    )
+    root = tmp_path_factory.mktemp("pp2-run")
+    runs = {"dirpath": root / "pipeline"}
+    for name, strategy, devices in (("reference", None, 1), ("pipeline", {"pipeline_parallel_size": 2}, 2)):
+        runs[name] = fit(
+            _nanogpt,
+            lambda: _text(GLOBAL_BATCH),
+            strategy,
+            devices,
+            STEPS,
+            trainer_kwargs=kwargs,
+            callbacks_factory=callbacks(root / name, strategy is not None),
+        )[1]
+    return runs
+
+
+def test_model_checkpoint_and_early_stopping_monitor_validation_loss(pp2_run):
+    """Rank 0 holds the first stage, yet ModelCheckpoint(monitor="val_loss") and EarlyStopping see the loss."""
+    reference, result = pp2_run["reference"], pp2_run["pipeline"]
     assert result[0]["best"] == pytest.approx(reference[0]["best"], rel=1e-5), (result[0], reference[0])
     assert result[0]["stopped"] == reference[0]["stopped"]
-    assert [path.name for path in (tmp_path / "pipeline").iterdir()] == ["epoch=0-step=10.ckpt"]
+    assert [path.name for path in pp2_run["dirpath"].iterdir()] == ["epoch=0-step=10.ckpt"]
 
 
 class _AfterBackward(L.Callback):
@@ -340,11 +301,8 @@ class _AfterBackward(L.Callback):
             self.results["after_backward_with_grads"] += 1
 
 
-def test_on_after_backward_fires_once_per_step_with_gradients():
-    _, extras = fit(
-        _nanogpt, lambda: _text(8), {"pipeline_parallel_size": 2}, 2, 3, callbacks_factory=lambda: [_AfterBackward()]
-    )
-    assert [e["after_backward_with_grads"] for e in extras] == [3, 3]
+def test_on_after_backward_fires_once_per_step_with_gradients(pp2_run):
+    assert [e["after_backward_with_grads"] for e in pp2_run["pipeline"]] == [STEPS, STEPS]
 
 
 class _WithMetrics(GPTLightningModule):
@@ -420,15 +378,17 @@ class _MetricSnapshots(L.Callback):
 )
 def test_torchmetrics_objects_reach_rank0_with_single_process_values(strategy, devices, dp):
     trainer_kwargs = {**TRAINER, "max_epochs": 1, "limit_train_batches": STEPS}
-    _, expected = fit(
-        _WithMetrics,
-        lambda: _text(GLOBAL_BATCH),
-        None,
-        1,
-        STEPS,
-        trainer_kwargs=trainer_kwargs,
-        callbacks_factory=lambda: [_MetricSnapshots()],
-    )
+    if "metrics" not in _references:  # one process's run, the same for both layouts
+        _references["metrics"] = fit(
+            _WithMetrics,
+            lambda: _text(GLOBAL_BATCH),
+            None,
+            1,
+            STEPS,
+            trainer_kwargs=trainer_kwargs,
+            callbacks_factory=lambda: [_MetricSnapshots()],
+        )
+    _, expected = _references["metrics"]
     _, got = fit(
         _WithMetrics,
         lambda: _text(GLOBAL_BATCH // dp),
@@ -478,18 +438,10 @@ class _ObjectBroadcasts(L.Callback):
         self.results["object_broadcasts"].append(self._count)
 
 
-def test_steady_state_steps_send_numbers_not_pickled_objects():
-    _, extras = fit(
-        _nanogpt,
-        lambda: _text(GLOBAL_BATCH),
-        {"pipeline_parallel_size": 2},
-        2,
-        4,
-        callbacks_factory=lambda: [_ObjectBroadcasts()],
-    )
+def test_steady_state_steps_send_numbers_not_pickled_objects(pp2_run):
     # The first step sends the logged names and options once; later steps only a small tensor of numbers.
-    for rank_extras in extras:
-        assert rank_extras["object_broadcasts"] == [1, 0, 0, 0]
+    for rank_extras in pp2_run["pipeline"]:
+        assert rank_extras["object_broadcasts"] == [1] + [0] * (STEPS - 1)
 
 
 class _SequentialNet(L.LightningModule):
