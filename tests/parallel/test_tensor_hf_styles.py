@@ -6,6 +6,7 @@ release with a new style fails here until that style is mapped or refused on pur
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -288,6 +289,24 @@ UNBUILT = {
 }
 
 
+@contextlib.contextmanager
+def _no_torch_initializers():
+    """torch.nn.init's initializers as no-ops while a model is built on the meta device, where they compute nothing
+    yet cost most of the build (``reset_parameters`` of tens of thousands of layers); the module tree, all a plan
+    reads, is the same. Hugging Face's own initialization already skips the meta device; its weight tying still runs.
+    """
+    from transformers.initialization import TORCH_INIT_FUNCTIONS
+
+    originals = {name: getattr(torch.nn.init, name) for name in TORCH_INIT_FUNCTIONS if hasattr(torch.nn.init, name)}
+    for name in originals:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(torch.nn.init, name, function)
+
+
 def _model_on_meta(model_type: str):
     """The model (a causal LM where there is one) of ``model_type``'s default configuration, on the meta device:
     the plan depends on module names only, and the real sizes cost nothing there."""
@@ -296,7 +315,7 @@ def _model_on_meta(model_type: str):
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_MAPPING_NAMES.get(model_type)
     name = name[0] if isinstance(name, (list, tuple)) else name
-    with torch.device("meta"):
+    with torch.device("meta"), _no_torch_initializers():
         model = getattr(transformers, name)._from_config(CONFIG_MAPPING[model_type]())
     wrapper = torch.nn.Module()
     wrapper.model = model
