@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import lightning as L
@@ -12,8 +13,9 @@ from lightning_mgpu import HybridStrategy
 from lightning_mgpu.demo import GPTLightningModule, TextDataModule
 from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 from lightning_mgpu.parallel.tensor_plan import auto_plan
+from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.distributed import run_distributed
-from tests.helpers.equivalence import assert_same_training, fit
+from tests.helpers.equivalence import assert_same_training
 from tests.helpers.modules import GPT2Module, LlamaModule, RandomTokenDataModule
 
 GLOBAL_BATCH = 8
@@ -38,15 +40,8 @@ def _models(tp: int) -> dict:
     }
 
 
-_references: dict = {}
-
-
 def _reference(model: str, tp: int):
-    key = (model, 2 if tp == 2 else 4)
-    if key not in _references:
-        module, data = _models(tp)[model]
-        _references[key], _ = fit(module, lambda: data(GLOBAL_BATCH), None, 1, STEPS)
-    return _references[key]
+    return result(_references()[f"{model}-tp{2 if tp == 2 else 4}"])
 
 
 LAYOUTS = [  # (devices, dp, tp, zero_stage)
@@ -64,10 +59,12 @@ LAYOUTS = [  # (devices, dp, tp, zero_stage)
 )
 @pytest.mark.parametrize("model", ["llama", "gpt2", "nanogpt"])
 def test_tensor_parallel_trains_like_one_process(model, devices, dp, tp, zero_stage, sequence_parallel):
-    module, data = _models(tp)[model]
-    strategy = {"tensor_parallel_size": tp, "zero_stage": zero_stage, "sequence_parallel": sequence_parallel}
-    result, _ = fit(module, lambda: data(GLOBAL_BATCH // dp), strategy, devices, STEPS)
-    assert_same_training(_reference(model, tp), result, weight_atol=TP_WEIGHT_ATOL)
+    trained, _ = result(_trained()[_matrix_name(model, dp, tp, zero_stage, sequence_parallel)])
+    assert_same_training(_reference(model, tp), trained, weight_atol=TP_WEIGHT_ATOL)
+
+
+def _matrix_name(model, dp, tp, zero_stage, sequence_parallel):
+    return f"{model}-dp{dp}-tp{tp}-z{zero_stage}{'-sp' if sequence_parallel else ''}"
 
 
 def test_explicit_dict_plan_and_gradient_clipping():
@@ -78,19 +75,19 @@ def test_explicit_dict_plan_and_gradient_clipping():
         "model.transformer.h.*.mlp.c_proj": "rowwise",
         "model.lm_head": "colwise_gather_output",
     }
-    clip = {"gradient_clip_val": 0.05}
-    reference, _ = fit(
-        _nanogpt, lambda: TextDataModule(batch_size=8, block_size=32), None, 1, STEPS, trainer_kwargs=clip
-    )
-    result, _ = fit(
-        _nanogpt,
-        lambda: TextDataModule(batch_size=4, block_size=32),
-        {"tensor_parallel_size": 2, "tp_plan": plan, "zero_stage": 1},
-        4,
-        STEPS,
-        trainer_kwargs=clip,
-    )
-    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
+    assert _trained_runs()[4]["nanogpt-explicit-plan-clip"].strategy_kwargs["tp_plan"] == plan
+    trained, _ = result(_trained()["nanogpt-explicit-plan-clip"])
+    assert_same_training(result(_references()["nanogpt-clip"]), trained, weight_atol=TP_WEIGHT_ATOL)
+
+
+_EXPLICIT_PLAN = {
+    "model.transformer.h.*.attn.c_attn": "colwise_qkv",
+    "model.transformer.h.*.attn.c_proj": "rowwise",
+    "model.transformer.h.*.mlp.c_fc": "colwise",
+    "model.transformer.h.*.mlp.c_proj": "rowwise",
+    "model.lm_head": "colwise_gather_output",
+}
+_CLIP = {"gradient_clip_val": 0.05}
 
 
 class _HandParallelGPT(GPTLightningModule):
@@ -104,18 +101,13 @@ class _HandParallelGPT(GPTLightningModule):
             parallelize_module(block.mlp, tp_mesh, {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
 
 
+def _hand_parallel_gpt():
+    return _HandParallelGPT(block_size=32, n_layer=2, n_head=4, n_embd=32, lr=1e-3)
+
+
 def test_user_configure_model_with_device_mesh_keeps_working():
-    reference, _ = fit(_nanogpt, lambda: TextDataModule(batch_size=8, block_size=32), None, 1, STEPS)
-    result, _ = fit(
-        _HandParallelGPT.__call__.__self__
-        if False
-        else lambda: _HandParallelGPT(block_size=32, n_layer=2, n_head=4, n_embd=32, lr=1e-3),
-        lambda: TextDataModule(batch_size=8, block_size=32),
-        {"tensor_parallel_size": 2},
-        2,
-        STEPS,
-    )
-    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
+    trained, _ = result(_trained()["nanogpt-hand-parallel-tp2"])
+    assert_same_training(_reference("nanogpt", 2), trained, weight_atol=TP_WEIGHT_ATOL)
 
 
 def test_auto_plans():
@@ -153,43 +145,53 @@ def test_auto_plan_names_layers_it_cannot_place():
         auto_plan(_UnknownLayers())
 
 
-def _apply_worker(module_factory, plan, tp, loss_parallel=False):
+def _apply_worker(cases, tp, loss_parallel=False):
+    """Each ``(module_factory, plan)``'s error on one tp mesh."""
     torch.distributed.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-    try:
-        apply_tensor_parallel(module_factory(), mesh, plan, sequence_parallel=False, loss_parallel=loss_parallel)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    errors = []
+    for module_factory, plan in cases:
+        try:
+            apply_tensor_parallel(module_factory(), mesh, plan, sequence_parallel=False, loss_parallel=loss_parallel)
+            errors.append("no error")
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
 
 
-@pytest.mark.parametrize(
-    ("factory", "plan", "match"),
-    [
-        (
-            partial(LlamaModule, num_key_value_heads=2),
-            "auto",
-            r"tensor_parallel_size=4 must divide.*config.num_key_value_heads = 2",
-        ),
-        (
-            _nanogpt,
-            {"model.transformer.h.*.attn.nope": "colwise"},
-            r"`tp_plan` entry 'model.transformer.h.\*.attn.nope' matches no module",
-        ),
-        (
-            lambda: GPTLightningModule(block_size=32, n_layer=1, n_head=2, n_embd=34),
-            "auto",
-            r"attn.c_attn: 34 output features per q/k/v.*attn.n_head = 2",
-        ),
-    ],
-)
-def test_misconfigurations_fail_before_training_with_the_numbers(factory, plan, match):
+MISCONFIGURATIONS = [  # (module factory, plan, the error's pattern) on a tp=4 mesh
+    (
+        partial(LlamaModule, num_key_value_heads=2),
+        "auto",
+        r"tensor_parallel_size=4 must divide.*config.num_key_value_heads = 2",
+    ),
+    (
+        _nanogpt,
+        {"model.transformer.h.*.attn.nope": "colwise"},
+        r"`tp_plan` entry 'model.transformer.h.\*.attn.nope' matches no module",
+    ),
+    (
+        lambda: GPTLightningModule(block_size=32, n_layer=1, n_head=2, n_embd=34),
+        "auto",
+        r"attn.c_attn: 34 output features per q/k/v.*attn.n_head = 2",
+    ),
+]
+
+
+@functools.cache
+def _misconfigured():
+    """Every misconfiguration's error, in one job."""
+    return run_distributed(_apply_worker, 4, [case[:2] for case in MISCONFIGURATIONS], 4, timeout=120)[0]
+
+
+@pytest.mark.parametrize("case", range(len(MISCONFIGURATIONS)), ids=["kv-heads", "no-module", "qkv-features"])
+def test_misconfigurations_fail_before_training_with_the_numbers(case):
     import re
 
-    messages = run_distributed(_apply_worker, 4, factory, plan, 4, timeout=120)
-    assert re.search(match, messages[0]), messages[0]
+    message = _misconfigured()[case]
+    assert re.search(MISCONFIGURATIONS[case][2], message), message
 
 
 def test_unknown_style_fails_at_construction():
@@ -197,13 +199,17 @@ def test_unknown_style_fails_at_construction():
         HybridStrategy(tensor_parallel_size=2, tp_plan={"model.*": "diagonal"})
 
 
-def _comm_counts_worker(sequence_parallel):
+def _comm_counts_worker():
+    torch.distributed.init_process_group("gloo")
+    return [_comm_counts(sequence_parallel) for sequence_parallel in (False, True)]
+
+
+def _comm_counts(sequence_parallel):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
     from lightning_mgpu.parallel.tensor import tensor_parallel_context
 
-    torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     module = GPTLightningModule(block_size=16, n_layer=3, n_head=4, n_embd=32)
@@ -217,12 +223,11 @@ def _comm_counts_worker(sequence_parallel):
 
 def test_collectives_per_step_match_the_analytic_count():
     layers = 3
-    counts = run_distributed(_comm_counts_worker, 2, False)[0]
+    counts, sp = run_distributed(_comm_counts_worker, 2)[0]
     # Megatron's f/g: per block an all-reduce after attention and after the MLP in forward, and one for the input
     # gradient of each column-parallel region (qkv, fc) in backward; plus one small all-gather per block of the
     # fused q|k|v bias gradient (3 * n_embd / tp floats), which stays replicated so FSDP can shard it.
     assert counts == {"all_reduce": 4 * layers, "all_gather_into_tensor": layers}, counts
-    sp = run_distributed(_comm_counts_worker, 2, True)[0]
     # Sequence parallel turns each all-reduce into reduce-scatter + all-gather: per block 2 AG + 2 RS forward and
     # the mirror image backward, plus the fused-bias gather; outside the blocks the token embedding scatters (RS
     # forward, AG backward) and the head gathers its input (AG forward, RS backward) and its logits (AG forward).
@@ -284,17 +289,10 @@ LOSS_PARALLEL = [  # (name, module, data, devices, dp, extra strategy arguments)
     ("name", "module", "data", "devices", "dp", "extra"), LOSS_PARALLEL, ids=[case[0] for case in LOSS_PARALLEL]
 )
 def test_loss_parallel_trains_like_one_process(name, module, data, devices, dp, extra):
-    if module is _nanogpt:
-        reference = _reference("nanogpt", 2)  # the same single-process run as the tests above
-    else:
-        if module not in _references:
-            _references[module], _ = fit(module, lambda: data(GLOBAL_BATCH), None, 1, STEPS)
-        reference = _references[module]
-    strategy = {"tensor_parallel_size": 2, "loss_parallel": True, **extra}
-    result, extras = fit(
-        module, lambda: data(GLOBAL_BATCH // dp), strategy, devices, STEPS, callbacks_factory=lambda: [_HeadLayout()]
-    )
-    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
+    # nanoGPT: the same single-process run as the tests above
+    reference = result(_references()["nanogpt-tp2" if module is _nanogpt else name])
+    trained, extras = result(_trained()[name])
+    assert_same_training(reference, trained, weight_atol=TP_WEIGHT_ATOL)
     last_stage = extras[-1]  # with pipelining the head lives on the last stage
     assert "Shard(dim=0)" in last_stage["head_placements"]  # sharded over the vocabulary
     if name.startswith("gpt2-tied"):
@@ -336,18 +334,22 @@ def test_loss_parallel_without_a_head_to_shard_fails_before_training():
         "model.transformer.h.*.attn.c_proj": "rowwise",
         "model.lm_head": "replicate",
     }
-    message = run_distributed(_apply_worker, 2, _nanogpt, plan, 2, loss_parallel=True, timeout=120)[0]
+    message = run_distributed(_apply_worker, 2, [(_nanogpt, plan)], 2, loss_parallel=True, timeout=120)[0][0]
     assert "`loss_parallel=True` needs the LM head sharded over the vocabulary" in message, message
     assert "'colwise_loss_parallel'" in message, message
 
 
-def _loss_parallel_comm_worker(loss_parallel):
+def _loss_parallel_comm_worker():
+    torch.distributed.init_process_group("gloo")
+    return [_loss_parallel_comm(loss_parallel) for loss_parallel in (False, True)]
+
+
+def _loss_parallel_comm(loss_parallel):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
     from lightning_mgpu.parallel.tensor import tensor_parallel_context
 
-    torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     module = GPTLightningModule(block_size=16, n_layer=3, n_head=4, n_embd=32)
@@ -370,9 +372,8 @@ def _loss_parallel_comm_worker(loss_parallel):
 
 def test_loss_parallel_never_gathers_the_logits():
     layers = 3
-    (gathered, _, loss_gathered), (parallel, loss_type, loss_parallel) = [
-        run_distributed(_loss_parallel_comm_worker, 2, flag)[0] for flag in (False, True)
-    ]
+    probes = run_distributed(_loss_parallel_comm_worker, 2)[0]
+    (gathered, _, loss_gathered), (parallel, loss_type, loss_parallel) = probes
     # Gathered logits: per block 4 all-reduces and the fused-bias gather, plus the head's all-gather of the
     # b x s x V logits in forward and the all-reduce of its input gradient in backward.
     assert gathered == {"all_reduce": 4 * layers + 1, "all_gather_into_tensor": layers + 1}, gathered
@@ -383,10 +384,14 @@ def test_loss_parallel_never_gathers_the_logits():
     assert abs(loss_parallel - loss_gathered) <= 1e-6 * abs(loss_gathered)
 
 
-def _tied_plan_worker(plan):
+def _tied_plan_worker(plans):
+    torch.distributed.init_process_group("gloo")
+    return [_tied_plan(plan) for plan in plans]
+
+
+def _tied_plan(plan):
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     module = GPT2Module(tie_word_embeddings=True)
     try:
@@ -399,8 +404,9 @@ def _tied_plan_worker(plan):
 def test_tied_weights_stay_tied_or_fail_naming_both():
     blocks = {"model.transformer.h.*.attn.c_attn": "colwise_qkv", "model.transformer.h.*.attn.c_proj": "rowwise"}
     alike = {**blocks, "model.lm_head": "colwise_gather_output", "model.transformer.wte": "embedding_rowwise"}
-    assert run_distributed(_tied_plan_worker, 2, alike) == [True, True]
-    message = run_distributed(_tied_plan_worker, 2, {**blocks, "model.lm_head": "colwise_gather_output"})[0]
+    plans = [alike, {**blocks, "model.lm_head": "colwise_gather_output"}]
+    (tied, message), (tied_on_rank1, _) = run_distributed(_tied_plan_worker, 2, plans)
+    assert tied is True and tied_on_rank1 is True
     assert "model.transformer.wte.weight and model.lm_head.weight are one tied weight" in message, message
 
 
@@ -472,9 +478,9 @@ def test_llama_collectives_per_step_and_loss_parallel_match_the_analytic_count()
         "all_reduce": 3,
     }
     assert results[(True, True)]["bwd"] == sp_backward
-    for key, result in results.items():
-        assert result["loss_type"] == "Tensor", key  # Lightning gets a plain tensor, also under loss_parallel
-        assert result["loss_error"] < 1e-6 and result["grad_error"] < 1e-6, (key, result)
+    for key, probe in results.items():
+        assert probe["loss_type"] == "Tensor", key  # Lightning gets a plain tensor, also under loss_parallel
+        assert probe["loss_error"] < 1e-6 and probe["grad_error"] < 1e-6, (key, probe)
 
 
 def test_loss_parallel_context_nests_and_survives_errors():
@@ -513,3 +519,55 @@ def test_shared_input_skips_inference_tensors_and_grad_mode_changes():
     assert shared.hit(x) and shared.converted == "converted"
     shared.close()
     assert not shared.hit(x)
+
+
+# ------------------------------------------------------------------------------- the fits, one job per world size
+@functools.cache
+def _references():
+    """Every model's one-process run, in one job."""
+    runs = {
+        f"{model}-tp{tp}": Run(module, lambda d=data: d(GLOBAL_BATCH))
+        for tp in (2, 4)
+        for model, (module, data) in _models(tp).items()
+    }
+    runs["nanogpt-clip"] = Run(_nanogpt, lambda: TextDataModule(batch_size=8, block_size=32), trainer_kwargs=_CLIP)
+    for name, module, data, _, _, _ in LOSS_PARALLEL:
+        if module is not _nanogpt:
+            runs[name] = Run(module, lambda d=data: d(GLOBAL_BATCH))
+    return references(runs)
+
+
+@functools.cache
+def _trained_runs():
+    """Every layout's run, by world size."""
+    by_devices: dict[int, dict[str, Run]] = {2: {}, 4: {}}
+    for model in ("llama", "gpt2", "nanogpt"):
+        for devices, dp, tp, zero_stage in LAYOUTS:
+            module, data = _models(tp)[model]
+            for sp in (False, True):
+                strategy = {"tensor_parallel_size": tp, "zero_stage": zero_stage, "sequence_parallel": sp}
+                by_devices[devices][_matrix_name(model, dp, tp, zero_stage, sp)] = Run(
+                    module, lambda d=data, b=GLOBAL_BATCH // dp: d(b), strategy
+                )
+    by_devices[4]["nanogpt-explicit-plan-clip"] = Run(
+        _nanogpt,
+        lambda: TextDataModule(batch_size=4, block_size=32),
+        {"tensor_parallel_size": 2, "tp_plan": _EXPLICIT_PLAN, "zero_stage": 1},
+        trainer_kwargs=_CLIP,
+    )
+    by_devices[2]["nanogpt-hand-parallel-tp2"] = Run(
+        _hand_parallel_gpt, lambda: TextDataModule(batch_size=8, block_size=32), {"tensor_parallel_size": 2}
+    )
+    for name, module, data, devices, dp, extra in LOSS_PARALLEL:
+        by_devices[devices][name] = Run(
+            module,
+            lambda d=data, b=GLOBAL_BATCH // dp: d(b),
+            {"tensor_parallel_size": 2, "loss_parallel": True, **extra},
+            callbacks_factory=lambda: [_HeadLayout()],
+        )
+    return by_devices
+
+
+@functools.cache
+def _trained():
+    return {name: r for devices, runs in _trained_runs().items() for name, r in fit_each(runs, devices, 1800).items()}
