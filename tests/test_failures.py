@@ -20,6 +20,7 @@ import pytest
 
 from lightning_mgpu.failures import FailureRecord, coordinates, format_report, is_secondary
 from tests.helpers.distributed import free_port
+from tests.helpers.processes import LAUNCH_VARIABLES
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"),
@@ -78,19 +79,8 @@ for rank in range(2):
 sys.exit(max(abs(p.wait()) for p in procs))
 """
 
-_LAUNCH_VARIABLES = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID",
-    "PL_GLOBAL_SEED",
-    "LIGHTNING_MGPU_FAILURE_DIR",
-)
+# A launcher's variables (shared list) and the failure directory of an enclosing run: each test starts its own.
+_LAUNCH_VARIABLES = (*LAUNCH_VARIABLES, "LIGHTNING_MGPU_FAILURE_DIR")
 
 
 class Run:
