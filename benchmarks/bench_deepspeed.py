@@ -5,10 +5,11 @@ configuration       what                                                        
 ==================  =====================================================================  =======================
 ``lightning-dsN``   Lightning's ``DeepSpeedStrategy(stage=N)``, its CUDA-only check lifted  -
                     here (this benchmark only) so that it runs on CPU with gloo
-``dsN``             ``HybridStrategy(zero_backend="deepspeed", zero_stage=N)``              ``lightning-dsN`` (1.05)
-``ds-lzN``          ``dsN`` given Lightning's ZeRO settings (buckets, ``overlap_comm``, ...)    ``lightning-dsN`` (1.05)
-                    through ``deepspeed_config``: the same engine config, so the ratio is
-                    the strategies' own cost
+``dsN``             ``HybridStrategy(zero_backend="deepspeed", zero_stage=N)``: without a   ``lightning-dsN`` (1.05)
+                    ``deepspeed_config`` its engine gets Lightning's ZeRO settings (buckets,
+                    ``overlap_comm``, ...), so the ratio is the strategies' own cost
+``ds-ddN``          ``dsN`` with ``deepspeed_config={}``: DeepSpeed's own ZeRO defaults     ``dsN`` (informative)
+                    (what a config file that sets none gets)
 ``torchN``          ``HybridStrategy(zero_stage=N)`` (the torch backend)                    ``dsN`` (informative)
 ==================  =====================================================================  =======================
 
@@ -19,9 +20,9 @@ median step times (warm-up steps dropped), for wall time (slowest rank) and proc
 on a loaded machine the CPU-time ratio is the steadier one. Step time runs from ``on_train_batch_start`` to
 ``on_train_batch_end`` (``benchmarks/harness.py``). Memory per rank right after backward is read with
 ``deepspeed_engine.memory_per_rank`` for both DeepSpeed runs and the harness's probe for the torch backend, and
-printed in bytes per parameter beside the ZeRO formulas. The ZeRO settings in which our engine's config and
-Lightning's differ are printed last. ``python benchmarks/bench_deepspeed.py [--stages 1,2,3] [--repeats 4]
-[--profile DIR]`` (``--profile``: rank 0's timed steps under cProfile, one ``.prof`` per configuration).
+printed in bytes per parameter beside the ZeRO formulas. The ZeRO settings in which our engines' configs and
+Lightning's differ are printed last (``dsN``: none). ``python benchmarks/bench_deepspeed.py [--stages 1,2,3]
+[--repeats 4] [--profile DIR]`` (``--profile``: rank 0's timed steps under cProfile, one ``.prof`` per configuration).
 """
 
 from __future__ import annotations
@@ -64,22 +65,14 @@ def _lightning_deepspeed(stage: int) -> Any:
     return CPUDeepSpeedStrategy(stage=stage, process_group_backend="gloo", logging_batch_size_per_gpu=1)
 
 
-def _lightning_zero_settings(stage: int) -> dict[str, Any]:
-    """The ``zero_optimization`` settings Lightning's DeepSpeedStrategy gives a user who names only the stage."""
-    zero = dict(_lightning_deepspeed(stage).config["zero_optimization"])
-    zero.pop("stage")
-    return zero
-
-
 def _strategy(name: str) -> Any:
     from lightning_mgpu import HybridStrategy
 
     stage = int(name[-1])
     if name.startswith("lightning-ds"):
         return _lightning_deepspeed(stage)
-    if name.startswith("ds-lz"):  # ours, given Lightning's ZeRO settings: the engine config made equal
-        config = {"zero_optimization": _lightning_zero_settings(stage)}
-        return HybridStrategy(zero_stage=stage, zero_backend="deepspeed", deepspeed_config=config)
+    if name.startswith("ds-dd"):  # ours, given a config that sets nothing: DeepSpeed's own defaults
+        return HybridStrategy(zero_stage=stage, zero_backend="deepspeed", deepspeed_config={})
     backend = "deepspeed" if name.startswith("ds") else "torch"
     return HybridStrategy(zero_stage=stage, zero_backend=backend)
 
@@ -157,7 +150,7 @@ def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
 # The torch backend's bytes per parameter per rank after backward (fp32 AdamW, no master copy): ZeRO-1 under DDP
 # keeps whole parameters and gradients; FSDP2 (ZeRO-2/3) has resharded parameters and gradients by then.
 TORCH_BYTES_PER_PARAM = {1: lambda dp: 8 + 8 / dp, 2: lambda dp: 16 / dp, 3: lambda dp: 16 / dp}
-KINDS = ("lightning-ds", "ds", "ds-lz", "torch")
+KINDS = ("lightning-ds", "ds", "ds-dd", "torch")
 
 
 def _expected_bytes_per_param(name: str, dp: int) -> float:
@@ -174,11 +167,9 @@ def _held_per_param(name: str, r: dict[str, Any]) -> str:
     return f"{sum(mem.get(k, 0) for k in ('params', 'grads', 'optim')) / mem['numel']:.2f}" if "numel" in mem else "nan"
 
 
-def _config_differences(runs: dict[str, list], stage: int) -> str:
-    """The ZeRO settings in which our engine's config and Lightning's differ (the rest is equal)."""
-    configs = [
-        runs[name][0][0].get("zero_config") if name in runs else None for name in (f"ds{stage}", f"lightning-ds{stage}")
-    ]
+def _config_differences(runs: dict[str, list], ours: str, theirs: str) -> str:
+    """The ZeRO settings in which the engine configs of two configurations differ (the rest is equal)."""
+    configs = [runs[name][0][0].get("zero_config") if name in runs else None for name in (ours, theirs)]
     if None in configs:
         return "?"
     ours, theirs = configs
@@ -206,8 +197,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f" gloo; {args['repeats']} ABBA-interleaved repeats x {args['steps'] - args['warmup']} timed steps;"
         f" {os.cpu_count()} cores, load average {load_before} before, {harness.load_average()} after"
     )
-    pairs = [(f"{kind}{s}", f"lightning-ds{s}", TARGET) for s in stages for kind in ("ds", "ds-lz")]
-    rows = harness.ratio_table(results, pairs + [(f"torch{s}", f"ds{s}", None) for s in stages])
+    pairs = [(f"ds{s}", f"lightning-ds{s}", TARGET) for s in stages]
+    pairs += [(f"{kind}{s}", f"ds{s}", None) for s in stages for kind in ("ds-dd", "torch")]
+    rows = harness.ratio_table(results, pairs)
     columns = {
         "B/param": _held_per_param,
         "formula": lambda n, r: f"{_expected_bytes_per_param(n, args['devices']):.2f}",
@@ -217,9 +209,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         {**harness.memory_columns(3), **columns, "   loss": lambda n, r: f"{r['loss']:.4f}"},
         title=f"\nmemory per rank after backward (step {args['mem_step']}), fp32 AdamW; B/param: vs formula",
     )
-    print("\nZeRO settings that differ, ours vs Lightning's DeepSpeedStrategy (DeepSpeed's defaults where unset):")
+    print("\nZeRO settings that differ from Lightning's DeepSpeedStrategy's (DeepSpeed's defaults where unset):")
     for stage in stages:
-        print(f"  stage {stage}: {_config_differences(runs, stage)}")
+        for ours in (f"ds{stage}", f"ds-dd{stage}"):
+            print(f"  {ours}: {_config_differences(runs, ours, f'lightning-ds{stage}')}")
     return {"results": results, "rows": rows}
 
 

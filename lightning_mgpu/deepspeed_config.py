@@ -6,6 +6,12 @@ written into the config; a ``deepspeed_config`` that says otherwise is refused, 
 one silently winning. Everything else in the config (offloading, bucket sizes, ZeRO++ options, ...) passes
 through to ``deepspeed.initialize`` untouched.
 
+Without a ``deepspeed_config`` the engine gets the ZeRO settings of Lightning's ``DeepSpeedStrategy(stage=N)``
+(:data:`LIGHTNING_DEFAULTS`: ``overlap_comm``, 2e8-element buckets, ...), so that moving from it changes neither
+the engine nor its speed. A given ``deepspeed_config`` is taken as it is, and what it leaves unset keeps
+DeepSpeed's own defaults: a ``ds_config.json`` means here what it means to ``deepspeed.initialize`` -- the same
+rule as Lightning's ``DeepSpeedStrategy(config=...)``.
+
 Checks that need only the config and the strategy's arguments run when the strategy is built, before any
 process starts (:func:`check_config`); those that need the Trainer run in :func:`build_config`, before
 ``deepspeed.initialize``.
@@ -27,6 +33,22 @@ DeepSpeedConfig = None | dict | str | Path
 _REFUSED_SECTIONS = {
     "optimizer": "the optimizer comes from the LightningModule's `configure_optimizers`",
     "scheduler": "the LR scheduler comes from the LightningModule's `configure_optimizers` (Lightning steps it)",
+}
+# What Lightning's DeepSpeedStrategy(stage=N) configures when it is given no config (lightning 2.6:
+# `DeepSpeedStrategy.__init__`'s defaults, `_create_default_config`), where DeepSpeed's own defaults differ: at ZeRO
+# 1/2 `overlap_comm` is off and both buckets hold 5e8 elements, `sub_group_size` is 1e9. Its `activation_checkpointing`
+# and `aio` sections equal DeepSpeed's defaults and are left out.
+LIGHTNING_DEFAULTS: dict[str, Any] = {
+    "zero_allow_untested_optimizer": True,
+    "zero_optimization": {
+        "contiguous_gradients": True,
+        "overlap_comm": True,
+        "allgather_partitions": True,
+        "reduce_scatter": True,
+        "allgather_bucket_size": 200_000_000,
+        "reduce_bucket_size": 200_000_000,
+        "sub_group_size": 1_000_000_000_000,
+    },
 }
 # Trainer precision -> the DeepSpeed section that is enabled for it.
 _PRECISION_SECTIONS = {
@@ -227,10 +249,11 @@ def build_config(
 
     Gradient accumulation is driven by Lightning's loop: the engine is told which backward is the accumulation
     boundary (the one inside Lightning's optimizer step), so ``accumulate_grad_batches`` of any value, and an
-    epoch that ends mid-window, step exactly where the torch backend steps.
+    epoch that ends mid-window, step exactly where the torch backend steps. ``config=None`` starts from
+    :data:`LIGHTNING_DEFAULTS`.
     """
     check_config(config, zero_stage)
-    user = load_config(config)
+    user = copy.deepcopy(LIGHTNING_DEFAULTS) if config is None else load_config(config)
     filled: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulate_grad_batches,

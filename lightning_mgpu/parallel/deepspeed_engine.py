@@ -17,8 +17,10 @@ Checkpoints keep the engine's loss scaler and step counters beside the torch bac
 so an fp16 resume continues the dynamic scale exactly. At teardown :meth:`release` gives the user's module and
 optimizer back as plain torch objects with the trained values (``deepspeed_release``).
 
-The engine config is the user's plus the Trainer's values; unset ZeRO settings keep DeepSpeed's own defaults
-(not Lightning's DeepSpeedStrategy's: a ``ds_config.json`` means here what it means to ``deepspeed.initialize``).
+The engine config is the user's plus the Trainer's values. Without a ``deepspeed_config`` its ZeRO settings are
+those of Lightning's ``DeepSpeedStrategy(stage=N)`` (``overlap_comm``, 2e8-element buckets, ...: the same engine,
+and the same speed); a given config keeps DeepSpeed's own defaults for what it leaves unset, as under
+``DeepSpeedStrategy(config=...)`` (a ``ds_config.json`` means here what it means to ``deepspeed.initialize``).
 
 The CPU path uses DeepSpeed's CPU accelerator and the job's gloo group; on GPUs DeepSpeed picks CUDA and the
 job's NCCL group. The first use on CPU compiles DeepSpeed's ``deepspeed_shm_comm`` op once (~30 s, cached in

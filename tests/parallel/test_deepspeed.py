@@ -584,3 +584,19 @@ def test_config_file_passes_through(tmp_path):
     }
     assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
     assert config["train_batch_size"] == 8 and config["gradient_clipping"] == 0.0
+    assert "zero_allow_untested_optimizer" not in config  # a given config gets none of Lightning's defaults
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_no_config_gets_lightnings_deepspeed_strategy_settings(stage):
+    """Without a deepspeed_config the engine is configured as Lightning's DeepSpeedStrategy(stage=N) configures
+    it (read from Lightning itself, so a change there fails here); an empty config keeps DeepSpeed's defaults."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_mgpu.deepspeed_config import build_config
+
+    lightning = DeepSpeedStrategy(stage=stage).config
+    ours = build_config(None, stage, "32-true", None, None, 1, 4, 2)
+    assert ours["zero_optimization"] == lightning["zero_optimization"]
+    assert ours["zero_allow_untested_optimizer"] == lightning["zero_allow_untested_optimizer"]
+    assert build_config({}, stage, "32-true", None, None, 1, 4, 2)["zero_optimization"] == {"stage": stage}
