@@ -12,16 +12,21 @@ name           what
                the cut points and placement HybridStrategy uses (``plan_split``, ``stage_indices``), with dp > 1
                FSDP2's ``replicate`` on each block and then the stage (what HybridStrategy's ZeRO-0 does under
                pipelining), ``PipelineStage`` + the same torch schedule class with ``loss_fn = cross_entropy / m``
-               (``scale_grads=False``), the loss summed over dp as the module's ``self.log(..., sync_dist=True)``
-               does, then AdamW with the demo's parameter groups, on the batches Lightning trains on
-               (``DistributedSampler(shuffle=True)`` over the dp ranks)
+               (``scale_grads=False``), the step's loss where Lightning shows it (the module's
+               ``self.log(..., sync_dist=True)``: averaged over dp, then sent from the last stage to the pipeline
+               group, whose first rank, global rank 0, holds the progress bar and loggers), then AdamW with the
+               demo's parameter groups, on the batches Lightning trains on (``DistributedSampler(shuffle=True)``
+               over the dp ranks); process groups looked up once before the loop
 =============  ===================================================================================================
 
 The launching, timing and ratio table are the shared harness's (``benchmarks/harness.py``): each configuration runs
-in its own forked gloo processes, ``--repeats`` times, interleaved; a step is timed from ``on_train_batch_start``
-to ``on_train_batch_end`` under Lightning and over ``zero_grad`` + ``schedule.step`` + ``optimizer.step`` by hand
-(wall time: the slowest rank; CPU time: the ranks' mean process CPU time, which does not count waiting for a core
-and so is the steadier measure on a shared machine). The last losses of both are printed: they agree.
+in its own forked gloo processes, ``--repeats`` times, interleaved in ABBA order; a step is timed from
+``on_train_batch_start`` to ``on_train_batch_end`` under Lightning and over ``zero_grad`` + ``schedule.step`` + the
+loss's reporting + ``optimizer.step`` by hand (wall time: the slowest rank; CPU time: the ranks' mean process CPU
+time, which does not count waiting for a core and so is the steadier measure on a shared machine). The last losses
+of both are printed: they agree. ``--profile DIR`` runs every rank's timed steps under cProfile (main-thread CPU
+time) and writes ``DIR/<configuration>-rank<r>.prof`` for ``pstats``: calls and times of ours and by hand side by
+side.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import argparse
 import os
 import re
 import sys
+import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +67,7 @@ def lightning_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict
 
     harness.start_rank(args["verbose"])
     probe = harness.make_step_probe(mem_step=args["steps"], verbose=args["verbose"])
+    callbacks = [probe, _step_profiler(f"{schedule} pp{pp}xdp{dp} lightning", args)] if args.get("profile") else None
     strategy = HybridStrategy(
         pipeline_parallel_size=pp,
         data_parallel_size=dp,
@@ -67,7 +75,38 @@ def lightning_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict
         num_microbatches=args["microbatches"] or 2 * pp,
     )
     module, data = GPTLightningModule(**demo_gpt.gpt_kwargs(args)), demo_gpt.demo_data(args, args["batch_size"] // dp)
-    return harness.fit(probe, module, data, devices=pp * dp, strategy=strategy, max_steps=args["steps"])
+    return harness.fit(probe, module, data, callbacks, devices=pp * dp, strategy=strategy, max_steps=args["steps"])
+
+
+def _profile_path(name: str, args: dict[str, Any]) -> Path:
+    import torch.distributed as dist
+
+    Path(args["profile"]).mkdir(parents=True, exist_ok=True)
+    return Path(args["profile"]) / f"{name.replace(' ', '-')}-rank{dist.get_rank()}.prof"
+
+
+def _step_profiler(name: str, args: dict[str, Any]) -> Any:
+    """With ``--profile DIR``: every rank runs its timed steps (warm-up left out) under cProfile and writes
+    ``DIR/<configuration>-rank<r>.prof`` (of the last repeat), to compare the calls with ``pstats``."""
+    import cProfile
+
+    import lightning as L
+
+    class StepProfiler(L.Callback):
+        def __init__(self) -> None:
+            self.profile = cProfile.Profile(time.thread_time)
+
+        def on_train_batch_start(self, trainer: Any, *rest: Any) -> None:
+            if trainer.global_step >= args["warmup"]:
+                self.profile.enable()
+
+        def on_train_batch_end(self, trainer: Any, *rest: Any) -> None:
+            self.profile.disable()
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.profile.dump_stats(str(_profile_path(name, args)))
+
+    return StepProfiler()
 
 
 def hand_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -103,6 +142,8 @@ class HandStage(nn.Module):
 
 def run_by_hand(schedule: str, m: int, pp: int, dp: int, args: dict[str, Any]) -> dict[str, Any]:
     """Train ``args["steps"]`` steps with torch's ``schedule`` over hand-built stages; the ``LoopTimer`` result."""
+    import cProfile
+
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -110,7 +151,7 @@ def run_by_hand(schedule: str, m: int, pp: int, dp: int, args: dict[str, Any]) -
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     from lightning_mgpu.demo import GPTLightningModule
-    from lightning_mgpu.parallel.pipeline import plan_split, stage_indices, stages_per_rank
+    from lightning_mgpu.parallel.pipeline import plan_split, stage_indices, stage_owner, stages_per_rank
 
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))  # HybridStrategy's order: pp outermost
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
@@ -144,22 +185,31 @@ def run_by_hand(schedule: str, m: int, pp: int, dp: int, args: dict[str, Any]) -
     dm = demo_gpt.demo_data(args, args["batch_size"] // dp)
     dm.setup()
     loader = demo_gpt.lightning_order(dm.train_dataset, args["batch_size"] // dp, replicas=dp, rank=dp_rank)
+    # Looked up once, as a hand-written loop does (slicing the mesh costs ~0.1 ms per step).
+    dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
+    last_stage_rank = dist.get_global_rank(pp_group, stage_owner(schedule, num_stages - 1, pp, per_rank))
     timer, loss = harness.LoopTimer(), float("nan")
+    profile = cProfile.Profile(time.thread_time) if args.get("profile") else None
     for step, (x, y) in enumerate(loader):
         if step == args["steps"]:
             break
         losses: list[torch.Tensor] = []
-        with timer.step():
+        profiled = profile is not None and step >= args["warmup"]
+        with timer.step(), profile if profiled else nullcontext():
             optimizer.zero_grad(set_to_none=True)
             inputs = (x,) if 0 in mine else ()
             targets = {"target": y, "losses": losses} if num_stages - 1 in mine else {}
             pipe.step(*inputs, **targets)
-            if losses:  # what the module's `self.log("train_loss", loss, sync_dist=True)` costs under Lightning
-                reported = torch.stack([loss.detach() for loss in losses]).sum()
-                dist.all_reduce(reported, group=mesh["dp"].get_group())
+            # The loss where Lightning shows it: the module's `self.log("train_loss", loss, sync_dist=True)` is
+            # a mean over dp, logged by global rank 0, which holds the first stage (progress bar, loggers).
+            reported = torch.stack([loss.detach() for loss in losses]).sum() if losses else torch.zeros(())
+            if losses and dp > 1:
+                dist.all_reduce(reported, group=dp_group)
+            dist.broadcast(reported, src=last_stage_rank, group=pp_group)
             optimizer.step()
-        if losses:
-            loss = float(reported) / dp
+        loss = float(reported) / dp
+    if profile is not None:
+        profile.dump_stats(str(_profile_path(f"{schedule} pp{pp}xdp{dp} hand", args)))
     dist.barrier()
     return {**timer.result(), "memory": None, "comm": None, "loss": loss, "rank": dist.get_rank()}
 
@@ -170,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layouts", default="pp2,pp2xdp2", help="comma-separated pp<N>[xdp<M>] (processes: N*M)")
     parser.add_argument("--schedules", default="1F1B", help=f"comma-separated subset of {','.join(SCHEDULES)}")
     parser.add_argument("--microbatches", type=int, default=0, help="per step (default 2*pp)")
-    demo_gpt.add_run_args(parser, batch_help="per pipeline (split over its dp ranks)")
+    parser.add_argument("--profile", default="", help="directory: cProfile of every rank's timed steps per run")
+    demo_gpt.add_run_args(parser, steps=40, warmup=5, batch_help="per pipeline (split over its dp ranks)")
     args = demo_gpt.parse_run_args(parser, argv)
     ns = argparse.Namespace(**args)
     try:
@@ -192,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             jobs[f"{name} lightning"] = (lightning_job, pp * dp, (schedule, pp, dp, args))
             pairs.append((f"{name} lightning", f"{name} hand", TARGET))
     load_before = harness.load_average()
-    runs = harness.run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose)
+    runs = harness.run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose, abba=True)
     results = {name: harness.summarize(done, ns.warmup) for name, done in runs.items()}
     print(
         f"\nGPT n_layer={ns.n_layer} n_embd={ns.n_embd} block={ns.block_size}, batch {ns.batch_size} per pipeline,"
