@@ -106,6 +106,53 @@ def _strategy(kind: str, options: dict[str, Any], devices: int) -> Any:
     return HybridStrategy(data_parallel_size=devices, **options)
 
 
+class _StepProfile:
+    """With ``--profile DIR``: global rank 0's timed steps (warm-up and the probed last step left out) under
+    cProfile, timed in process CPU time (the benchmark's steadier measure), written to ``DIR/<configuration>.prof``
+    (the last repeat's) for ``pstats``."""
+
+    def __init__(self, name: str, args: dict[str, Any]) -> None:
+        import cProfile
+        import time
+
+        self.path = Path(args["profile"]) / f"{name}.prof" if args["profile"] else None
+        self.timed = range(args["warmup"], args["steps"])
+        self.profile = cProfile.Profile(time.process_time)
+
+    def start(self, step: int) -> None:
+        import torch.distributed as dist
+
+        if self.path is not None and step in self.timed and dist.get_rank() == 0:
+            self.profile.enable()
+
+    def stop(self) -> None:
+        self.profile.disable()
+
+    def dump(self) -> None:
+        import torch.distributed as dist
+
+        if self.path is not None and dist.get_rank() == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.profile.dump_stats(str(self.path))
+
+    def callback(self) -> Any:
+        import lightning as L
+
+        profile = self
+
+        class StepProfiler(L.Callback):
+            def on_train_batch_start(self, trainer: Any, *rest: Any) -> None:
+                profile.start(trainer.global_step)
+
+            def on_train_batch_end(self, *rest: Any) -> None:
+                profile.stop()
+
+            def on_train_end(self, *rest: Any) -> None:
+                profile.dump()
+
+        return StepProfiler()
+
+
 def trainer_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     """One Trainer fit of configuration ``name`` in this rank."""
     kind, options, _, _ = CONFIGS[name]
@@ -116,6 +163,7 @@ def trainer_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
         probe,
         _module(kind, args),
         demo_gpt.demo_data(args),
+        [probe, _StepProfile(name, args).callback()],
         devices=args["devices"],
         strategy=strategy,
         max_steps=args["steps"] + 1,
@@ -145,8 +193,9 @@ def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     data = demo_gpt.demo_data(args)
     data.setup()
     profile = harness.profiled_collectives(dist.get_world_size(), args["verbose"])
-    timer, memory, loss = harness.LoopTimer(), None, torch.zeros(())
+    timer, memory, loss, cprofile = harness.LoopTimer(), None, torch.zeros(()), _StepProfile(name, args)
     for step, batch in zip(range(args["steps"] + 1), demo_gpt.lightning_order(data.train_dataset, args["batch_size"])):
+        cprofile.start(step)
         with timer.step(probe=profile if step == args["steps"] else None):
             loss = module._loss(batch)
             reported = loss.detach().clone()
@@ -157,6 +206,8 @@ def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
             if step == args["mem_step"]:
                 memory = _deepspeed_memory(engine, optimizer)
             engine.step()
+        cprofile.stop()
+    cprofile.dump()
     return {**timer.result(), "memory": memory, "comm": profile.result, "loss": float(loss)}
 
 
@@ -235,6 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     demo_gpt.add_run_args(parser)
     parser.add_argument("--mem-step", type=int, default=2)
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(CONFIGS)}")
+    parser.add_argument("--profile", default="", help="directory: cProfile of rank 0's timed steps per configuration")
     args = demo_gpt.parse_run_args(parser, argv)
     names = demo_gpt.select(parser, args["only"], CONFIGS)
     demo_gpt.preload()

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from lightning_mgpu._compat.dtensor import is_strided_shard
 from lightning_mgpu._compat.fsdp import is_ddp_replicated, replicate_ddp, replicate_with_fsdp
 from lightning_mgpu.parallel.blocks import find_blocks
+from lightning_mgpu.parallel.local_step import fused_on_cpu
 
 if TYPE_CHECKING:
     from lightning_mgpu.patches import PatchLog
@@ -227,7 +228,8 @@ class OptimizerStateSharding:
         for param, owner in self.owned_by.items():
             if owner != self._rank:
                 param.grad = None
-        self._unwrapped_step()
+        with fused_on_cpu(self.optimizer):
+            self._unwrapped_step()
         self._broadcast_updates()
         return loss
 

@@ -1,4 +1,5 @@
-"""Optimizer steps on local shards: bit-identical to the DTensor step, state left as DTensors, undone by remove."""
+"""Optimizer steps on local shards: bit-identical to the DTensor step (fused where the local step fuses), state left
+as DTensors, undone by remove."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def _sharded_model(mesh):
     return model
 
 
-def _train(make_optimizer, local: bool, steps: int = 3, replicated_grad: bool = False):
+def _train(make_optimizer, local: bool, steps: int = 3, replicated_grad: bool = False, fused: bool = False):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
@@ -36,7 +37,11 @@ def _train(make_optimizer, local: bool, steps: int = 3, replicated_grad: bool = 
         if replicated_grad:  # a gradient laid out unlike its parameter: the step must stay on the DTensors
             weight = model[0].weight
             weight.grad = weight.grad.redistribute(placements=[Replicate()])
+        for group in optimizer.param_groups if fused else ():  # what the local step runs for classes left to choose
+            group["fused"] = True
         optimizer.step()
+        for group in optimizer.param_groups if fused else ():
+            group["fused"] = None
     state = {
         (i, key): (type(value).__name__, getattr(value, "placements", None), _local(value).clone())
         for i, p in enumerate(model.parameters())
@@ -56,8 +61,8 @@ def _local(value):
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _compare(make_optimizer, replicated_grad: bool = False):
-    reference = _train(make_optimizer, local=False, replicated_grad=replicated_grad)
+def _compare(make_optimizer, replicated_grad: bool = False, fused: bool = False):
+    reference = _train(make_optimizer, local=False, replicated_grad=replicated_grad, fused=fused)
     local = _train(make_optimizer, local=True, replicated_grad=replicated_grad)
     for a, b in zip(reference[0], local[0]):
         assert torch.equal(a, b)
@@ -73,8 +78,10 @@ def _job():
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
-    _compare(lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1))
-    _compare(lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True))
+    # foreach/fused left unset: on CPU the local step runs torch's fused kernel (the DTensor reference too, to compare)
+    _compare(lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), fused=True)
+    _compare(lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True))  # not fused
+    _compare(lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=False))  # the user's choice: not fused
     _compare(lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True, foreach=True))
     _compare(lambda params: torch.optim.AdamW(params, lr=1e-2), replicated_grad=True)
     mesh_params = list(_sharded_model(init_device_mesh("cpu", (2,))).parameters())
