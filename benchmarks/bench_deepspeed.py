@@ -22,7 +22,8 @@ on a loaded machine the CPU-time ratio is the steadier one. Step time runs from 
 ``deepspeed_engine.memory_per_rank`` for both DeepSpeed runs and the harness's probe for the torch backend, and
 printed in bytes per parameter beside the ZeRO formulas. The ZeRO settings in which our engines' configs and
 Lightning's differ are printed last (``dsN``: none). ``python benchmarks/bench_deepspeed.py [--stages 1,2,3]
-[--repeats 4] [--profile DIR]`` (``--profile``: rank 0's timed steps under cProfile, one ``.prof`` per configuration).
+[--repeats 4] [--profile DIR]`` (``--profile``: rank 0's timed steps under cProfile, one ``.prof`` per configuration,
+timed in the main thread's CPU time, which a shared machine's load does not stretch).
 """
 
 from __future__ import annotations
@@ -99,14 +100,16 @@ def _memory_probe(mem_step: int) -> Any:
 
 def _step_profiler(name: str, args: dict[str, Any]) -> Any:
     """With ``--profile DIR``: global rank 0 runs the timed steps (warm-up left out) under cProfile and writes
-    ``DIR/<configuration>.prof`` (of the last repeat), to compare the configurations' calls with ``pstats``."""
+    ``DIR/<configuration>.prof`` (of the last repeat), to compare the configurations' calls with ``pstats``. Times
+    are the main thread's CPU time (waits on the other rank count nothing), steady under a shared machine's load."""
     import cProfile
+    import time
 
     import lightning as L
 
     class StepProfiler(L.Callback):
         def __init__(self) -> None:
-            self.profile = cProfile.Profile()
+            self.profile = cProfile.Profile(time.thread_time)
 
         def on_train_batch_start(self, trainer: Any, *rest: Any) -> None:
             if trainer.global_rank == 0 and trainer.global_step >= args["warmup"]:
