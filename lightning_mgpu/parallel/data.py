@@ -164,7 +164,9 @@ def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
 class OptimizerStateSharding:
     """ZeRO stage 1: each data-parallel rank keeps optimizer states for, and updates, only the parameters it owns.
 
-    Ownership is balanced greedily by element count. The optimizer's ``step`` is wrapped: it first runs the closure
+    Each rank owns a consecutive run of the parameters in the roots' order (DDP's bucket order, reversed), about
+    1/dp of the elements: a gradient bucket then holds one contiguous segment per owner, reduced in place. The
+    optimizer's ``step`` is wrapped: it first runs the closure
     (Lightning's forward, backward and gradient clipping, which see every gradient), then drops the gradients of
     parameters owned elsewhere, so torch optimizers neither create state for nor update them, steps, and finally
     every owner broadcasts its updated parameters in one flattened message. ``param_groups`` stay untouched, so LR
@@ -192,6 +194,8 @@ class OptimizerStateSharding:
         self._global_ranks = dist.get_process_group_ranks(self._group)
         local = set(local)
         params = [p for group in optimizer.param_groups for p in group["params"] if p not in local]
+        order = {p: i for i, p in enumerate(p for root in roots for p in root.parameters())}
+        params.sort(key=lambda p: order.get(p, len(order)))  # stable: the optimizer's order otherwise
         self.owned_by = _balance(params, dp_mesh.size())
         self._unwrapped_step = optimizer.step
         optimizer.step = self._step  # type: ignore[method-assign]
@@ -259,32 +263,45 @@ class _OwnerReduce:
 
 
 def _reduce_to_owners(state, bucket):  # type: ignore[no-untyped-def]  # untyped: DDP checks the hook's annotations
-    """DDP communication hook: one reduce per owner of the bucket's gradients (all-reduce for unowned ones)."""
-    buffer = bucket.buffer().div_(state.world)
-    segments: dict[int | None, list[torch.Tensor]] = {}
-    offset = 0
-    for param in bucket.parameters():
-        segments.setdefault(state.owner.get(param), []).append(buffer[offset : offset + param.numel()])
-        offset += param.numel()
+    """DDP communication hook: one reduce per owner of the bucket's gradients (all-reduce for unowned ones), on the
+    bucket's own memory where an owner's gradients lie side by side; only the owner averages its part."""
+    buffer = bucket.buffer()
     futures, mine = [], []
     me = dist.get_rank()
-    for owner, views in segments.items():
+    for owner, spans in _owner_spans(bucket.parameters(), state.owner).items():
+        views = [buffer[start:end] for start, end in spans]
         flat = views[0] if len(views) == 1 else torch.cat(views)
         if owner is None:
             work = dist.all_reduce(flat, group=state.group, async_op=True)
         else:
             work = dist.reduce(flat, dst=owner, group=state.group, async_op=True)
         futures.append(work.get_future())
-        if len(views) > 1 and owner in (None, me):
+        if owner in (None, me):
             mine.append((flat, views))
 
     def unpack(_: Any) -> torch.Tensor:
         for flat, views in mine:
-            for view, value in zip(views, _unflatten(flat, views)):
-                view.copy_(value)
+            flat.div_(state.world)
+            if len(views) > 1:
+                for view, value in zip(views, _unflatten(flat, views)):
+                    view.copy_(value)
         return buffer
 
     return torch.futures.collect_all(futures).then(unpack)
+
+
+def _owner_spans(params: list[torch.Tensor], owner: dict[torch.Tensor, int]) -> dict[int | None, list[list[int]]]:
+    """``{owner: [[start, end], ...]}``: each owner's runs of consecutive elements in a bucket of ``params``."""
+    spans: dict[int | None, list[list[int]]] = {}
+    offset = 0
+    for param in params:
+        runs = spans.setdefault(owner.get(param), [])
+        if runs and runs[-1][1] == offset:
+            runs[-1][1] += param.numel()
+        else:
+            runs.append([offset, offset + param.numel()])
+        offset += param.numel()
+    return spans
 
 
 def _owner_reduce_of(root: nn.Module) -> _OwnerReduce | None:
@@ -301,15 +318,15 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 def _balance(params: list[torch.Tensor], num_ranks: int) -> dict[torch.Tensor, int]:
-    """Assign each parameter to the currently lightest rank, largest first (ZeroRedundancyOptimizer's rule)."""
-    load = [0] * num_ranks
+    """Consecutive runs of ``params`` (in their order), one per rank, of about equal element counts: a tensor goes to
+    the rank whose share holds its middle element, so a rank holds its share give or take the largest tensor."""
+    total = max(1, sum(p.numel() for p in params))
     owner: dict[torch.Tensor, int] = {}
-    for param in sorted(params, key=lambda p: -p.numel()):
-        rank = min(range(num_ranks), key=load.__getitem__)
-        owner[param] = rank
-        load[rank] += param.numel()
-    # Keep the optimizer's own order so broadcasts and state are deterministic across ranks.
-    return {p: owner[p] for p in params}
+    done = 0
+    for param in params:
+        owner[param] = min(num_ranks - 1, (2 * done + param.numel()) * num_ranks // (2 * total))
+        done += param.numel()
+    return owner
 
 
 def reduce_metrics_over(module: torch.nn.Module, group: Any, patches: PatchLog | None = None) -> None:
