@@ -8,12 +8,13 @@ mean of the microbatch losses, and the gradients, equal to the whole batch's.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lightning_mgpu._compat.tensors import tree_leaves, tree_map
+from lightning_mgpu._compat.tensors import tree_flatten, tree_leaves
 from lightning_mgpu.parallel.pipeline import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 
 # Schedules that run any number of microbatches, one per stage placement: a batch that the chosen schedule cannot
@@ -42,6 +43,7 @@ class MicrobatchPlan:
     schedule: str
 
 
+@functools.lru_cache(maxsize=64)  # asked every step, with the same few batch sizes
 def plan_microbatches(schedule: str, requested: int, batch_size: int, pp_size: int, num_stages: int) -> MicrobatchPlan:
     """How to cut a batch of ``batch_size`` samples: into ``requested`` equal microbatches when it divides.
 
@@ -65,7 +67,11 @@ def plan_microbatches(schedule: str, requested: int, batch_size: int, pp_size: i
 
 def batch_size_of(batch: Any) -> int:
     """The number of samples in ``batch``: the shared dim 0 of its tensors."""
-    sizes = {t.shape[0] for t in tensor_leaves(batch) if t.dim() > 0}
+    return _batch_size(tree_leaves(batch))
+
+
+def _batch_size(leaves: list[Any]) -> int:
+    sizes = {t.shape[0] for t in leaves if torch.is_tensor(t) and t.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(
             "Pipeline microbatching cuts every tensor of a batch along dim 0, so they must share it; found sizes"
@@ -76,15 +82,18 @@ def batch_size_of(batch: Any) -> int:
 
 def split_microbatches(batch: Any, count: int) -> list[Any]:
     """Cut every tensor of ``batch`` into ``count`` equal chunks along dim 0; other leaves are shared."""
-    size = batch_size_of(batch)
+    leaves, spec = tree_flatten(batch)
+    size = _batch_size(leaves)
     if size % count:
         valid = [m for m in range(1, size + 1) if size % m == 0]
         raise ValueError(
             f"The per-data-parallel-rank batch of {size} samples does not split into num_microbatches={count}"
             f" equal microbatches. Use a num_microbatches in {valid}, or a batch size divisible by {count}."
         )
+    chunks = [t.chunk(count) if torch.is_tensor(t) and t.dim() else None for t in leaves]  # each tensor cut once
     return [
-        tree_map(lambda t, k=k: t.chunk(count)[k] if torch.is_tensor(t) and t.dim() else t, batch) for k in range(count)
+        spec.unflatten([leaf if parts is None else parts[k] for leaf, parts in zip(leaves, chunks)])
+        for k in range(count)
     ]
 
 

@@ -244,13 +244,14 @@ class _Placeholder(nn.Module):
         device = tensors[0].device if tensors else None
         autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)) if device else None
         key = (tuple((tuple(t.shape), t.dtype) for t in tensors), autocast)
-        if key not in self._outputs:
+        output = self._outputs.get(key)
+        if output is None:
             to_meta = lambda t: t.to("meta") if torch.is_tensor(t) else t
-            self._outputs[key] = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-        return tree_map(
-            lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if torch.is_tensor(t) else t,
-            self._outputs[key],
-        )
+            output = self._outputs[key] = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        if torch.is_tensor(output):  # an embedding's output: no tree walk (this runs on every microbatch)
+            return torch.zeros(output.shape, dtype=output.dtype, device=device)
+        zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if torch.is_tensor(t) else t
+        return tree_map(zeros, output)
 
 
 class _Unreachable(nn.Module):

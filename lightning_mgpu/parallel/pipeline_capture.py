@@ -59,34 +59,30 @@ class StepCapture:
 
     def capture(self, step: Callable[[], Any]) -> NetworkCall:
         """The network call ``step()`` makes; the step stops there and logs nothing."""
+        return self.capture_all([step])[0]
+
+    def capture_all(self, steps: list[Callable[[], Any]]) -> list[NetworkCall]:
+        """The network call of each of ``steps`` (one per microbatch), with logging muted once for all."""
         self._phase = _Phase.CAPTURE
         try:
             with muted_logging(self.module, None):
-                step()
-        except _NetworkCalled as called:
-            return called.call
+                return [_network_call(step) for step in steps]
         finally:
             self._phase = _Phase.IDLE
-        raise RuntimeError(
-            "With pipeline_parallel_size > 1 the step must call the network (`self(x)` or the submodule holding the"
-            " blocks, e.g. `self.model(...)`), but it returned without doing so."
-        )
 
     def replay(self, call: NetworkCall, output: Any, step: Callable[[], Any], logs: StepLogs) -> Any:
         """``step()``'s result with ``call``'s module returning ``output``; its logs go into ``logs``."""
-        had_instance_forward = "forward" in vars(call.module)
-        original = call.module.forward
-        call.module.forward = lambda *a, **k: output
+        module = call.module
+        saved = vars(module).get("forward", _ABSENT)
+        # Plain instance attributes (what nn.Module.__setattr__ ends in for a function): once per microbatch.
+        object.__setattr__(module, "forward", lambda *a, **k: output)
         self._phase, self._network_calls = _Phase.REPLAY, 0
         try:
             with muted_logging(self.module, logs):
                 return step()
         finally:
             self._phase = _Phase.IDLE
-            if had_instance_forward:
-                call.module.forward = original
-            else:
-                del call.module.forward
+            _restore(module, "forward", saved)
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -94,26 +90,50 @@ class StepCapture:
         self._hooks = []
 
 
+def _network_call(step: Callable[[], Any]) -> NetworkCall:
+    try:
+        step()
+    except _NetworkCalled as called:
+        return called.call
+    raise RuntimeError(
+        "With pipeline_parallel_size > 1 the step must call the network (`self(x)` or the submodule holding the"
+        " blocks, e.g. `self.model(...)`), but it returned without doing so."
+    )
+
+
+_ABSENT = object()
+
+
+def _restore(module: nn.Module, name: str, saved: Any) -> None:
+    """Put back the instance attribute ``name`` as it was (``_ABSENT``: there was none)."""
+    if saved is _ABSENT:
+        object.__delattr__(module, name)
+    else:
+        object.__setattr__(module, name, saved)
+
+
 @contextmanager
 def muted_logging(module: nn.Module, record: StepLogs | None) -> Generator[None, None, None]:
     """Route ``self.log``/``self.log_dict`` into ``record`` (or nowhere) inside the block; put them back after."""
-    from torchmetrics import MetricCollection
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if record is not None:
             record.record(name, value, kwargs)
 
     def log_dict(dictionary: Any, *args: Any, **kwargs: Any) -> None:
+        from torchmetrics import MetricCollection
+
         if isinstance(dictionary, MetricCollection):  # as Lightning: its metrics, under their collection names
             dictionary = dict(dictionary.items(keep_base=False, copy_state=False))
         for name, value in dictionary.items():
             log(name, value, **kwargs)
 
-    saved = {name: vars(module)[name] for name in ("log", "log_dict") if name in vars(module)}
-    module.log, module.log_dict = log, log_dict  # type: ignore[assignment]  # a LightningModule's
+    attributes = vars(module)
+    saved = {name: attributes.get(name, _ABSENT) for name in ("log", "log_dict")}
+    object.__setattr__(module, "log", log)
+    object.__setattr__(module, "log_dict", log_dict)
     try:
         yield
     finally:
-        del module.log, module.log_dict
         for name, value in saved.items():
-            setattr(module, name, value)
+            _restore(module, name, value)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_mgpu._compat.pipelining import (
     forward_hook_functions,
@@ -74,8 +75,6 @@ class StepLogs:
 def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
     if not torch.is_tensor(value):
         return torch.tensor(float(value), dtype=torch.float64, device=device)
-    from torch.distributed.tensor import DTensor
-
     if isinstance(value, DTensor):
         value = value.full_tensor()
     return value.detach().reshape(()).to(device=device, dtype=torch.float64)

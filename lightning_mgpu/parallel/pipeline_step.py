@@ -102,6 +102,7 @@ class PipelineEngine:
     def training_step(self, batch: Any, batch_idx: int, *, accumulate_grad_batches: int) -> torch.Tensor:
         """Forward *and* backward of the step (the schedule interleaves them); Lightning's backward is skipped."""
         if batch_idx % accumulate_grad_batches == 0:
+            # Looked up every step: FSDP2 registers its unsharded or sharded Parameters by turns.
             for param in self.module.parameters():
                 param.grad = None
         # Lightning zeroes gradients after `training_step` returns, expecting backward to follow: skip that once.
@@ -173,7 +174,7 @@ class PipelineEngine:
 
     def _start(self, microbatches: list[Any], method: str, *args: Any) -> None:
         step = getattr(self.module, method)
-        self.runtime.start_step([self.capture.capture(functools.partial(step, mb, *args)) for mb in microbatches])
+        self.runtime.start_step(self.capture.capture_all([functools.partial(step, mb, *args) for mb in microbatches]))
 
     def _stage_inputs(self, count: int) -> tuple:
         # A placeholder the schedule splits into one row per microbatch; stage 0 counts its microbatches itself.

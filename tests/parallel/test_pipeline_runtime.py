@@ -33,8 +33,21 @@ def test_unsplit_and_remove_give_the_user_module_back():
         assert {name: vars(m).get("forward") for name, m in module.named_modules()} == forwards
         torch.testing.assert_close(module(x), expected, rtol=0, atol=0)
     capture = StepCapture(module, [module, module.model.transformer])
-    call = capture.capture(lambda: module.training_step((x, x), 0))
-    assert call.module is module and torch.equal(call.args[0], x)
+    calls = capture.capture_all([lambda k=k: module.training_step((x[k : k + 1], x), 0) for k in range(2)])
+    assert [c.module for c in calls] == [module, module] and torch.equal(calls[1].args[0], x[1:])
+    assert "log" not in vars(module) and "log_dict" not in vars(module)
+    # Replay: the step's network call returns the given output, its logs are recorded; the user's own instance
+    # attributes (a `log` set on the instance, no instance `forward`) are as they were after.
+    from lightning_mgpu.parallel.pipeline_publish import StepLogs
+
+    module.log = own_log = lambda *args, **kwargs: None
+    logs = StepLogs()
+    logits = torch.zeros(2, 16, 64)
+    loss = capture.replay(calls[0], logits, lambda: module.training_step((x, x), 0), logs)
+    torch.testing.assert_close(loss, torch.tensor(64.0).log())  # uniform logits over 64 tokens
+    assert [name for name, _, _ in logs.values] == ["train_loss"]
+    assert vars(module)["log"] is own_log and "forward" not in vars(module) and "log_dict" not in vars(module)
+    del module.log
     capture.remove()
     assert not any(m._forward_pre_hooks for m in module.modules())
     assert "log" not in vars(module) and "log_dict" not in vars(module)
