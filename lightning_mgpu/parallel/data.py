@@ -197,6 +197,7 @@ class OptimizerStateSharding:
         order = {p: i for i, p in enumerate(p for root in roots for p in root.parameters())}
         params.sort(key=lambda p: order.get(p, len(order)))  # stable: the optimizer's order otherwise
         self.owned_by = _balance(params, dp_mesh.size())
+        self._by_owner = [[p for p, o in self.owned_by.items() if o == owner] for owner in range(dp_mesh.size())]
         self._unwrapped_step = optimizer.step
         optimizer.step = self._step  # type: ignore[method-assign]
         # DDP roots reduce each gradient to its owner only; the clip then sums the owners' norms over the group.
@@ -229,8 +230,8 @@ class OptimizerStateSharding:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for param, owner in self.owned_by.items():
-            if owner != self._rank:
+        for owner, params in enumerate(self._by_owner):
+            for param in params if owner != self._rank else ():
                 param.grad = None
         with fused_on_cpu(self.optimizer):
             self._unwrapped_step()
@@ -239,15 +240,14 @@ class OptimizerStateSharding:
 
     @torch.no_grad()
     def _broadcast_updates(self) -> None:
-        for owner, global_rank in enumerate(self._global_ranks):
-            tensors = [_local(p) for p, o in self.owned_by.items() if o == owner]
-            if not tensors:
+        for owner, (global_rank, params) in enumerate(zip(self._global_ranks, self._by_owner)):
+            if not params:
                 continue
+            tensors = [_local(p) for p in params]
             flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
             dist.broadcast(flat, src=global_rank, group=self._group)
             if owner != self._rank:
-                for tensor, update in zip(tensors, _unflatten(flat, tensors)):
-                    tensor.copy_(update)
+                torch._foreach_copy_(tensors, _unflatten(flat, tensors))
 
 
 class _OwnerReduce:

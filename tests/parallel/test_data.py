@@ -190,3 +190,22 @@ def test_parameters_without_gradients_train_like_one_process(zero_stage):
     single = _unused_single[0]
     result, _ = fit(_GPTWithUnusedLayer, lambda: data(GLOBAL_BATCH // dp), {"zero_stage": zero_stage}, dp, 4)
     assert_same_training(single, result)
+
+
+def test_zero1_owners_hold_consecutive_runs_of_about_equal_size():
+    """Each rank owns one run of consecutive parameters, its share give or take the largest tensor, so that a DDP
+    bucket (the parameters in reverse order) holds one segment per owner: reduced in place, without copies."""
+    from lightning_mgpu.parallel.data import _balance, _owner_spans
+
+    params = [torch.empty(n) for n in (7, 300, 5, 120, 64, 64, 1, 250, 3)]
+    total, largest = sum(p.numel() for p in params), max(p.numel() for p in params)
+    for dp in (2, 3, 4):
+        owner = _balance(params, dp)
+        ranks = [owner[p] for p in params]
+        assert ranks == sorted(ranks), (dp, ranks)
+        for rank in range(dp):
+            held = sum(p.numel() for p in params if owner[p] == rank)
+            assert abs(held - total / dp) <= largest, (dp, rank, held)
+        spans = _owner_spans(params[::-1], owner)
+        assert sorted(spans) == sorted(set(ranks)) and all(len(runs) == 1 for runs in spans.values()), spans
+        assert sum(end - start for runs in spans.values() for start, end in runs) == total
