@@ -111,55 +111,64 @@ class ShardLocalStep:
         return loss
 
     def _step_locally(self) -> None:
-        locals_ = _local_parameters(self.optimizer)
-        if not locals_:
+        found = _local_parameters(self.optimizer)
+        if found is None:
             self._unwrapped_step()
             return
+        swapped, local_groups = found
         groups = self.optimizer.param_groups
         saved_params = [group["params"] for group in groups]
         state = self.optimizer.state
-        saved_states = {param: state.pop(param) for param in locals_ if param in state}
+        befores = [state.pop(param, None) for param, _, _ in swapped]
         try:
-            for param, (local, grad) in locals_.items():
+            for (_, local, grad), before in zip(swapped, befores):
                 local.grad = grad
-                if param in saved_states:
-                    state[local] = {key: _to_local(value) for key, value in saved_states[param].items()}
-            for group in groups:
-                group["params"] = [locals_[p][0] if p in locals_ else p for p in group["params"]]
+                if before is not None:
+                    state[local] = {key: _to_local(value) for key, value in before.items()}
+            for group, params in zip(groups, local_groups):
+                group["params"] = params
             with fused_on_cpu(self.optimizer):
                 self._unwrapped_step()
         finally:
             for group, params in zip(groups, saved_params):
                 group["params"] = params
-            for param, (local, _) in locals_.items():
+            for (param, local, _), before in zip(swapped, befores):
                 local.grad = None
                 stepped = state.pop(local, None)
-                before = saved_states.get(param, {})
                 if stepped is not None:
-                    before = {key: _as_dtensor_like(value, before.get(key), param) for key, value in stepped.items()}
+                    old = before or {}
+                    before = {key: _as_dtensor_like(value, old.get(key), param) for key, value in stepped.items()}
                 if before:
                     state[param] = before
 
 
-def _local_parameters(optimizer: Optimizer) -> dict[DTensor, tuple[torch.Tensor, torch.Tensor | None]]:
-    """``{DTensor parameter: (its local tensor, its gradient's local tensor)}``, or ``{}`` if this step must run on
-    the DTensors (no DTensor parameter, or a gradient not laid out like its parameter)."""
-    out: dict[DTensor, tuple[torch.Tensor, torch.Tensor | None]] = {}
+_Swapped = list[tuple[DTensor, torch.Tensor, "torch.Tensor | None"]]
+
+
+def _local_parameters(optimizer: Optimizer) -> tuple[_Swapped, list[list[torch.Tensor]]] | None:
+    """``[(DTensor parameter, its local tensor, its gradient's local tensor)]`` and every group's parameters with the
+    local tensors in their place; ``None`` if this step must run on the DTensors (no DTensor parameter, or a
+    gradient not laid out like its parameter). Lists, not tensor-keyed dicts: ``Tensor.__hash__`` is Python."""
+    swapped: _Swapped = []
+    local_groups = []
     for group in optimizer.param_groups:
+        params = []
         for param in group["params"]:
-            if not isinstance(param, DTensor):
-                continue
-            if param.dim() == 0:
-                return {}  # its state would be 0-dim too, indistinguishable from a step count: keep DTensor's step
-            grad = param.grad
-            if grad is not None and not (
-                isinstance(grad, DTensor)
-                and grad.placements == param.placements
-                and grad.device_mesh == param.device_mesh
-            ):
-                return {}
-            out[param] = (param.to_local(), None if grad is None else grad.to_local())
-    return out
+            if isinstance(param, DTensor):
+                if param.dim() == 0:
+                    return None  # its state would be 0-dim too, indistinguishable from a step count: DTensor's step
+                grad = param.grad
+                if grad is not None and not (
+                    isinstance(grad, DTensor)
+                    and grad.placements == param.placements
+                    and grad.device_mesh == param.device_mesh
+                ):
+                    return None
+                swapped.append((param, param.to_local(), None if grad is None else grad.to_local()))
+                param = swapped[-1][1]
+            params.append(param)
+        local_groups.append(params)
+    return (swapped, local_groups) if swapped else None
 
 
 def _to_local(value: Any) -> Any:
