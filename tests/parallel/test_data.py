@@ -164,7 +164,7 @@ def test_communication_per_step_is_the_analytic_minimum(zero_stage, gathers):
     for rank in extras:
         # From step 3: DDP broadcasts its rebuilt bucket layout once, in step 2.
         counted = rank["bytes_per_batch"]
-        assert counted[2:] == [expected] * (COUNTED - 2), (zero_stage, counted, expected)
+        assert counted[2:] == [expected] * (COUNTED - 2), (zero_stage, counted, expected, rank["per_batch"])
     if gathers is not None:
         per_batch = [b.get("AG", 0) for b in extras[0]["per_batch"]]
         assert per_batch == [gathers(len(blocks))] * COUNTED, per_batch
