@@ -213,9 +213,9 @@ def handle_rank_failure(
     if not isinstance(exception, Exception) or isinstance(exception, RankFailedError) or world_size == 1:
         return  # SystemExit, the fork launcher's report reaching its parent, or no other rank
     if threading.current_thread() is threading.main_thread():
-        # A launcher's SIGTERM now just ends this rank: Lightning's handler would run a collective with the failed
-        # rank. Lightning's teardown, which follows, puts back the handlers from before `fit`.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # A launcher's SIGTERM now ends this rank (after its lines): Lightning's handler would run a collective with
+        # the failed rank. Lightning's teardown, which follows, puts back the handlers from before `fit`.
+        signal.signal(signal.SIGTERM, _say_then_end)
     launched = os.environ.get(FAILURE_DIR_ENV)
     directory = launched or _external_failure_dir()
     record, written = record_failure(exception, rank, directory)
@@ -227,6 +227,22 @@ def handle_rank_failure(
         _install_excepthook(
             exception, lambda: _print_own_failure(record, world_size, mesh_shape, directory if written else None)
         )
+
+
+def _say_then_end(signum: int, frame: object) -> None:
+    """SIGTERM after a failure: print now what the excepthook would print at exit, then end as SIGTERM does.
+
+    torchrun stops the survivors as soon as one rank has exited, often while they are still in Lightning's teardown:
+    with the default action they would end without their line naming the failed rank.
+    """
+    global _hook_target
+    target, _hook_target = _hook_target, None
+    try:
+        if target is not None:
+            target[2]()
+    finally:  # even if printing failed (e.g. interrupted inside a write to stderr): the signal still ends the rank
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _print_own_failure(

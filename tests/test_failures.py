@@ -35,6 +35,7 @@ SCRIPT = """
 import os, signal, time
 from datetime import timedelta
 import lightning as L, torch
+from lightning.pytorch.loggers import CSVLogger
 from lightning_mgpu import HybridStrategy
 
 FAIL_RANK, MODE = os.environ["FAIL_RANK"], os.environ["FAIL_MODE"]
@@ -56,9 +57,16 @@ class Model(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
+# Rank 0's logger takes seconds to finish after a failure (a flush, an upload): its launcher may stop it meanwhile.
+class SlowToFinish(CSVLogger):
+    def finalize(self, status):
+        super().finalize(status)
+        if status == "failed" and os.environ.get("RANK") == "0":
+            time.sleep(3)
+
 if __name__ == "__main__":
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=6, logger=False,
+        accelerator="cpu", devices=2, max_steps=6, logger=SlowToFinish(".") if os.environ.get("SLOW_FINISH") else False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         strategy=HybridStrategy(start_method=os.environ["START"], timeout=timedelta(seconds=60)),
     )
@@ -218,7 +226,9 @@ def test_torchrun_worker_raises(tmp_path):
         str(free_port()),
         "train.py",
     ]
-    run = _run(tmp_path, command, START="auto", FAIL_RANK="1", FAIL_MODE="raise")
+    # The survivor is slow to finish after the failure, so torchrun's SIGTERM (sent as soon as rank 1 has exited)
+    # usually reaches it before it has said why it stopped: it must say so all the same.
+    run = _run(tmp_path, command, START="auto", FAIL_RANK="1", FAIL_MODE="raise", SLOW_FINISH="1")
     _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) failed: ValueError: boom")
     # The survivor says in one line why it stopped; torchrun's summary names rank 1 with our traceback (the once).
     assert "lightning-mgpu: rank 0 of 2 (pp 0, dp 0, tp 0) stopped: rank 1 failed: ValueError: boom" in run.stderr
