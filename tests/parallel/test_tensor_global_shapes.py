@@ -8,14 +8,16 @@ with the global shapes (``lightning_mgpu/parallel/tensor_region.py``), and nothi
 
 from __future__ import annotations
 
+import functools
 import re
 from functools import partial
 
 import pytest
 import torch
 
+from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.distributed import run_distributed
-from tests.helpers.equivalence import assert_same_training, fit
+from tests.helpers.equivalence import assert_same_training
 from tests.helpers.litgpt import LitGPTModule
 from tests.helpers.modules import RandomTokenDataModule
 from tests.helpers.nanogpt import NanoGPTModule
@@ -39,15 +41,6 @@ def _nanogpt_without_flash() -> NanoGPTModule:
         size = module.model.config.block_size
         attention.register_buffer("bias", torch.tril(torch.ones(size, size)).view(1, 1, size, size))
     return module
-
-
-_references: dict = {}
-
-
-def _reference(factory):
-    if factory not in _references:
-        _references[factory], _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
-    return _references[factory]
 
 
 CASES = [  # (name, module factory, devices, dp, strategy arguments)
@@ -86,8 +79,8 @@ CASES = [  # (name, module factory, devices, dp, strategy arguments)
 
 @pytest.mark.parametrize(("name", "factory", "devices", "dp", "strategy"), CASES, ids=[c[0] for c in CASES])
 def test_global_shape_code_trains_like_one_process(name, factory, devices, dp, strategy):
-    result, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH // dp), strategy, devices, STEPS)
-    assert_same_training(_reference(factory), result, weight_atol=TP_WEIGHT_ATOL)
+    trained, _ = result(_trained()[name])
+    assert_same_training(result(_references()[_REFERENCE_OF[factory]]), trained, weight_atol=TP_WEIGHT_ATOL)
 
 
 def _spawned_checks():
@@ -221,19 +214,45 @@ def test_fused_grouped_query_attention_fails_before_training(spawned):
     assert "{'model.transformer.h.*.attn.qkv': 'replicate', 'model.transformer.h.*.attn.proj': 'replicate'}" in message
 
 
+_LITGPT_GQA = partial(LitGPTModule, n_query_groups=2)
+_GQA_KEPT_WHOLE = {  # the way out the fused grouped-query error names: attention replicated, MLP sharded
+    "model.transformer.h.*.attn.qkv": "replicate",
+    "model.transformer.h.*.attn.proj": "replicate",
+    "model.transformer.h.*.mlp.fc_1": "colwise",
+    "model.transformer.h.*.mlp.fc_2": "colwise",
+    "model.transformer.h.*.mlp.proj": "rowwise",
+}
+
+
 def test_fused_grouped_query_attention_kept_whole_trains_like_one_process():
     """The way out the error names: attention replicated, MLP sharded (with global shapes too)."""
-    factory = partial(LitGPTModule, n_query_groups=2)
-    plan = {
-        "model.transformer.h.*.attn.qkv": "replicate",
-        "model.transformer.h.*.attn.proj": "replicate",
-        "model.transformer.h.*.mlp.fc_1": "colwise",
-        "model.transformer.h.*.mlp.fc_2": "colwise",
-        "model.transformer.h.*.mlp.proj": "rowwise",
-    }
-    reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
-    result, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": plan}, 2, STEPS)
-    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
+    trained, _ = result(_trained()["litgpt-gqa-kept-whole-tp2"])
+    assert_same_training(result(_references()["litgpt-gqa"]), trained, weight_atol=TP_WEIGHT_ATOL)
+
+
+# ------------------------------------------------------------------------------- the fits, one job per world size
+_REFERENCE_OF = {NanoGPTModule: "nanogpt", _nanogpt_without_flash: "nanogpt-without-flash", LitGPTModule: "litgpt"}
+
+
+@functools.cache
+def _references():
+    """Every model's one-process run, in one job."""
+    factories = {name: factory for factory, name in _REFERENCE_OF.items()}
+    runs = {name: Run(factory, lambda: _tokens(GLOBAL_BATCH)) for name, factory in factories.items()}
+    runs["litgpt-gqa"] = Run(_LITGPT_GQA, lambda: _tokens(GLOBAL_BATCH))
+    return references(runs)
+
+
+@functools.cache
+def _trained():
+    """Every layout's run: the runs of one world size one after the other in one job."""
+    by_devices: dict[int, dict[str, Run]] = {2: {}, 4: {}}
+    for name, factory, devices, dp, strategy in CASES:
+        by_devices[devices][name] = Run(factory, lambda b=GLOBAL_BATCH // dp: _tokens(b), strategy)
+    by_devices[2]["litgpt-gqa-kept-whole-tp2"] = Run(
+        _LITGPT_GQA, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": _GQA_KEPT_WHOLE}
+    )
+    return {name: r for devices, runs in by_devices.items() for name, r in fit_each(runs, devices, 1200).items()}
 
 
 def _region_ops(mesh):
