@@ -16,8 +16,9 @@ import torch
 
 from lightning_mgpu.parallel.tensor_experts import ExpertsParallel, place_experts
 from lightning_mgpu.parallel.tensor_plan import _match, auto_plan
-from tests.helpers.equivalence import assert_same_training, fit
-from tests.parallel.test_tensor_hf_styles import GLOBAL_BATCH, STEPS, TP_WEIGHT_ATOL, HFModule, _tokens
+from tests.helpers.batched import Run, fit_each, references, result
+from tests.helpers.equivalence import assert_same_training
+from tests.parallel.test_tensor_hf_styles import GLOBAL_BATCH, TP_WEIGHT_ATOL, HFModule, _tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,9 +75,47 @@ class ExpertShards(L.Callback):
             trainer.save_checkpoint(self.path)
 
 
+def _longcat_plan() -> dict[str, str]:
+    """The explicit plan LongCat-Flash's refusal offers: its MLA attention kept whole, the experts sharded."""
+    from tests.parallel.test_tensor_hf_styles import _explicit_plan, _refusal
+
+    return _explicit_plan(_refusal(longcat_flash))
+
+
 @pytest.fixture(scope="module")
-def mixtral_reference():
-    return fit(mixtral_without_aux_loss, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)[0]
+def fits(tmp_path_factory: Any) -> dict[str, Any]:
+    """Every fit of this file, by name: the one-process references in one job, then the sharded runs of each world
+    size one after the other in one job (``tests/helpers/batched.py``); "checkpoints" holds where the tp=2 runs of
+    the MoE models saved."""
+    directory = tmp_path_factory.mktemp("experts")
+    checkpoints = {name: directory / f"{name}-tp2.ckpt" for name in ("mixtral", "qwen3_moe")}
+    tokens = lambda: _tokens(GLOBAL_BATCH)
+    reference_runs = {
+        "mixtral": Run(mixtral, tokens),
+        "qwen3_moe": Run(qwen3_moe, tokens),
+        "mixtral-without-aux-loss": Run(mixtral_without_aux_loss, tokens),
+        "longcat_flash": Run(longcat_flash, tokens),
+    }
+    by_devices: dict[int, dict[str, Run]] = {2: {}, 4: {}}
+    for name, factory in (("mixtral", mixtral), ("qwen3_moe", qwen3_moe)):
+        by_devices[2][f"{name}-tp2"] = Run(
+            factory,
+            tokens,
+            {"tensor_parallel_size": 2, "tp_plan": "auto"},
+            callbacks_factory=lambda path=checkpoints[name]: [ExpertShards(path)],
+        )
+    for name, extra, devices, dp, _ in COMPOSED:
+        by_devices[devices][f"mixtral-{name}"] = Run(
+            mixtral_without_aux_loss,
+            lambda b=GLOBAL_BATCH // dp: _tokens(b),
+            {"tensor_parallel_size": 2, **extra},
+            callbacks_factory=lambda: [ExpertShards()],
+        )
+    by_devices[2]["longcat_flash-tp2"] = Run(
+        longcat_flash, tokens, {"tensor_parallel_size": 2, "tp_plan": _longcat_plan()}
+    )
+    trained = {name: r for devices, runs in by_devices.items() for name, r in fit_each(runs, devices, 1200).items()}
+    return {"references": references(reference_runs), "trained": trained, "checkpoints": checkpoints}
 
 
 def _experts_sharded(extras: list[dict[str, Any]], ranks: int, parts: int) -> None:
@@ -87,32 +126,24 @@ def _experts_sharded(extras: list[dict[str, Any]], ranks: int, parts: int) -> No
 
 
 @pytest.mark.parametrize("factory", [mixtral, qwen3_moe], ids=["mixtral", "qwen3_moe"])
-def test_moe_trains_under_tp2_with_its_own_plan_and_loads_into_one_process(factory, tmp_path):
+def test_moe_trains_under_tp2_with_its_own_plan_and_loads_into_one_process(factory, fits):
     plan = auto_plan(factory())
     assert plan["model.model.layers.*.mlp.experts"] == "moe_tp_experts"
     assert plan["model.model.layers.*.mlp.experts.gate_up_proj"] == "packed_colwise"
     assert plan["model.model.layers.*.mlp.experts.down_proj"] == "rowwise"
     assert "model.model.layers.*.mlp.gate" not in plan  # the router stays replicated
-    reference, _ = fit(factory, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
-    ckpt = tmp_path / "tp2.ckpt"
-    result, extras = fit(
-        factory,
-        lambda: _tokens(GLOBAL_BATCH),
-        {"tensor_parallel_size": 2, "tp_plan": "auto"},
-        2,
-        STEPS,
-        callbacks_factory=lambda: [ExpertShards(ckpt)],
-    )
-    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
+    name = factory.__name__
+    trained, extras = result(fits["trained"][f"{name}-tp2"])
+    assert_same_training(result(fits["references"][name]), trained, weight_atol=TP_WEIGHT_ATOL)
     _experts_sharded(extras, ranks=2, parts=2)
 
     from lightning_mgpu.checkpoint import consolidate
 
-    state = consolidate(ckpt)["state_dict"]
+    state = consolidate(fits["checkpoints"][name])["state_dict"]
     single = factory()
     single.load_state_dict(state, strict=True)  # plain FQNs, full shapes
-    for name, value in single.state_dict().items():
-        torch.testing.assert_close(value, result.state_dict[name], rtol=0, atol=0, msg=name)
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(value, trained.state_dict[key], rtol=0, atol=0, msg=key)
 
 
 COMPOSED = [  # (name, strategy extras, devices, dp, parts of the expert weights per rank)
@@ -123,17 +154,9 @@ COMPOSED = [  # (name, strategy extras, devices, dp, parts of the expert weights
 
 
 @pytest.mark.parametrize(("name", "extra", "devices", "dp", "parts"), COMPOSED, ids=[c[0] for c in COMPOSED])
-def test_mixtral_experts_compose_with_zero_and_sequence_parallel(mixtral_reference, name, extra, devices, dp, parts):
-    layout = {"tensor_parallel_size": 2, **extra}
-    result, extras = fit(
-        mixtral_without_aux_loss,
-        lambda: _tokens(GLOBAL_BATCH // dp),
-        layout,
-        devices,
-        STEPS,
-        callbacks_factory=lambda: [ExpertShards()],
-    )
-    assert_same_training(mixtral_reference, result, weight_atol=TP_WEIGHT_ATOL)
+def test_mixtral_experts_compose_with_zero_and_sequence_parallel(fits, name, extra, devices, dp, parts):
+    trained, extras = result(fits["trained"][f"mixtral-{name}"])
+    assert_same_training(result(fits["references"]["mixtral-without-aux-loss"]), trained, weight_atol=TP_WEIGHT_ATOL)
     _experts_sharded(extras, ranks=devices, parts=parts)
 
 
@@ -213,23 +236,18 @@ def longcat_flash() -> HFModule:
     )
 
 
-def test_identity_experts_count_once_in_the_experts_sum():
+def test_identity_experts_count_once_in_the_experts_sum(fits):
     """LongCat-Flash routes some tokens to zero-compute experts (``identity_expert``, 'moe_identity_expert') inside
     the experts module whose per-rank outputs are summed: each rank contributes 1/tp of them. Its MLA attention is
     refused by name; the explicit plan offered keeps it whole and shards the experts, identity experts included."""
-    from tests.parallel.test_tensor_hf_styles import _explicit_plan, _refusal
-
-    plan = _explicit_plan(_refusal(longcat_flash))
+    plan = _longcat_plan()
     assert plan["model.model.layers.*.mlp.experts.identity_expert"] == "moe_identity_expert"
     module, calls = longcat_flash(), []
     module.model.model.layers[0].mlp.experts.identity_expert.register_forward_hook(lambda *a: calls.append(1))
     module(torch.randint(0, 128, (GLOBAL_BATCH, 32)))
     assert calls, "no token reached an identity expert: the test would not see a wrong share"
-    reference, _ = fit(longcat_flash, lambda: _tokens(GLOBAL_BATCH), None, 1, STEPS)
-    result, _ = fit(
-        longcat_flash, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": plan}, 2, STEPS
-    )
-    assert_same_training(reference, result, weight_atol=TP_WEIGHT_ATOL)
+    trained, _ = result(fits["trained"]["longcat_flash-tp2"])
+    assert_same_training(result(fits["references"]["longcat_flash"]), trained, weight_atol=TP_WEIGHT_ATOL)
 
 
 def _transposed_experts_worker() -> dict[str, float]:
