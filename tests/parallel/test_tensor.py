@@ -148,6 +148,10 @@ def test_auto_plan_names_layers_it_cannot_place():
 def _apply_worker(cases, tp, loss_parallel=False):
     """Each ``(module_factory, plan)``'s error on one tp mesh."""
     torch.distributed.init_process_group("gloo")
+    return _apply(cases, tp, loss_parallel)
+
+
+def _apply(cases, tp, loss_parallel=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
@@ -199,11 +203,6 @@ def test_unknown_style_fails_at_construction():
         HybridStrategy(tensor_parallel_size=2, tp_plan={"model.*": "diagonal"})
 
 
-def _comm_counts_worker():
-    torch.distributed.init_process_group("gloo")
-    return [_comm_counts(sequence_parallel) for sequence_parallel in (False, True)]
-
-
 def _comm_counts(sequence_parallel):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
@@ -223,7 +222,7 @@ def _comm_counts(sequence_parallel):
 
 def test_collectives_per_step_match_the_analytic_count():
     layers = 3
-    counts, sp = run_distributed(_comm_counts_worker, 2)[0]
+    counts, sp = _probe("comm-counts")[0]
     # Megatron's f/g: per block an all-reduce after attention and after the MLP in forward, and one for the input
     # gradient of each column-parallel region (qkv, fc) in backward; plus one small all-gather per block of the
     # fused q|k|v bias gradient (3 * n_embd / tp floats), which stays replicated so FSDP can shard it.
@@ -328,20 +327,17 @@ def test_loss_parallel_needs_tensor_parallelism():
         HybridStrategy(loss_parallel=True)
 
 
+_HEAD_REPLICATED = {
+    "model.transformer.h.*.attn.c_attn": "colwise_qkv",
+    "model.transformer.h.*.attn.c_proj": "rowwise",
+    "model.lm_head": "replicate",
+}
+
+
 def test_loss_parallel_without_a_head_to_shard_fails_before_training():
-    plan = {
-        "model.transformer.h.*.attn.c_attn": "colwise_qkv",
-        "model.transformer.h.*.attn.c_proj": "rowwise",
-        "model.lm_head": "replicate",
-    }
-    message = run_distributed(_apply_worker, 2, [(_nanogpt, plan)], 2, loss_parallel=True, timeout=120)[0][0]
+    message = _probe("loss-parallel-without-head")[0][0]
     assert "`loss_parallel=True` needs the LM head sharded over the vocabulary" in message, message
     assert "'colwise_loss_parallel'" in message, message
-
-
-def _loss_parallel_comm_worker():
-    torch.distributed.init_process_group("gloo")
-    return [_loss_parallel_comm(loss_parallel) for loss_parallel in (False, True)]
 
 
 def _loss_parallel_comm(loss_parallel):
@@ -372,7 +368,7 @@ def _loss_parallel_comm(loss_parallel):
 
 def test_loss_parallel_never_gathers_the_logits():
     layers = 3
-    probes = run_distributed(_loss_parallel_comm_worker, 2)[0]
+    probes = _probe("loss-parallel-comm")[0]
     (gathered, _, loss_gathered), (parallel, loss_type, loss_parallel) = probes
     # Gathered logits: per block 4 all-reduces and the fused-bias gather, plus the head's all-gather of the
     # b x s x V logits in forward and the all-reduce of its input gradient in backward.
@@ -382,11 +378,6 @@ def test_loss_parallel_never_gathers_the_logits():
     assert parallel == {"all_reduce": 4 * layers + 1 + 3, "all_gather_into_tensor": layers}, parallel
     assert loss_type == "Tensor"  # handed back as a plain tensor for Lightning
     assert abs(loss_parallel - loss_gathered) <= 1e-6 * abs(loss_gathered)
-
-
-def _tied_plan_worker(plans):
-    torch.distributed.init_process_group("gloo")
-    return [_tied_plan(plan) for plan in plans]
 
 
 def _tied_plan(plan):
@@ -401,16 +392,20 @@ def _tied_plan(plan):
     return module.model.lm_head.weight is module.model.transformer.wte.weight
 
 
+_BLOCKS = {"model.transformer.h.*.attn.c_attn": "colwise_qkv", "model.transformer.h.*.attn.c_proj": "rowwise"}
+_TIED_PLANS = [  # the tied head and embedding sharded alike; the head alone
+    {**_BLOCKS, "model.lm_head": "colwise_gather_output", "model.transformer.wte": "embedding_rowwise"},
+    {**_BLOCKS, "model.lm_head": "colwise_gather_output"},
+]
+
+
 def test_tied_weights_stay_tied_or_fail_naming_both():
-    blocks = {"model.transformer.h.*.attn.c_attn": "colwise_qkv", "model.transformer.h.*.attn.c_proj": "rowwise"}
-    alike = {**blocks, "model.lm_head": "colwise_gather_output", "model.transformer.wte": "embedding_rowwise"}
-    plans = [alike, {**blocks, "model.lm_head": "colwise_gather_output"}]
-    (tied, message), (tied_on_rank1, _) = run_distributed(_tied_plan_worker, 2, plans)
+    (tied, message), (tied_on_rank1, _) = _probe("tied-plans")
     assert tied is True and tied_on_rank1 is True
     assert "model.transformer.wte.weight and model.lm_head.weight are one tied weight" in message, message
 
 
-def _llama_collectives_worker():
+def _llama_collectives():
     """HF Llama tp=2, its own `labels=` loss: collectives per phase and loss/gradients against the unsharded model,
     with and without sequence parallelism and loss parallelism (one process group, four shardings)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -419,7 +414,6 @@ def _llama_collectives_worker():
 
     from lightning_mgpu.parallel.tensor import tensor_parallel_context
 
-    torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     tokens[:, :3] = -100  # ignored positions: ignore_index must hold on the shards too
@@ -457,7 +451,7 @@ def test_llama_collectives_per_step_and_loss_parallel_match_the_analytic_count()
     """Hugging Face's plan shards q/k/v and gate/up column-wise, each reading the same input: converted once per
     attention/MLP, backward needs one collective per module, not one per projection (5 per block)."""
     L = 2  # layers of the tiny Llama
-    results = run_distributed(_llama_collectives_worker, 2, timeout=200)[0]
+    results = _probe("llama-collectives")[0]
     # Without SP, per block: forward all-reduces the attention and MLP outputs, backward their input gradients;
     # outside: the vocab-parallel embedding's output all-reduce (fwd) and the head's input gradient (bwd).
     # The head gathers the b x s x V logits (1 AG) unless loss_parallel, whose cross-entropy all-reduces three
@@ -519,6 +513,45 @@ def test_shared_input_skips_inference_tensors_and_grad_mode_changes():
     assert shared.hit(x) and shared.converted == "converted"
     shared.close()
     assert not shared.hit(x)
+
+
+# ----------------------------------------------------------------------------- the tp=2 probes, in one 2-rank job
+_PROBES = {
+    "comm-counts": lambda: [_comm_counts(sequence_parallel) for sequence_parallel in (False, True)],
+    "loss-parallel-comm": lambda: [_loss_parallel_comm(loss_parallel) for loss_parallel in (False, True)],
+    "loss-parallel-without-head": lambda: _apply([(_nanogpt, _HEAD_REPLICATED)], 2, loss_parallel=True),
+    "tied-plans": lambda: [_tied_plan(plan) for plan in _TIED_PLANS],
+    "llama-collectives": _llama_collectives,
+}
+
+
+def _probes_worker():
+    """Every probe of this file that needs a tp=2 group, one after the other in one process group; a probe that
+    raises is kept as its traceback, for its own test to report."""
+    import traceback
+
+    torch.distributed.init_process_group("gloo")
+    results = {}
+    for name, probe in _PROBES.items():
+        try:
+            results[name] = probe()
+        except Exception:
+            results[name] = {"failed": traceback.format_exc()}
+    return results
+
+
+@functools.cache
+def _probes():
+    return run_distributed(_probes_worker, 2, timeout=600)
+
+
+def _probe(name):
+    """Every rank's result of the probe ``name``; its test fails with the traceback if it raised."""
+    results = [rank[name] for rank in _probes()]
+    failed = next((r["failed"] for r in results if isinstance(r, dict) and "failed" in r), None)
+    if failed is not None:
+        pytest.fail(f"{name} raised in the tp=2 probe job:\n{failed}")
+    return results
 
 
 # ------------------------------------------------------------------------------- the fits, one job per world size

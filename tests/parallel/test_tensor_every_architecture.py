@@ -5,10 +5,12 @@ Each model is built from its own configuration class shrunk generically (``_TINY
 vocabulary) with random weights, the text model where the plan is declared on a multimodal model's text
 sub-configuration. Affordable as one job: two ranks of one 3-process job train every served architecture in turn,
 sharded as ``HybridStrategy(tensor_parallel_size=2)`` shards it at dp=1 (``apply_tensor_parallel`` with
-``tp_plan="auto"``, steps in ``tensor_parallel_context``), in a plain AdamW loop: a Lightning ``Trainer`` per
-architecture would cost ten times the training itself. The reference is the same loop unsharded, in a third process
-of that job: it runs on the cores the two sharded ranks leave idle, instead of after them. The strategy's own loop is
-covered for a dozen of these architectures by test_tensor_hf_styles.py.
+``tp_plan="auto"``, steps in ``tensor_parallel_context``, AdamW stepped on the local shards by ``ShardLocalStep``),
+in a plain loop: a Lightning ``Trainer`` per architecture would cost ten times the training itself. Each rank builds
+each model once and first decides with the strategy's own check whether it is refused before training. The reference
+is the same loop unsharded, in a third process of that job: it runs on the cores the two sharded ranks leave idle,
+instead of after them. The strategy's own loop is covered for a dozen of these architectures by
+test_tensor_hf_styles.py.
 
 To run some architectures only (after a library change, say): ``TP_ARCHITECTURES=doge,llama pytest -q <this file>
 -k every_architecture_with``.
@@ -327,16 +329,22 @@ def _train(model_type: str, tp_mesh: Any = None, noise: float = 0.0, noise_seed:
     (``apply_tensor_parallel`` with ``tp_plan="auto"``, each step and its backward in ``tensor_parallel_context``)."""
     from torch.distributed.tensor import DTensor
 
+    from lightning_mgpu.parallel.local_step import ShardLocalStep
     from lightning_mgpu.parallel.tensor import apply_tensor_parallel, tensor_parallel_context
 
     torch.manual_seed(SEED)
     model = _tiny_model(model_type)
+    refusal = _refusal(model)
+    if refusal is not None:
+        return {"refused": refusal}
     with torch.no_grad():  # ``noise``: relative perturbation of every weight (``_rounding_drift``)
         for param in model.parameters() if noise else ():
             param.mul_(1 + noise * torch.randn(param.shape, generator=torch.Generator().manual_seed(noise_seed)))
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh, "auto", sequence_parallel=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    if tp_mesh is not None:  # stepped on the local shards, as the strategy steps it (module_setup.py)
+        ShardLocalStep(optimizer)
     batches = torch.randint(0, VOCAB, (STEPS, BATCH, SEQUENCE + 1), generator=torch.Generator().manual_seed(SEED))
     losses = []
     for tokens in batches:
@@ -350,38 +358,40 @@ def _train(model_type: str, tp_mesh: Any = None, noise: float = 0.0, noise_seed:
     return {"losses": losses, "state_dict": weights}
 
 
-def _outcome_before_training(model_type: str) -> tuple[str, str]:
-    """('served', what is trained) or ('refused', reason), decided as ``apply_tensor_parallel`` decides it."""
+def _refusal(model: torch.nn.Module) -> str | None:
+    """Why ``apply_tensor_parallel`` refuses ``model`` at tp=2 before training (its own check), or None."""
     from lightning_mgpu.parallel.tensor_checks import check_divisible
     from lightning_mgpu.parallel.tensor_plan import _match, auto_plan
 
-    model = _tiny_model(model_type)
     try:
         check_divisible(model, _match(model, auto_plan(model)), 2)
     except ValueError as error:
-        return "refused", str(error)
-    return "served", f"{_plan_holder(model_type).__name__}/{type(model).__name__}"
+        return str(error)
+    return None
 
 
-def _outcomes_of_share(model_types: list[str]) -> dict[str, tuple[str, str]]:
-    """In one process of a 2-process job: the outcomes of every other model type (this rank's share)."""
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return {t: _outcome_before_training(t) for t in model_types[rank::world_size]}
+def _served_as(model_type: str) -> str:
+    """What is trained for ``model_type``: its plan's configuration class and model class."""
+    config_class = _plan_holder(model_type)
+    return f"{config_class.__name__}/{_model_class(config_class).__name__}"
 
 
 def _train_every(model_types: list[str]) -> dict[str, Any]:
-    """In one process of a 3-process job: ranks 0 and 1 form the tp=2 group and train every architecture in turn,
-    sharded (an error is recorded and the next one trained); rank 2 trains each unsharded (the reference) meanwhile,
-    and a CHAOTIC one also from perturbed weights (its losses under "noisy"): the sharded ranks take longer.
-    Rank 0 returns the sharded results, rank 2 the references (an error there fails the test), rank 1 nothing."""
+    """In one process of a 3-process job, every model type in turn is built and refused before training where
+    ``apply_tensor_parallel`` refuses it (``{"refused": reason}``); otherwise ranks 0 and 1 form the tp=2 group and
+    train it sharded (an error is recorded and the next one trained), while rank 2 trains it unsharded (the
+    reference), and a CHAOTIC one also from perturbed weights (its losses under "noisy"): the sharded ranks take
+    longer. Rank 0 returns the sharded results, rank 2 the references (an error there fails the test), rank 1
+    nothing."""
     from torch.distributed.device_mesh import init_device_mesh
 
     rank = int(os.environ["RANK"])
     if rank == 2:
         references = {model_type: _train(model_type) for model_type in model_types}
         for model_type in set(CHAOTIC) & set(model_types):
-            noisy = _train(model_type, noise=1e-7, noise_seed=CHAOTIC[model_type])
-            references[model_type]["noisy"] = noisy["losses"]
+            if "refused" not in references[model_type]:
+                noisy = _train(model_type, noise=1e-7, noise_seed=CHAOTIC[model_type])
+                references[model_type]["noisy"] = noisy["losses"]
         return references
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -413,20 +423,19 @@ def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_
     assert sorted(_declared_plans()) == ARCHITECTURES, "transformers' architectures with a plan changed"
     selected = os.environ.get("TP_ARCHITECTURES", "").split(",") if os.environ.get("TP_ARCHITECTURES") else None
     buildable = [t for t in ARCHITECTURES if t not in NOT_BUILDABLE and (selected is None or t in selected)]
-    for model_type in buildable:  # import each model's module here, once, rather than in every forked process
-        _model_class(_plan_holder(model_type))
-    shares = run_distributed(_outcomes_of_share, 2, buildable, timeout=900)  # both cores build the tiny models
-    outcomes = {t: next(share[t] for share in shares if t in share) for t in buildable}  # in ARCHITECTURES' order
-    refused = {t: reason for t, (kind, reason) in outcomes.items() if kind == "refused"}
+    # Model types sharing a configuration and model class (a composite and its text model) are built once.
+    same: dict[str, list[str]] = {}
+    for model_type in buildable:  # also imports each model's module here, once, rather than in every forked process
+        same.setdefault(_served_as(model_type), []).append(model_type)
+    built = [types[0] for types in same.values()]
+    sharded, _, expected = run_distributed(_train_every, 3, built, timeout=900)  # one intra-op thread each
+    outcome = {t: sharded[types[0]] for types in same.values() for t in types}
+    refused = {t: result["refused"] for t, result in outcome.items() if "refused" in result}
     for model_type, reason in refused.items():  # a reason the user can act on: the style or the valid degrees
         assert "does not map" in reason or "Valid tensor_parallel_size values" in reason, (model_type, reason)
-    # Model types sharing a configuration and model class (a composite and its text model) are trained once.
-    served: dict[str, list[str]] = {}
-    for model_type, (kind, holder) in outcomes.items():
-        if kind == "served":
-            served.setdefault(holder, []).append(model_type)
+    assert all(("refused" in expected[t]) == ("refused" in sharded[t]) for t in built)  # decided alike in each rank
+    served = {holder: types for holder, types in same.items() if "refused" not in sharded[types[0]]}
     trained = [types[0] for types in served.values()]
-    sharded, _, expected = run_distributed(_train_every, 3, trained, timeout=900)  # one intra-op thread each
     noisy = {t: expected[t].pop("noisy") for t in CHAOTIC if t in trained}
     failures = {}
     for model_type in trained:
