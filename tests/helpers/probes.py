@@ -83,16 +83,63 @@ _C10D_KINDS = {
     "alltoall": ("A2A", 1.0),
     "barrier": ("BAR", 0.0),
 }
+# Backend work item ("gloo:all_reduce", "nccl:_reduce_scatter_base", ...) -> kind; "reduce" last, inside the others.
+_WORK_KINDS = {"allreduce": "AR", "reducescatter": "RS", "allgather": "AG", "broadcast": "BC", "alltoall": "A2A"}
+_WORK_KINDS |= {"barrier": "BAR", "reduce": "RD"}
+_RUN_AS = {"RS": ("RS", "AR")}  # gloo runs reduce-scatter as an all-reduce (work item "gloo:all_reduce")
+
+
+def _work_kind(name: str) -> str:
+    flat = name.split(":", 1)[1].replace("_", "")
+    return next((kind for key, kind in _WORK_KINDS.items() if key in flat), "OTHER")
+
+
+def _numel(shapes: Any) -> int:
+    return sum(math.prod(s) for s in (shapes or []) if s and all(isinstance(d, int) for d in s))
+
+
+def _kind_of(op: Any) -> tuple[str, float]:
+    return next((v for k, v in _C10D_KINDS.items() if k in op.name), ("OTHER", 0.0))
+
+
+def _pair_with_work(ops: list[Any], work: list[Any]) -> list[tuple[Any, Any]]:
+    """Each op with the backend work item that ran it: an unclaimed one of its kind, the earliest started.
+
+    Not simply the next one: gloo starts its work items (and their profiler events) on two worker threads, so
+    async ops issued back to back (a DDP hook's reduces, the reducer's unused-parameter all-reduce) may start in
+    either order. Within one kind the order changes neither counts nor bytes. Ops with tensor (not list)
+    arguments, e.g. ``_reduce_scatter_base_``, first claim the item of their unsharded size: gloo's reduce-scatter
+    and all-reduce items share a name."""
+    unclaimed = list(work)
+    paired: dict[int, Any] = {}
+
+    def claim(index: int, item: Any) -> None:
+        paired[index] = item
+        unclaimed.remove(item)
+
+    for index, op in enumerate(ops):
+        kinds = _RUN_AS.get(_kind_of(op)[0], (_kind_of(op)[0],))
+        own = max((_numel([s]) for s in op.input_shapes or []), default=0)
+        item = next((w for w in unclaimed if _work_kind(w.name) in kinds and _numel(w.input_shapes) == own), None)
+        if own > 0 and item is not None:
+            claim(index, item)
+    for index, op in enumerate(ops):
+        kinds = _RUN_AS.get(_kind_of(op)[0], (_kind_of(op)[0],))
+        item = next((w for w in unclaimed if _work_kind(w.name) in kinds), None)
+        if index not in paired and item is not None:
+            claim(index, item)
+    return [(op, paired[index]) for index, op in enumerate(ops) if index in paired]
 
 
 def collectives_of(profiler: Any, world_size: int, dtype_bytes: int = 4) -> dict[str, Any]:
     """The collectives a ``torch.profiler`` run saw this rank issue (Python or C++ callers, e.g. DDP's reducer).
 
-    Each ``c10d::`` op is paired in order with the backend work item that ran it, whose input shape gives the size
-    (``dtype_bytes`` per element). Returns ``counts`` (ops per kind with more than one element: the model's
-    traffic), ``small`` (one-element ops: logging syncs), and ``bytes``: the ring-algorithm bytes this rank sends
-    for them: all-reduce 2(w-1)/w x B, reduce-scatter / all-gather (w-1)/w x B of the unsharded tensor, broadcast
-    and reduce (w-1)/w x B. gloo runs reduce-scatter as an all-reduce, so its work item is the unsharded input.
+    Each ``c10d::`` op is paired with the backend work item that ran it (``_pair_with_work``), whose input shape
+    gives the size (``dtype_bytes`` per element). Returns ``counts`` (ops per kind with more than one element: the
+    model's traffic), ``small`` (one-element ops: logging syncs), and ``bytes``: the ring-algorithm bytes this rank
+    sends for them: all-reduce 2(w-1)/w x B, reduce-scatter / all-gather (w-1)/w x B of the unsharded tensor,
+    broadcast and reduce (w-1)/w x B. gloo runs reduce-scatter as an all-reduce, so its work item is the unsharded
+    input.
     """
     events = sorted(profiler.events(), key=lambda e: e.time_range.start)
     ops = [e for e in events if e.name.startswith("c10d::")]
@@ -101,10 +148,9 @@ def collectives_of(profiler: Any, world_size: int, dtype_bytes: int = 4) -> dict
     small: Counter = Counter()
     sent = 0.0
     f = (world_size - 1) / world_size if world_size > 1 else 0.0
-    for op, item in zip(ops, work):
-        kind, factor = next((v for k, v in _C10D_KINDS.items() if k in op.name), ("OTHER", 0.0))
-        shapes = [s for s in (item.input_shapes or []) if s and all(isinstance(d, int) for d in s)]
-        numel = sum(math.prod(s) for s in shapes)
+    for op, item in _pair_with_work(ops, work):
+        kind, factor = _kind_of(op)
+        numel = _numel(item.input_shapes)
         if "allgather" in op.name and "gloo" in item.name:
             numel *= world_size  # the work item holds this rank's input; the unsharded tensor is w times larger
         if numel <= 1:
