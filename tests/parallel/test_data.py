@@ -209,3 +209,35 @@ def test_zero1_owners_hold_consecutive_runs_of_about_equal_size():
         spans = _owner_spans(params[::-1], owner)
         assert sorted(spans) == sorted(set(ranks)) and all(len(runs) == 1 for runs in spans.values()), spans
         assert sum(end - start for runs in spans.values() for start, end in runs) == total
+
+
+def test_collective_counter_pairs_each_op_with_a_work_item_of_its_kind():
+    """gloo starts work items on two worker threads: async ops issued back to back may start swapped (here DDP's
+    unused-parameter all-reduce before the hook's second reduce), which must change neither counts nor bytes."""
+    from types import SimpleNamespace
+
+    from tests.helpers.probes import collectives_of
+
+    def event(name, start, shapes=()):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start), input_shapes=list(shapes))
+
+    ops = [("reduce_", []), ("reduce_", []), ("allreduce_", []), ("_reduce_scatter_base_", [[29], [58]])]
+    in_order = [[[20992]], [[21888]], [[29]], [[58]]]
+    expected = collectives_of(
+        SimpleNamespace(
+            events=lambda: (
+                [event(f"c10d::{n}", i, s) for i, (n, s) in enumerate(ops)]
+                + [event("gloo:" + ("reduce" if i < 2 else "all_reduce"), 10 + i, s) for i, s in enumerate(in_order)]
+            )
+        ),
+        2,
+    )
+    assert expected == {"counts": {"RD": 2, "AR": 1, "RS": 1}, "small": {}, "bytes": 2 * (20992 + 21888) + 116 + 116}
+    started = [("all_reduce", [[58]]), ("all_reduce", [[29]]), ("reduce", [[21888]]), ("reduce", [[20992]])]
+    swapped = SimpleNamespace(
+        events=lambda: (
+            [event(f"c10d::{n}", i, s) for i, (n, s) in enumerate(ops)]
+            + [event(f"gloo:{n}", 10 + i, s) for i, (n, s) in enumerate(started)]
+        )
+    )
+    assert collectives_of(swapped, 2) == expected
