@@ -48,6 +48,9 @@ def _worker(
     fn: Callable[..., Any], rank: int, world_size: int, port: int, queue: Any, args: tuple, kwargs: dict
 ) -> None:
     os.environ.update(torchrun_env(rank, world_size, port))
+    # Lightning's launcher sets cpu_count // processes intra-op threads where OMP_NUM_THREADS is unset: a one-process
+    # fit then ran on every core, and OpenMP's spinning threads cost 5-20x the work's CPU on a loaded machine.
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     inherited = set(sys.modules)
     try:

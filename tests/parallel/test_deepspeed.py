@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -80,7 +79,6 @@ def deepspeed_ops_compiled() -> None:
 
 def _fits(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Several fits one after another in this rank (the process group and DeepSpeed's set-up are reused)."""
-    _one_thread()
     results = []
     for run in runs:
         after_fit = run.get("after_fit")
@@ -101,13 +99,6 @@ def _fits(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             )
         )
     return results
-
-
-def _one_thread() -> None:
-    """One intra-op thread in this worker also when Lightning's launcher would give it more: without
-    OMP_NUM_THREADS it sets cpu_count // processes threads, so a one-process reference got every core, and OpenMP
-    threads spinning on a loaded machine cost ~20x the CPU of the work itself."""
-    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def _allow_fp16_on_cpu() -> None:
