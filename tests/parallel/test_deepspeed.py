@@ -236,19 +236,18 @@ def test_zero_0_cpu_offload_and_lr_schedule_train_like_one_process(references, s
             raise AssertionError(f"{model} at DeepSpeed {name}: {error}") from None
 
 
-# bf16-mixed: each model once, the stages spread over the models.
-BF16_STAGES = {"nanogpt": 1, "llama": 2, "gpt2": 3}
-
-
 def test_bf16_mixed_accumulation_and_clipping_follow_the_trainer(references):
-    """bf16-mixed (DeepSpeed bf16 with fp32 masters) within 2e-2; accumulate_grad_batches and gradient_clip_val
-    from the Trainer act exactly as on one process (fp32)."""
+    """bf16-mixed (DeepSpeed bf16 with fp32 masters), every model at every stage, within 2e-2;
+    accumulate_grad_batches and gradient_clip_val from the Trainer act exactly as on one process (fp32)."""
     assert references["llama-knobs"].losses != references["llama"].losses  # accumulation and the clip change the run
-    runs = [{"model": model, "strategy": _ds(stage), "trainer": BF16} for model, stage in BF16_STAGES.items()]
+    cases = [(model, stage) for model in sorted(MODELS) for stage in STAGES]
+    runs = [{"model": model, "strategy": _ds(stage), "trainer": BF16} for model, stage in cases]
     *bf16, knobs = _run(DP, [*runs, {"model": "llama", "strategy": _ds(3), "trainer": KNOBS}])
-    for model, result in zip(BF16_STAGES, bf16):
+    for (model, stage), result in zip(cases, bf16):
         reference = torch.tensor(references[f"{model}-bf16"].losses)
-        torch.testing.assert_close(torch.tensor(result.losses), reference, rtol=BF16_RTOL, atol=0.0, msg=model)
+        torch.testing.assert_close(
+            torch.tensor(result.losses), reference, rtol=BF16_RTOL, atol=0.0, msg=f"{model} at ZeRO-{stage}"
+        )
     assert_same_training(references["llama-knobs"], knobs, weight_atol=WEIGHT_ATOL)
 
 
