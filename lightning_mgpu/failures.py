@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 FAILURE_DIR_ENV = "LIGHTNING_MGPU_FAILURE_DIR"  # set by our launchers for the ranks they start
 _PREFIX = "lightning-mgpu:"
@@ -214,7 +215,11 @@ def handle_rank_failure(
         return  # SystemExit, the fork launcher's report reaching its parent, or no other rank
     if threading.current_thread() is threading.main_thread():
         # A launcher's SIGTERM now ends this rank (after its lines): Lightning's handler would run a collective with
-        # the failed rank. Lightning's teardown, which follows, puts back the handlers from before `fit`.
+        # the failed rank. The strategy's teardown puts the replaced handler back (`restore_sigterm`).
+        global _sigterm_before
+        current = signal.getsignal(signal.SIGTERM)
+        if current is not _say_then_end:
+            _sigterm_before = current
         signal.signal(signal.SIGTERM, _say_then_end)
     launched = os.environ.get(FAILURE_DIR_ENV)
     directory = launched or _external_failure_dir()
@@ -227,6 +232,15 @@ def handle_rank_failure(
         _install_excepthook(
             exception, lambda: _print_own_failure(record, world_size, mesh_shape, directory if written else None)
         )
+
+
+def restore_sigterm() -> None:
+    """Put back the SIGTERM handler a failure replaced (called at teardown): a failure before Lightning registered
+    its own handlers leaves Lightning nothing to restore, and the user's process must keep no handler of ours."""
+    global _sigterm_before
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is _say_then_end:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if _sigterm_before is None else _sigterm_before)
+    _sigterm_before = None
 
 
 def _say_then_end(signum: int, frame: object) -> None:
@@ -332,6 +346,7 @@ def _remove_stale(root: Path, age_s: float = 3600) -> None:
 
 
 _hook_target: tuple[int, str, Callable[[], None]] | None = None  # the failure's id, error line, and its printer
+_sigterm_before: Any = None  # the SIGTERM handler `_say_then_end` replaced, until `restore_sigterm` puts it back
 
 
 def _install_excepthook(exception: BaseException, handle: Callable[[], None]) -> None:
@@ -348,10 +363,12 @@ def _install_excepthook(exception: BaseException, handle: Callable[[], None]) ->
     previous = sys.excepthook
 
     def _lightning_mgpu_excepthook(exc_type: type, value: BaseException, tb: object) -> None:
+        global _hook_target
         target = _hook_target
         if target is None or id(value) != target[0] or error_line(value) != target[1]:
             return previous(exc_type, value, tb)  # type: ignore[arg-type]
         sys.excepthook = previous
+        _hook_target = None  # a SIGTERM arriving while this prints (`_say_then_end`) must not print it again
         target[2]()
 
     sys.excepthook = _lightning_mgpu_excepthook

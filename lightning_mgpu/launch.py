@@ -100,7 +100,7 @@ class HybridSubprocessScriptLauncher(SubprocessScriptLauncher):
         self._strategy = strategy
         self._grace_s = _GRACE_S if timeout is None else min(_GRACE_S, timeout.total_seconds())
         self.failure_dir: str | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by a SIGTERM handler on the reporting thread: it must not block
         self._reported = False
 
     @override

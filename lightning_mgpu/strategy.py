@@ -37,7 +37,7 @@ from lightning_mgpu._compat.lightning import (
 )
 from lightning_mgpu.checkpoint.plain import restore_plain
 from lightning_mgpu.failure_vote import every_rank_failed
-from lightning_mgpu.failures import handle_rank_failure
+from lightning_mgpu.failures import handle_rank_failure, restore_sigterm
 from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
 from lightning_mgpu.layout_choice import agreed_plan, check_sizes, check_trainer_layout
@@ -447,16 +447,19 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
 
     @override
     def teardown(self) -> None:
-        self._checkpointer.wait()  # a background save finishes (or raises) before `fit` returns
-        for sharding in self._optimizer_sharding:
-            sharding.remove()
-        self._optimizer_sharding = []
-        if self._restore_module:
-            self._restore_user_objects()
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
+        try:
+            self._checkpointer.wait()  # a background save finishes (or raises) before `fit` returns
+            for sharding in self._optimizer_sharding:
+                sharding.remove()
+            self._optimizer_sharding = []
+            if self._restore_module:
+                self._restore_user_objects()
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+        finally:
+            restore_sigterm()  # a failure's SIGTERM handler (failures.py) does not outlive the fit
 
     def _restore_user_objects(self) -> None:
         """Undo every patch on the user's objects and give back the plain module with the trained values.

@@ -294,3 +294,28 @@ def test_communication_errors_are_echoes():
     except KeyError as chained:
         assert is_secondary(chained)
     assert not is_secondary(ValueError("boom"))
+
+
+def test_a_failures_sigterm_handler_is_put_back_at_teardown(tmp_path, monkeypatch):
+    """A failure replaces SIGTERM's handler (a launcher's SIGTERM then prints this rank's line first); teardown puts
+    back the one it replaced, also when the fit failed before Lightning registered (and so restores) its own."""
+    from lightning_mgpu import failures
+
+    monkeypatch.setenv(failures.FAILURE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the failure installs its own; put back after the test
+    monkeypatch.setattr(failures, "_hook_target", None)
+
+    def users_handler(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, users_handler)
+    try:
+        failures.handle_rank_failure(RuntimeError("boom"), 0, 2, (1, 2, 1))
+        assert signal.getsignal(signal.SIGTERM) is failures._say_then_end
+        failures.handle_rank_failure(RuntimeError("again"), 0, 2, (1, 2, 1))  # a second failure keeps the user's
+        failures.restore_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is users_handler
+        failures.restore_sigterm()  # nothing of ours left: a no-op
+        assert signal.getsignal(signal.SIGTERM) is users_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
