@@ -247,7 +247,8 @@ class OptimizerStateSharding:
             flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
             dist.broadcast(flat, src=global_rank, group=self._group)
             if owner != self._rank:
-                torch._foreach_copy_(tensors, _unflatten(flat, tensors))
+                for tensor, value in zip(tensors, _unflatten(flat, tensors)):
+                    tensor.copy_(value)
 
 
 class _OwnerReduce:
