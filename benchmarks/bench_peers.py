@@ -17,9 +17,10 @@ configuration          what                                                     
                        if ``--devices`` > 2)
 ``tp2``                ``HybridStrategy(tensor_parallel_size=2)`` (ZeRO-3 over dp if > 1)        ``mp-tp2`` (<= 1.00)
 ``pp-hand``            1F1B by hand: ``PipelineStage`` + ``Schedule1F1B`` over stages cut like   -
-                       HybridStrategy's (``bench_pipeline.run_by_hand``), pp = ``--devices``
-``pp-1f1b``            ``HybridStrategy(pipeline_parallel_size=devices, pipeline_schedule=       ``pp-hand`` (<= 1.05)
-                       "1F1B", num_microbatches=2*pp)``
+                       HybridStrategy's (``bench_pipeline.run_by_hand``), pp 2 x dp
+                       ``--devices``/2 (FSDP2 ``replicate`` and fused AdamW when dp > 1)
+``pp-1f1b``            ``HybridStrategy(pipeline_parallel_size=2, data_parallel_size=devices/2,  ``pp-hand`` (<= 1.05)
+                       pipeline_schedule="1F1B", num_microbatches=4)``
 =====================  =======================================================================  ====================
 
 Every configuration fits the demo GPT on the same data with the same per-rank batch in ``--devices`` forked gloo
@@ -41,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import by_hand, demo_gpt, harness
 from benchmarks.harness import MB
+
+PP = 2  # pipeline stages of `pp-hand`/`pp-1f1b`; the other processes are data-parallel replicas of the pipeline
 
 # name -> (kind, options, peer, target)
 CONFIGS: dict[str, tuple[str, dict[str, Any], str | None, float | None]] = {
@@ -101,56 +104,20 @@ def _strategy(kind: str, options: dict[str, Any], devices: int) -> Any:
         )
     if kind == "pp":
         return HybridStrategy(
-            pipeline_parallel_size=devices, data_parallel_size=1, pipeline_schedule="1F1B", num_microbatches=2 * devices
+            pipeline_parallel_size=PP,
+            data_parallel_size=devices // PP,
+            pipeline_schedule="1F1B",
+            num_microbatches=2 * PP,
         )
     return HybridStrategy(data_parallel_size=devices, **options)
 
 
-class _StepProfile:
+def _step_profile(name: str, args: dict[str, Any]) -> harness.StepProfile:
     """With ``--profile DIR``: global rank 0's timed steps (warm-up and the probed last step left out) under
-    cProfile, timed in process CPU time (the benchmark's steadier measure), written to ``DIR/<configuration>.prof``
-    (the last repeat's) for ``pstats``."""
-
-    def __init__(self, name: str, args: dict[str, Any]) -> None:
-        import cProfile
-        import time
-
-        self.path = Path(args["profile"]) / f"{name}.prof" if args["profile"] else None
-        self.timed = range(args["warmup"], args["steps"])
-        self.profile = cProfile.Profile(time.process_time)
-
-    def start(self, step: int) -> None:
-        import torch.distributed as dist
-
-        if self.path is not None and step in self.timed and dist.get_rank() == 0:
-            self.profile.enable()
-
-    def stop(self) -> None:
-        self.profile.disable()
-
-    def dump(self) -> None:
-        import torch.distributed as dist
-
-        if self.path is not None and dist.get_rank() == 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.profile.dump_stats(str(self.path))
-
-    def callback(self) -> Any:
-        import lightning as L
-
-        profile = self
-
-        class StepProfiler(L.Callback):
-            def on_train_batch_start(self, trainer: Any, *rest: Any) -> None:
-                profile.start(trainer.global_step)
-
-            def on_train_batch_end(self, *rest: Any) -> None:
-                profile.stop()
-
-            def on_train_end(self, *rest: Any) -> None:
-                profile.dump()
-
-        return StepProfiler()
+    cProfile, written to ``DIR/<configuration>.prof`` (the last repeat's) for ``pstats``; the same for every
+    configuration, Trainer or plain loop."""
+    path = Path(args["profile"]) / f"{name}.prof" if args["profile"] else None
+    return harness.StepProfile(path, range(args["warmup"], args["steps"]))
 
 
 def trainer_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -163,7 +130,7 @@ def trainer_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
         probe,
         _module(kind, args),
         demo_gpt.demo_data(args),
-        [probe, _StepProfile(name, args).callback()],
+        [probe, _step_profile(name, args).callback()],
         devices=args["devices"],
         strategy=strategy,
         max_steps=args["steps"] + 1,
@@ -193,7 +160,7 @@ def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     data = demo_gpt.demo_data(args)
     data.setup()
     profile = harness.profiled_collectives(dist.get_world_size(), args["verbose"])
-    timer, memory, loss, cprofile = harness.LoopTimer(), None, torch.zeros(()), _StepProfile(name, args)
+    timer, memory, loss, cprofile = harness.LoopTimer(), None, torch.zeros(()), _step_profile(name, args)
     for step, batch in zip(range(args["steps"] + 1), demo_gpt.lightning_order(data.train_dataset, args["batch_size"])):
         cprofile.start(step)
         with timer.step(probe=profile if step == args["steps"] else None):
@@ -212,14 +179,16 @@ def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def pipeline_by_hand_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
-    """The same 1F1B schedule by hand (``bench_pipeline.run_by_hand``), timed over the same span as the Trainer's."""
+    """The same 1F1B schedule by hand (``bench_pipeline.run_by_hand``) on the same layout, microbatches and per-rank
+    batch, timed over the same span as the Trainer's and profiled the same way."""
     harness.start_rank(args["verbose"])
     import torch.distributed as dist
 
     from benchmarks.bench_pipeline import run_by_hand
 
     dist.init_process_group("gloo")
-    return run_by_hand("1F1B", 2 * args["devices"], args["devices"], 1, args)
+    dp = args["devices"] // PP
+    return run_by_hand("1F1B", 2 * PP, PP, dp, args, args["batch_size"], _step_profile(name, args))
 
 
 def _deepspeed_memory(engine: Any, optimizer: Any) -> dict[str, int]:
@@ -289,9 +258,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--profile", default="", help="directory: cProfile of rank 0's timed steps per configuration")
     args = demo_gpt.parse_run_args(parser, argv)
     names = demo_gpt.select(parser, args["only"], CONFIGS)
+    halved = [n for n in names if CONFIGS[n][0] in ("mp-tp", "hybrid-tp", "pp-hand", "pp")]
+    if halved and args["devices"] % 2:
+        parser.error(f"{', '.join(halved)} run tp 2 or pp 2 x dp devices/2: --devices must be even")
     demo_gpt.preload()
     jobs = {name: (_job(name), args["devices"], (name, args)) for name in names}
-    runs = harness.run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"])
+    # ABBA: every other repeat runs in reverse, so a peer and its configuration alternate which runs first.
+    runs = harness.run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"], abba=True)
     return print_report(runs, args)
 
 

@@ -38,8 +38,6 @@ import os
 import re
 import statistics
 import sys
-import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +68,7 @@ def lightning_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict
 
     harness.start_rank(args["verbose"])
     probe = harness.make_step_probe(mem_step=args["steps"], verbose=args["verbose"])
-    callbacks = [probe, _step_profiler(f"{schedule} pp{pp}xdp{dp} lightning", args)] if args.get("profile") else None
+    profile = _step_profile(f"{schedule} pp{pp}xdp{dp} lightning", args)
     strategy = HybridStrategy(
         pipeline_parallel_size=pp,
         data_parallel_size=dp,
@@ -78,38 +76,15 @@ def lightning_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict
         num_microbatches=args["microbatches"] or 2 * pp,
     )
     module, data = GPTLightningModule(**demo_gpt.gpt_kwargs(args)), demo_gpt.demo_data(args, args["batch_size"] // dp)
+    callbacks = [probe, profile.callback()]
     return harness.fit(probe, module, data, callbacks, devices=pp * dp, strategy=strategy, max_steps=args["steps"])
 
 
-def _profile_path(name: str, args: dict[str, Any]) -> Path:
-    import torch.distributed as dist
-
-    Path(args["profile"]).mkdir(parents=True, exist_ok=True)
-    return Path(args["profile"]) / f"{name.replace(' ', '-')}-rank{dist.get_rank()}.prof"
-
-
-def _step_profiler(name: str, args: dict[str, Any]) -> Any:
-    """With ``--profile DIR``: every rank runs its timed steps (warm-up left out) under cProfile and writes
+def _step_profile(name: str, args: dict[str, Any]) -> harness.StepProfile:
+    """With ``--profile DIR``: every rank's timed steps (warm-up left out) under cProfile, written to
     ``DIR/<configuration>-rank<r>.prof`` (of the last repeat), to compare the calls with ``pstats``."""
-    import cProfile
-
-    import lightning as L
-
-    class StepProfiler(L.Callback):
-        def __init__(self) -> None:
-            self.profile = cProfile.Profile(time.thread_time)
-
-        def on_train_batch_start(self, trainer: Any, *rest: Any) -> None:
-            if trainer.global_step >= args["warmup"]:
-                self.profile.enable()
-
-        def on_train_batch_end(self, trainer: Any, *rest: Any) -> None:
-            self.profile.disable()
-
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            self.profile.dump_stats(str(_profile_path(name, args)))
-
-    return StepProfiler()
+    path = Path(args["profile"]) / f"{name.replace(' ', '-')}.prof" if args.get("profile") else None
+    return harness.StepProfile(path, range(args["warmup"], args["steps"]), ranks=None)
 
 
 def hand_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -143,10 +118,19 @@ class HandStage(nn.Module):
         return x
 
 
-def run_by_hand(schedule: str, m: int, pp: int, dp: int, args: dict[str, Any]) -> dict[str, Any]:
-    """Train ``args["steps"]`` steps with torch's ``schedule`` over hand-built stages; the ``LoopTimer`` result."""
-    import cProfile
+def run_by_hand(
+    schedule: str,
+    m: int,
+    pp: int,
+    dp: int,
+    args: dict[str, Any],
+    replica_batch: int | None = None,
+    profile: harness.StepProfile | None = None,
+) -> dict[str, Any]:
+    """Train ``args["steps"]`` steps with torch's ``schedule`` over hand-built stages; the ``LoopTimer`` result.
 
+    ``replica_batch``: the batch of each pipeline (data-parallel rank), default ``--batch-size`` split over dp;
+    ``profile``: the timed steps' cProfile (default: ``--profile``'s, every rank)."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -191,20 +175,21 @@ def run_by_hand(schedule: str, m: int, pp: int, dp: int, args: dict[str, Any]) -
         # pipeline runtime and Lightning rather than the optimizer path.
         for group in optimizer.param_groups:
             group["fused"] = True
-    dm = demo_gpt.demo_data(args, args["batch_size"] // dp)
+    replica_batch = replica_batch or args["batch_size"] // dp
+    dm = demo_gpt.demo_data(args, replica_batch)
     dm.setup()
-    loader = demo_gpt.lightning_order(dm.train_dataset, args["batch_size"] // dp, replicas=dp, rank=dp_rank)
+    loader = demo_gpt.lightning_order(dm.train_dataset, replica_batch, replicas=dp, rank=dp_rank)
     # Looked up once, as a hand-written loop does (slicing the mesh costs ~0.1 ms per step).
     dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
     last_stage_rank = dist.get_global_rank(pp_group, stage_owner(schedule, num_stages - 1, pp, per_rank))
     timer, loss = harness.LoopTimer(), float("nan")
-    profile = cProfile.Profile(time.thread_time) if args.get("profile") else None
+    profile = profile or _step_profile(f"{schedule} pp{pp}xdp{dp} hand", args)
     for step, (x, y) in enumerate(loader):
         if step == args["steps"]:
             break
         losses: list[torch.Tensor] = []
-        profiled = profile is not None and step >= args["warmup"]
-        with timer.step(), profile if profiled else nullcontext():
+        with timer.step():
+            profile.start(step)
             optimizer.zero_grad(set_to_none=True)
             inputs = (x,) if 0 in mine else ()
             targets = {"target": y, "losses": losses} if num_stages - 1 in mine else {}
@@ -216,9 +201,9 @@ def run_by_hand(schedule: str, m: int, pp: int, dp: int, args: dict[str, Any]) -
                 dist.all_reduce(reported, group=dp_group)
             dist.broadcast(reported, src=last_stage_rank, group=pp_group)
             optimizer.step()
+        profile.stop()
         loss = float(reported) / dp
-    if profile is not None:
-        profile.dump_stats(str(_profile_path(f"{schedule} pp{pp}xdp{dp} hand", args)))
+    profile.dump()
     dist.barrier()
     return {**timer.result(), "memory": None, "comm": None, "loss": loss, "rank": dist.get_rank()}
 

@@ -287,6 +287,67 @@ def make_step_probe(
     return StepProbe()
 
 
+class StepProfile:
+    """cProfile of a run's timed steps, the same for a Trainer (``callback()``) and a plain loop (``start``/``stop``
+    around each step, ``dump`` at the end), so that two peers' profiles compare call for call.
+
+    ``path``: the ``.prof`` file to write (``None``: do nothing); ``timed``: the steps to profile (warm-up and any
+    probed step left out); ``ranks``: the global ranks that profile (``None``: every rank, each writing
+    ``<path stem>-rank<r>.prof``). Timed in the calling thread's CPU time: the schedule's and gloo's worker threads
+    would otherwise be charged to whatever Python function runs meanwhile.
+    """
+
+    def __init__(self, path: str | Path | None, timed: range, ranks: tuple[int, ...] | None = (0,)) -> None:
+        import cProfile
+
+        self.path, self.timed, self.ranks = (Path(path) if path else None), timed, ranks
+        self.profile = cProfile.Profile(time.thread_time)
+        self._on = False
+
+    def _mine(self) -> bool:
+        import torch.distributed as dist
+
+        return self.path is not None and (self.ranks is None or dist.get_rank() in self.ranks)
+
+    def start(self, step: int) -> None:
+        if step in self.timed and self._mine():
+            self.profile.enable()
+            self._on = True
+
+    def stop(self) -> None:
+        if self._on:
+            self.profile.disable()
+            self._on = False
+
+    def dump(self) -> None:
+        import torch.distributed as dist
+
+        if not self._mine():
+            return
+        assert self.path is not None
+        path = self.path if self.ranks is not None else self.path.with_stem(f"{self.path.stem}-rank{dist.get_rank()}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.profile.dump_stats(str(path))
+
+    def callback(self) -> Any:
+        """The same as a Lightning callback: ``on_train_batch_start`` -> ``on_train_batch_end`` of the timed steps."""
+        import lightning as L
+
+        profile = self
+
+        class StepProfiler(L.Callback):
+            def on_train_batch_start(self, trainer: Any, *rest: Any) -> None:
+                profile.start(trainer.global_step)
+
+            def on_train_batch_end(self, *rest: Any) -> None:
+                profile.stop()
+
+            def on_train_end(self, *rest: Any) -> None:
+                profile.dump()
+
+        return StepProfiler()
+
+
 def sharding(module: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, placements, local shape) per parameter: to compare runs' sharding."""
     from torch.distributed.tensor import DTensor
