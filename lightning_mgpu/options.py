@@ -52,6 +52,7 @@ class ParallelOptions:
     async_checkpoint: bool = False
     deepspeed_config: Any = None  # None, a dict or a JSON file's path (zero_backend="deepspeed")
     expert_parallel_size: int = 1  # experts sharded over groups of this many data-parallel ranks (parallel/experts.py)
+    find_unused_parameters: bool | None = None  # DDP's search for parameters without a gradient (unused_params.py)
 
     def __post_init__(self) -> None:
         _one_of("zero_backend", self.zero_backend, ZERO_BACKENDS)
@@ -75,6 +76,11 @@ class ParallelOptions:
             raise ValueError(
                 f"`pipeline_split` must be 'auto' or a list of module names where stages begin,"
                 f" got {self.pipeline_split!r}."
+            )
+        if not (self.find_unused_parameters is None or isinstance(self.find_unused_parameters, bool)):
+            raise ValueError(
+                "`find_unused_parameters` must be None (decided by the first step), True or False,"
+                f" got {self.find_unused_parameters!r}."
             )
         if not _positive_int(self.expert_parallel_size):
             raise ValueError(f"`expert_parallel_size` must be a positive integer, got {self.expert_parallel_size!r}.")

@@ -46,6 +46,7 @@ from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
 from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
+from lightning_mgpu.parallel.local_step import fused_on_cpu
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
@@ -82,6 +83,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         zero_backend: str = "torch",
         deepspeed_config: dict | str | None = None,
         expert_parallel_size: int = 1,
+        find_unused_parameters: bool | None = None,
         tp_plan: str | dict[str, str] | Callable[..., None] = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
@@ -129,6 +131,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             async_checkpoint=async_checkpoint,
             deepspeed_config=deepspeed_config,
             expert_parallel_size=expert_parallel_size,
+            find_unused_parameters=find_unused_parameters,
         )
         self.options.check_implemented()
         self.options.check_sizes(zero_stage, tensor_parallel_size, pipeline_parallel_size)
@@ -424,7 +427,9 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         if self._deepspeed is not None:
             assert self.lightning_module is not None
             return self._deepspeed.optimizer_step(optimizer, closure, self.lightning_module)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # Adam/AdamW on plain CPU tensors step with torch's fused kernel where the user chose neither foreach nor fused.
+        with fused_on_cpu(optimizer):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _tensor_parallel_context(self, method_name: str = "training_step") -> Any:
         return step_context(self.layout, self.options, method_name)

@@ -56,6 +56,14 @@ CASES = [
     ("pp-word", dict(pipeline_parallel_size="two"), {}, "construct", r"`pipeline_parallel_size` must be .*got 'two'"),
     # --- option values
     (
+        "find-unused-str",
+        dict(find_unused_parameters="yes"),
+        {},
+        "construct",
+        r"`find_unused_parameters` must be None \(decided by the first step\), True or False, got 'yes'",
+    ),
+    ("find-unused-int", dict(find_unused_parameters=1), {}, "construct", r"`find_unused_parameters` must be .*got 1"),
+    (
         "zero-backend",
         dict(zero_backend="megatron"),
         {},

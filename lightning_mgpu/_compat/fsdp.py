@@ -6,6 +6,11 @@
 - ``replicate_ddp`` / ``DDPModule``: ``torch.distributed._composable.replicate`` and its ``DDP`` marker class,
   DDP applied in place (no wrapper module, so FQNs and the LightningModule stay as they are). The public
   ``DistributedDataParallel`` wraps the module, which changes every parameter name.
+- ``ddp_of`` / ``ddp_syncs_gradients`` / ``rebuild_ddp`` / ``reducer_finalized`` / ``ranks_that_used``: the
+  ``DistributedDataParallel`` object ``replicate`` keeps in its composable state (``_ReplicateState._ddp``,
+  ``_param_list``, ``_no_sync``) and its reducer's ``_check_reducer_finalized``, ``_get_local_used_map`` and
+  ``_remove_autograd_hooks``: a reducer's ``find_unused_parameters`` is fixed when it is built, and there is no
+  public way to read which parameters a step used.
 - ``forget_composable_state``: ``torch.distributed._composable_state._module_state_mapping``, where torch records
   that ``fully_shard``/``replicate`` was applied to a module; there is no public way to un-apply them.
 - ``is_torch_added_attribute``: the private attributes ``fully_shard``, ``replicate`` and ``distribute_module`` set
@@ -53,3 +58,46 @@ _ADDED_NAMES = frozenset({"_distribute_module_applied", "_is_fsdp_managed_module
 def is_torch_added_attribute(name: str) -> bool:
     """Whether ``name`` is an attribute ``fully_shard``/``replicate``/``distribute_module`` set on a module."""
     return name.startswith(_ADDED_PREFIX) or name in _ADDED_NAMES
+
+
+def ddp_of(module: nn.Module) -> Any | None:
+    """The ``DistributedDataParallel`` object behind ``replicate_ddp(module)``; None until its first forward builds
+    it (torch keeps it in the composable state, ``_ReplicateState._ddp``)."""
+    state = internal("torch.distributed._composable.replicate", "replicate").state(module)
+    return None if state is None or state._init_args else getattr(state, "_ddp", None)
+
+
+def ddp_syncs_gradients(module: nn.Module) -> bool:
+    """Whether the next forward of ``replicate_ddp(module)`` synchronizes gradients (its ``no_sync`` flag)."""
+    return not internal("torch.distributed._composable.replicate", "replicate").state(module)._no_sync
+
+
+def rebuild_ddp(module: nn.Module, **kwargs: Any) -> Any:
+    """Replace the ``DistributedDataParallel`` object behind ``replicate_ddp(module)`` by one built with ``kwargs``.
+
+    A reducer's settings (``find_unused_parameters``) are fixed when it is built. The old reducer's gradient hooks
+    are removed; the new one moves existing gradients into its own buckets. Parameters are not broadcast again
+    (``init_sync=False``): the replicas already agree.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    state = internal("torch.distributed._composable.replicate", "replicate").state(module)
+    state._ddp._remove_autograd_hooks()
+    state._ddp = DistributedDataParallel(state._param_list, init_sync=False, **kwargs)
+    return state._ddp
+
+
+def reducer_finalized(ddp: Any) -> bool:
+    """Whether the last backward that synchronized gradients reduced every bucket (``Reducer._check_reducer_finalized``
+    raises otherwise: a parameter got no gradient, or the step's loss was not backpropagated)."""
+    try:
+        ddp._check_reducer_finalized()
+    except RuntimeError:
+        return False
+    return True
+
+
+def ranks_that_used(ddp: Any) -> Any:
+    """Per parameter of the reducer, how many ranks gave it a gradient in the last synchronized step (the map DDP
+    all-reduces when it looks for unused parameters: ``Reducer._get_local_used_map``)."""
+    return ddp.reducer._get_local_used_map()

@@ -107,6 +107,7 @@ def parallelize(
                 root=stage_root,
                 blocks=blocks,
                 reshard_blocks=reshard_blocks,
+                find_unused_parameters=options.find_unused_parameters,
             )
     return runtime
 

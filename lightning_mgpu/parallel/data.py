@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from lightning_mgpu._compat.dtensor import is_strided_shard
 from lightning_mgpu._compat.fsdp import is_ddp_replicated, replicate_ddp, replicate_with_fsdp
 from lightning_mgpu.parallel.blocks import find_blocks
-from lightning_mgpu.parallel.local_step import fused_on_cpu
+from lightning_mgpu.parallel.unused_params import UnusedParameterSearch
 
 if TYPE_CHECKING:
     from lightning_mgpu.patches import PatchLog
@@ -48,6 +48,7 @@ def apply_data_parallel(
     root: nn.Module | None = None,
     blocks: list[nn.Module] | None = None,
     reshard_blocks: bool | None = None,
+    find_unused_parameters: bool | None = None,
 ) -> None:
     """Wrap ``module`` in place for data parallelism over ``dp_mesh`` at the given ZeRO stage.
 
@@ -61,7 +62,8 @@ def apply_data_parallel(
     frees whole stages itself turns it off).
 
     ``mp_policy`` (FSDP2 ``MixedPrecisionPolicy``) and ``offload_policy`` (``OffloadPolicy``/``CPUOffloadPolicy``)
-    pass through to FSDP2 unchanged.
+    pass through to FSDP2 unchanged. ``find_unused_parameters`` applies where DDP replicates (stages 0-1 of plain
+    parameters): see ``parallel/unused_params.py``; FSDP2 reduces every gradient anyway.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -72,7 +74,7 @@ def apply_data_parallel(
     }
     root = module if root is None else root
     if zero_stage <= 1 and _plain_data_parallel(root, blocks, mp_policy, offload_policy):
-        _replicate_with_ddp(root, dp_mesh, zero_stage)
+        _replicate_with_ddp(root, dp_mesh, zero_stage, find_unused_parameters)
         return
     wrap: Callable[..., Any]
     if zero_stage <= 1:
@@ -124,19 +126,29 @@ def _plain_data_parallel(root: nn.Module, blocks: list[nn.Module] | None, mp_pol
     return not any(isinstance(p, DTensor) for p in root.parameters())
 
 
-def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, zero_stage: int) -> None:
+def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, find_unused: bool | None) -> None:
     """Torch's DDP applied in place: bucketed all-reduces that start while backward still runs.
 
-    Gradients are views into the buckets (no copy). DDP builds its reducer on the first forward.
+    Gradients are views into the buckets (no copy). DDP builds its reducer on the first forward. ``find_unused``:
+    whether DDP searches each step for parameters left without a gradient; None decides from the first step
+    (``parallel/unused_params.py``).
     """
-    # find_unused_parameters: a step may leave parameters without a gradient (unused heads, routed experts), as
-    # FSDP2 allows; DDP then marks them ready itself instead of failing the next step.
-    replicate_ddp(root, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True, find_unused_parameters=True)
+    kwargs = {
+        "process_group": dp_mesh.get_group(),
+        "gradient_as_bucket_view": True,
+        "find_unused_parameters": find_unused is not False,
+    }
+    replicate_ddp(root, **kwargs)
+    comm_hook = None
     if zero_stage == 1:
         # Set before DDP's first forward builds the reducer; owners come with the optimizers (OptimizerStateSharding).
         reduce = _OwnerReduce(dp_mesh.get_group())
-        cast(Any, root).register_comm_hook(reduce, _reduce_to_owners)  # a method replicate_ddp gave its class
+        comm_hook = (reduce, _reduce_to_owners)
+        cast(Any, root).register_comm_hook(*comm_hook)  # a method replicate_ddp gave its class
         root._lightning_mgpu_owner_reduce = reduce  # type: ignore[assignment]
+    if find_unused is not True:
+        search = UnusedParameterSearch(root, dp_mesh.size(), kwargs, comm_hook)
+        root.register_forward_pre_hook(search, prepend=True)
 
 
 def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Any | None:
@@ -233,8 +245,7 @@ class OptimizerStateSharding:
         for owner, params in enumerate(self._by_owner):
             for param in params if owner != self._rank else ():
                 param.grad = None
-        with fused_on_cpu(self.optimizer):
-            self._unwrapped_step()
+        self._unwrapped_step()
         self._broadcast_updates()
         return loss
 
