@@ -1,0 +1,63 @@
+"""The all-to-all reduce-scatter FSDP2 units use on gloo: torch's reduce-scatter's result, half its traffic."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_mgpu.parallel.reduce_scatter import AllToAllReduceScatter
+from tests.helpers.distributed import run_distributed
+from tests.helpers.probes import collectives_of
+
+
+def _compare() -> dict:
+    import torch.distributed as dist
+    from torch.distributed import ReduceOp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.profiler import profile
+
+    from lightning_mgpu.parallel.data import apply_data_parallel
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group, comm = dist.group.WORLD, AllToAllReduceScatter()
+    torch.manual_seed(rank)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        # MAX: not a sum, left to torch's reduce-scatter.
+        for name, op in (("sum", ReduceOp.SUM), ("avg", ReduceOp.AVG), ("max", ReduceOp.MAX)):
+            full = torch.randn(world * 6, dtype=dtype)
+            expected, got = torch.empty(6, dtype=dtype), comm.allocate((6,), dtype=dtype, device=full.device)
+            dist.reduce_scatter_single(expected, full.clone(), group=group, op=op)
+            comm(got, full.clone(), group, op)
+            results[(str(dtype), name)] = (expected, got)
+
+    # Installed on every sharded unit: the model's one gradient reduction is an all-to-all of the whole gradient.
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    apply_data_parallel(model, mesh, zero_stage=2, blocks=[model[0]])
+    with profile(record_shapes=True) as prof:
+        model(torch.randn(3, 8)).sum().backward()
+    results["counted"] = collectives_of(prof, world)
+    # A unit sharded by hand keeps torch's own reduce-scatter.
+    plain = fully_shard(nn.Linear(8, 8), mesh=mesh)
+    with profile(record_shapes=True) as prof:
+        plain(torch.randn(3, 8)).sum().backward()
+    results["plain"] = collectives_of(prof, world)["counts"]
+    return results
+
+
+def test_all_to_all_reduce_scatter_matches_torchs_and_sends_its_volume():
+    world = 2
+    for rank, results in enumerate(run_distributed(_compare, world)):
+        counted, plain = results.pop("counted"), results.pop("plain")
+        for key, (expected, got) in results.items():
+            # The same sums in another order: fp32 rounding, bf16's coarser one.
+            tolerance = 1e-6 if "float32" in key[0] else 1e-2
+            torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance, msg=f"rank {rank} {key}")
+        # Two units (the block, the root) each all-to-all their gradients once: (w-1)/w of 4 bytes per element.
+        numel = 8 * 8 + 8 + 8 * 2 + 2
+        assert counted["counts"] == {"A2A": 2, "AG": 2}, counted
+        assert counted["bytes"] == 2 * (world - 1) / world * 4 * numel, counted
+        assert plain == {"RS": 1, "AG": 1}, plain
