@@ -180,6 +180,7 @@ class LoopTimer:
     def __init__(self) -> None:
         self.times: list[float] = []
         self.cpu_times: list[float] = []
+        self.thread_times: list[float] = []  # the calling (main) thread's CPU time: no gloo worker thread's
         self.phases: list[tuple[float, ...]] = []
         self.iter_times: list[float] = []
         self.iter_cpu_times: list[float] = []
@@ -194,7 +195,7 @@ class LoopTimer:
 
     @contextmanager
     def step(self, timed: bool = True, probe: Any = None) -> Iterator[None]:
-        start = (time.perf_counter(), time.process_time())
+        start, thread_start = (time.perf_counter(), time.process_time()), time.thread_time()
         if self._last_start is not None:
             self.iter_times.append(start[0] - self._last_start[0])
             self.iter_cpu_times.append(start[1] - self._last_start[1])
@@ -208,6 +209,7 @@ class LoopTimer:
             (t0, c0), (t1, c1) = self._marks[0], self._marks[-1]
             self.times.append(t1 - t0)
             self.cpu_times.append(c1 - c0)
+            self.thread_times.append(time.thread_time() - thread_start)
             walls = [b[0] - a[0] for a, b in zip(self._marks, self._marks[1:])]
             cpus = [b[1] - a[1] for a, b in zip(self._marks, self._marks[1:])]
             if len(walls) == 3:  # forward / backward / optimizer (a pipeline stage may see no backward hook)
@@ -217,6 +219,7 @@ class LoopTimer:
         return {
             "times": self.times,
             "cpu_times": self.cpu_times,
+            "thread_times": self.thread_times,
             "phases": self.phases,
             "iter_times": self.iter_times,
             "iter_cpu_times": self.iter_cpu_times,
@@ -425,6 +428,12 @@ def summarize(runs: list[list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
         out[f"run_{cpu_name}"] = [statistics.median(cpu) for _, cpu in per_run]
         if name == "median":
             out["min"] = min(w for wall, _ in per_run for w in wall)
+    if all(o.get("thread_times") for outputs in runs for o in outputs):
+        per_run_thread = [
+            [statistics.mean(s) for s in zip(*(o["thread_times"] for o in outputs))][warmup:] for outputs in runs
+        ]
+        out["thread"] = statistics.median(t for run in per_run_thread for t in run)
+        out["run_thread"] = [statistics.median(run) for run in per_run_thread]
     phases = [
         tuple(map(statistics.mean, zip(*s)))
         for outputs in runs
@@ -479,6 +488,18 @@ def ratio_table(
         )
         rows.append({"name": name, "peer": peer, "wall": wall, "cpu": cpu, "target": target})
     return rows
+
+
+def thread_table(results: dict[str, dict[str, Any]], pairs: list[tuple[str, str, float | None]]) -> None:
+    """Supplementary to ``ratio_table``: the ratio of the ranks' main-thread CPU time per step (median over repeats
+    [min-max]). Process CPU time also counts gloo's worker threads, whose polling while a rank waits for its peer
+    varies with the machine's load from run to run; the main thread's is the work the rank's step itself did."""
+    print("\nmain-thread CPU time per step (the rank's own work, no gloo worker thread), ours / peer:")
+    for name, peer, _ in pairs:
+        if "run_thread" in results.get(name, {}) and "run_thread" in results.get(peer, {}):
+            r = ratio(results, name, peer, "run_thread")
+            ms = results[name]["thread"] * 1e3, results[peer]["thread"] * 1e3
+            print(f"  {name:<22} {peer:<22} {ms[0]:8.1f} {ms[1]:8.1f} {_fmt_ratio(r):>20}")
 
 
 def table(

@@ -36,6 +36,7 @@ that DTensor can only do by redistributing is still correct, just slower (tests 
 from __future__ import annotations
 
 import warnings
+from types import GetSetDescriptorType
 from typing import Any
 
 import torch
@@ -57,6 +58,9 @@ class GlobalShapeMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        # Attribute reads (``x.shape``, ``x.grad``; about half of a region's calls) have nothing to convert.
+        if isinstance(getattr(func, "__self__", None), GetSetDescriptorType):
+            return func(*args, **kwargs)
         dtensor, plain = _scan(args, kwargs)
         if dtensor is None:
             return func(*args, **kwargs)
@@ -80,12 +84,18 @@ def _scan(args: tuple, kwargs: dict) -> tuple[DTensor | None, bool]:
     """The first DTensor among the arguments (and in lists of them, as ``torch.cat`` takes), and whether plain
     tensors are mixed in. Runs on every operation in a region, hence no general tree flattening."""
     dtensor, plain = None, False
-    for value in (*args, *kwargs.values()):
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(item, DTensor):
-                dtensor = dtensor if dtensor is not None else item
-            elif _is_plain(item):
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            if isinstance(value, DTensor):
+                dtensor = value if dtensor is None else dtensor
+            elif value.dim() > 0:
                 plain = True
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, DTensor):
+                    dtensor = item if dtensor is None else dtensor
+                elif _is_plain(item):
+                    plain = True
     return dtensor, plain
 
 
