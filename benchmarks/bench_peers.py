@@ -229,6 +229,8 @@ def print_report(runs: dict[str, list], args: dict[str, Any]) -> dict[str, Any]:
         f" ({4 * n_params / MB:.2f} MB fp32); dp={dp} x batch {args['batch_size']}, gloo; {args['repeats']} interleaved"
         f" repeats x {args['steps'] - args['warmup']} timed steps; load {harness.load_average()}"
     )
+    if args["profile"]:
+        print(harness.PROFILED_NOTE)
     pairs = [(name, peer, target) for name, (_, _, peer, target) in CONFIGS.items() if peer and name in results]
     rows = harness.ratio_table(results, pairs)
     harness.thread_table(results, pairs)

@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f" {ns.repeats} interleaved repeats x {ns.steps - ns.warmup} timed steps; load {load_before} before,"
         f" {harness.load_average()} after"
     )
+    if ns.profile:
+        print(harness.PROFILED_NOTE)
     rows = harness.ratio_table(results, pairs)
     # From one step's start to the next: adds what either side does between steps (fetching the batch by hand;
     # Lightning's loop: its data fetcher, batch transfer hooks, logger connector, scheduler and validation checks).

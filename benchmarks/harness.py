@@ -394,6 +394,12 @@ class profiled_collectives:
 
 
 # ------------------------------------------------------------------------------------------------ the report
+PROFILED_NOTE = (
+    "NOTE: --profile runs the timed steps under cProfile, which slows Python-heavy code (Lightning's loop, DTensor"
+    " dispatch) far more than kernels: the ratios of this run are not comparable; compare calls, and time without it."
+)
+
+
 def summarize(runs: list[list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
     """Pool a configuration's repeats: per step the slowest rank's wall time and the ranks' mean CPU time.
 
