@@ -18,7 +18,7 @@ configuration          what                                                     
 ``tp2``                ``HybridStrategy(tensor_parallel_size=2)`` (ZeRO-3 over dp if > 1)        ``mp-tp2`` (<= 1.00)
 ``pp-hand``            1F1B by hand: ``PipelineStage`` + ``Schedule1F1B`` over stages cut like   -
                        HybridStrategy's (``bench_pipeline.run_by_hand``), pp 2 x dp
-                       ``--devices``/2 (FSDP2 ``replicate`` and fused AdamW when dp > 1)
+                       ``--devices``/2 (FSDP2 ``replicate`` when dp > 1), AdamW fused as ours
 ``pp-1f1b``            ``HybridStrategy(pipeline_parallel_size=2, data_parallel_size=devices/2,  ``pp-hand`` (<= 1.05)
                        pipeline_schedule="1F1B", num_microbatches=4)``
 =====================  =======================================================================  ====================

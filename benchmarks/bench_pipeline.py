@@ -16,8 +16,8 @@ name           what
                ``self.log(..., sync_dist=True)``: averaged over dp, then sent from the last stage to the pipeline
                group, whose first rank, global rank 0, holds the progress bar and loggers), then AdamW with the
                demo's parameter groups, on the batches Lightning trains on (``DistributedSampler(shuffle=True)``
-               over the dp ranks); process groups looked up once before the loop; with dp > 1 AdamW fused over
-               the DTensors, as HybridStrategy steps them on their local tensors
+               over the dp ranks); process groups looked up once before the loop; AdamW fused (``fused=True``),
+               as HybridStrategy steps it on CPU (plain tensors at dp 1, DTensors' local shards at dp > 1)
 =============  ===================================================================================================
 
 The launching, timing and ratio table are the shared harness's (``benchmarks/harness.py``): each configuration runs
@@ -169,12 +169,12 @@ def run_by_hand(
     )
     demo.model = nn.ModuleList(modules)  # the demo's configure_optimizers (its groups) over this rank's stages
     optimizer = demo.configure_optimizers()
-    if dp > 1:
-        # As HybridStrategy steps DTensor parameters (``local_step.ShardLocalStep``): one fused AdamW kernel per
-        # group, not AdamW's per-tensor loop over DTensors (~5x the CPU time), so that the ratio measures the
-        # pipeline runtime and Lightning rather than the optimizer path.
-        for group in optimizer.param_groups:
-            group["fused"] = True
+    # As HybridStrategy steps AdamW on CPU where the module left `foreach`/`fused` unset (``local_step.fused_on_cpu``:
+    # plain tensors at dp 1, the local shards of DTensors through ``ShardLocalStep`` at dp > 1): one fused kernel per
+    # group, not AdamW's per-tensor loop (~5x the CPU time), so that the ratio measures the pipeline runtime and
+    # Lightning rather than the optimizer path.
+    for group in optimizer.param_groups:
+        group["fused"] = True
     replica_batch = replica_batch or args["batch_size"] // dp
     dm = demo_gpt.demo_data(args, replica_batch)
     dm.setup()
