@@ -72,7 +72,7 @@ def analytic_comm(name: str, dp: int, n_params: int, n_root: int) -> tuple[float
     if kind == "ddp" or stage == 0:
         return 2 * f * full, "AR grads 2(dp-1)/dp*4N"
     if stage in (1, 2):
-        return 2 * f * full, "RS grads + AG params 2(dp-1)/dp*4N"
+        return 2 * f * full, "grads reduced to their shard (RS volume) + params gathered (AG volume) 2(dp-1)/dp*4N"
     # ZeRO-3: blocks gathered in forward and again in backward, the root (embeddings, head) once.
     return 2 * f * full + f * 4 * (n_params - n_root), "AG fwd + AG bwd (blocks) + RS"
 
