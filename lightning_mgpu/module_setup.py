@@ -39,6 +39,7 @@ def parallelize_for_run(
 ) -> tuple[StepRunner, PipelineEngine | None]:
     """Every parallelism of ``layout`` applied to ``module``; the step runner Lightning calls, and the pipeline
     engine that runs the schedule when ``layout`` pipelines."""
+    _refuse_manual_optimization_over_data_parallel(module, layout, options)
     runner = StepRunner(module)
     pipeline = parallelize(module, layout, mesh, options, mp_policy=precision.mp_policy(), root=runner)
     if pipeline is None:
@@ -49,6 +50,24 @@ def parallelize_for_run(
     engine.share_with(precision)
     patches.add(engine.remove)
     return runner, engine
+
+
+def _refuse_manual_optimization_over_data_parallel(
+    module: nn.Module, layout: ParallelLayout, options: ParallelOptions
+) -> None:
+    """Under manual optimization ``manual_backward`` runs inside ``training_step``, which is the data-parallel root's
+    forward: DDP and FSDP2 prepare their gradient reduction only once that forward has returned (DDP fails, FSDP2
+    reduces part of the gradients). Refused until the torch backend wraps such steps differently."""
+    if getattr(module, "automatic_optimization", True) or options.zero_backend != "torch":
+        return
+    if layout.pipeline_parallel_size == 1 and (layout.data_parallel_size > 1 or options.cpu_offload):
+        raise NotImplementedError(
+            f"Manual optimization (`automatic_optimization = False`) with data_parallel_size="
+            f"{layout.data_parallel_size}{' and cpu_offload=True' if options.cpu_offload else ''} is not supported:"
+            " manual_backward runs inside training_step, before data parallelism can reduce its gradients. Use"
+            " automatic optimization (return the loss from training_step), or data_parallel_size=1 (tensor"
+            " parallelism supports manual optimization)."
+        )
 
 
 def data_parallel_roots(pipeline: PipelineEngine | None, model: nn.Module | None) -> list[nn.Module]:

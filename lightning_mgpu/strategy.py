@@ -48,6 +48,7 @@ from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_
 from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
 from lightning_mgpu.parallel.local_step import fused_on_cpu
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
+from lightning_mgpu.parallel.unused_params import finish_backward, stop_watching
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
@@ -420,7 +421,10 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             assert self.lightning_module is not None
             return self._deepspeed.backward(closure_loss, self.lightning_module, self.precision_plugin)
         with self._tensor_parallel_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        for root in self._data_parallel_roots:
+            finish_backward(root)  # DDP's check for parameters left without a gradient, before the optimizer step
+        return loss
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -457,6 +461,8 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             for sharding in self._optimizer_sharding:
                 sharding.remove()
             self._optimizer_sharding = []
+            for root in self._data_parallel_roots:
+                stop_watching(root)
             if self._restore_module:
                 self._restore_user_objects()
             assert self.cluster_environment is not None and self.accelerator is not None

@@ -97,6 +97,12 @@ def parallelize(
         # within a step is ZeRO-2's; freeing blocks after each forward breaks looped schedules' backward in
         # torch 2.13.
         reshard_blocks = None if runtime is None or len(runtime.stages) == 1 else False
+        # Routed experts in a ModuleList can get no token on a rank in any step: DDP keeps searching for them.
+        from lightning_mgpu.parallel.experts import find_expert_lists
+
+        find_unused = options.find_unused_parameters
+        if find_unused is None and find_expert_lists(module):
+            find_unused = True
         for stage_root, blocks in roots:
             apply_data_parallel(
                 module,
@@ -107,7 +113,7 @@ def parallelize(
                 root=stage_root,
                 blocks=blocks,
                 reshard_blocks=reshard_blocks,
-                find_unused_parameters=options.find_unused_parameters,
+                find_unused_parameters=find_unused,
             )
     return runtime
 

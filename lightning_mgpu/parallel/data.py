@@ -37,7 +37,7 @@ from lightning_mgpu._compat.dtensor import is_strided_shard
 from lightning_mgpu._compat.fsdp import is_ddp_replicated, replicate_ddp, replicate_with_fsdp
 from lightning_mgpu.parallel.blocks import find_blocks
 from lightning_mgpu.parallel.reduce_scatter import reduce_scatter_directly
-from lightning_mgpu.parallel.unused_params import UnusedParameterSearch
+from lightning_mgpu.parallel.unused_params import watch_unused_parameters
 
 if TYPE_CHECKING:
     from lightning_mgpu.patches import PatchLog
@@ -153,8 +153,7 @@ def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, f
         cast(Any, root).register_comm_hook(*comm_hook)  # a method replicate_ddp gave its class
         root._lightning_mgpu_owner_reduce = reduce  # type: ignore[assignment]
     if find_unused is not True:
-        search = UnusedParameterSearch(root, dp_mesh.size(), kwargs, comm_hook)
-        root.register_forward_pre_hook(search, prepend=True)
+        watch_unused_parameters(root, dp_mesh.get_group(), kwargs, comm_hook)
 
 
 def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Any | None:

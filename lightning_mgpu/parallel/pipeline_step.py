@@ -66,7 +66,7 @@ class PipelineEngine:
             raise ValueError(
                 "pipeline_parallel_size > 1 runs forward and backward inside the pipeline schedule, so it needs"
                 " automatic optimization; this module sets `automatic_optimization = False`. Use"
-                " pipeline_parallel_size=1 (tensor/data parallelism and ZeRO support manual optimization)."
+                " pipeline_parallel_size=1 (tensor parallelism at data_parallel_size=1 supports manual optimization)."
             )
         self.module = module
         self.runtime = runtime

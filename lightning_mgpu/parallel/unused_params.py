@@ -5,10 +5,12 @@ in a ``ModuleList``, layer drop), as FSDP2 allows, but it costs every step: a wa
 forward and one more all-reduce (of the map of used parameters). Lightning's ``DDPStrategy`` leaves it off, so a
 model with such parameters fails there.
 
-``find_unused_parameters=None`` (the strategy's default) decides from the first step: DDP searches in it, and if
-every rank gave every parameter a gradient, the reducer is rebuilt without the search, as ``DDPStrategy`` runs.
-Otherwise the search stays on. A later step that leaves a parameter without a gradient then stops the run with an
-error naming ``find_unused_parameters=True``, before the next forward (the reducer did not finish that step).
+``find_unused_parameters=None`` (the strategy's default) decides from the first step that synchronizes gradients:
+DDP searches in it, and the parameters that get a gradient in that backward are recorded on every rank. If every
+rank gave every parameter one, the reducer is rebuilt without the search (as ``DDPStrategy`` runs); otherwise the
+search stays on. From then on each synchronizing backward is checked when it ends: one that left a parameter without
+a gradient stops the run there, before the optimizer steps on gradients DDP did not reduce, with an error naming
+``find_unused_parameters=True``. Models with a ``ModuleList`` of routed experts start with the search on.
 """
 
 from __future__ import annotations
@@ -16,46 +18,106 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from lightning_mgpu._compat.fsdp import ddp_of, ddp_syncs_gradients, ranks_that_used, rebuild_ddp, reducer_finalized
+from lightning_mgpu._compat.fsdp import ddp_of, ddp_syncs_gradients, rebuild_ddp, reducer_finalized
+
+_ATTRIBUTE = "_lightning_mgpu_unused_search"
 
 
 class UnusedParameterSearch:
-    """Forward pre-hook on a DDP root, ahead of DDP's own: with ``searching=None``, after the first step that
-    synchronized gradients, turns the search off if it found nothing; while the search is off, refuses to go on after
-    a step that left a parameter without a gradient (DDP's own error names its constructor, not the strategy)."""
+    """Watches a DDP root whose search is undecided (``find_unused_parameters=None``) or off (``False``).
 
-    def __init__(self, root: nn.Module, world: int, ddp_kwargs: dict[str, Any], comm_hook: tuple[Any, Any] | None):
+    Its ``__call__`` is a forward pre-hook on the root, ahead of DDP's own; ``after_backward`` runs when a backward
+    ends (``finish_backward``, from the strategy's ``backward``).
+    """
+
+    def __init__(self, root: nn.Module, group: Any, ddp_kwargs: dict[str, Any], comm_hook: tuple[Any, Any] | None):
         self.root = root
-        self.world = world
+        self.group = group
         self.ddp_kwargs = ddp_kwargs
         self.comm_hook = comm_hook
-        self.deciding = ddp_kwargs["find_unused_parameters"]  # True while the first step decides
-        self.synced_steps = 0
+        self.deciding: bool = ddp_kwargs["find_unused_parameters"]  # searching until the first synced backward
+        self.steps = 0  # synchronizing backwards so far
+        self._got_gradient: set[int] = set()
+        self._recording: list[Any] = []  # hooks recording which parameters got a gradient while deciding
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         ddp = ddp_of(self.root)
-        if ddp is not None and self.synced_steps:
-            if self.deciding:
-                self.deciding = False
-                if reducer_finalized(ddp) and bool((ranks_that_used(ddp) == self.world).all()):
-                    self._rebuild_without_search()
-            elif not ddp.find_unused_parameters and not reducer_finalized(ddp):
-                raise RuntimeError(_UNUSED_LATER.format(step=self.synced_steps))
-        if torch.is_grad_enabled() and ddp_syncs_gradients(self.root):
-            self.synced_steps += 1
+        if ddp is not None and not ddp.find_unused_parameters and not reducer_finalized(ddp):
+            raise RuntimeError(self._unused_message())  # a backward that never ran (training_step returned None)
+        if self.deciding and not self._recording and torch.is_grad_enabled() and ddp_syncs_gradients(self.root):
+            self._got_gradient.clear()
+            self._recording = [
+                p.register_post_accumulate_grad_hook(lambda p: self._got_gradient.add(id(p)))
+                for p in self.root.parameters()
+                if p.requires_grad
+            ]
 
-    def _rebuild_without_search(self) -> None:
-        ddp = rebuild_ddp(self.root, **{**self.ddp_kwargs, "find_unused_parameters": False})
-        if self.comm_hook is not None:
-            ddp.register_comm_hook(*self.comm_hook)
+    def after_backward(self) -> None:
+        ddp = ddp_of(self.root)
+        if ddp is None or not ddp_syncs_gradients(self.root):
+            return  # a micro-step of gradient accumulation: DDP reduces nothing
+        self.steps += 1
+        if self._recording:
+            self._decide()
+        elif not ddp.find_unused_parameters and not reducer_finalized(ddp):
+            raise RuntimeError(self._unused_message())
+
+    def remove(self) -> None:
+        for hook in self._recording:
+            hook.remove()
+        self._recording = []
+
+    def _decide(self) -> None:
+        wanted = [p for p in self.root.parameters() if p.requires_grad]
+        all_used = torch.tensor(
+            int(all(id(p) in self._got_gradient for p in wanted)), device=wanted[0].device if wanted else None
+        )
+        dist.all_reduce(all_used, op=dist.ReduceOp.MIN, group=self.group)  # one decision for every rank
+        self.remove()
+        self.deciding = False
+        if all_used.item():
+            ddp = rebuild_ddp(self.root, **{**self.ddp_kwargs, "find_unused_parameters": False})
+            if self.comm_hook is not None:
+                ddp.register_comm_hook(*self.comm_hook)
+
+    def _unused_message(self) -> str:
+        why = (
+            "find_unused_parameters=False"
+            if not self.ddp_kwargs["find_unused_parameters"]
+            else "every parameter had one in the first step, so the search stopped after it (find_unused_parameters="
+            "None, as Lightning's DDPStrategy runs)"
+        )
+        return (
+            f"Step {self.steps} of this run left a parameter without a gradient on this rank (or its loss was not"
+            f" backpropagated), and data parallelism (DDP, zero_stage 0/1) did not search for such parameters: {why}."
+            " DDP did not reduce the gradients, so the run stops here. For a model whose steps can leave parameters"
+            " unused (routed experts, layer drop, a loss term used on some steps), pass"
+            " HybridStrategy(find_unused_parameters=True)."
+        )
 
 
-_UNUSED_LATER = (
-    "Step {step} left a parameter without a gradient (or its loss was not backpropagated) while data parallelism"
-    " (DDP, zero_stage 0/1) did not search for unused parameters: with find_unused_parameters=None it stops"
-    " searching when every parameter had a gradient in the first step, as Lightning's DDPStrategy runs. For a model"
-    " whose steps can leave parameters unused (routed experts in a ModuleList, layer drop, a head used on some"
-    " steps), pass HybridStrategy(find_unused_parameters=True)."
-)
+def watch_unused_parameters(
+    root: nn.Module, group: Any, ddp_kwargs: dict[str, Any], comm_hook: tuple[Any, Any] | None
+) -> None:
+    """Attach an ``UnusedParameterSearch`` to a DDP root built with ``ddp_kwargs`` (undone with the root's hooks
+    and attributes when the strategy restores the module)."""
+    search = UnusedParameterSearch(root, group, ddp_kwargs, comm_hook)
+    root.register_forward_pre_hook(search, prepend=True)
+    setattr(root, _ATTRIBUTE, search)
+
+
+def stop_watching(root: nn.Module) -> None:
+    """Remove the recording hooks from the user's parameters (a run that ended before its first synced backward)."""
+    search = getattr(root, _ATTRIBUTE, None)
+    if search is not None:
+        search.remove()
+
+
+def finish_backward(root: nn.Module) -> None:
+    """After a backward: decide the search, or refuse a step that left a parameter without a gradient."""
+    search = getattr(root, _ATTRIBUTE, None)
+    if search is not None:
+        search.after_backward()

@@ -48,11 +48,37 @@ def _data(batch):
 
 
 def test_a_parameter_unused_after_the_first_step_stops_the_run_naming_the_fix():
-    """Every parameter had a gradient in step 1, so the search was turned off; step 3 leaves the warm-up head
-    without one: the run stops before step 4's forward, naming `find_unused_parameters=True` (not a hang, and not
-    DDP's own message about its constructor)."""
-    with pytest.raises(RuntimeError, match=r"Step 3 left a parameter without a gradient.*find_unused_parameters=True"):
-        fit(_GPTWithWarmupLoss, _data(4), {"zero_stage": 0}, 2, STEPS)
+    """Every parameter had a gradient in step 1, so the search was turned off; step 3, the last, leaves the warm-up
+    head without one: the run stops right after that backward, before the optimizer steps on gradients DDP did not
+    reduce (not a hang, not a silent update, not DDP's own message about its constructor)."""
+    with pytest.raises(
+        RuntimeError, match=r"Step 3 of this run left a parameter without a gradient.*find_unused_parameters=True"
+    ):
+        fit(_GPTWithWarmupLoss, _data(4), {"zero_stage": 0}, 2, 3)
+
+
+class _GPTWithFirstMicroStepLoss(GPTLightningModule):
+    """An auxiliary loss on the first micro-step of each accumulated step only: the micro-step that synchronizes
+    gradients leaves its head without a gradient."""
+
+    def __init__(self):
+        super().__init__(block_size=32, n_layer=2, n_head=4, n_embd=32, weight_decay=0.1, lr=1e-3)
+        self.aux_head = nn.Linear(32, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx % 2 == 0:
+            loss = loss + 0.1 * self.aux_head(self.model.transformer.wte.weight[:4]).pow(2).mean()
+        return loss
+
+
+def test_accumulation_decides_from_the_micro_step_that_synchronizes():
+    """DDP's own map of used parameters counts the accumulating micro-steps too; the decision must not: the head
+    gets no gradient in the synchronizing micro-step, so the search stays on and training matches one process."""
+    accumulate = {"accumulate_grad_batches": 2}
+    single, _ = fit(_GPTWithFirstMicroStepLoss, _data(8), {}, 1, STEPS, trainer_kwargs=accumulate)
+    result, _ = fit(_GPTWithFirstMicroStepLoss, _data(4), {"zero_stage": 1}, 2, STEPS, trainer_kwargs=accumulate)
+    assert_same_training(single, result)
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
