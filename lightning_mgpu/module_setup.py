@@ -20,6 +20,7 @@ from lightning_mgpu.parallel.data import OptimizerStateSharding
 from lightning_mgpu.parallel.experts import expert_parameters
 from lightning_mgpu.parallel.local_step import ShardLocalStep, steps_on_shards
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
+from lightning_mgpu.parallel.unused_params import stop_watching
 from lightning_mgpu.patches import PatchLog
 from lightning_mgpu.precision import HybridPrecision
 
@@ -68,6 +69,17 @@ def _refuse_manual_optimization_over_data_parallel(
             " automatic optimization (return the loss from training_step), or data_parallel_size=1 (tensor"
             " parallelism supports manual optimization)."
         )
+
+
+def unwire_optimizers(shardings: list[OptimizerStateSharding], watched_roots: Sequence[nn.Module] = ()) -> None:
+    """Undo ZeRO-1's wrapping of the user's optimizers and, for ``watched_roots``, the hooks DDP roots may still hold
+    on the user's parameters (``parallel/unused_params.py``, while the first step has not decided). Empties
+    ``shardings``."""
+    for sharding in shardings:
+        sharding.remove()
+    shardings.clear()
+    for root in watched_roots:
+        stop_watching(root)
 
 
 def data_parallel_roots(pipeline: PipelineEngine | None, model: nn.Module | None) -> list[nn.Module]:

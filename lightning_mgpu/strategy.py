@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
+from lightning_mgpu import module_setup
 from lightning_mgpu._compat.lightning import (
     IS_INTERACTIVE,
     StrategyHooks,
@@ -41,14 +42,13 @@ from lightning_mgpu.failures import handle_rank_failure, restore_sigterm
 from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
 from lightning_mgpu.layout_choice import agreed_plan, check_sizes, check_trainer_layout
-from lightning_mgpu.module_setup import data_parallel_roots, parallelize_for_run, reshard, wire_optimizers
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
 from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
 from lightning_mgpu.parallel.local_step import fused_on_cpu
 from lightning_mgpu.parallel.pipeline_step import PipelineEngine
-from lightning_mgpu.parallel.unused_params import finish_backward, stop_watching
+from lightning_mgpu.parallel.unused_params import finish_backward
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
@@ -332,7 +332,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             if self._restore_module and self._deepspeed is None:
                 self._snapshot = ModuleSnapshot.take(self.lightning_module)
             module, mesh, precision = self.lightning_module, self.device_mesh, self.precision_plugin
-            self._runner, self._pipeline = parallelize_for_run(
+            self._runner, self._pipeline = module_setup.parallelize_for_run(
                 module, self.layout, mesh, self.options, precision, self.root_device, self._patches
             )
             self.model = self._runner
@@ -357,17 +357,16 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
 
     @property
     def _data_parallel_roots(self) -> list[nn.Module]:
-        return data_parallel_roots(self._pipeline, self.model)
+        return module_setup.data_parallel_roots(self._pipeline, self.model)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         reset_optimizers_and_schedulers(self)
-        for sharding in self._optimizer_sharding:
-            sharding.remove()
+        module_setup.unwire_optimizers(self._optimizer_sharding)
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
         run = (self.layout, self.device_mesh, self._pipeline, self._data_parallel_roots, self.precision_plugin)
-        self._optimizer_sharding = wire_optimizers(
+        self._optimizer_sharding = module_setup.wire_optimizers(
             self.optimizers, self.lightning_module, *run, self._patches, self._deepspeed
         )
 
@@ -422,8 +421,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             return self._deepspeed.backward(closure_loss, self.lightning_module, self.precision_plugin)
         with self._tensor_parallel_context():
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        for root in self._data_parallel_roots:
-            finish_backward(root)  # DDP's check for parameters left without a gradient, before the optimizer step
+        finish_backward(self._data_parallel_roots)  # DDP: parameters left without a gradient, before the step
         return loss
 
     @override
@@ -458,11 +456,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
     def teardown(self) -> None:
         try:
             self._checkpointer.wait()  # a background save finishes (or raises) before `fit` returns
-            for sharding in self._optimizer_sharding:
-                sharding.remove()
-            self._optimizer_sharding = []
-            for root in self._data_parallel_roots:
-                stop_watching(root)
+            module_setup.unwire_optimizers(self._optimizer_sharding, watched_roots=self._data_parallel_roots)
             if self._restore_module:
                 self._restore_user_objects()
             assert self.cluster_environment is not None and self.accelerator is not None
@@ -488,7 +482,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             return
         pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
         if self._interrupted and self.layout.zero_stage >= 2:  # only sharded groups can be left unsharded
-            reshard(self._data_parallel_roots)
+            module_setup.reshard(self._data_parallel_roots)
         restore_plain(snapshot, list(self.optimizers), self._patches, pp_group)
         self.model, self._runner, self._pipeline = self.lightning_module, None, None
         gc.collect()  # DDP's reducer (its autograd hooks on the parameters) goes with the step runner

@@ -116,8 +116,9 @@ def stop_watching(root: nn.Module) -> None:
         search.remove()
 
 
-def finish_backward(root: nn.Module) -> None:
+def finish_backward(roots: list[nn.Module]) -> None:
     """After a backward: decide the search, or refuse a step that left a parameter without a gradient."""
-    search = getattr(root, _ATTRIBUTE, None)
-    if search is not None:
-        search.after_backward()
+    for root in roots:
+        search = getattr(root, _ATTRIBUTE, None)
+        if search is not None:
+            search.after_backward()

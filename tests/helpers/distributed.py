@@ -131,3 +131,20 @@ def run_distributed(
                 process.kill()
                 process.join()
     return [results[rank] for rank in range(world_size)]
+
+
+def run_each(checks: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Run every check in this rank, one after the other, so that one job serves many tests; a check that raises
+    is kept as ``{"failed": traceback}`` for its own test to report (``traceback_of``)."""
+    results: dict[str, Any] = {}
+    for name, check in checks.items():
+        try:
+            results[name] = check()
+        except Exception:
+            results[name] = {"failed": traceback.format_exc()}
+    return results
+
+
+def traceback_of(result: Any) -> str | None:
+    """The traceback ``run_each`` kept for a check that raised, else None."""
+    return result["failed"] if isinstance(result, dict) and "failed" in result else None

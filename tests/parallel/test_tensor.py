@@ -14,7 +14,7 @@ from lightning_mgpu.demo import GPTLightningModule, TextDataModule
 from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 from lightning_mgpu.parallel.tensor_plan import auto_plan
 from tests.helpers.batched import Run, fit_each, references, result
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import run_distributed, run_each, traceback_of
 from tests.helpers.equivalence import assert_same_training
 from tests.helpers.modules import GPT2Module, LlamaModule, RandomTokenDataModule
 
@@ -528,16 +528,8 @@ _PROBES = {
 def _probes_worker():
     """Every probe of this file that needs a tp=2 group, one after the other in one process group; a probe that
     raises is kept as its traceback, for its own test to report."""
-    import traceback
-
     torch.distributed.init_process_group("gloo")
-    results = {}
-    for name, probe in _PROBES.items():
-        try:
-            results[name] = probe()
-        except Exception:
-            results[name] = {"failed": traceback.format_exc()}
-    return results
+    return run_each(_PROBES)
 
 
 @functools.cache
@@ -548,7 +540,7 @@ def _probes():
 def _probe(name):
     """Every rank's result of the probe ``name``; its test fails with the traceback if it raised."""
     results = [rank[name] for rank in _probes()]
-    failed = next((r["failed"] for r in results if isinstance(r, dict) and "failed" in r), None)
+    failed = next((failed for r in results if (failed := traceback_of(r)) is not None), None)
     if failed is not None:
         pytest.fail(f"{name} raised in the tp=2 probe job:\n{failed}")
     return results

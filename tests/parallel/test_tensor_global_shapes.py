@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.batched import Run, fit_each, references, result
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import run_distributed, run_each, traceback_of
 from tests.helpers.equivalence import assert_same_training
 from tests.helpers.litgpt import LitGPTModule
 from tests.helpers.modules import RandomTokenDataModule
@@ -86,8 +86,6 @@ def test_global_shape_code_trains_like_one_process(name, factory, devices, dp, s
 def _spawned_checks():
     """Every check of this file that needs a tp 2 group, in one job: each on the same mesh, one after the other,
     a failure kept as its traceback for its own test to report."""
-    import traceback
-
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.distributed.init_process_group("gloo")
@@ -100,13 +98,7 @@ def _spawned_checks():
         "region-ops": partial(_region_ops, mesh),
         "nested": partial(_nested, mesh),
     }
-    results = {}
-    for name, check in checks.items():
-        try:
-            results[name] = check()
-        except Exception:
-            results[name] = {"failed": traceback.format_exc()}
-    return results
+    return run_each(checks)
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +109,8 @@ def spawned():
 def _ran(spawned, name):
     """A check's result from the shared job; its own test fails with the traceback if it raised there."""
     result = spawned[name]
-    if isinstance(result, dict) and "failed" in result:
-        pytest.fail(f"{name} raised in the tp 2 job:\n{result['failed']}")
+    if (failed := traceback_of(result)) is not None:
+        pytest.fail(f"{name} raised in the tp 2 job:\n{failed}")
     return result
 
 
