@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_mgpu._compat.lightning import RepeatedLog
 from lightning_mgpu._compat.pipelining import (
     forward_hook_functions,
     metric_progress,
@@ -202,6 +203,7 @@ class Publisher:
         self.source = source
         self.device = device
         self._structure: tuple | None = None  # what the last object broadcast sent, known to every rank
+        self._log = RepeatedLog()
 
     def publish(self, module: Any, relay: MetricRelay, result: Any, logs: StepLogs, objects: bool) -> Any:
         """Send the last stage's result, logs and metric changes; log them on every rank. Returns the result."""
@@ -212,7 +214,7 @@ class Publisher:
         if not sending:
             relay.apply(changes, self.device)
         for name, (value, kwargs) in means.items():
-            module.log(name, value.to(torch.get_default_dtype()), **kwargs)  # as a number logged would be
+            self._log.log(module, name, value.to(torch.get_default_dtype()), kwargs)  # as a number logged would be
         for name, (metric_name, kwargs) in metric_logs.items():
             module.log(name, relay.metrics[metric_name], **kwargs)
         return result

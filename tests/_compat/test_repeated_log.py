@@ -1,0 +1,123 @@
+"""``_compat.lightning.RepeatedLog`` logs what ``LightningModule.log`` logs, at every step, epoch and hook.
+
+One process, no spawn: the same module trains twice, logging through ``self.log`` and through ``RepeatedLog``;
+what Lightning shows (``callback_metrics``, ``logged_metrics``, the progress bar's metrics) after every training
+batch, training epoch and validation must be equal, across a ragged last batch (batch-size weighted means) and an
+epoch boundary (the collection's reset).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_mgpu._compat.lightning import RepeatedLog
+
+# name -> options: what a step logs; values differ per step (a function of the batch).
+_OPTIONS = {
+    "loss": {"prog_bar": True, "sync_dist": True},
+    "epoch_mean": {"on_step": False, "on_epoch": True},
+    "both_max": {"on_step": True, "on_epoch": True, "reduce_fx": "max"},
+    "weighted": {"on_step": False, "on_epoch": True, "batch_size": 3},
+}
+
+
+class _Logging(L.LightningModule):
+    def __init__(self, repeated: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 1)
+        self.repeated = RepeatedLog() if repeated else None
+        self.full_calls = 0
+        self.calls = 0
+
+    def log(self, *args, **kwargs):  # counts the full calls RepeatedLog makes
+        self.full_calls += 1
+        super().log(*args, **kwargs)
+
+    def _log(self, name, value, options):
+        self.calls += 1
+        if self.repeated is None:
+            super().log(name, value, **options)
+        else:
+            self.repeated.log(self, name, value, options)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.layer(x).pow(2).mean()
+        for k, (name, options) in enumerate(_OPTIONS.items()):
+            self._log(name, loss.detach() * (k + 1) + x.size(0), options)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        (x,) = batch
+        self._log("val", self.layer(x).mean() + x.size(0), {"prog_bar": True})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Shown(L.Callback):
+    def __init__(self) -> None:
+        self.shown: list = []
+
+    def _read(self, trainer, when) -> None:
+        read = lambda metrics: {k: float(v) for k, v in sorted(metrics.items())}
+        self.shown.append(
+            (when, read(trainer.callback_metrics), read(trainer.logged_metrics), read(trainer.progress_bar_metrics))
+        )
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self._read(trainer, "batch")
+
+    def on_train_epoch_end(self, trainer, *args) -> None:
+        self._read(trainer, "epoch")
+
+    def on_validation_end(self, trainer, *args) -> None:
+        self._read(trainer, "validation")
+
+
+def _run(tmp_path, repeated: bool):
+    data = torch.utils.data.TensorDataset(torch.randn(10, 4, generator=torch.Generator().manual_seed(1)))
+    loader = lambda: torch.utils.data.DataLoader(data, batch_size=4)  # 4, 4, 2: a ragged last batch
+    module, shown = _Logging(repeated), _Shown()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path / str(repeated)),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[shown],
+    )
+    trainer.fit(module, loader(), loader())
+    return module, shown.shown
+
+
+def test_repeated_logs_show_what_self_log_shows(tmp_path):
+    plain, expected = _run(tmp_path, repeated=False)
+    repeated, got = _run(tmp_path, repeated=True)
+    assert got == expected
+    assert len(expected) == 1 + 2 * (3 + 1 + 1)  # the sanity check; per epoch: 3 batches, the epoch end, validation
+    # 2 sanity validation steps, then per epoch 3 training steps logging every name, 3 validation steps.
+    assert repeated.calls == plain.calls == 2 + 2 * (3 * len(_OPTIONS) + 3)
+    # The fast path was taken: a full call only where a name is first logged in a hook (the sanity check's
+    # validation counts as the same hook as later validations but registers in its own collection).
+    assert repeated.full_calls == 1 + len(_OPTIONS) + 1, repeated.full_calls
+
+
+def test_changed_options_take_lightnings_own_path_and_error(tmp_path):
+    class _Changing(_Logging):
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            self._log("loss", x.sum(), {"prog_bar": batch_idx == 0})
+            return self.layer(x).sum()
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False)
+    with pytest.raises(MisconfigurationException, match="twice in `training_step` with different arguments"):
+        data = torch.utils.data.TensorDataset(torch.ones(8, 4))
+        trainer.fit(_Changing(repeated=True), torch.utils.data.DataLoader(data, batch_size=4))
