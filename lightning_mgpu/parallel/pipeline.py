@@ -308,9 +308,10 @@ class Stage(nn.Module):
         self.block_range = runtime.split.blocks_of(index)
         self.blocks = list(blocks)
         self.owned = nn.ModuleList([*blocks, *ends])
-        self.received: torch.Tensor | None = None
         self.inferring = False  # set while torch's pipelining infers shapes with a trial forward
-        self._next_microbatch = 0
+        # Per-microbatch state, set on every forward: kept off nn.Module.__setattr__, whose Parameter and buffer
+        # checks cost more than the rest of this method.
+        self._progress = _StageProgress()
 
     @property
     def runtime(self) -> PipelineRuntime:
@@ -324,15 +325,21 @@ class Stage(nn.Module):
     def is_last(self) -> bool:
         return self.index == self.runtime.num_stages - 1
 
+    @property
+    def received(self) -> torch.Tensor | None:
+        """The activation from the previous stage during this stage's forward (None on the first stage)."""
+        return self._progress.received
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        progress = self._progress
         if self.inferring:
             microbatch = 0  # a shape-inference trial: run microbatch 0, count nothing, keep nothing
         else:
             # Schedules run a stage's forwards in microbatch order: count them (stage 0's input is a placeholder,
             # so no microbatch index is read back from the device).
-            microbatch = self._next_microbatch
-            self._next_microbatch += 1
-        self.received = None if self.is_first else x
+            microbatch = progress.next_microbatch
+            progress.next_microbatch += 1
+        progress.received = None if self.is_first else x
         call = self.runtime.calls[microbatch]
         self.runtime.active = self
         try:
@@ -341,7 +348,7 @@ class Stage(nn.Module):
             return done.output
         finally:
             self.runtime.active = None
-            self.received = None
+            progress.received = None
         if self.inferring:
             self.runtime.trial_output = output
         else:
@@ -349,7 +356,13 @@ class Stage(nn.Module):
         return _main_tensor(output)
 
     def reset(self) -> None:
-        self._next_microbatch = 0
+        self._progress.next_microbatch = 0
+
+
+@dataclass
+class _StageProgress:
+    next_microbatch: int = 0
+    received: torch.Tensor | None = None
 
 
 def _main_tensor(output: Any) -> torch.Tensor:
