@@ -214,6 +214,7 @@ class RepeatedLog:
         results, key, metric, registered_fx, registered_options = registered
         if (
             trainer._results is not results
+            or results.dataloader_idx != metric.meta.dataloader_idx  # another dataloader: its own key, or an error
             or results.get(key) is not metric
             or fx != registered_fx
             or options != registered_options
@@ -226,6 +227,10 @@ class RepeatedLog:
         results.update_metrics(key, value, batch_size)
         trainer._logger_connector._current_fx = fx
         return True
+
+    def clear(self) -> None:
+        """Forget the registered metrics (and with them the trainer's result collections)."""
+        self._registered.clear()
 
 
 def _attribute(owner: Any, name: str, where: str) -> Any:

@@ -219,6 +219,10 @@ class Publisher:
             module.log(name, relay.metrics[metric_name], **kwargs)
         return result
 
+    def forget_logs(self) -> None:
+        """At teardown: drop the references to the trainer's result collections kept for repeated logging."""
+        self._log.clear()
+
     def send(self, result: Any, logs: StepLogs | None, relay: MetricRelay | None, objects: bool) -> tuple:
         """Collective over the pipeline group. Returns ``(result, mean logs, metric logs, metric changes)``.
 

@@ -246,6 +246,7 @@ class PipelineEngine:
         """
         self.capture.remove()
         self.relay.remove()
+        self.publisher.forget_logs()
         for optimizer, zero_grad in reversed(self._guarded):
             if zero_grad is None:
                 vars(optimizer).pop("zero_grad", None)

@@ -8,6 +8,8 @@ epoch boundary (the collection's reset).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import lightning as L
 import pytest
 import torch
@@ -105,8 +107,8 @@ def test_repeated_logs_show_what_self_log_shows(tmp_path):
     assert len(expected) == 1 + 2 * (3 + 1 + 1)  # the sanity check; per epoch: 3 batches, the epoch end, validation
     # 2 sanity validation steps, then per epoch 3 training steps logging every name, 3 validation steps.
     assert repeated.calls == plain.calls == 2 + 2 * (3 * len(_OPTIONS) + 3)
-    # The fast path was taken: a full call only where a name is first logged in a hook (the sanity check's
-    # validation counts as the same hook as later validations but registers in its own collection).
+    # The fast path was taken: a full call only where a name is first logged in a hook (the sanity check and later
+    # validations share one collection; the last full call is epoch 1's first `loss`, after the epoch's reset).
     assert repeated.full_calls == 1 + len(_OPTIONS) + 1, repeated.full_calls
 
 
@@ -121,3 +123,55 @@ def test_changed_options_take_lightnings_own_path_and_error(tmp_path):
     with pytest.raises(MisconfigurationException, match="twice in `training_step` with different arguments"):
         data = torch.utils.data.TensorDataset(torch.ones(8, 4))
         trainer.fit(_Changing(repeated=True), torch.utils.data.DataLoader(data, batch_size=4))
+
+
+class _TwoLoaders(_Logging):
+    """Validation over two dataloaders: one name per dataloader (`val/dataloader_idx_{0,1}`) unless told not to."""
+
+    options: ClassVar[dict] = {"prog_bar": True}
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        (x,) = batch
+        self._log("val", self.layer(x).mean() + 10 * dataloader_idx, self.options)
+        self._log("count", torch.tensor(x.size(0)), {"reduce_fx": "sum"})  # an int tensor
+
+    def test_step(self, batch, batch_idx, dataloader_idx=0):
+        self.validation_step(batch, batch_idx, dataloader_idx)
+
+
+def _run_two_loaders(tmp_path, repeated: bool, module_class=_TwoLoaders):
+    data = torch.utils.data.TensorDataset(torch.randn(10, 4, generator=torch.Generator().manual_seed(1)))
+    loader = lambda: torch.utils.data.DataLoader(data, batch_size=4)
+    module, shown = module_class(repeated), _Shown()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        val_check_interval=2,  # validation mid-epoch, then training resumes in the same collection
+        accumulate_grad_batches=2,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path / str(repeated)),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[shown],
+    )
+    trainer.fit(module, loader(), [loader(), loader()])
+    validated = trainer.validate(module, [loader(), loader()], verbose=False)
+    tested = trainer.test(module, loader(), verbose=False)
+    csv = next((tmp_path / str(repeated)).rglob("metrics.csv")).read_text()
+    return shown.shown, (validated, tested), csv
+
+
+def test_two_validation_dataloaders_mid_epoch_validation_and_validate_test_after_fit(tmp_path):
+    expected, got = _run_two_loaders(tmp_path, False), _run_two_loaders(tmp_path, True)
+    assert any("val/dataloader_idx_1" in metrics for _, metrics, _, _ in expected[0])  # the case is exercised
+    assert got == expected
+
+
+def test_add_dataloader_idx_false_with_one_name_for_two_dataloaders_raises_as_self_log(tmp_path):
+    class _OneName(_TwoLoaders):
+        options: ClassVar[dict] = {"add_dataloader_idx": False}
+
+    for repeated in (False, True):
+        with pytest.raises(MisconfigurationException, match="twice in `validation_step` with different arguments"):
+            _run_two_loaders(tmp_path, repeated, _OneName)

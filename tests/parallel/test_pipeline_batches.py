@@ -167,6 +167,9 @@ class _Evaluated(GPTLightningModule):
         logits = self(x)
         self.log("test_loss", torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)))
 
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):  # two dataloaders below
+        return super().validation_step(batch, batch_idx)
+
     def predict_step(self, batch, batch_idx):
         return self(batch[0]).argmax(-1)
 
@@ -188,15 +191,22 @@ def _evaluate_worker(strategy_kwargs):
     data = _tokens(27)(GLOBAL_BATCH)  # validation data of 27 samples: 8, 8, 8 and a ragged 3
     tested = trainer.test(module, data.val_dataloader(), verbose=False)[0]["test_loss"]
     validated = trainer.validate(module, data.val_dataloader(), verbose=False)[0]["val_loss"]
-    return tested, validated, trainer.predict(module, data.val_dataloader())
+    # Two dataloaders: each logs under its own name (`val_loss/dataloader_idx_<i>`), never into the other's.
+    both = trainer.validate(module, [data.val_dataloader(), _tokens(19)(GLOBAL_BATCH).val_dataloader()], verbose=False)
+    return tested, validated, trainer.predict(module, data.val_dataloader()), both
 
 
 def test_test_validate_and_predict_serve_ragged_batches_like_one_process():
     from tests.helpers.distributed import run_distributed
 
     reference = run_distributed(_evaluate_worker, 1, None)[0]
-    for tested, validated, predictions in run_distributed(_evaluate_worker, 2, {"pipeline_parallel_size": 2}):
+    for tested, validated, predictions, both in run_distributed(_evaluate_worker, 2, {"pipeline_parallel_size": 2}):
         assert tested == pytest.approx(reference[0], rel=1e-5) and validated == pytest.approx(reference[1], rel=1e-5)
+        assert [sorted(d) for d in both] == [[f"val_loss/dataloader_idx_{i}"] for i in (0, 1)], both
+        losses = [value for d in reference[3] for value in d.values()]
+        assert losses[0] != pytest.approx(losses[1], rel=1e-3)  # the two dataloaders differ: a mix-up would show
+        for got, expected in zip(both, reference[3]):
+            assert got == pytest.approx(expected, rel=1e-5)
         assert [p.shape[0] for p in predictions] == [8, 8, 8, 3]
         for got, expected in zip(predictions, reference[2]):
             assert torch.equal(got, expected)
