@@ -82,11 +82,13 @@ class _Shown(L.Callback):
         self._read(trainer, "validation")
 
 
-def _run(tmp_path, repeated: bool):
+def _loader() -> torch.utils.data.DataLoader:
     data = torch.utils.data.TensorDataset(torch.randn(10, 4, generator=torch.Generator().manual_seed(1)))
-    loader = lambda: torch.utils.data.DataLoader(data, batch_size=4)  # 4, 4, 2: a ragged last batch
-    module, shown = _Logging(repeated), _Shown()
-    trainer = L.Trainer(
+    return torch.utils.data.DataLoader(data, batch_size=4)  # 4, 4, 2: a ragged last batch
+
+
+def _trainer(tmp_path, repeated: bool, shown: _Shown, **options) -> L.Trainer:
+    return L.Trainer(
         accelerator="cpu",
         max_epochs=2,
         logger=L.pytorch.loggers.CSVLogger(tmp_path / str(repeated)),
@@ -95,8 +97,13 @@ def _run(tmp_path, repeated: bool):
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[shown],
+        **options,
     )
-    trainer.fit(module, loader(), loader())
+
+
+def _run(tmp_path, repeated: bool):
+    module, shown = _Logging(repeated), _Shown()
+    _trainer(tmp_path, repeated, shown).fit(module, _loader(), _loader())
     return module, shown.shown
 
 
@@ -140,24 +147,12 @@ class _TwoLoaders(_Logging):
 
 
 def _run_two_loaders(tmp_path, repeated: bool, module_class=_TwoLoaders):
-    data = torch.utils.data.TensorDataset(torch.randn(10, 4, generator=torch.Generator().manual_seed(1)))
-    loader = lambda: torch.utils.data.DataLoader(data, batch_size=4)
     module, shown = module_class(repeated), _Shown()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=2,
-        val_check_interval=2,  # validation mid-epoch, then training resumes in the same collection
-        accumulate_grad_batches=2,
-        logger=L.pytorch.loggers.CSVLogger(tmp_path / str(repeated)),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[shown],
-    )
-    trainer.fit(module, loader(), [loader(), loader()])
-    validated = trainer.validate(module, [loader(), loader()], verbose=False)
-    tested = trainer.test(module, loader(), verbose=False)
+    # Validation mid-epoch (then training resumes in the same collection), with gradient accumulation.
+    trainer = _trainer(tmp_path, repeated, shown, val_check_interval=2, accumulate_grad_batches=2)
+    trainer.fit(module, _loader(), [_loader(), _loader()])
+    validated = trainer.validate(module, [_loader(), _loader()], verbose=False)
+    tested = trainer.test(module, _loader(), verbose=False)
     csv = next((tmp_path / str(repeated)).rglob("metrics.csv")).read_text()
     return shown.shown, (validated, tested), csv
 
