@@ -20,16 +20,21 @@ block's ``forward``) is recorded and undone by ``PipelineRuntime.unsplit``.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_mgpu._compat.tensors import tree_map
 from lightning_mgpu.layout import PP_AXIS
 from lightning_mgpu.parallel.blocks import find_block_container
+from lightning_mgpu.parallel.pipeline_standins import (
+    PassThrough,
+    Placeholder,
+    Unreachable,
+    keep_tied_names,
+    replace_module,
+)
 from lightning_mgpu.parallel.pipeline_ties import TiedGradients, find_cross_stage_ties
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -220,70 +225,6 @@ def _explicit_starts(names: list[str], container_fqn: str, num_blocks: int, num_
     return indices
 
 
-# ---------------------------------------------------------------------------------------------- stand-ins
-class _PassThrough(nn.Module):
-    """A block owned by another rank: hands its input on unchanged (its stage's output replaces it later)."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else next(iter(kwargs.values()))
-
-
-class _Placeholder(nn.Module):
-    """A prologue module owned by the first stage: returns zeros shaped like its real output.
-
-    The shape comes from running a meta-device copy once per distinct input shape.
-    """
-
-    def __init__(self, original: nn.Module) -> None:
-        super().__init__()
-        self._meta = [copy.deepcopy(original).to("meta")]  # in a list: not a submodule, no parameters
-        self._outputs: dict[Any, Any] = {}
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
-        device = tensors[0].device if tensors else None
-        autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)) if device else None
-        key = (tuple((tuple(t.shape), t.dtype) for t in tensors), autocast)
-        output = self._outputs.get(key)
-        if output is None:
-            to_meta = lambda t: t.to("meta") if torch.is_tensor(t) else t
-            output = self._outputs[key] = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-        if torch.is_tensor(output):  # an embedding's output: no tree walk (this runs on every microbatch)
-            return torch.zeros(output.shape, dtype=output.dtype, device=device)
-        zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if torch.is_tensor(t) else t
-        return tree_map(zeros, output)
-
-
-class _Unreachable(nn.Module):
-    """An epilogue module (norm, head) owned by the last stage; earlier stages end before reaching it."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("lightning-mgpu: a pipeline stage ran past its last block; please report this.")
-
-
-def _keep_tied_names(module: nn.Module, standins: list[tuple[nn.Module, nn.Module]]) -> None:
-    """Stand-ins keep the tied weights their modules shared with modules this rank kept, under the same names.
-
-    So a tied weight has all its names on every rank that holds it, as in one process: state-dict and optimizer
-    keys match a single-process checkpoint (one optimizer state under its first name), and a data-parallel wrap
-    of the stage replaces the Parameter under every name at once.
-    """
-    kept = {id(p) for p in module.parameters()}
-    for standin, original in standins:
-        for name, param in original.named_parameters(recurse=False):
-            if id(param) in kept:
-                standin.register_parameter(name, param)
-
-
-def _replace(module: nn.Module, fqn: str, new: nn.Module) -> None:
-    parent_name, _, name = fqn.rpartition(".")
-    parent = module.get_submodule(parent_name) if parent_name else module
-    if isinstance(parent, (nn.ModuleList, nn.Sequential)) and name.isdigit():
-        parent[int(name)] = new
-    else:
-        setattr(parent, name, new)
-
-
 # --------------------------------------------------------------------------------------------------- stages
 @dataclass
 class NetworkCall:
@@ -400,15 +341,15 @@ class PipelineRuntime:
                 self._gated.append((container[index], vars(container[index]).get("forward")))
                 _gate(container[index], index, self)
             else:
-                self._replace(module, fqn, _PassThrough())
+                self._replace(module, fqn, PassThrough())
         for fqn in split.before:
             if not owns_first:
-                self._replace(module, fqn, _Placeholder(module.get_submodule(fqn)))
+                self._replace(module, fqn, Placeholder(module.get_submodule(fqn)))
         for fqn in split.after:
             if not owns_last:
-                self._replace(module, fqn, _Unreachable())
+                self._replace(module, fqn, Unreachable())
         standins = [(standin, original) for _, standin, original in self._replaced]
-        _keep_tied_names(module, standins)
+        keep_tied_names(module, standins)
         self.stages = []
         for stage in my_stages:
             ends = [module.get_submodule(f) for f in (split.before if stage == 0 else [])]
@@ -426,7 +367,7 @@ class PipelineRuntime:
 
     def _replace(self, module: nn.Module, fqn: str, standin: nn.Module) -> None:
         self._replaced.append((fqn, standin, module.get_submodule(fqn)))
-        _replace(module, fqn, standin)
+        replace_module(module, fqn, standin)
 
     def unsplit(self, module: nn.Module) -> None:
         """Undo the split on ``module``: the replaced modules back in place, the blocks' gates off.
@@ -435,7 +376,7 @@ class PipelineRuntime:
         never trained them); ``HybridStrategy.full_state_dict()`` or a checkpoint holds the trained model.
         """
         for fqn, _, original in reversed(self._replaced):
-            _replace(module, fqn, original)
+            replace_module(module, fqn, original)
         for block, forward in self._gated:
             if forward is None:
                 vars(block).pop("forward", None)

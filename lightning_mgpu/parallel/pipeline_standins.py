@@ -1,0 +1,91 @@
+"""Stand-ins for the modules of a pipelined model that this rank does not run (see ``pipeline``).
+
+A rank keeps its stages' blocks; in place of the others it puts modules without parameters that let the user's
+whole network call run on every stage: a block of another stage passes its input on, a prologue module (embeddings)
+returns zeros shaped like its output (only the first stage computes it; the others take the received activation
+instead), an epilogue module (norm, head) is never reached. ``PipelineRuntime.unsplit`` puts the originals back.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mgpu._compat.tensors import tree_map
+
+
+class PassThrough(nn.Module):
+    """A block owned by another rank: hands its input on unchanged (its stage's output replaces it later)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class Placeholder(nn.Module):
+    """A prologue module owned by the first stage: returns zeros shaped like its real output.
+
+    The shape comes from running a meta-device copy once per distinct input shape. A tensor output is handed out
+    again while nobody has written into it (its version counter says so): no allocation and no fill per microbatch.
+    """
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self._meta = [copy.deepcopy(original).to("meta")]  # in a list: not a submodule, no parameters
+        self._outputs: dict[Any, Any] = {}
+        self._zeros: dict[Any, tuple[torch.Tensor, int]] = {}  # key -> (zeros handed out, their version then)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and torch.is_tensor(args[0]):  # an embedding's input: no tree walk
+            tensors = [args[0]]
+        else:
+            tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
+        device = tensors[0].device if tensors else None
+        autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)) if device else None
+        key = (tuple((t.shape, t.dtype, t.device) for t in tensors), autocast)
+        output = self._outputs.get(key)
+        if output is None:
+            to_meta = lambda t: t.to("meta") if torch.is_tensor(t) else t
+            output = self._outputs[key] = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        zeros_like = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if torch.is_tensor(t) else t
+        if not torch.is_tensor(output):
+            return tree_map(zeros_like, output)
+        if torch.is_inference_mode_enabled():  # inference tensors keep no version counter
+            return zeros_like(output)
+        handed = self._zeros.get(key)
+        if handed is None or handed[0]._version != handed[1]:  # first use, or written into since: new zeros
+            zeros = zeros_like(output)
+            handed = self._zeros[key] = (zeros, zeros._version)
+        return handed[0]
+
+
+class Unreachable(nn.Module):
+    """An epilogue module (norm, head) owned by the last stage; earlier stages end before reaching it."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("lightning-mgpu: a pipeline stage ran past its last block; please report this.")
+
+
+def keep_tied_names(module: nn.Module, standins: list[tuple[nn.Module, nn.Module]]) -> None:
+    """Stand-ins keep the tied weights their modules shared with modules this rank kept, under the same names.
+
+    So a tied weight has all its names on every rank that holds it, as in one process: state-dict and optimizer
+    keys match a single-process checkpoint (one optimizer state under its first name), and a data-parallel wrap
+    of the stage replaces the Parameter under every name at once.
+    """
+    kept = {id(p) for p in module.parameters()}
+    for standin, original in standins:
+        for name, param in original.named_parameters(recurse=False):
+            if id(param) in kept:
+                standin.register_parameter(name, param)
+
+
+def replace_module(module: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, name = fqn.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    if isinstance(parent, (nn.ModuleList, nn.Sequential)) and name.isdigit():
+        parent[int(name)] = new
+    else:
+        setattr(parent, name, new)
