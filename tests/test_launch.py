@@ -55,3 +55,18 @@ def test_forked_fit_reports_the_checkpoint_paths_in_the_main_process(tmp_path: P
     assert Path(lines["LAST"]).name == "last.ckpt" and Path(lines["LAST"]).exists(), done.stdout
     assert Path(lines["BEST"]).exists() and Path(lines["BEST"]) != Path(lines["LAST"]), done.stdout
     assert float(lines["SCORE"]) > 0
+
+
+def test_free_port_is_bindable_and_outside_the_range_the_kernel_hands_out_itself():
+    """A rendezvous port must not come from the ephemeral range, where gloo's listeners and outgoing connections of
+    a job running beside this one get theirs (the race behind a rare EADDRINUSE under `pytest -n 2`)."""
+    import socket
+
+    from lightning_mgpu.launch import _ephemeral_ports, free_port
+
+    low, high = _ephemeral_ports()
+    ports = {free_port() for _ in range(50)}
+    assert all(10_000 <= port < 65_536 and not low <= port <= high for port in ports), (sorted(ports), low, high)
+    assert len(ports) > 40  # drawn at random, not a fixed sequence both xdist workers would share
+    with socket.socket() as sock:
+        sock.bind(("", ports.pop()))  # free when returned

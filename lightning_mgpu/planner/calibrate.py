@@ -27,7 +27,6 @@ import functools
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mgpu.launch import free_port
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
 from lightning_mgpu.planner.model_spec import ModelSpec
 
@@ -365,9 +365,7 @@ def _parallel_probes(
 
 
 def _forked(probe: _Probe, processes: int, heads: int, timeout: float = 180) -> dict[str, float]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     workers = [

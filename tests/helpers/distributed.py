@@ -12,7 +12,6 @@ import importlib
 import io
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 import traceback
@@ -21,13 +20,9 @@ from typing import Any
 
 import torch
 
+from lightning_mgpu.launch import free_port  # also imported from here by the torchrun tests
+
 DEFAULT_TIMEOUT = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
