@@ -14,8 +14,9 @@ One mechanism serves every stage, so gradient accumulation, mixed precision and 
   gathered once per step and kept through backward.
 - stage 3: ``fully_shard(reshard_after_forward=True)``: parameters sharded too, gathered per block when needed.
 
-At stages 2 and 3 on gloo, gradients are reduce-scattered with an all-to-all (``reduce_scatter.py``): gloo's own
-reduce-scatter is an all-reduce of the whole gradient, twice the traffic and ~2x the CPU.
+At stages 2 and 3 on gloo, gradients are reduce-scattered with an all-to-all and parameters gathered with one
+broadcast per rank (``gloo_comms.py``): gloo's own reduce-scatter is an all-reduce of the whole gradient, twice the
+traffic and ~2x the CPU, and its all-gather copies the whole output once more.
 
 Blocks (the model's repeated layers) are wrapped one by one so their collectives overlap with compute and only
 one block's parameters are unsharded at a time; the root wrap takes every remaining parameter.
@@ -36,7 +37,7 @@ from torch.optim import Optimizer
 from lightning_mgpu._compat.dtensor import is_strided_shard
 from lightning_mgpu._compat.fsdp import is_ddp_replicated, replicate_ddp, replicate_with_fsdp
 from lightning_mgpu.parallel.blocks import find_blocks
-from lightning_mgpu.parallel.reduce_scatter import reduce_scatter_directly
+from lightning_mgpu.parallel.gloo_comms import use_gloo_comms
 from lightning_mgpu.parallel.unused_params import watch_unused_parameters
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ def apply_data_parallel(
         kwargs["reshard_after_forward"] = False
     wrap(root, **kwargs)
     for unit in [*units, root] if zero_stage >= 2 else ():
-        reduce_scatter_directly(unit)  # gloo's reduce-scatter is a whole all-reduce: an all-to-all instead
+        use_gloo_comms(unit)  # on gloo: an all-to-all reduce-scatter, a broadcast all-gather
 
 
 UNIT_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb

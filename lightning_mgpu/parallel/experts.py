@@ -170,7 +170,7 @@ def apply_expert_parallel(
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from lightning_mgpu._compat.fsdp import replicate_with_fsdp
-    from lightning_mgpu.parallel.reduce_scatter import reduce_scatter_directly
+    from lightning_mgpu.parallel.gloo_comms import use_gloo_comms
 
     check_experts(module, ep)
     ep_mesh = expert_mesh(mesh, ep)
@@ -190,7 +190,7 @@ def apply_expert_parallel(
             replicate_with_fsdp(experts_module, mesh=ep_mesh[REPLICA_AXIS], **policies)
         else:
             fully_shard(experts_module, mesh=ep_mesh[REPLICA_AXIS], reshard_after_forward=zero_stage == 3, **policies)
-            reduce_scatter_directly(experts_module)  # on gloo an all-to-all: gloo's reduce-scatter is an all-reduce
+            use_gloo_comms(experts_module)  # on gloo: an all-to-all reduce-scatter, a broadcast all-gather
         experts_module.set_gradient_divide_factor(float(dp))
         # A plain sum, then the division: gloo has no pre-multiplied sum (and the NCCL one is not zero-copy).
         experts_module.set_force_sum_reduction_for_comms(ep_mesh[REPLICA_AXIS].size() > 1)

@@ -120,7 +120,7 @@ def test_gradient_accumulation_communicates_only_on_the_final_micro_step(zero_st
     assert_same_training(reference("llama", trainer_kwargs), result)
     per_batch = extras[0]["per_batch"]
     assert len(per_batch) == 3 * accumulate, per_batch
-    # ZeRO-2/3 reduce-scatter with an all-to-all on gloo (lightning_mgpu.parallel.reduce_scatter).
+    # ZeRO-2/3 reduce-scatter with an all-to-all on gloo (lightning_mgpu.parallel.gloo_comms).
     reductions = [sum(b.get(kind, 0) for kind in ("AR", "RS", "RD", "A2A")) for b in per_batch]
     assert all(r == 0 for r in reductions[0::accumulate]), reductions
     assert all(r > 0 for r in reductions[accumulate - 1 :: accumulate]), reductions
@@ -171,8 +171,9 @@ def test_communication_per_step_is_the_analytic_minimum(zero_stage, gathers):
             all_reduces = [b.get("AR", 0) for b in rank["per_batch"]]
             assert all_reduces[0] == all_reduces[3] + 1 and all_reduces[3:] == [all_reduces[3]] * 2, all_reduces
     if gathers is not None:
-        per_batch = [b.get("AG", 0) for b in extras[0]["per_batch"]]
-        assert per_batch == [gathers(len(blocks))] * COUNTED, per_batch
+        # On gloo every rank broadcasts its shard into place (lightning_mgpu.parallel.gloo_comms): dp per gather.
+        per_batch = [b.get("BC", 0) for b in extras[0]["per_batch"]]
+        assert per_batch == [dp * gathers(len(blocks))] * COUNTED, per_batch
 
 
 class _GPTWithUnusedLayer(GPTLightningModule):

@@ -1,4 +1,5 @@
-"""The all-to-all reduce-scatter FSDP2 units use on gloo: torch's reduce-scatter's result, half its traffic."""
+"""The collectives FSDP2 units use on gloo: torch's reduce-scatter's and all-gather's results, at the analytic
+volume (the reduce-scatter at half the traffic of torch's)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.parallel.reduce_scatter import AllToAllReduceScatter
+from lightning_mgpu.parallel.gloo_comms import AllToAllReduceScatter, BroadcastAllGather
 from tests.helpers.distributed import run_distributed
 from tests.helpers.probes import collectives_of
 
@@ -33,15 +34,29 @@ def _compare() -> dict:
             dist.reduce_scatter_single(expected, full.clone(), group=group, op=op)
             comm(got, full.clone(), group, op)
             results[(str(dtype), name)] = (expected, got)
+        # The gather: from a separate shard, from a shard already in place (as FSDP2 calls it), asynchronously
+        # (left to torch's all-gather).
+        shard, gather = torch.randn(5, dtype=dtype), BroadcastAllGather()
+        expected = torch.empty(world * 5, dtype=dtype)
+        dist.all_gather_into_tensor(expected, shard, group=group)
+        got = gather.allocate((world * 5,), dtype=dtype, device=shard.device)
+        assert gather(got, shard, group) is None
+        in_place = torch.full((world * 5,), float("nan"), dtype=dtype)
+        in_place[rank * 5 : (rank + 1) * 5] = shard
+        gather(in_place, in_place[rank * 5 : (rank + 1) * 5], group)
+        later = torch.empty(world * 5, dtype=dtype)
+        gather(later, shard, group, async_op=True).wait()
+        results[("gather", str(dtype))] = (expected, torch.stack([got, in_place, later]))
 
-    # Installed on every sharded unit: the model's one gradient reduction is an all-to-all of the whole gradient.
+    # Installed on every sharded unit: each unit's gradients are reduced with one all-to-all, its parameters gathered
+    # with one broadcast per rank.
     mesh = init_device_mesh("cpu", (world,))
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     apply_data_parallel(model, mesh, zero_stage=2, blocks=[model[0]])
     with profile(record_shapes=True) as prof:
         model(torch.randn(3, 8)).sum().backward()
     results["counted"] = collectives_of(prof, world)
-    # A unit sharded by hand keeps torch's own reduce-scatter.
+    # A unit sharded by hand keeps torch's own collectives.
     plain = fully_shard(nn.Linear(8, 8), mesh=mesh)
     with profile(record_shapes=True) as prof:
         plain(torch.randn(3, 8)).sum().backward()
@@ -50,17 +65,22 @@ def _compare() -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_all_to_all_reduce_scatter_matches_torchs_and_sends_its_volume(world):
+def test_gloo_comms_match_torchs_and_send_the_analytic_volume(world):
     """At 3 ranks FSDP2 pads every dim 0 (8 and 2 rows) to a multiple of 3: the padded gradient is what is sent."""
     for rank, results in enumerate(run_distributed(_compare, world)):
         counted, plain = results.pop("counted"), results.pop("plain")
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            expected, gathered = results.pop(("gather", dtype))
+            for got in gathered:  # copies: exactly equal
+                torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=f"rank {rank} gather {dtype}")
         for key, (expected, got) in results.items():
             # The same sums in another order: fp32 rounding, bf16's coarser one.
             tolerance = 1e-6 if "float32" in key[0] else 1e-2
             torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance, msg=f"rank {rank} {key}")
-        # Two units (the block, the root) each all-to-all their gradients once: (w-1)/w of 4 bytes per element.
+        # Two units (the block, the root) each gather their parameters once (one broadcast per rank) and all-to-all
+        # their gradients once: (w-1)/w of 4 bytes per element each way.
         padded = lambda rows, cols: -(-rows // world) * world * cols
         numel = padded(8, 8) + padded(8, 1) + padded(2, 8) + padded(2, 1)
-        assert counted["counts"] == {"A2A": 2, "AG": 2}, counted
+        assert counted["counts"] == {"A2A": 2, "BC": 2 * world}, counted
         assert counted["bytes"] == 2 * (world - 1) / world * 4 * numel, counted
         assert plain == {"RS": 1, "AG": 1}, plain
