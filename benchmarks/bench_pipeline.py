@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--schedules", default="1F1B", help=f"comma-separated subset of {','.join(SCHEDULES)}")
     parser.add_argument("--microbatches", type=int, default=0, help="per step (default 2*pp)")
     parser.add_argument("--profile", default="", help="directory: cProfile of every rank's timed steps per run")
-    demo_gpt.add_run_args(parser, steps=40, warmup=5, batch_help="per pipeline (split over its dp ranks)")
+    demo_gpt.add_run_args(parser, steps=40, warmup=5, repeats=5, batch_help="per pipeline (split over its dp ranks)")
     args = demo_gpt.parse_run_args(parser, argv)
     ns = argparse.Namespace(**args)
     try:

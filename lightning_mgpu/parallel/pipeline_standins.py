@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mgpu._compat.tensors import tree_map
+from lightning_mgpu._compat.tensors import tree_map, version_counter
 
 
 class PassThrough(nn.Module):
@@ -55,9 +55,9 @@ class Placeholder(nn.Module):
         if torch.is_inference_mode_enabled():  # inference tensors keep no version counter
             return zeros_like(output)
         handed = self._zeros.get(key)
-        if handed is None or handed[0]._version != handed[1]:  # first use, or written into since: new zeros
+        if handed is None or version_counter(handed[0]) != handed[1]:  # first use, or written into since: new zeros
             zeros = zeros_like(output)
-            handed = self._zeros[key] = (zeros, zeros._version)
+            handed = self._zeros[key] = (zeros, version_counter(zeros))
         return handed[0]
 
 
