@@ -231,6 +231,12 @@ def print_report(runs: dict[str, list], args: dict[str, Any]) -> dict[str, Any]:
     )
     if args["profile"]:
         print(harness.PROFILED_NOTE)
+    if dp > (os.cpu_count() or dp):
+        print(
+            f"{dp} processes share {os.cpu_count()} cores: each repeat's ratio swings by several percent (up to ~10%"
+            " on a shared 2-core VM), so a median near its target can land on either side; compare the CPU ratios"
+            " over several runs or raise --repeats."
+        )
     pairs = [(name, peer, target) for name, (_, _, peer, target) in CONFIGS.items() if peer and name in results]
     rows = harness.ratio_table(results, pairs)
     harness.thread_table(results, pairs)
