@@ -84,7 +84,7 @@ def free_port() -> int:
 def _ephemeral_ports() -> tuple[int, int]:
     try:
         low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):  # not Linux: macOS and the BSDs hand out 49152-65535
+    except (OSError, ValueError):  # not Linux: the IANA dynamic range, which macOS hands out
         low, high = 49152, 65535
     return low, high
 

@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class AllToAllReduceScatter:
@@ -87,11 +88,16 @@ def _on_gloo_cpu(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
 
 
 def use_gloo_comms(unit: nn.Module | list[nn.Module]) -> None:
-    """Give a ``fully_shard`` unit (a module or the modules sharded together) ``AllToAllReduceScatter`` and
-    ``BroadcastAllGather`` (each passes to torch's own collective off gloo CPU groups)."""
+    """Give a ``fully_shard`` unit (a module or the modules sharded together) on a CPU mesh ``AllToAllReduceScatter``
+    and ``BroadcastAllGather``. Units on device meshes keep FSDP2's own comms, and with them the options FSDP2 offers
+    only there (symmetric memory, allocation from the process group)."""
     from torch.distributed.fsdp import FSDPModule
 
-    module = cast(FSDPModule, unit[0] if isinstance(unit, list) else unit)
+    modules = unit if isinstance(unit, list) else [unit]
+    meshes = {p.device_mesh.device_type for m in modules for p in m.parameters() if isinstance(p, DTensor)}
+    if meshes != {"cpu"}:
+        return
+    module = cast(FSDPModule, modules[0])
     try:
         module.set_custom_reduce_scatter(cast(Any, AllToAllReduceScatter()))
         module.set_custom_all_gather(cast(Any, BroadcastAllGather()))

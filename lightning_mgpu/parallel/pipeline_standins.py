@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mgpu._compat.tensors import tree_map, version_counter
+from lightning_mgpu._compat.tensors import tree_map
 
 
 class PassThrough(nn.Module):
@@ -27,38 +27,27 @@ class PassThrough(nn.Module):
 class Placeholder(nn.Module):
     """A prologue module owned by the first stage: returns zeros shaped like its real output.
 
-    The shape comes from running a meta-device copy once per distinct input shape. A tensor output is handed out
-    again while nobody has written into it (its version counter says so): no allocation and no fill per microbatch.
+    The shape comes from running a meta-device copy once per distinct input shape.
     """
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
         self._meta = [copy.deepcopy(original).to("meta")]  # in a list: not a submodule, no parameters
         self._outputs: dict[Any, Any] = {}
-        self._zeros: dict[Any, tuple[torch.Tensor, int]] = {}  # key -> (zeros handed out, their version then)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and not kwargs and torch.is_tensor(args[0]):  # an embedding's input: no tree walk
-            tensors = [args[0]]
-        else:
-            tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
+        tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
         device = tensors[0].device if tensors else None
         autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)) if device else None
-        key = (tuple((t.shape, t.dtype, t.device) for t in tensors), autocast)
+        key = (tuple((tuple(t.shape), t.dtype) for t in tensors), autocast)
         output = self._outputs.get(key)
         if output is None:
             to_meta = lambda t: t.to("meta") if torch.is_tensor(t) else t
             output = self._outputs[key] = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-        zeros_like = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if torch.is_tensor(t) else t
-        if not torch.is_tensor(output):
-            return tree_map(zeros_like, output)
-        if torch.is_inference_mode_enabled():  # inference tensors keep no version counter
-            return zeros_like(output)
-        handed = self._zeros.get(key)
-        if handed is None or version_counter(handed[0]) != handed[1]:  # first use, or written into since: new zeros
-            zeros = zeros_like(output)
-            handed = self._zeros[key] = (zeros, version_counter(zeros))
-        return handed[0]
+        if torch.is_tensor(output):  # an embedding's output: no tree walk (this runs on every microbatch)
+            return torch.zeros(output.shape, dtype=output.dtype, device=device)
+        zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if torch.is_tensor(t) else t
+        return tree_map(zeros, output)
 
 
 class Unreachable(nn.Module):

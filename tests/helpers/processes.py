@@ -13,6 +13,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from lightning_mgpu.launch import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Set by torchrun, SLURM-less launchers or an enclosing Lightning run: inherited, they would make the examples
@@ -33,10 +35,13 @@ LAUNCH_VARIABLES = (
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without launch variables (and no SLURM job), plus ``extra``."""
+    """This process's environment without launch variables (and no SLURM job), a free ``MASTER_PORT``, plus
+    ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("SLURM_")}
     env["OMP_NUM_THREADS"] = "1"  # several processes on a shared machine: no thread oversubscription
     env["PYTHONUNBUFFERED"] = "1"
+    # Lightning's own pick comes from the ephemeral range, where a job beside this one may take it first.
+    env["MASTER_PORT"] = str(free_port())
     env.update(extra)
     return env
 

@@ -47,6 +47,19 @@ def _compare() -> dict:
         later = torch.empty(world * 5, dtype=dtype)
         gather(later, shard, group, async_op=True).wait()
         results[("gather", str(dtype))] = (expected, torch.stack([got, in_place, later]))
+    # FSDP2 gathers parameters of mixed dtypes as bytes; a gather on a subgroup names its sources by group rank.
+    raw = torch.randint(0, 256, (7,), dtype=torch.uint8)
+    expected, got = torch.empty(world * 7, dtype=torch.uint8), torch.empty(world * 7, dtype=torch.uint8)
+    dist.all_gather_into_tensor(expected, raw, group=group)
+    BroadcastAllGather()(got, raw, group)
+    results[("gather", "torch.uint8")] = (expected, got[None])
+    subgroup = dist.new_group(list(range(1, world)))  # every rank takes part in creating it
+    if rank >= 1 and world > 2:
+        shard = torch.randn(3)
+        expected, got = torch.empty(3 * (world - 1)), torch.empty(3 * (world - 1))
+        dist.all_gather_into_tensor(expected, shard, group=subgroup)
+        BroadcastAllGather()(got, shard, subgroup)
+        results[("gather", "subgroup")] = (expected, got[None])
 
     # Installed on every sharded unit: each unit's gradients are reduced with one all-to-all, its parameters gathered
     # with one broadcast per rank.
@@ -69,7 +82,9 @@ def test_gloo_comms_match_torchs_and_send_the_analytic_volume(world):
     """At 3 ranks FSDP2 pads every dim 0 (8 and 2 rows) to a multiple of 3: the padded gradient is what is sent."""
     for rank, results in enumerate(run_distributed(_compare, world)):
         counted, plain = results.pop("counted"), results.pop("plain")
-        for dtype in ("torch.float32", "torch.bfloat16"):
+        gathers = [key for key in results if key[0] == "gather"]
+        assert len(gathers) == (4 if world > 2 and rank >= 1 else 3), gathers
+        for _, dtype in gathers:
             expected, gathered = results.pop(("gather", dtype))
             for got in gathered:  # copies: exactly equal
                 torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=f"rank {rank} gather {dtype}")
