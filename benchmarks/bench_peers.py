@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import by_hand, demo_gpt, harness
 from benchmarks.harness import MB
 
+PIPELINE_PAIR = ("pp-hand", "pp-1f1b")  # run --pipeline-repeats times
 PP = 2  # pipeline stages of `pp-hand`/`pp-1f1b`; the other processes are data-parallel replicas of the pipeline
 
 # name -> (kind, options, peer, target)
@@ -227,7 +228,8 @@ def print_report(runs: dict[str, list], args: dict[str, Any]) -> dict[str, Any]:
     print(
         f"\nGPT n_layer={args['n_layer']} n_embd={args['n_embd']} block={args['block_size']}: N={n_params:,}"
         f" ({4 * n_params / MB:.2f} MB fp32); dp={dp} x batch {args['batch_size']}, gloo; {args['repeats']} interleaved"
-        f" repeats x {args['steps'] - args['warmup']} timed steps; load {harness.load_average()}"
+        f" repeats ({args['pipeline_repeats']} of the pipeline pair) x {args['steps'] - args['warmup']} timed steps;"
+        f" load {harness.load_average()}"
     )
     if args["profile"]:
         print(harness.PROFILED_NOTE)
@@ -265,15 +267,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--mem-step", type=int, default=2)
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(CONFIGS)}")
     parser.add_argument("--profile", default="", help="directory: cProfile of rank 0's timed steps per configuration")
+    parser.add_argument(
+        "--pipeline-repeats",
+        type=int,
+        default=None,
+        help="repeats of the pipeline pair (pp-hand, pp-1f1b; default 3 x --repeats): its jobs take seconds, and its"
+        " ratio swings ~10%% per repeat against a ~2-3%% distance to its target",
+    )
     args = demo_gpt.parse_run_args(parser, argv)
     names = demo_gpt.select(parser, args["only"], CONFIGS)
+    if args["pipeline_repeats"] is None:
+        args["pipeline_repeats"] = 3 * args["repeats"]
+    if args["pipeline_repeats"] < 1:
+        parser.error("--pipeline-repeats must be >= 1")
     halved = [n for n in names if CONFIGS[n][0] in ("mp-tp", "hybrid-tp", "pp-hand", "pp")]
     if halved and args["devices"] % 2:
         parser.error(f"{', '.join(halved)} run tp 2 or pp 2 x dp devices/2: --devices must be even")
     demo_gpt.preload()
     jobs = {name: (_job(name), args["devices"], (name, args)) for name in names}
     # ABBA: every other repeat runs in reverse, so a peer and its configuration alternate which runs first.
-    runs = harness.run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"], abba=True)
+    pipeline = {name: args["pipeline_repeats"] for name in PIPELINE_PAIR if name in jobs}
+    runs = harness.run_interleaved(
+        jobs, args["repeats"], args["timeout"], args["verbose"], abba=True, repeats_of=pipeline
+    )
     return print_report(runs, args)
 
 

@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--schedules", default="1F1B", help=f"comma-separated subset of {','.join(SCHEDULES)}")
     parser.add_argument("--microbatches", type=int, default=0, help="per step (default 2*pp)")
     parser.add_argument("--profile", default="", help="directory: cProfile of every rank's timed steps per run")
-    demo_gpt.add_run_args(parser, steps=40, warmup=5, repeats=5, batch_help="per pipeline (split over its dp ranks)")
+    # 15 repeats: each repeat's ratio swings by ~6-10% (the same job reruns up to 7% slower or faster on this
+    # 2-core VM), so the median of 5 moves by ~+-4%, more than the pair's distance to its target.
+    demo_gpt.add_run_args(parser, steps=40, warmup=5, repeats=15, batch_help="per pipeline (split over its dp ranks)")
     args = demo_gpt.parse_run_args(parser, argv)
     ns = argparse.Namespace(**args)
     try:

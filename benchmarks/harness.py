@@ -78,18 +78,25 @@ def run_interleaved(
     verbose: bool = False,
     report: Callable[[str, list[Any]], str] | None = None,
     abba: bool = False,
+    repeats_of: dict[str, int] | None = None,
 ) -> dict[str, list]:
     """Run ``{name: (job, nprocs, args)}`` ``repeats`` times, interleaved; returns ``{name: [outputs per repeat]}``.
 
     ``report(name, outputs)`` makes the progress line printed after each run (default: the median step time).
     ``abba``: odd repeats run in reverse order, so that a drift of the machine's load within a repeat hits both
-    members of a compared pair alike.
+    members of a compared pair alike. ``repeats_of``: ``{name: repeats}`` for configurations that run more repeats
+    than ``repeats`` (a cheap pair whose ratio swings more per repeat than its margin); give both members of a pair
+    the same count, so their repeats stay matched.
     """
+    counts = {name: (repeats_of or {}).get(name, repeats) for name in jobs}
+    total = max(counts.values(), default=0)
     runs: dict[str, list[list[Any]]] = {name: [] for name in jobs}
-    for repeat in range(repeats):
-        if repeats > 1:
-            print(f"-- repeat {repeat + 1}/{repeats}, load average {load_average()}", flush=True)
+    for repeat in range(total):
+        if total > 1:
+            print(f"-- repeat {repeat + 1}/{total}, load average {load_average()}", flush=True)
         for name in list(jobs)[::-1] if abba and repeat % 2 else list(jobs):
+            if repeat >= counts[name]:
+                continue
             job, nprocs, args = jobs[name]
             if repeat and not runs[name]:
                 continue  # failed before
@@ -99,7 +106,7 @@ def run_interleaved(
                 continue
             runs[name].append(outputs)
             line = report(name, outputs) if report else _median_line(outputs)
-            print(f"[{repeat + 1}/{repeats}] {name}: {line} ({time.perf_counter() - t0:.1f} s job)", flush=True)
+            print(f"[{repeat + 1}/{counts[name]}] {name}: {line} ({time.perf_counter() - t0:.1f} s job)", flush=True)
     return {name: done for name, done in runs.items() if done}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
@@ -73,6 +74,9 @@ def _run_demo(args: argparse.Namespace) -> int:
             f"--batch-size {args.batch_size} must be divisible by the data-parallel size {layout.data_parallel_size}."
         )
     datamodule = TextDataModule(batch_size=args.batch_size // layout.data_parallel_size, block_size=args.block_size)
+    datamodule.setup("fit")
+    # With max_steps alone Lightning sets max_epochs=-1, which its progress bar prints as "Epoch 1/-2".
+    trainer.fit_loop.max_epochs = _epochs_for(args.max_steps, len(datamodule.train_dataset or ()), args.batch_size)
     model = GPTLightningModule(
         vocab_size=datamodule.vocab_size,
         block_size=args.block_size,
@@ -83,7 +87,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         weight_decay=0.0,
     )
     print(f"lightning-mgpu demo: {layout.describe()} on {args.devices} {args.accelerator} processes")
-    trainer.fit(model, datamodule)
+    with warnings.catch_warnings():
+        # Lightning 2.6's batch flattening builds torch 2.13's deprecated LeafSpec: one line per process and step
+        # that says nothing about the user's code (forked workers inherit this filter).
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        trainer.fit(model, datamodule)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     print(" ".join(f"final {name}: {value:.4f}" for name, value in sorted(metrics.items())))
     if args.sample_tokens > 0:
@@ -93,6 +101,12 @@ def _run_demo(args: argparse.Namespace) -> int:
             sample = model.model.generate(prompt, args.sample_tokens, temperature=0.8)
         print("sample:", datamodule.tokenizer.decode(sample[0]))
     return 0
+
+
+def _epochs_for(max_steps: int, samples: int, global_batch_size: int) -> int:
+    """Epochs that ``max_steps`` optimizer steps start (a ragged last batch counts as a step)."""
+    steps_per_epoch = max(1, -(-samples // global_batch_size))
+    return max(1, -(-max_steps // steps_per_epoch))
 
 
 def _add_checkpoint_commands(subparsers: argparse._SubParsersAction) -> None:

@@ -36,3 +36,16 @@ def test_the_readme_demo_command_as_written():
     ]  # ln(256) = 5.5 at start
     assert "sample:" in out.stdout
     assert "Traceback" not in out.stderr
+    # The progress bar counts real epochs (Lightning prints max_epochs=-1 as "Epoch 1/-2"), and Lightning's own
+    # torch-2.13 deprecation note is not repeated by every process.
+    assert not re.search(r"Epoch \d+/-\d", out.stdout + out.stderr), out.stdout[-2000:]
+    assert "LeafSpec" not in out.stdout + out.stderr
+
+
+def test_demo_epochs_cover_max_steps():
+    from lightning_mgpu.cli import _epochs_for
+
+    assert _epochs_for(80, 689, 16) == 2  # 44 steps an epoch, the last batch ragged
+    assert _epochs_for(44, 689, 16) == 1
+    assert _epochs_for(45, 689, 16) == 2
+    assert _epochs_for(5, 3, 16) == 5  # one (ragged) step an epoch
