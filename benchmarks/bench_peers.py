@@ -263,7 +263,7 @@ def print_report(runs: dict[str, list], args: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=2, help="processes (= data-parallel size)")
-    demo_gpt.add_run_args(parser, repeats=5)  # the pipeline pair swings ~5% per repeat on a shared machine
+    demo_gpt.add_run_args(parser, repeats=5)  # the pipeline pair: --pipeline-repeats (its margin is the smallest)
     parser.add_argument("--mem-step", type=int, default=2)
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(CONFIGS)}")
     parser.add_argument("--profile", default="", help="directory: cProfile of rank 0's timed steps per configuration")
