@@ -220,6 +220,7 @@ KNOWN_DIVERGENT: dict[str, str] = {}
 # 2.6e-3 to 4.8e-3; tp=2 moves its losses by 8.9e-6 at most (first step 1e-7; 2.4e-5 while each rank thresholded by
 # its own half's statistics) and 13 gate weights by up to 2.9e-3.
 CHAOTIC = {"gemma4": SEED, "gemma4_unified": SEED, "muse_spark": SEED, "mistral_large4": 2, "gemma3n": SEED}
+CHAOTIC_MARGIN = 10.0
 
 # Weights on a near-tie in one process already: losses hold 1e-5, but a few weights move by about one AdamW step
 # (lr 1e-3) when rounding changes. Held to: losses within 1e-5, and each tensor's weights within WEIGHT_MARGIN times
@@ -231,7 +232,6 @@ CHAOTIC = {"gemma4": SEED, "gemma4_unified": SEED, "muse_spark": SEED, "mistral_
 # every loss within tolerance. An earlier machine trained it within TP_WEIGHT_ATOL.
 WEIGHT_SENSITIVE = {"nemotron_h": SEED}
 WEIGHT_MARGIN = 2.0
-CHAOTIC_MARGIN = 10.0
 
 
 # ------------------------------------------------------------------------------------------------- tiny models
@@ -365,7 +365,12 @@ def _train(model_type: str, tp_mesh: Any = None, noise: float = 0.0, noise_seed:
             loss.backward()
         optimizer.step()
         losses.append(float(loss))
-    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
+    # Gathered outside autograd: a rank once died with SIGSEGV inside the autograd-wrapped wait of full_tensor()'s
+    # all-gather on a trained parameter (2026-11-27, 1 run in 3); the weights need no graph.
+    with torch.no_grad():
+        weights = {
+            n: (p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()) for n, p in model.named_parameters()
+        }
     return {"losses": losses, "state_dict": weights}
 
 
