@@ -396,22 +396,18 @@ def _train_every(model_types: list[str]) -> dict[str, Any]:
     """In one process of a 3-process job, every model type in turn is built and refused before training where
     ``apply_tensor_parallel`` refuses it (``{"refused": reason}``); otherwise ranks 0 and 1 form the tp=2 group and
     train it sharded (an error is recorded and the next one trained), while rank 2 trains it unsharded (the
-    reference), and a CHAOTIC one also from perturbed weights (its losses under "noisy"): the sharded ranks take
-    longer. Rank 0 returns the sharded results, rank 2 the references (an error there fails the test), rank 1
+    reference), and a CHAOTIC or WEIGHT_SENSITIVE one also from perturbed weights (under "noisy"): the sharded
+    ranks take longer. Rank 0 returns the sharded results, rank 2 the references (an error there fails the test), rank 1
     nothing."""
     from torch.distributed.device_mesh import init_device_mesh
 
     rank = int(os.environ["RANK"])
     if rank == 2:
         references = {model_type: _train(model_type) for model_type in model_types}
-        for model_type in set(CHAOTIC) & set(model_types):
+        noise_seeds = {**CHAOTIC, **WEIGHT_SENSITIVE}
+        for model_type in set(noise_seeds) & set(model_types):
             if "refused" not in references[model_type]:
-                noisy = _train(model_type, noise=1e-7, noise_seed=CHAOTIC[model_type])
-                references[model_type]["noisy"] = noisy["losses"]
-        for model_type in set(WEIGHT_SENSITIVE) & set(model_types):
-            if "refused" not in references[model_type]:
-                noisy = _train(model_type, noise=1e-7, noise_seed=WEIGHT_SENSITIVE[model_type])
-                references[model_type]["noisy_state"] = noisy["state_dict"]
+                references[model_type]["noisy"] = _train(model_type, noise=1e-7, noise_seed=noise_seeds[model_type])
         return references
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -442,17 +438,9 @@ def _assert_within_rounding_drift(expected: list[float], noisy: list[float], los
 def _assert_within_weight_drift(expected: RunResult, noisy_state: dict[str, Any], result: RunResult) -> None:
     """A WEIGHT_SENSITIVE model: losses as for any model, each weight tensor within ``WEIGHT_MARGIN`` times the
     distance 1e-7 weight noise puts between ``noisy_state`` and the reference (at least ``TP_WEIGHT_ATOL``)."""
-    assert_same_training(expected, RunResult(result.losses, expected.state_dict))  # the losses (1e-5)
-    assert set(result.state_dict) == set(expected.state_dict)
-    for key, reference in expected.state_dict.items():
-        drift = (noisy_state[key].float() - reference.float()).abs().max().item()
-        torch.testing.assert_close(
-            result.state_dict[key].float(),
-            reference.float(),
-            rtol=0.0,
-            atol=max(TP_WEIGHT_ATOL, WEIGHT_MARGIN * drift),
-            msg=lambda m: f"{key} (1e-7 noise moves it {drift:.1e}): {m}",
-        )
+    drift = {k: (noisy_state[k].float() - v.float()).abs().max().item() for k, v in expected.state_dict.items()}
+    atols = {k: max(TP_WEIGHT_ATOL, WEIGHT_MARGIN * d) for k, d in drift.items()}
+    assert_same_training(expected, result, weight_rtol=0.0, weight_atol=TP_WEIGHT_ATOL, weight_atols=atols)
 
 
 def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_refused_before_training():
@@ -472,8 +460,7 @@ def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_
     assert all(("refused" in expected[t]) == ("refused" in sharded[t]) for t in built)  # decided alike in each rank
     served = {holder: types for holder, types in same.items() if "refused" not in sharded[types[0]]}
     trained = [types[0] for types in served.values()]
-    noisy = {t: expected[t].pop("noisy") for t in CHAOTIC if t in trained}
-    noisy_state = {t: expected[t].pop("noisy_state") for t in WEIGHT_SENSITIVE if t in trained}
+    noisy = {t: expected[t].pop("noisy") for t in {**CHAOTIC, **WEIGHT_SENSITIVE} if t in trained}
     failures = {}
     for model_type in trained:
         if "error" in sharded[model_type]:
@@ -482,10 +469,11 @@ def test_every_architecture_with_a_plan_trains_under_tp2_like_one_process_or_is_
         result = sharded[model_type]
         try:
             if model_type in CHAOTIC:
-                _assert_within_rounding_drift(expected[model_type]["losses"], noisy[model_type], result["losses"])
+                losses = noisy[model_type]["losses"]
+                _assert_within_rounding_drift(expected[model_type]["losses"], losses, result["losses"])
             elif model_type in WEIGHT_SENSITIVE:
-                reference = RunResult(**expected[model_type])
-                _assert_within_weight_drift(reference, noisy_state[model_type], RunResult(**result))
+                state = noisy[model_type]["state_dict"]
+                _assert_within_weight_drift(RunResult(**expected[model_type]), state, RunResult(**result))
             else:
                 assert_same_training(RunResult(**expected[model_type]), RunResult(**result), weight_atol=TP_WEIGHT_ATOL)
         except AssertionError as error:
