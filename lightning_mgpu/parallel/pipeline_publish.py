@@ -65,12 +65,22 @@ class StepLogs:
 
     def means(self, device: torch.device) -> dict[str, tuple[torch.Tensor, dict]]:
         """Each logged name's mean over the microbatches, as a float64 scalar on ``device`` (no host sync)."""
-        grouped: dict[str, list[torch.Tensor]] = {}
+        grouped: dict[str, list[Any]] = {}
         options: dict[str, dict] = {}
         for name, value, kwargs in self.values:
-            grouped.setdefault(name, []).append(_as_tensor(value, device))
+            grouped.setdefault(name, []).append(value)
             options[name] = kwargs
-        return {name: (torch.stack(values).mean(), options[name]) for name, values in grouped.items()}
+        with torch.no_grad():
+            return {name: (_mean(values, device), options[name]) for name, values in grouped.items()}
+
+
+def _mean(values: list[Any], device: torch.device) -> torch.Tensor:
+    """The float64 mean of logged scalars. Plain one-element tensors (the usual case) are stacked as they are, in
+    one op, and converted once: stacking promotes to a dtype that holds every value exactly, as float64 does."""
+    if all(type(value) is torch.Tensor and value.numel() == 1 for value in values):
+        stacked = torch.stack([value.reshape(()) for value in values])
+        return stacked.to(device=device, dtype=torch.float64).mean()
+    return torch.stack([_as_tensor(value, device) for value in values]).mean()
 
 
 def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
@@ -203,6 +213,9 @@ class Publisher:
         self.source = source
         self.device = device
         self._structure: tuple | None = None  # what the last object broadcast sent, known to every rank
+        # The fast path's flag and its stand-in for an absent result (float64 scalars, copied into each message).
+        self._one = torch.ones((), dtype=torch.float64, device=device)
+        self._zero = torch.zeros((), dtype=torch.float64, device=device)
         self._log = RepeatedLog()
 
     def publish(self, module: Any, relay: MetricRelay, result: Any, logs: StepLogs, objects: bool) -> Any:
@@ -238,20 +251,15 @@ class Publisher:
             changes = relay.end() if relay is not None else {}
             payload = (result, logs.means(self.device), metric_logs, changes)
         if not objects and self._structure is not None:
-            names = self._structure[0]
-            fast = sending and _structure(payload) == self._structure
-            numbers = torch.zeros(2 + len(names), dtype=torch.float64, device=self.device)
-            if fast:
+            if sending and _structure(payload) == self._structure:
                 assert payload is not None
-                numbers = torch.stack(
-                    [
-                        numbers.new_ones(()),
-                        payload[0].detach().to(numbers) if payload[0] is not None else numbers.new_zeros(()),
-                        *(value for value, _ in payload[1].values()),
-                    ]
-                )
+                result, means = payload[0], payload[1]
+                sent = self._zero if result is None else result.detach().to(torch.float64)
+                numbers = torch.stack([self._one, sent, *(value for value, _ in means.values())])
+            else:  # a receiver, or a sender whose payload needs objects: flag 0
+                numbers = torch.zeros(2 + len(self._structure[0]), dtype=torch.float64, device=self.device)
             dist.broadcast(numbers, src=self.source, group=self.group)
-            if bool(numbers[0] == 1.0):  # the one host sync of a step
+            if numbers[0].item() == 1.0:  # the one host sync of a step
                 return self._rebuild(numbers)
         box = [_to_cpu(payload) if sending else None]  # unpickled on each rank's device below
         dist.broadcast_object_list(box, src=self.source, group=self.group)
@@ -266,7 +274,8 @@ class Publisher:
         assert self._structure is not None
         names, options, result_dtype = self._structure
         result = None if result_dtype is None else numbers[1].to(result_dtype)
-        means = {name: (numbers[2 + i], dict(kwargs)) for i, (name, kwargs) in enumerate(zip(names, options))}
+        logged = numbers[2:].to(torch.get_default_dtype())  # as `publish` logs them; one conversion for all
+        means = {name: (logged[i], dict(kwargs)) for i, (name, kwargs) in enumerate(zip(names, options))}
         return result, means, {}, {}
 
 

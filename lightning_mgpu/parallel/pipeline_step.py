@@ -102,9 +102,7 @@ class PipelineEngine:
     def training_step(self, batch: Any, batch_idx: int, *, accumulate_grad_batches: int) -> torch.Tensor:
         """Forward *and* backward of the step (the schedule interleaves them); Lightning's backward is skipped."""
         if batch_idx % accumulate_grad_batches == 0:
-            # Looked up every step: FSDP2 registers its unsharded or sharded Parameters by turns.
-            for param in self.module.parameters():
-                param.grad = None
+            self._clear_gradients()
         # Lightning zeroes gradients after `training_step` returns, expecting backward to follow: skip that once.
         self.gradients_pending = True
         microbatches, plan = self._split(batch)
@@ -122,9 +120,12 @@ class PipelineEngine:
             self._training = None
         if self.sync_gradients and self.runtime.tied_gradients:
             self.runtime.tied_gradients.sum_gradients(self.module)
-        loss = torch.stack([loss.detach() for loss in losses]).mean() / step.loss_scale if losses else None
-        if loss is not None and self.grad_scaler is not None:
-            loss = loss / self.grad_scaler.get_scale()
+        loss = None
+        if losses:
+            with torch.no_grad():
+                loss = torch.stack(losses).mean() / step.loss_scale
+                if self.grad_scaler is not None:
+                    loss = loss / self.grad_scaler.get_scale()
         return self.publisher.publish(self.module, self.relay, loss, step.logs, objects=False)
 
     def evaluation_step(self, method: str, batch: Any, *args: Any) -> Any:
@@ -157,6 +158,17 @@ class PipelineEngine:
             with torch.no_grad():
                 results = _merge([self._replay(method, (mb, *args), k, logs) for k, mb in enumerate(microbatches)])
         return self.publisher.publish(self.module, self.relay, results, logs, objects=True)
+
+    def _clear_gradients(self) -> None:
+        """At an accumulation window's start, what Lightning's ``zero_grad`` clears (it runs after the step here,
+        so ``guard_zero_grad`` skips it): the optimizers' parameters, read from their groups every time (a callback
+        may add a group). Those are the tensors the optimizer steps, FSDP2's sharded ones included, whichever
+        Parameters the module has registered at the moment (walking the module costs ~5x more). Without an
+        optimizer (``configure_optimizers`` returned none), the module's parameters."""
+        groups = [group for optimizer, _ in self._guarded for group in optimizer.param_groups]
+        params = [param for group in groups for param in group["params"]] or self.module.parameters()
+        for param in params:
+            param.grad = None
 
     def _split(self, batch: Any) -> tuple[list[Any], MicrobatchPlan]:
         requested = self.num_microbatches or self.runtime.num_stages
