@@ -75,9 +75,11 @@ class StepLogs:
 
 
 def _mean(values: list[Any], device: torch.device) -> torch.Tensor:
-    """The float64 mean of logged scalars. Plain one-element tensors (the usual case) are stacked as they are, in
-    one op, and converted once: stacking promotes to a dtype that holds every value exactly, as float64 does."""
-    if all(type(value) is torch.Tensor and value.numel() == 1 for value in values):
+    """The float64 mean of logged scalars. Plain one-element tensors of one dtype (the usual case: the same code
+    logged them in every microbatch) are stacked as they are, in one op, and converted to float64 once; others one
+    by one (stacking mixed dtypes would promote, e.g. int64 with float32 to float32, and round large integers)."""
+    plain = all(type(value) is torch.Tensor and value.numel() == 1 for value in values)
+    if plain and len({value.dtype for value in values}) == 1:
         stacked = torch.stack([value.reshape(()) for value in values])
         return stacked.to(device=device, dtype=torch.float64).mean()
     return torch.stack([_as_tensor(value, device) for value in values]).mean()

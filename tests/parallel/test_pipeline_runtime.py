@@ -53,6 +53,32 @@ def test_unsplit_and_remove_give_the_user_module_back():
     assert "log" not in vars(module) and "log_dict" not in vars(module)
 
 
+def test_logged_means_are_float64_means_of_every_microbatch_value():
+    """Publishing averages each logged name over the microbatches in float64, whatever was logged: plain scalar
+    tensors (stacked in one op), mixed dtypes, large integers and Python numbers (converted one by one)."""
+    from lightning_mgpu.parallel.pipeline_publish import StepLogs
+
+    logs = StepLogs()
+    logged = {
+        "f32": [torch.tensor(0.1), torch.tensor([0.2]), torch.tensor(0.4)],
+        "mixed": [torch.tensor(0.1, dtype=torch.bfloat16), torch.tensor(0.3)],
+        "big_int": [torch.tensor(2**40 + 1), torch.tensor(0.5)],  # stacked together: float32, 2**40 + 1 lost
+        "with_number": [torch.tensor(2**40 + 3), 1],
+        "number": [1, 2.5],
+    }
+    for name, values in logged.items():
+        for value in values:
+            logs.record(name, value, {"prog_bar": name == "f32"})
+    means = logs.means(torch.device("cpu"))
+    assert list(means) == list(logged)
+    for name, values in logged.items():
+        expected = sum(float(v) for v in values) / len(values)  # each value read exactly, as float64 holds it
+        mean, options = means[name]
+        assert mean.dtype == torch.float64 and mean.dim() == 0 and not mean.requires_grad
+        assert mean.item() == expected, (name, mean.item(), expected)
+        assert options == {"prog_bar": name == "f32"}
+
+
 class _HostSyncs(L.Callback):
     """Counts reads of device values into Python (``item()``, ``int()``, ``bool()``, ``float()``) per training step."""
 
