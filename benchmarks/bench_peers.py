@@ -242,6 +242,7 @@ def print_report(runs: dict[str, list], args: dict[str, Any]) -> dict[str, Any]:
     pairs = [(name, peer, target) for name, (_, _, peer, target) in CONFIGS.items() if peer and name in results]
     rows = harness.ratio_table(results, pairs)
     harness.thread_table(results, pairs)
+    harness.interval_table(results, pairs)
     minimum = {name: analytic_comm(name, dp, n_params, n_root)[0] for name in results}
     mb = lambda value: f"{value / MB:.2f}" if value else "-"
     comm = {"MB/step": lambda n, r: mb(r["comm"] and r["comm"]["bytes"]), "minimum": lambda n, r: mb(minimum[n])}

@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Lightning's loop: its data fetcher, batch transfer hooks, logger connector, scheduler and validation checks).
     harness.ratio_table(results, pairs, title="\nfrom one step's start to the next:", span="iter")
     harness.thread_table(results, pairs)
+    harness.interval_table(results, pairs)
     _quiet_steps_table(runs, pairs, ns.warmup)
     print("\nlast step's loss (mean over dp), Lightning vs by hand:")
     for name, peer, _ in pairs:

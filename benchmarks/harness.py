@@ -24,6 +24,7 @@ written by hand: the tensor-parallel plan and FSDP2 in ``configure_model``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import sys
@@ -513,6 +514,46 @@ def thread_table(results: dict[str, dict[str, Any]], pairs: list[tuple[str, str,
             r = ratio(results, name, peer, "run_thread")
             ms = results[name]["thread"] * 1e3, results[peer]["thread"] * 1e3
             print(f"  {name:<22} {peer:<22} {ms[0]:8.1f} {ms[1]:8.1f} {_fmt_ratio(r):>20}")
+
+
+CONFIDENCE = 0.95  # of the intervals `interval_table` prints
+DECIDES = 0.9  # the least coverage from which an interval decides a target (5 repeats give 93.8%)
+
+
+def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """A distribution-free interval for the median of ``values``: the order statistics ``x(k)`` and ``x(n+1-k)`` with
+    the largest ``k`` whose coverage (a binomial sum, no assumption on the distribution) is at least ``confidence``.
+    Returns ``(low, high, coverage)``; with too few values for ``confidence``, the min and max and their coverage.
+    E.g. 15 values: the 4th and 12th smallest, 96.5%; 5 values: the min and max, 93.8%."""
+    ordered, n = sorted(values), len(values)
+    interval = (ordered[0], ordered[-1], 1 - 2 * 0.5**n)
+    for k in range(2, (n + 1) // 2 + 1):
+        coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+        if coverage < confidence:
+            break
+        interval = (ordered[k - 1], ordered[n - k], coverage)
+    return interval
+
+
+def interval_table(results: dict[str, dict[str, Any]], pairs: list[tuple[str, str, float | None]]) -> None:
+    """For each pair with a target: where the median of its per-repeat ratios lies (``median_interval``), step and
+    CPU, and whether this run decides the target: ``met`` (the interval lies below it), ``missed`` (above it) or
+    ``undecided`` (it holds the target: another run of the same code may land on either side); below 90% coverage
+    (4 repeats or fewer), ``too few repeats``."""
+    rows = [(name, peer, target) for name, peer, target in pairs if target is not None]
+    rows = [row for row in rows if row[0] in results and row[1] in results]
+    if not rows:
+        return
+    print(f"\nwhere each median lies ({CONFIDENCE:.0%} interval over the repeats' ratios), and what it decides:")
+    for name, peer, target in rows:
+        cells = []
+        for what, key in (("step", "run_medians"), ("cpu", "run_cpu")):
+            ratios = [a / b for a, b in zip(results[name][key], results[peer][key])]
+            low, high, coverage = median_interval(ratios)
+            verdict = "met" if high <= target else "missed" if low > target else "undecided"
+            verdict = verdict if coverage >= DECIDES else "too few repeats"
+            cells.append(f"{what} [{low:.3f}-{high:.3f}] ({coverage:.1%}) {verdict}")
+        print(f"  {name:<22} {peer:<22} <={target:.2f}: " + ", ".join(cells))
 
 
 def table(
