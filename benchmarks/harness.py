@@ -462,8 +462,13 @@ def ratio(
     results: dict[str, dict[str, Any]], name: str, peer: str, key: str = "run_medians"
 ) -> tuple[float, float, float]:
     """Median, min and max over repeats of ``name``'s time / ``peer``'s time in the same repeat (interleaved)."""
-    pairs = [a / b for a, b in zip(results[name][key], results[peer][key])]
+    pairs = repeat_ratios(results, name, peer, key)
     return statistics.median(pairs), min(pairs), max(pairs)
+
+
+def repeat_ratios(results: dict[str, dict[str, Any]], name: str, peer: str, key: str = "run_medians") -> list[float]:
+    """``name``'s time / ``peer``'s time in each repeat (the same repeat: interleaved)."""
+    return [a / b for a, b in zip(results[name][key], results[peer][key])]
 
 
 def ratio_table(
@@ -548,8 +553,7 @@ def interval_table(results: dict[str, dict[str, Any]], pairs: list[tuple[str, st
     for name, peer, target in rows:
         cells = []
         for what, key in (("step", "run_medians"), ("cpu", "run_cpu")):
-            ratios = [a / b for a, b in zip(results[name][key], results[peer][key])]
-            low, high, coverage = median_interval(ratios)
+            low, high, coverage = median_interval(repeat_ratios(results, name, peer, key))
             verdict = "met" if high <= target else "missed" if low > target else "undecided"
             verdict = verdict if coverage >= DECIDES else "too few repeats"
             cells.append(f"{what} [{low:.3f}-{high:.3f}] ({coverage:.1%}) {verdict}")

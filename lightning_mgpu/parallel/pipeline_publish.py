@@ -276,8 +276,7 @@ class Publisher:
         assert self._structure is not None
         names, options, result_dtype = self._structure
         result = None if result_dtype is None else numbers[1].to(result_dtype)
-        logged = numbers[2:].to(torch.get_default_dtype())  # as `publish` logs them; one conversion for all
-        means = {name: (logged[i], dict(kwargs)) for i, (name, kwargs) in enumerate(zip(names, options))}
+        means = {name: (numbers[2 + i], dict(kwargs)) for i, (name, kwargs) in enumerate(zip(names, options))}
         return result, means, {}, {}
 
 
