@@ -2,18 +2,20 @@
 
 *Capture* runs the user's step until it calls the network (``self(x)`` or a module on the path to the blocks, such
 as ``self.model(input_ids=x)``) and records the call's arguments. The rest of the step must not run, so the
-forward pre-hook on those modules leaves the user's code by raising ``_NetworkCalled`` (the one way to leave
-arbitrary user code; nothing else in the runtime uses an exception to steer). *Replay* runs the whole step again
-with the network call returning a given output, counting the network calls so that a second one is refused.
+``forward`` of those modules leaves the user's code by raising ``_NetworkCalled`` (the one way to leave arbitrary
+user code; nothing else in the runtime uses an exception to steer). *Replay* runs the whole step again with the
+network call returning a given output, and refuses a second network call.
 
-While capturing or replaying, ``self.log``/``self.log_dict`` are routed into a ``StepLogs`` record (or nowhere);
-every attribute set on the user's objects is set back before returning, and ``remove()`` takes the hooks off.
+Both work by setting ``forward`` as an instance attribute of the path's modules for the step's duration, as the
+replay's output always was: no forward hooks stay on the user's modules, so the stages' own forwards (many per step,
+in between) take ``nn.Module.__call__``'s fast path. Forward pre-hooks run before the interception, as they run
+before a real call. While capturing or replaying, ``self.log``/``self.log_dict`` are routed into a ``StepLogs``
+record (or nowhere); every attribute set on the user's objects is set back before returning.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,31 +33,13 @@ class _NetworkCalled(Exception):
         self.call = call
 
 
-class _Phase(enum.Enum):
-    IDLE = "idle"
-    CAPTURE = "capture"
-    REPLAY = "replay"
-
-
 class StepCapture:
-    """The network-call hooks on ``network_path`` (the LightningModule and the modules down to the blocks)."""
+    """Capture and replay of the network call on ``network_path`` (the LightningModule and the modules down to the
+    blocks)."""
 
     def __init__(self, module: nn.Module, network_path: list[nn.Module]) -> None:
         self.module = module
-        self._phase = _Phase.IDLE
-        self._network_calls = 0
-        self._hooks = [m.register_forward_pre_hook(self._on_network_call, with_kwargs=True) for m in network_path]
-
-    def _on_network_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._phase is _Phase.CAPTURE:
-            raise _NetworkCalled(NetworkCall(module, args, kwargs))
-        if self._phase is _Phase.REPLAY:
-            self._network_calls += 1
-            if self._network_calls > 1:
-                raise RuntimeError(
-                    "With pipeline_parallel_size > 1 a step may call the network once (it runs split across"
-                    f" ranks); {type(module).__name__} was called again. Compute everything from one call's output."
-                )
+        self.network_path = network_path
 
     def capture(self, step: Callable[[], Any]) -> NetworkCall:
         """The network call ``step()`` makes; the step stops there and logs nothing."""
@@ -63,31 +47,60 @@ class StepCapture:
 
     def capture_all(self, steps: list[Callable[[], Any]]) -> list[NetworkCall]:
         """The network call of each of ``steps`` (one per microbatch), with logging muted once for all."""
-        self._phase = _Phase.CAPTURE
-        try:
-            with muted_logging(self.module, None):
-                return [_network_call(step) for step in steps]
-        finally:
-            self._phase = _Phase.IDLE
+        with muted_logging(self.module, None), _forwards(self.network_path, _capturing):
+            return [_network_call(step) for step in steps]
 
     def replay(self, call: NetworkCall, output: Any, step: Callable[[], Any], logs: StepLogs) -> Any:
         """``step()``'s result with ``call``'s module returning ``output``; its logs go into ``logs``."""
-        module = call.module
-        saved = vars(module).get("forward", _ABSENT)
-        # Plain instance attributes (what nn.Module.__setattr__ ends in for a function): once per microbatch.
-        object.__setattr__(module, "forward", lambda *a, **k: output)
-        self._phase, self._network_calls = _Phase.REPLAY, 0
-        try:
-            with muted_logging(self.module, logs):
-                return step()
-        finally:
-            self._phase = _Phase.IDLE
-            _restore(module, "forward", saved)
+        calls = 0
 
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        def network(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                raise RuntimeError(_second_call(call.module))
+            return output
+
+        def forward_of(module: nn.Module) -> Callable[..., Any]:
+            return network if module is call.module else _refusing(module)
+
+        with muted_logging(self.module, logs), _forwards(self.network_path, forward_of):
+            return step()
+
+
+@contextmanager
+def _forwards(modules: list[nn.Module], forward_of: Callable[[nn.Module], Callable[..., Any]]) -> Iterator[None]:
+    """Each of ``modules`` runs ``forward_of(module)`` in place of its ``forward`` inside the block."""
+    saved = [(module, vars(module).get("forward", _ABSENT)) for module in modules]
+    for module in modules:
+        # Plain instance attributes (what nn.Module.__setattr__ ends in for a function).
+        object.__setattr__(module, "forward", forward_of(module))
+    try:
+        yield
+    finally:
+        for module, forward in saved:
+            _restore(module, "forward", forward)
+
+
+def _capturing(module: nn.Module) -> Callable[..., Any]:
+    def network(*args: Any, **kwargs: Any) -> Any:
+        raise _NetworkCalled(NetworkCall(module, args, kwargs))
+
+    return network
+
+
+def _refusing(module: nn.Module) -> Callable[..., Any]:
+    def network(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(_second_call(module))
+
+    return network
+
+
+def _second_call(module: nn.Module) -> str:
+    return (
+        "With pipeline_parallel_size > 1 a step may call the network once (it runs split across ranks);"
+        f" {type(module).__name__} was called again. Compute everything from one call's output."
+    )
 
 
 def _network_call(step: Callable[[], Any]) -> NetworkCall:

@@ -256,7 +256,6 @@ class PipelineEngine:
         The split itself is undone by ``runtime.unsplit`` (HybridStrategy's ``ModuleSnapshot`` restores the whole
         module tree after gathering the trained values, which the stand-ins' originals lack).
         """
-        self.capture.remove()
         self.relay.remove()
         self.publisher.forget_logs()
         for optimizer, zero_grad in reversed(self._guarded):

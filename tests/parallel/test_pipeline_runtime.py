@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 
 from lightning_mgpu._compat.tensors import TorchDispatchMode
@@ -32,7 +33,8 @@ def test_unsplit_and_remove_give_the_user_module_back():
         assert dict(module.named_modules()) == before
         assert {name: vars(m).get("forward") for name, m in module.named_modules()} == forwards
         torch.testing.assert_close(module(x), expected, rtol=0, atol=0)
-    capture = StepCapture(module, [module, module.model.transformer])
+    path = [module, module.model, module.model.transformer]  # the engine's: the modules down to the blocks
+    capture = StepCapture(module, path)
     calls = capture.capture_all([lambda k=k: module.training_step((x[k : k + 1], x), 0) for k in range(2)])
     assert [c.module for c in calls] == [module, module] and torch.equal(calls[1].args[0], x[1:])
     assert "log" not in vars(module) and "log_dict" not in vars(module)
@@ -48,9 +50,12 @@ def test_unsplit_and_remove_give_the_user_module_back():
     assert [name for name, _, _ in logs.values] == ["train_loss"]
     assert vars(module)["log"] is own_log and "forward" not in vars(module) and "log_dict" not in vars(module)
     del module.log
-    capture.remove()
+    # A second network call in a replay is refused, and the interception is undone all the same.
+    twice = lambda: (module(x), module.model(x))
+    with pytest.raises(RuntimeError, match="GPT was called again"):
+        capture.replay(calls[0], logits, twice, StepLogs())
     assert not any(m._forward_pre_hooks for m in module.modules())
-    assert "log" not in vars(module) and "log_dict" not in vars(module)
+    assert not any("forward" in vars(m) for m in path) and "log" not in vars(module) and "log_dict" not in vars(module)
 
 
 def test_logged_means_are_float64_means_of_every_microbatch_value():
