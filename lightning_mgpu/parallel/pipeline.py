@@ -26,13 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mgpu._compat.tensors import tree_leaves
 from lightning_mgpu.layout import PP_AXIS
 from lightning_mgpu.parallel.blocks import find_block_container
 from lightning_mgpu.parallel.pipeline_standins import (
     PassThrough,
     Placeholder,
     Unreachable,
+    ValueCheck,
     keep_tied_names,
+    marked,
     replace_module,
 )
 from lightning_mgpu.parallel.pipeline_ties import TiedGradients, find_cross_stage_ties
@@ -250,6 +253,9 @@ class Stage(nn.Module):
         self.blocks = list(blocks)
         self.owned = nn.ModuleList([*blocks, *ends])
         self.inferring = False  # set while torch's pipelining infers shapes with a trial forward
+        # Whether this stage's output was checked not to depend on the stand-ins' values (see ``pipeline_standins``);
+        # the first stage has nothing to check: it computes everything before its blocks itself.
+        self.values_checked = index == 0
         # Per-microbatch state, set on every forward: kept off nn.Module.__setattr__, whose Parameter and buffer
         # checks cost more than the rest of this method.
         self._progress = _StageProgress()
@@ -280,21 +286,59 @@ class Stage(nn.Module):
             # so no microbatch index is read back from the device).
             microbatch = progress.next_microbatch
             progress.next_microbatch += 1
-        progress.received = None if self.is_first else x
-        call = self.runtime.calls[microbatch]
-        self.runtime.active = self
-        try:
-            output = call.module(*call.args, **call.kwargs)
-        except _StageDone as done:
-            return done.output
-        finally:
-            self.runtime.active = None
-            progress.received = None
+        if self.values_checked or self.inferring:
+            output = self._run(microbatch, x)
+        else:
+            output = self._run_checking_values(microbatch, x)
+        if not self.is_last:
+            return output
         if self.inferring:
             self.runtime.trial_output = output
         else:
             self.runtime.outputs[microbatch] = output
         return _main_tensor(output)
+
+    def _run(self, microbatch: int, x: torch.Tensor) -> Any:
+        """The captured network call of ``microbatch`` through this stage: its last block's output, or on the last
+        stage the network's output."""
+        progress = self._progress
+        progress.received = None if self.is_first else x
+        call = self.runtime.calls[microbatch]
+        self.runtime.active = self
+        try:
+            return call.module(*call.args, **call.kwargs)
+        except _StageDone as done:
+            return done.output
+        finally:
+            self.runtime.active = None
+            progress.received = None
+
+    def _run_checking_values(self, microbatch: int, x: torch.Tensor) -> Any:
+        """``_run`` with the stand-ins' values marked NaN: the output is the same unless it depends on them, which
+        is refused (once per stage; reading the check back is this stage's one host sync)."""
+        check = self.runtime.value_check
+        check.on = True
+        try:
+            output = self._run(microbatch, x)
+        finally:
+            check.on = False
+        self.values_checked = True
+        if _holds_nan(output) and not _holds_nan(x):
+            raise RuntimeError(self._depends_on_standins())
+        return output
+
+    def _depends_on_standins(self) -> str:
+        split = self.runtime.split
+        first = f"{split.container_fqn}.{self.block_range.start}"
+        before = f" and {', '.join(split.before)}" if split.before else ""
+        return (
+            f"Pipeline stage {self.index} (from {first}) computes with values that only other stages compute: its"
+            f" output depends on the outputs of blocks outside the stage{before} (run by the first stage), beyond"
+            " the activation the previous stage sends it. Pipeline stages pass one activation from block to block,"
+            " so a model whose blocks also take the embeddings (an `x0` skip connection or value embeddings, as in"
+            " modded-nanogpt) or the outputs of earlier blocks (U-Net-style skip connections) would train wrong"
+            " when split. Use pipeline_parallel_size=1 for this model (tensor and data parallelism run it as is)."
+        )
 
     def reset(self) -> None:
         self._progress.next_microbatch = 0
@@ -304,6 +348,12 @@ class Stage(nn.Module):
 class _StageProgress:
     next_microbatch: int = 0
     received: torch.Tensor | None = None
+
+
+def _holds_nan(tree: Any) -> bool:
+    """Whether any floating-point tensor in ``tree`` holds a NaN (reads one flag back from the device)."""
+    flags = [t.isnan().any() for t in tree_leaves(tree) if torch.is_tensor(t) and t.is_floating_point()]
+    return bool(torch.stack(flags).any()) if flags else False
 
 
 def _main_tensor(output: Any) -> torch.Tensor:
@@ -328,6 +378,7 @@ class PipelineRuntime:
         self.inferring = False
         self.active: Stage | None = None
         self.tied_gradients: Any | None = None  # TiedGradients, set by `split_pipeline`
+        self.value_check = ValueCheck()  # shared by this rank's stand-ins and gates
         owns_first, owns_last = 0 in my_stages, num_stages - 1 in my_stages
         container: Any = module.get_submodule(split.container_fqn)  # a ModuleList/Sequential: indexed by block
         mine = {i for s in my_stages for i in split.blocks_of(s)}
@@ -341,10 +392,10 @@ class PipelineRuntime:
                 self._gated.append((container[index], vars(container[index]).get("forward")))
                 _gate(container[index], index, self)
             else:
-                self._replace(module, fqn, PassThrough())
-        for fqn in split.before:
-            if not owns_first:
-                self._replace(module, fqn, Placeholder(module.get_submodule(fqn)))
+                self._replace(module, fqn, PassThrough(self.value_check))
+        for fqn in split.before if not owns_first else ():
+            for leaf in _placeholder_targets(module, fqn):
+                self._replace(module, leaf, Placeholder(module.get_submodule(leaf), self.value_check))
         for fqn in split.after:
             if not owns_last:
                 self._replace(module, fqn, Unreachable())
@@ -390,6 +441,20 @@ class PipelineRuntime:
             stage.reset()
 
 
+def _placeholder_targets(module: nn.Module, fqn: str) -> list[str]:
+    """The modules that stand in for the prologue module ``fqn``: itself, or for a ModuleList/ModuleDict/Sequential
+    (indexed or iterated by the user's code, e.g. a list of value embeddings) each of its children with parameters."""
+    found = module.get_submodule(fqn)
+    if not isinstance(found, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        return [fqn]
+    return [
+        leaf
+        for name, child in found.named_children()
+        if any(True for _ in child.parameters())
+        for leaf in _placeholder_targets(module, f"{fqn}.{name}")
+    ]
+
+
 def split_pipeline(module: nn.Module, mesh: Any, options: Any) -> PipelineRuntime:
     """Keep this rank's stages of ``module`` (in place) and return them. Collective over the whole ``mesh``."""
     schedule, pp_mesh = options.pipeline_schedule, mesh[PP_AXIS]
@@ -414,8 +479,8 @@ def _gate(block: nn.Module, index: int, runtime: PipelineRuntime) -> None:
         if stage is None:
             return forward(*args, **kwargs)
         blocks = stage.block_range
-        if index not in blocks:
-            return args[0] if args else next(iter(kwargs.values()))  # another stage of this rank
+        if index not in blocks:  # another stage of this rank: a pass-through
+            return marked(args[0] if args else next(iter(kwargs.values())), runtime.value_check)
         if index == blocks.start and stage.received is not None:
             args, kwargs = _with_hidden(args, kwargs, stage.received)
         output = forward(*args, **kwargs)

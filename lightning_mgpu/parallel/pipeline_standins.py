@@ -4,11 +4,18 @@ A rank keeps its stages' blocks; in place of the others it puts modules without 
 whole network call run on every stage: a block of another stage passes its input on, a prologue module (embeddings)
 returns zeros shaped like its output (only the first stage computes it; the others take the received activation
 instead), an epilogue module (norm, head) is never reached. ``PipelineRuntime.unsplit`` puts the originals back.
+
+Their values must not matter: a stage replaces its first block's input with the activation it received, and nothing
+else may depend on them. A model whose blocks also take the embeddings (an ``x0`` skip connection, value embeddings)
+or another stage's block outputs (U-Net-style skips) would compute with stand-in values and train wrong. So a
+stage's first real forward runs with ``ValueCheck.on``: the stand-ins return NaN instead (``marked``), and a NaN in
+the stage's output shows that it depends on them (``Stage`` then refuses the model).
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,11 +24,29 @@ from torch import nn
 from lightning_mgpu._compat.tensors import tree_map
 
 
+@dataclass
+class ValueCheck:
+    """Shared by a rank's stand-ins: while ``on``, they return NaN where their values would otherwise be used."""
+
+    on: bool = False
+
+
+def marked(value: Any, check: ValueCheck) -> Any:
+    """``value``, or NaN of its shape while ``check.on`` (a floating-point tensor: other values cannot carry NaN)."""
+    if check.on and torch.is_tensor(value) and value.is_floating_point():
+        return torch.full_like(value, float("nan"))
+    return value
+
+
 class PassThrough(nn.Module):
     """A block owned by another rank: hands its input on unchanged (its stage's output replaces it later)."""
 
+    def __init__(self, check: ValueCheck) -> None:
+        super().__init__()
+        self._check = [check]  # in a list: a plain attribute, not state
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else next(iter(kwargs.values()))
+        return marked(args[0] if args else next(iter(kwargs.values())), self._check[0])
 
 
 class Placeholder(nn.Module):
@@ -30,9 +55,10 @@ class Placeholder(nn.Module):
     The shape comes from running a meta-device copy once per distinct input shape.
     """
 
-    def __init__(self, original: nn.Module) -> None:
+    def __init__(self, original: nn.Module, check: ValueCheck) -> None:
         super().__init__()
         self._meta = [copy.deepcopy(original).to("meta")]  # in a list: not a submodule, no parameters
+        self._check = [check]
         self._outputs: dict[Any, Any] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -44,9 +70,10 @@ class Placeholder(nn.Module):
         if output is None:
             to_meta = lambda t: t.to("meta") if torch.is_tensor(t) else t
             output = self._outputs[key] = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        check = self._check[0]
         if torch.is_tensor(output):  # an embedding's output: no tree walk (this runs on every microbatch)
-            return torch.zeros(output.shape, dtype=output.dtype, device=device)
-        zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if torch.is_tensor(t) else t
+            return marked(torch.zeros(output.shape, dtype=output.dtype, device=device), check)
+        zeros = lambda t: marked(torch.zeros(t.shape, dtype=t.dtype, device=device), check) if torch.is_tensor(t) else t
         return tree_map(zeros, output)
 
 

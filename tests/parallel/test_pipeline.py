@@ -208,6 +208,15 @@ def test_a_second_network_call_is_refused_with_the_fix():
         )
 
 
+def test_a_model_whose_blocks_take_the_embeddings_is_refused_not_trained_wrong():
+    """modded-nanogpt as published mixes the normed embeddings (``x0``) and value embeddings into every block: stage
+    1 would compute them from stand-ins. Its first forward refuses the model, naming why and what to use."""
+    from tests.helpers.modded_nanogpt import ModdedGPTModule
+
+    with pytest.raises(RuntimeError, match="an `x0` skip connection or value embeddings"):
+        fit(lambda: ModdedGPTModule(num_layers=4, model_dim=32), lambda: _text(8), {"pipeline_parallel_size": 2}, 2, 1)
+
+
 def test_balance_and_placement():
     assert balance([10] * 8, 4) == [0, 2, 4, 6]
     assert balance([10] * 8, 2, first_extra=40) == [0, 2]  # embeddings (40) weigh on stage 0: it gets 2 blocks, 60 = 60

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.parallel.pipeline_standins import PassThrough, Placeholder
+from lightning_mgpu.parallel.pipeline_standins import PassThrough, Placeholder, ValueCheck
 
 
 def test_placeholder_returns_fresh_zeros_shaped_like_the_original_output():
     embedding = nn.Embedding(11, 6)
-    placeholder = Placeholder(embedding)
+    placeholder = Placeholder(embedding, ValueCheck())
     assert not list(placeholder.parameters())  # the weights stay with the first stage
     idx = torch.randint(0, 11, (2, 5))
     first = placeholder(idx)
@@ -33,7 +36,7 @@ def test_placeholder_builds_tuple_outputs_afresh_with_their_non_tensor_items():
         def forward(self, x: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, int]:
             return self.proj(x) * scale, 7
 
-    placeholder = Placeholder(TwoOutputs())
+    placeholder = Placeholder(TwoOutputs(), ValueCheck())
     x = torch.randn(2, 4)
     hidden, seven = placeholder(x, scale=2.0)
     assert hidden.shape == (2, 3) and not hidden.any() and seven == 7
@@ -42,5 +45,76 @@ def test_placeholder_builds_tuple_outputs_afresh_with_their_non_tensor_items():
 
 def test_pass_through_hands_its_first_input_on():
     x = torch.randn(2, 3)
-    assert PassThrough()(x, torch.zeros(1)) is x
-    assert PassThrough()(hidden_states=x) is x
+    assert PassThrough(ValueCheck())(x, torch.zeros(1)) is x
+    assert PassThrough(ValueCheck())(hidden_states=x) is x
+
+
+def test_while_values_are_checked_stand_ins_return_nan_in_place_of_their_values():
+    check = ValueCheck(on=True)
+    x, idx = torch.randn(2, 3), torch.randint(0, 11, (2, 5))
+    passed = PassThrough(check)(x)
+    assert passed.shape == x.shape and passed.isnan().all() and not x.isnan().any()
+    assert PassThrough(check)(idx) is idx  # integers cannot carry NaN: handed on as they are
+    assert Placeholder(nn.Embedding(11, 6), check)(idx).isnan().all()
+    check.on = False
+    assert PassThrough(check)(x) is x and not Placeholder(nn.Embedding(11, 6), check)(idx).any()
+
+
+class _LongSkip(nn.Module):
+    """Blocks in a ModuleList, the first block's output added to the last block's input (a U-Net-style skip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        skip = x
+        for i, block in enumerate(self.blocks):
+            if i == len(self.blocks) - 1:
+                x = x + skip
+            x = block(x)
+            if i == 0:
+                skip = x
+        return self.head(x)
+
+
+def _later_stage(model: nn.Module, idx: torch.Tensor) -> Any:
+    """The runtime of stage 1 of 2 of ``model`` in this process, with ``model(idx)``'s call captured."""
+    from lightning_mgpu.parallel.pipeline import PipelineRuntime, plan_split
+    from lightning_mgpu.parallel.pipeline_capture import StepCapture
+
+    runtime = PipelineRuntime(model, plan_split(model, 2, "auto"), [1], 2)
+    runtime.start_step(StepCapture(model, [model]).capture_all([lambda: model(idx)]))
+    return runtime
+
+
+@pytest.mark.parametrize("model", ["modded-nanogpt", "long skip", "nanogpt"])
+def test_a_later_stage_that_computes_with_stand_in_values_is_refused_at_its_first_forward(model):
+    """modded-nanogpt's blocks take the embeddings (``x0``, value embeddings) and earlier blocks' outputs (U-Net
+    skips); a stage after the first would compute with stand-ins for them and train wrong. nanoGPT's stages pass
+    one activation: its check passes, and the checked forward is the stage's forward."""
+    from tests.helpers.modded_nanogpt import GPT
+    from tests.helpers.nanogpt import GPT as NanoGPT
+    from tests.helpers.nanogpt import GPTConfig
+
+    torch.manual_seed(0)
+    network = {
+        "modded-nanogpt": lambda: GPT(vocab_size=16, num_layers=4, num_heads=2, model_dim=8),
+        "long skip": _LongSkip,
+        "nanogpt": lambda: NanoGPT(GPTConfig(block_size=5, vocab_size=16, n_layer=4, n_head=2, n_embd=8)),
+    }[model]()
+    idx = torch.randint(0, 16, (2, 5))
+    runtime = _later_stage(network, idx)
+    stage = runtime.stages[0]
+    received = torch.randn(2, 5, 8)
+    if model == "nanogpt":
+        checked = stage(received)
+        stage.reset()
+        assert stage.values_checked and torch.equal(stage(received), checked) and not checked.isnan().any()
+        return
+    with pytest.raises(RuntimeError, match="an `x0` skip connection or value embeddings"):
+        stage(received)
+    assert not runtime.value_check.on  # the check is switched off however the forward ended
