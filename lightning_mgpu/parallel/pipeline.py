@@ -14,6 +14,10 @@ Because every rank of a pipeline reads the same batch, each stage knows the netw
 microbatch (captured by running the user's step up to the network call): position ids, masks and rotary
 embeddings are computed as usual on every stage.
 
+Only the activation passes from stage to stage, so nothing else a later stage computes may depend on the stand-ins'
+values: each later stage's first forward checks that (``pipeline_standins``) and refuses a model whose blocks also
+take the embeddings or other stages' outputs.
+
 Everything the split does to the user's module (stand-ins in place of other ranks' modules, the gate on each kept
 block's ``forward``) is recorded and undone by ``PipelineRuntime.unsplit``.
 """
