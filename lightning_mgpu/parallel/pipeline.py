@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_mgpu._compat.tensors import tree_leaves
 from lightning_mgpu.layout import PP_AXIS
@@ -38,6 +39,7 @@ from lightning_mgpu.parallel.pipeline_standins import (
     Placeholder,
     Unreachable,
     ValueCheck,
+    first_input,
     keep_tied_names,
     marked,
     replace_module,
@@ -318,30 +320,46 @@ class Stage(nn.Module):
             progress.received = None
 
     def _run_checking_values(self, microbatch: int, x: torch.Tensor) -> Any:
-        """``_run`` with the stand-ins' values marked NaN: the output is the same unless it depends on them, which
-        is refused (once per stage; reading the check back is this stage's one host sync)."""
+        """``_run`` with the stand-ins' values marked NaN: the output is the same unless the stage depends on them,
+        which is refused. Once per stage (reading the check back is its one host sync), unless the received
+        activation itself holds NaN: then nothing can be told, and the next forward checks again."""
         check = self.runtime.value_check
-        check.on = True
+        check.on, check.last = True, None
+        untouched: list[bool] = []
+        # Ahead of every other pre-hook (tensor parallelism's input layouts, FSDP's casts): the input as the user's
+        # code passes it.
+        hook = self.blocks[0].register_forward_pre_hook(
+            lambda block, args, kwargs: untouched.append(_same_storage(first_input(args, kwargs), check.last)),
+            prepend=True,
+            with_kwargs=True,
+        )
         try:
             output = self._run(microbatch, x)
         finally:
-            check.on = False
+            hook.remove()
+            check.on, check.last = False, None
+        if _holds_nan(x):
+            return output
         self.values_checked = True
-        if _holds_nan(output) and not _holds_nan(x):
+        # The last stage's check reads the tensor the schedule tracks (the logits), not every output: with
+        # `output_hidden_states`, a network's output also holds the stand-ins' hidden states, unused by the loss.
+        if not all(untouched) or _holds_nan(_main_tensor(output) if self.is_last else output):
             raise RuntimeError(self._depends_on_standins())
         return output
 
     def _depends_on_standins(self) -> str:
         split = self.runtime.split
         first = f"{split.container_fqn}.{self.block_range.start}"
-        before = f" and {', '.join(split.before)}" if split.before else ""
+        placeholders = self.runtime.placeholders()
+        elsewhere = f"{', '.join(placeholders)} (run by the first stage) or " if placeholders else ""
         return (
             f"Pipeline stage {self.index} (from {first}) computes with values that only other stages compute: its"
-            f" output depends on the outputs of blocks outside the stage{before} (run by the first stage), beyond"
-            " the activation the previous stage sends it. Pipeline stages pass one activation from block to block,"
-            " so a model whose blocks also take the embeddings (an `x0` skip connection or value embeddings, as in"
-            " modded-nanogpt) or the outputs of earlier blocks (U-Net-style skip connections) would train wrong"
-            " when split. Use pipeline_parallel_size=1 for this model (tensor and data parallelism run it as is)."
+            f" output depends on the outputs of {elsewhere}blocks outside the stage beyond the activation the"
+            " previous stage sends it, or the model changes that activation between two blocks at the stage's start."
+            " Pipeline stages pass one activation from block to block, so a model whose blocks also take the"
+            " embeddings (an `x0` skip connection or value embeddings, as in modded-nanogpt) or the outputs of"
+            " earlier blocks (U-Net-style skip connections) would train wrong when split. Use"
+            " pipeline_parallel_size=1 for this model (tensor and data parallelism run it as is)."
         )
 
     def reset(self) -> None:
@@ -355,9 +373,18 @@ class _StageProgress:
 
 
 def _holds_nan(tree: Any) -> bool:
-    """Whether any floating-point tensor in ``tree`` holds a NaN (reads one flag back from the device)."""
-    flags = [t.isnan().any() for t in tree_leaves(tree) if torch.is_tensor(t) and t.is_floating_point()]
+    """Whether any floating-point tensor in ``tree`` holds a NaN (reads one flag back from the device; a DTensor's
+    local part)."""
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    flags = [local(t).isnan().any() for t in tree_leaves(tree) if torch.is_tensor(t) and t.is_floating_point()]
     return bool(torch.stack(flags).any()) if flags else False
+
+
+def _same_storage(value: Any, marked_output: torch.Tensor | None) -> bool:
+    """Whether ``value`` is ``marked_output`` or a view of it (a block's tuple output indexed, reshaped)."""
+    if marked_output is None:
+        return True  # no floating-point stand-in output before this block: nothing to compare
+    return torch.is_tensor(value) and value.untyped_storage().data_ptr() == marked_output.untyped_storage().data_ptr()
 
 
 def _main_tensor(output: Any) -> torch.Tensor:
@@ -397,11 +424,11 @@ class PipelineRuntime:
                 _gate(container[index], index, self)
             else:
                 self._replace(module, fqn, PassThrough(self.value_check))
-        for fqn in split.before if not owns_first else ():
-            for leaf in _placeholder_targets(module, fqn):
+        if not owns_first:
+            for leaf in (leaf for fqn in split.before for leaf in _placeholder_targets(module, fqn)):
                 self._replace(module, leaf, Placeholder(module.get_submodule(leaf), self.value_check))
-        for fqn in split.after:
-            if not owns_last:
+        if not owns_last:
+            for fqn in split.after:
                 self._replace(module, fqn, Unreachable())
         standins = [(standin, original) for _, standin, original in self._replaced]
         keep_tied_names(module, standins)
@@ -423,6 +450,10 @@ class PipelineRuntime:
     def _replace(self, module: nn.Module, fqn: str, standin: nn.Module) -> None:
         self._replaced.append((fqn, standin, module.get_submodule(fqn)))
         replace_module(module, fqn, standin)
+
+    def placeholders(self) -> list[str]:
+        """The prologue modules this rank replaced with placeholders (their FQNs)."""
+        return [fqn for fqn, standin, _ in self._replaced if isinstance(standin, Placeholder)]
 
     def unsplit(self, module: nn.Module) -> None:
         """Undo the split on ``module``: the replaced modules back in place, the blocks' gates off.
@@ -484,7 +515,7 @@ def _gate(block: nn.Module, index: int, runtime: PipelineRuntime) -> None:
             return forward(*args, **kwargs)
         blocks = stage.block_range
         if index not in blocks:  # another stage of this rank: a pass-through
-            return marked(args[0] if args else next(iter(kwargs.values())), runtime.value_check)
+            return marked(first_input(args, kwargs), runtime.value_check)
         if index == blocks.start and stage.received is not None:
             args, kwargs = _with_hidden(args, kwargs, stage.received)
         output = forward(*args, **kwargs)

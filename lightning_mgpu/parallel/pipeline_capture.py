@@ -6,11 +6,13 @@ as ``self.model(input_ids=x)``) and records the call's arguments. The rest of th
 user code; nothing else in the runtime uses an exception to steer). *Replay* runs the whole step again with the
 network call returning a given output, and refuses a second network call.
 
-Both work by setting ``forward`` as an instance attribute of the path's modules for the step's duration, as the
-replay's output always was: no forward hooks stay on the user's modules, so the stages' own forwards (many per step,
-in between) take ``nn.Module.__call__``'s fast path. Forward pre-hooks run before the interception, as they run
-before a real call. While capturing or replaying, ``self.log``/``self.log_dict`` are routed into a ``StepLogs``
-record (or nowhere); every attribute set on the user's objects is set back before returning.
+Both work by setting ``forward`` as an instance attribute of the path's modules for the step's duration, as the replay's
+output always was: no forward hooks stay on the user's modules, so the stages' own forwards (many per step, in between)
+take ``nn.Module.__call__``'s fast path. The path modules' own forward pre-hooks run before the interception, so the
+captured arguments are the ones they passed on, and the stage's run of the call passes those through them again (a hook
+that rewrites its arguments must accept its own output). While capturing or replaying, ``self.log``/``self.log_dict``
+are routed into a ``StepLogs`` record (or nowhere); every attribute set on the user's objects is set back before
+returning.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ Their values must not matter: a stage replaces its first block's input with the 
 else may depend on them. A model whose blocks also take the embeddings (an ``x0`` skip connection, value embeddings)
 or another stage's block outputs (U-Net-style skips) would compute with stand-in values and train wrong. So a
 stage's first real forward runs with ``ValueCheck.on``: the stand-ins return NaN instead (``marked``), and a NaN in
-the stage's output shows that it depends on them (``Stage`` then refuses the model).
+the stage's output shows that it depends on them, and so does a first block input that is not the last stand-in's
+output as it was (code between two blocks at the stage's start, which only the previous stage could run); ``Stage``
+then refuses the model.
 """
 
 from __future__ import annotations
@@ -26,16 +28,23 @@ from lightning_mgpu._compat.tensors import tree_map
 
 @dataclass
 class ValueCheck:
-    """Shared by a rank's stand-ins: while ``on``, they return NaN where their values would otherwise be used."""
+    """Shared by a rank's stand-ins: while ``on``, they return NaN where their values would otherwise be used, the
+    last such tensor kept in ``last`` (a stage's first block must get that one, untouched, to replace it)."""
 
     on: bool = False
+    last: torch.Tensor | None = None
 
 
 def marked(value: Any, check: ValueCheck) -> Any:
     """``value``, or NaN of its shape while ``check.on`` (a floating-point tensor: other values cannot carry NaN)."""
     if check.on and torch.is_tensor(value) and value.is_floating_point():
-        return torch.full_like(value, float("nan"))
+        value = check.last = torch.full_like(value, float("nan"))
     return value
+
+
+def first_input(args: tuple, kwargs: dict) -> Any:
+    """A block's hidden-state input: its first argument, positional or (for ``block(hidden_states=x)``) keyword."""
+    return args[0] if args else next(iter(kwargs.values()))
 
 
 class PassThrough(nn.Module):
@@ -43,10 +52,10 @@ class PassThrough(nn.Module):
 
     def __init__(self, check: ValueCheck) -> None:
         super().__init__()
-        self._check = [check]  # in a list: a plain attribute, not state
+        self._check = check
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return marked(args[0] if args else next(iter(kwargs.values())), self._check[0])
+        return marked(first_input(args, kwargs), self._check)
 
 
 class Placeholder(nn.Module):
@@ -58,7 +67,7 @@ class Placeholder(nn.Module):
     def __init__(self, original: nn.Module, check: ValueCheck) -> None:
         super().__init__()
         self._meta = [copy.deepcopy(original).to("meta")]  # in a list: not a submodule, no parameters
-        self._check = [check]
+        self._check = check
         self._outputs: dict[Any, Any] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -70,7 +79,7 @@ class Placeholder(nn.Module):
         if output is None:
             to_meta = lambda t: t.to("meta") if torch.is_tensor(t) else t
             output = self._outputs[key] = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-        check = self._check[0]
+        check = self._check
         if torch.is_tensor(output):  # an embedding's output: no tree walk (this runs on every microbatch)
             return marked(torch.zeros(output.shape, dtype=output.dtype, device=device), check)
         zeros = lambda t: marked(torch.zeros(t.shape, dtype=t.dtype, device=device), check) if torch.is_tensor(t) else t

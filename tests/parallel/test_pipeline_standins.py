@@ -61,10 +61,12 @@ def test_while_values_are_checked_stand_ins_return_nan_in_place_of_their_values(
 
 
 class _LongSkip(nn.Module):
-    """Blocks in a ModuleList, the first block's output added to the last block's input (a U-Net-style skip)."""
+    """Blocks in a ModuleList, the first block's output added to the input of block ``skip_to`` (a U-Net-style
+    skip)."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip_to: int) -> None:
         super().__init__()
+        self.skip_to = skip_to
         self.embed = nn.Embedding(16, 8)
         self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
         self.head = nn.Linear(8, 16)
@@ -73,7 +75,7 @@ class _LongSkip(nn.Module):
         x = self.embed(idx)
         skip = x
         for i, block in enumerate(self.blocks):
-            if i == len(self.blocks) - 1:
+            if i == self.skip_to:
                 x = x + skip
             x = block(x)
             if i == 0:
@@ -81,40 +83,56 @@ class _LongSkip(nn.Module):
         return self.head(x)
 
 
-def _later_stage(model: nn.Module, idx: torch.Tensor) -> Any:
-    """The runtime of stage 1 of 2 of ``model`` in this process, with ``model(idx)``'s call captured."""
-    from lightning_mgpu.parallel.pipeline import PipelineRuntime, plan_split
-    from lightning_mgpu.parallel.pipeline_capture import StepCapture
-
-    runtime = PipelineRuntime(model, plan_split(model, 2, "auto"), [1], 2)
-    runtime.start_step(StepCapture(model, [model]).capture_all([lambda: model(idx)]))
-    return runtime
-
-
-@pytest.mark.parametrize("model", ["modded-nanogpt", "long skip", "nanogpt"])
-def test_a_later_stage_that_computes_with_stand_in_values_is_refused_at_its_first_forward(model):
-    """modded-nanogpt's blocks take the embeddings (``x0``, value embeddings) and earlier blocks' outputs (U-Net
-    skips); a stage after the first would compute with stand-ins for them and train wrong. nanoGPT's stages pass
-    one activation: its check passes, and the checked forward is the stage's forward."""
+def _network(name: str) -> tuple[nn.Module, Any, str]:
+    """A network, the call a step makes on it, and the block where the split's stage 1 starts."""
     from tests.helpers.modded_nanogpt import GPT
+    from tests.helpers.modules import GPT2Module, LlamaModule
     from tests.helpers.nanogpt import GPT as NanoGPT
     from tests.helpers.nanogpt import GPTConfig
 
     torch.manual_seed(0)
-    network = {
-        "modded-nanogpt": lambda: GPT(vocab_size=16, num_layers=4, num_heads=2, model_dim=8),
-        "long skip": _LongSkip,
-        "nanogpt": lambda: NanoGPT(GPTConfig(block_size=5, vocab_size=16, n_layer=4, n_head=2, n_embd=8)),
-    }[model]()
     idx = torch.randint(0, 16, (2, 5))
-    runtime = _later_stage(network, idx)
+    if name == "modded-nanogpt":
+        return GPT(vocab_size=16, num_layers=4, num_heads=2, model_dim=8), lambda m: m(idx), "blocks.2"
+    if name.startswith("long skip"):  # to the stage's second block, or to its first (code at the stage boundary)
+        return _LongSkip(skip_to=3 if name.endswith("inside") else 2), lambda m: m(idx), "blocks.2"
+    if name == "nanogpt":
+        config = GPTConfig(block_size=5, vocab_size=16, n_layer=4, n_head=2, n_embd=8)
+        return NanoGPT(config), lambda m: m(idx), "transformer.h.2"
+    # Hugging Face as shipped, every layer's hidden state returned too (the stand-ins' among them)
+    hf = (LlamaModule if name == "hf-llama" else GPT2Module)(vocab_size=16).model
+    start = "model.layers.1" if name == "hf-llama" else "transformer.h.1"
+    return hf, lambda m: m(input_ids=idx, output_hidden_states=True), start
+
+
+REFUSED = ["modded-nanogpt", "long skip inside", "long skip at the boundary"]
+
+
+@pytest.mark.parametrize("name", [*REFUSED, "nanogpt", "hf-llama", "hf-gpt2"])
+def test_a_later_stage_that_computes_with_stand_in_values_is_refused_at_its_first_forward(name):
+    """modded-nanogpt's blocks take the embeddings (``x0``, value embeddings) and earlier blocks' outputs (U-Net
+    skips); a stage after the first would compute with stand-ins for them and train wrong, whether the skip lands
+    inside the stage or right before its first block. nanoGPT and Hugging Face models pass one activation: their
+    check passes (hidden states of every layer returned or not), and the checked forward is the stage's forward."""
+    from lightning_mgpu.parallel.pipeline import PipelineRuntime, plan_split
+    from lightning_mgpu.parallel.pipeline_capture import StepCapture
+
+    network, call, start = _network(name)
+    width = network.get_input_embeddings().weight.shape[1] if name.startswith("hf") else 8
+    runtime = PipelineRuntime(network, plan_split(network, 2, [start]), [1], 2)
+    runtime.start_step(StepCapture(network, [network]).capture_all([lambda: call(network)]))
     stage = runtime.stages[0]
-    received = torch.randn(2, 5, 8)
-    if model == "nanogpt":
-        checked = stage(received)
-        stage.reset()
-        assert stage.values_checked and torch.equal(stage(received), checked) and not checked.isnan().any()
+    received = torch.randn(2, 5, width)
+    if name in REFUSED:
+        with pytest.raises(RuntimeError, match="an `x0` skip connection or value embeddings"):
+            stage(received)
+        assert not runtime.value_check.on  # the check is switched off however the forward ended
         return
-    with pytest.raises(RuntimeError, match="an `x0` skip connection or value embeddings"):
-        stage(received)
-    assert not runtime.value_check.on  # the check is switched off however the forward ended
+    checked = stage(received)
+    stage.reset()
+    assert stage.values_checked and torch.equal(stage(received), checked) and not checked.isnan().any()
+    # An activation already holding NaN (an earlier stage diverged) decides nothing: the next forward checks again.
+    runtime.stages[0].values_checked = False
+    stage.reset()
+    stage(torch.full_like(received, float("nan")))
+    assert not stage.values_checked
