@@ -17,13 +17,13 @@ from datetime import timedelta
 from typing import Any, Literal, get_args
 
 from lightning_mgpu.parallel.microbatches import microbatch_count_error
-from lightning_mgpu.parallel.pipeline import (
+from lightning_mgpu.parallel.pipeline_plan import (
     LOOP_SCHEDULES,
     PIPELINE_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
 )
-from lightning_mgpu.parallel.pipeline import (
+from lightning_mgpu.parallel.pipeline_plan import (
     stages_per_rank as resolve_stages_per_rank,
 )
 

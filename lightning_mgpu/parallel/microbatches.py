@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lightning_mgpu._compat.tensors import tree_flatten, tree_leaves
-from lightning_mgpu.parallel.pipeline import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
+from lightning_mgpu.parallel.pipeline_plan import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 
 # Schedules that run any number of microbatches, one per stage placement: a batch that the chosen schedule cannot
 # cut (a last batch of one sample under 1F1B) runs on the same placement with one of these; gradients are the same.

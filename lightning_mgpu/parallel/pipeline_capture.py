@@ -43,10 +43,6 @@ class StepCapture:
         self.module = module
         self.network_path = network_path
 
-    def capture(self, step: Callable[[], Any]) -> NetworkCall:
-        """The network call ``step()`` makes; the step stops there and logs nothing."""
-        return self.capture_all([step])[0]
-
     def capture_all(self, steps: list[Callable[[], Any]]) -> list[NetworkCall]:
         """The network call of each of ``steps`` (one per microbatch), with logging muted once for all."""
         with muted_logging(self.module, None), _forwards(self.network_path, _capturing):

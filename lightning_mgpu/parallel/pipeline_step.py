@@ -33,8 +33,9 @@ from torch import nn
 
 from lightning_mgpu._compat.tensors import tree_map
 from lightning_mgpu.parallel.microbatches import MicrobatchPlan, batch_size_of, plan_microbatches, split_microbatches
-from lightning_mgpu.parallel.pipeline import V_SCHEDULES, PipelineRuntime, stage_owner
+from lightning_mgpu.parallel.pipeline import PipelineRuntime
 from lightning_mgpu.parallel.pipeline_capture import StepCapture
+from lightning_mgpu.parallel.pipeline_plan import V_SCHEDULES, stage_owner
 from lightning_mgpu.parallel.pipeline_publish import MetricRelay, Publisher, StepLogs
 from lightning_mgpu.parallel.pipeline_schedules import ScheduleCache
 

@@ -10,7 +10,7 @@ import torch
 
 from lightning_mgpu.demo import GPTLightningModule, TextDataModule
 from lightning_mgpu.parallel.microbatches import split_microbatches
-from lightning_mgpu.parallel.pipeline import balance, stage_indices, stages_per_rank
+from lightning_mgpu.parallel.pipeline_plan import balance, stage_indices, stages_per_rank
 from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import GPT2Module, LlamaModule, RandomTokenDataModule
 from tests.helpers.probes import MemoryProbe, MetricRecorder
@@ -487,7 +487,7 @@ class _Features(L.LightningDataModule):
 
 
 def test_a_sequential_network_is_split_over_its_children():
-    from lightning_mgpu.parallel.pipeline import plan_split
+    from lightning_mgpu.parallel.pipeline_plan import plan_split
 
     split = plan_split(_SequentialNet(), 2, "auto")
     assert (split.container_fqn, split.starts) == ("layers", [0, 3])

@@ -18,8 +18,9 @@ def test_the_torch_internals_the_runtime_uses_exist():
 
 
 def test_unsplit_and_remove_give_the_user_module_back():
-    from lightning_mgpu.parallel.pipeline import PipelineRuntime, plan_split
+    from lightning_mgpu.parallel.pipeline import PipelineRuntime
     from lightning_mgpu.parallel.pipeline_capture import StepCapture
+    from lightning_mgpu.parallel.pipeline_plan import plan_split
 
     module = GPTLightningModule(block_size=16, n_layer=4, n_head=2, n_embd=16)
     before = dict(module.named_modules())

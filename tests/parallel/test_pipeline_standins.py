@@ -114,8 +114,9 @@ def test_a_later_stage_that_computes_with_stand_in_values_is_refused_at_its_firs
     skips); a stage after the first would compute with stand-ins for them and train wrong, whether the skip lands
     inside the stage or right before its first block. nanoGPT and Hugging Face models pass one activation: their
     check passes (hidden states of every layer returned or not), and the checked forward is the stage's forward."""
-    from lightning_mgpu.parallel.pipeline import PipelineRuntime, plan_split
+    from lightning_mgpu.parallel.pipeline import PipelineRuntime
     from lightning_mgpu.parallel.pipeline_capture import StepCapture
+    from lightning_mgpu.parallel.pipeline_plan import plan_split
 
     network, call, start = _network(name)
     width = network.get_input_embeddings().weight.shape[1] if name.startswith("hf") else 8
