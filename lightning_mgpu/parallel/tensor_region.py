@@ -23,6 +23,7 @@ not at all are done here, all without communication, by a ``TorchFunctionMode`` 
 - ``F.scaled_dot_product_attention`` on inputs sharded over heads (DTensor has no sharding rule for the CPU
   kernel): attention is independent per head, so it runs on the local heads (a mask with a heads dimension is
   cut to the local heads).
+- ``torch.cat`` with a plain 1-d empty tensor (a key/value cache's start): left out, as plain ``torch.cat`` does.
 - ``std``/``var`` over a sharded dimension (Gemma 3n's activation sparsity): DTensor computes them, but their
   backward modifies a partial gradient in place, which DTensor refuses; composed of ``mean`` and ``sum`` here.
 - plain tensors mixed with DTensors (a causal-mask buffer, rotary ``cos``/``sin``, an unsharded parameter): every
@@ -50,6 +51,7 @@ from lightning_mgpu._compat.tensors import tree_map
 
 _SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes, torch.Tensor.chunk, torch.chunk)
 _MOMENTS = (torch.std, torch.Tensor.std, torch.var, torch.Tensor.var)
+_CONCATS = (torch.cat, torch.concat, torch.concatenate)
 _SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -64,6 +66,8 @@ class GlobalShapeMode(TorchFunctionMode):
         dtensor, plain = _scan(args, kwargs)
         if dtensor is None:
             return func(*args, **kwargs)
+        if func in _CONCATS:
+            args, kwargs = _without_legacy_empties(args, kwargs)
         if func in _SPLITS:
             parts = _split_fused(func, args, kwargs)
             if parts is not None:
@@ -109,6 +113,20 @@ def _replicated(tensor: torch.Tensor, mesh: Any) -> DTensor:
 
 
 _warned: set = set()
+
+
+def _without_legacy_empties(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``torch.cat`` skips plain 1-d empty tensors whatever the others' shapes (a cache's first keys: Hugging Face's
+    ``DynamicLayer`` starts from ``torch.tensor([])``); DTensor's concatenation does not, so they are left out."""
+    tensors = args[0] if args else kwargs.get("tensors")
+    if not isinstance(tensors, (list, tuple)):
+        return args, kwargs
+    kept = [t for t in tensors if isinstance(t, DTensor) or not (t.dim() == 1 and t.numel() == 0)]
+    if len(kept) == len(tensors):
+        return args, kwargs
+    if args:
+        return (kept, *args[1:]), kwargs
+    return args, {**kwargs, "tensors": kept}
 
 
 def _split_fused(func: Any, args: tuple, kwargs: dict) -> tuple | None:
