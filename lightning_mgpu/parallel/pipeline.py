@@ -186,6 +186,18 @@ class Stage(nn.Module):
         self._progress.next_microbatch = 0
 
 
+class DirectParameters(nn.Module):
+    """The parameters a module on the path to the blocks holds itself (a ViT's ``cls_token``), owned by a stage.
+
+    It shares that module's parameter table, so the model's code reads whatever the stage's data-parallel wrap puts
+    there (sharded or gathered DTensors), and the model's state-dict keys stay its own.
+    """
+
+    def __init__(self, holder: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_parameters", holder._parameters)
+
+
 @dataclass
 class _StageProgress:
     next_microbatch: int = 0
@@ -252,10 +264,22 @@ class PipelineRuntime:
                 self._replace(module, fqn, Unreachable())
         standins = [(standin, original) for _, standin, original in self._replaced]
         keep_tied_names(module, standins)
+        # Parameters held directly by the modules on the path to the blocks: the stage that uses them owns them;
+        # elsewhere they become buffers (the network code still reads them; their values do not matter there).
+        self._demoted: list[tuple[nn.Module, str, nn.Parameter]] = []
+        held: dict[int, list[nn.Module]] = {0: [], num_stages - 1: []}
+        for stage, names in ((0, split.before_parameters), (num_stages - 1, split.after_parameters)):
+            for parent_fqn in dict.fromkeys(name.rpartition(".")[0] for name in names):
+                parent = module.get_submodule(parent_fqn)
+                if stage in my_stages:
+                    held[stage].append(DirectParameters(parent))
+                else:
+                    self._demote(parent)
         self.stages = []
         for stage in my_stages:
             ends = [module.get_submodule(f) for f in (split.before if stage == 0 else [])]
             ends += [module.get_submodule(f) for f in (split.after if stage == num_stages - 1 else [])]
+            ends += held.get(stage, [])
             self.stages.append(Stage(self, stage, [container[i] for i in split.blocks_of(stage)], ends))
         for standin, _ in standins:  # a stand-in holding a tied weight goes with the stage that uses the weight
             held = list(standin.parameters(recurse=False))
@@ -271,6 +295,12 @@ class PipelineRuntime:
         self._replaced.append((fqn, standin, module.get_submodule(fqn)))
         replace_module(module, fqn, standin)
 
+    def _demote(self, parent: nn.Module) -> None:
+        for name, param in list(parent.named_parameters(recurse=False)):
+            del parent._parameters[name]
+            parent.register_buffer(name, param.detach(), persistent=False)
+            self._demoted.append((parent, name, param))
+
     def placeholders(self) -> list[str]:
         """The prologue modules this rank replaced with placeholders (their FQNs)."""
         return [fqn for fqn, standin, _ in self._replaced if isinstance(standin, Placeholder)]
@@ -283,12 +313,15 @@ class PipelineRuntime:
         """
         for fqn, _, original in reversed(self._replaced):
             replace_module(module, fqn, original)
+        for parent, name, param in reversed(self._demoted):
+            del parent._buffers[name]
+            parent._parameters[name] = param
         for block, forward in self._gated:
             if forward is None:
                 vars(block).pop("forward", None)
             else:
                 block.forward = forward
-        self._replaced, self._gated = [], []
+        self._replaced, self._gated, self._demoted = [], [], []
 
     def start_step(self, calls: list[NetworkCall]) -> None:
         self.calls, self.outputs = calls, {}

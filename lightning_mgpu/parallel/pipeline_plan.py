@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from lightning_mgpu.parallel.blocks import find_block_container
+from lightning_mgpu.parallel.call_order import use_order
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 LOOP_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
@@ -82,6 +83,9 @@ class PipelineSplit:
     before: list[str]  # FQNs of modules with parameters that run before the blocks (first stage only)
     after: list[str]  # ... and after them (last stage only)
     starts: list[int] = field(default_factory=list)  # first block index of each stage
+    # Parameters held directly by a module on the path to the blocks (a ViT's ``cls_token``), by FQN
+    before_parameters: list[str] = field(default_factory=list)
+    after_parameters: list[str] = field(default_factory=list)
 
     def blocks_of(self, stage: int) -> range:
         end = self.starts[stage + 1] if stage + 1 < len(self.starts) else self.num_blocks
@@ -102,12 +106,16 @@ def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> Pipel
             f"{num_stages} pipeline stages need at least {num_stages} blocks, but {container_fqn!r} has"
             f" {len(container)}. Lower pipeline_parallel_size (or stages_per_rank)."
         )
-    before, after = _around(module, container_fqn)
-    split = PipelineSplit(container_fqn, len(container), before, after)
+    (before, before_parameters), (after, after_parameters) = _around(module, container_fqn)
+    split = PipelineSplit(container_fqn, len(container), before, after, [], before_parameters, after_parameters)
     if pipeline_split == "auto":
         costs = [sum(p.numel() for p in block.parameters()) for block in container]
-        size = lambda names: sum(p.numel() for n in names for p in module.get_submodule(n).parameters())
-        split.starts = balance(costs, num_stages, size(before), size(after))
+        sizes = dict(module.named_parameters())
+        size = lambda names, parameters: (
+            sum(p.numel() for n in names for p in module.get_submodule(n).parameters())
+            + (sum(sizes[n].numel() for n in parameters))
+        )
+        split.starts = balance(costs, num_stages, size(before, before_parameters), size(after, after_parameters))
     else:
         split.starts = _explicit_starts(list(pipeline_split), container_fqn, len(container), num_stages)
     return split
@@ -154,24 +162,49 @@ def _largest_sequential(module: nn.Module) -> tuple[str, nn.Sequential] | None:
     return name, child
 
 
-def _around(module: nn.Module, container_fqn: str) -> tuple[list[str], list[str]]:
-    """Modules with parameters registered before/after the path to the blocks: the network's prologue/epilogue."""
-    before: list[str] = []
-    after: list[str] = []
-    parts = container_fqn.split(".")
-    node: Any = module  # indexed by position below when the path goes through a ModuleList
+def _around(module: nn.Module, container_fqn: str) -> tuple[tuple[list[str], list[str]], tuple[list[str], list[str]]]:
+    """What runs before and after the blocks: ``((modules, parameters), (modules, parameters))`` by FQN.
+
+    The modules with parameters beside the path from ``module`` down to the blocks, and the parameters held directly
+    by the modules on that path (a ViT's ``cls_token``), each placed by where the model's code first uses it
+    relative to the blocks (``call_order``); by registration order where the code does not show it.
+    """
+    order = {name: index for index, name in enumerate(use_order(module))}
+    blocks_at = order.get(container_fqn)
+    before: tuple[list[str], list[str]] = ([], [])
+    after: tuple[list[str], list[str]] = ([], [])
+    node: Any = module
     prefix = ""
-    for part in parts:
+    for part in container_fqn.split("."):
         seen = False
         for name, child in node.named_children():
-            fqn = f"{prefix}{name}"
             if name == part:
                 seen = True
                 continue
             if any(True for _ in child.parameters()):
-                (after if seen else before).append(fqn)
+                runs_after = _runs_after(order, f"{prefix}{name}", blocks_at, registered_after=seen)
+                (after if runs_after else before)[0].append(f"{prefix}{name}")
+        holds = [f"{prefix}{name}" for name, _ in node.named_parameters(recurse=False)]
+        places = {fqn: _runs_after(order, fqn, blocks_at, registered_after=False) for fqn in holds}
+        if len(set(places.values())) > 1:
+            raise NotImplementedError(
+                f"{type(node).__name__} at {prefix.rstrip('.') or 'the root'} holds parameters used before the"
+                f" pipeline's blocks ({[f for f, a in places.items() if not a]}) and after them"
+                f" ({[f for f, a in places.items() if a]}): a pipeline cut cannot give them to two stages yet. Use"
+                " pipeline_parallel_size=1 for this model (tensor and data parallelism run it as is)."
+            )
+        for fqn, runs_after in places.items():
+            (after if runs_after else before)[1].append(fqn)
         node, prefix = getattr(node, part) if not part.isdigit() else node[int(part)], f"{prefix}{part}."
     return before, after
+
+
+def _runs_after(order: dict[str, int], fqn: str, blocks_at: int | None, registered_after: bool) -> bool:
+    """Whether the code first uses ``fqn`` (or anything under it) after the blocks; registration order if unknown."""
+    uses = [index for name, index in order.items() if name == fqn or name.startswith(f"{fqn}.")]
+    if blocks_at is None or not uses:
+        return registered_after
+    return min(uses) > blocks_at
 
 
 def _explicit_starts(names: list[str], container_fqn: str, num_blocks: int, num_stages: int) -> list[int]:

@@ -53,9 +53,19 @@ class ScheduleCache:
 
 @contextmanager
 def _shape_trial(stage: Any) -> Generator[None, None, None]:
-    """Mark ``stage`` (a ``pipeline.Stage``) and its runtime as running torch's shape-inference trial."""
+    """Mark ``stage`` (a ``pipeline.Stage``) and its runtime as running torch's shape-inference trial.
+
+    The trial is a forward the user did not ask for: every buffer it changes (BatchNorm's running statistics and
+    batch counter) is put back afterwards.
+    """
+    modules = [stage, *(call.module for call in stage.runtime.calls[:1])]
+    buffers = {id(b): b for module in modules for b in module.buffers()}
+    saved = [(buffer, buffer.clone()) for buffer in buffers.values()]
     stage.inferring = stage.runtime.inferring = True
     try:
         yield
     finally:
         stage.inferring = stage.runtime.inferring = False
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)

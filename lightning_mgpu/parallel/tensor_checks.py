@@ -26,6 +26,7 @@ _HEAD_COUNT_ATTRIBUTES = (
 
 
 def check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None:
+    _check_fused_chunks(module, matched)  # first: a fused projection's chunk size means nothing where they differ
     sizes: dict[str, int] = {}  # what each sharded size is, by the words naming it
     for name, style_name in matched.items():
         child = module.get_submodule(name)
@@ -58,7 +59,6 @@ def check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None
             f" Valid tensor_parallel_size values for this model and plan: {valid or 'none above 1'}"
             " (the divisors of the heads, key/value heads, hidden and vocabulary sizes it shards)."
         )
-    _check_fused_chunks(module, matched)
 
 
 _QUERY_HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
@@ -89,15 +89,24 @@ def _config_value(attention: nn.Module, name: str) -> object:
         return getattr(per_layer[layer], name, None) if per_layer is not None and isinstance(layer, int) else None
 
 
+def fused_chunks_differ(module: nn.Module, name: str) -> bool:
+    """Whether the fused projection ``name`` holds q, k and v of grouped-query attention (chunks of unequal size)."""
+    if "." not in name:
+        return False
+    attention = module.get_submodule(parent_name(name))
+    heads, groups = _head_count(attention, _QUERY_HEADS), _head_count(attention, _KEY_VALUE_HEADS)
+    return heads is not None and groups is not None and groups != heads
+
+
 def _check_fused_chunks(module: nn.Module, matched: dict[str, str]) -> None:
     """'colwise_qkv' shards three equal chunks [q | k | v]; grouped-query attention fuses chunks of other sizes."""
     for name, style_name in matched.items():
         if style_name != "colwise_qkv" or "." not in name:
             continue
         attention_name = parent_name(name)
-        attention = module.get_submodule(attention_name)
-        heads, groups = _head_count(attention, _QUERY_HEADS), _head_count(attention, _KEY_VALUE_HEADS)
-        if heads is not None and groups is not None and groups != heads:
+        heads = _head_count(module.get_submodule(attention_name), _QUERY_HEADS)
+        groups = _head_count(module.get_submodule(attention_name), _KEY_VALUE_HEADS)
+        if fused_chunks_differ(module, name):
             raise ValueError(
                 f"{name} fuses q, k and v of grouped-query attention ({heads} query heads, {groups} key/value heads"
                 f" in {attention_name}): its chunks differ in size, and 'colwise_qkv' shards three equal chunks."

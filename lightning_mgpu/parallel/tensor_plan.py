@@ -10,9 +10,11 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_mgpu.parallel.blocks import block_glob, find_block_container, is_projection, tied_parameters
+from lightning_mgpu.parallel.tensor_checks import fused_chunks_differ
 from lightning_mgpu.parallel.tensor_experts import PARAMETER_STYLES, names_parameters_only, owned_by_experts
 from lightning_mgpu.parallel.tensor_styles import STYLES
 
@@ -212,6 +214,14 @@ def _hf_style(name: str) -> str:
     return _HF_STYLES[name]
 
 
+def _warn_whole_attention(name: str) -> None:
+    rank_zero_warn(
+        f"tp_plan='auto': {name} fuses q, k and v of grouped-query attention in chunks of different sizes, which"
+        " 'colwise_qkv' (three equal chunks) cannot shard; that attention is kept whole (replicated) on every"
+        " tensor-parallel rank and the MLP is sharded. Separate q/k/v projections shard the attention too."
+    )
+
+
 def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
     plan: dict[str, str] = {}
     unplaced: list[str] = []
@@ -220,7 +230,10 @@ def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
             continue
         leaf = name.rsplit(".", 1)[-1]
         glob = block_glob(name, blocks_fqn)
-        if leaf in _FUSED_QKV:
+        if leaf in _FUSED_QKV and fused_chunks_differ(module, name):
+            _warn_whole_attention(name)
+            plan[glob] = "replicate"
+        elif leaf in _FUSED_QKV:
             plan[glob] = "colwise_qkv"
         elif leaf in _COLWISE:
             plan[glob] = "colwise"
@@ -228,6 +241,9 @@ def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
             plan[glob] = "rowwise"
         else:
             unplaced.append(name)
+    for glob in [g for g, style in plan.items() if style == "replicate"]:  # the whole attention stays whole
+        attention = glob.rpartition(".")[0]
+        plan.update({g: "replicate" for g, style in plan.items() if g.rpartition(".")[0] == attention})
     if unplaced:  # names alone do not place every layer (BERT's `dense`): derive the plan from the data flow
         from lightning_mgpu.parallel.tensor_derive import derive_block_plan
 

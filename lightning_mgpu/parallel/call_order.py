@@ -1,0 +1,181 @@
+"""The order in which a model's code uses its modules and parameters, read from its source.
+
+A pipeline cut must know what runs before the blocks (embeddings, a ViT's ``cls_token`` and ``pos_embed``) and what
+runs after them (final norm, head). Registration order does not tell: litgpt's ``GPT`` registers ``lm_head`` before
+``transformer``, and a parameter held directly by the model (``cls_token``) has no place among its children at all.
+The order of use does, and it can be read from the code without running it (no batch exists when the model is
+split): starting at the LightningModule's ``training_step``, every ``self.<name>`` chain is recorded in source order,
+a call of one of the module's own methods (``self.forward_features(x)``, ``self(x)``) is followed into that method,
+and a call of a submodule (``self.model(input_ids=x)``) into the submodule's ``forward``.
+
+The result is a list of qualified names (modules and parameters) in first-use order. Code that cannot be read
+(no source, a C extension) ends the walk there; callers fall back to registration order for what it did not see.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from typing import Any
+
+from torch import nn
+
+_ENTRY_POINTS = ("training_step", "forward")
+# Builtins that read about a module without running it: ``len(self.blocks)`` is not where the blocks run.
+_INSPECTIONS = frozenset({"len", "isinstance", "hasattr", "getattr", "type", "id"})
+
+
+def use_order(module: nn.Module) -> list[str]:
+    """Qualified names of the submodules and parameters of ``module`` in the order its code first uses them."""
+    walk = _Walk(module)
+    for entry in _ENTRY_POINTS:
+        method = getattr(type(module), entry, None)
+        if method is not None and entry not in walk.visited_methods(module):
+            walk.method(module, "", method)
+    return walk.order
+
+
+class _Walk:
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.order: list[str] = []
+        self._seen: set[str] = set()
+        self._methods: set[tuple[int, str]] = set()
+        self._named = {id(m): n for n, m in root.named_modules()}
+
+    def visited_methods(self, module: nn.Module) -> set[str]:
+        return {name for owner, name in self._methods if owner == id(module)}
+
+    def method(self, module: nn.Module, prefix: str, function: Any) -> None:
+        """Walk ``function`` (a method of ``module``, whose qualified name is ``prefix``) in source order."""
+        key = (id(module), getattr(function, "__qualname__", repr(function)))
+        if key in self._methods:
+            return
+        self._methods.add(key)
+        tree = _parse(function)
+        if tree is None:
+            return
+        args = tree.args.posonlyargs + tree.args.args
+        if not args:
+            return
+        _Visitor(self, module, prefix, args[0].arg).visit_body(tree.body)
+
+    def record(self, name: str) -> None:
+        if name and name not in self._seen:
+            self._seen.add(name)
+            self.order.append(name)
+
+    def call_module(self, module: nn.Module, prefix: str) -> None:
+        """A call of ``module`` itself: its ``forward`` is walked (once per module)."""
+        forward = getattr(type(module), "forward", None)
+        if forward is not None and type(module).__module__.split(".")[0] != "torch":
+            self.method(module, prefix, forward)
+
+
+class _Visitor(ast.NodeVisitor):
+    """Visits one function body, resolving ``self.a.b`` chains against the module tree."""
+
+    def __init__(self, walk: _Walk, module: nn.Module, prefix: str, self_name: str) -> None:
+        self.walk = walk
+        self.module = module
+        self.prefix = prefix
+        self.self_name = self_name
+
+    def visit_body(self, body: list[ast.stmt]) -> None:
+        for statement in body:
+            self.visit(statement)
+
+    def visit_Assign(self, node: ast.Assign) -> None:  # the value is computed before it is stored
+        self.visit(node.value)
+        for target in node.targets:
+            self.visit(target)
+
+    def visit_For(self, node: ast.For) -> None:  # the iterable first (``for block in self.layers``)
+        self.visit(node.iter)
+        self.visit(node.target)
+        self.visit_body(node.body)
+        self.visit_body(node.orelse)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        function = node.func
+        if isinstance(function, ast.Name) and function.id in _INSPECTIONS:
+            return
+        for argument in [*node.args, *(k.value for k in node.keywords)]:  # arguments are evaluated first
+            self.visit(argument)
+        if isinstance(function, ast.Name) and function.id == self.self_name:  # self(x): the module's forward
+            self.walk.call_module(self.module, self.prefix)
+            return
+        if isinstance(function, ast.Name) and function.id == "super":
+            return
+        chain = _chain(function, self.self_name)
+        if chain is None:
+            self.visit(function)
+            return
+        target, name, rest = self._resolve(chain)
+        if isinstance(target, nn.Module) and not rest:  # self.child(x): the child runs
+            self.walk.record(name)
+            self.walk.call_module(target, name)
+        elif len(rest) == 1 and isinstance(target, nn.Module):  # self.method(x) or self.child.method(x)
+            self.walk.record(name)
+            method = getattr(type(target), rest[0], None)
+            if inspect.isfunction(method):
+                self.walk.method(target, name, method)
+        else:
+            self.walk.record(name)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        chain = _chain(node, self.self_name)
+        if chain is None:
+            self.generic_visit(node)
+            return
+        self.walk.record(self._resolve(chain)[1])
+
+    def _resolve(self, chain: list[str]) -> tuple[Any, str, list[str]]:
+        """The deepest module or parameter ``chain`` names, its qualified name, and the attribute names left over."""
+        target: Any = self.module
+        name = self.prefix
+        for index, part in enumerate(chain):
+            child = _child(target, part)
+            if child is None:
+                return target, name, chain[index:]
+            target, name = child, f"{name}.{part}" if name else part
+        return target, name, []
+
+
+def _child(module: Any, name: str) -> Any:
+    """The submodule, parameter or buffer ``name`` of ``module``, or ``None``."""
+    if not isinstance(module, nn.Module):
+        return None
+    for table in (module._modules, module._parameters, module._buffers):
+        if name in table and table[name] is not None:
+            return table[name]
+    return None
+
+
+def _chain(node: ast.expr, self_name: str) -> list[str] | None:
+    """``["a", "b"]`` for ``self.a.b`` (subscripts ``self.a[0]`` stop the chain at ``a``), else ``None``."""
+    parts: list[str] = []
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+        else:
+            parts.clear()  # self.layers[i].attn: the container is what is named
+        node = node.value
+    if isinstance(node, ast.Name) and node.id == self_name and parts:
+        return parts[::-1]
+    return None
+
+
+def _parse(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    function = inspect.unwrap(function)
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError):
+        return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    node = tree.body[0] if tree.body else None
+    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
