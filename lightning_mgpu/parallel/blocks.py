@@ -13,31 +13,46 @@ import torch
 from torch import nn
 
 
-def find_block_container(module: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
-    """Return ``(fqn, container)`` of the largest ``ModuleList`` (or ``Sequential`` of 2+) of blocks of one class.
+def find_block_container(module: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential | nn.ModuleDict] | None:
+    """Return ``(fqn, container)`` of the largest ``ModuleList`` (or ``Sequential`` of 2+, or ``ModuleDict`` keyed
+    ``"0"``, ``"1"``, ...) of blocks of one class.
 
     This is how a transformer keeps its layers (``transformer.h`` in nanoGPT, ``model.layers`` in Hugging Face
-    Llama, ``transformer.h`` in GPT-2). Returns ``None`` for models without such a list (a small CNN).
+    Llama, ``transformer.h`` in GPT-2, ``layers`` as a ModuleDict in torchtitan's Llama). Returns ``None`` for models
+    without such a list (a small CNN). Either way a block is the child named by its index: ``block_at(container, i)``.
     """
-    best: tuple[int, str, nn.ModuleList | nn.Sequential] | None = None
+    best: tuple[int, str, nn.ModuleList | nn.Sequential | nn.ModuleDict] | None = None
     for name, child in module.named_modules():
-        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < (
-            1 if isinstance(child, nn.ModuleList) else 2
-        ):
+        blocks = _indexed_blocks(child)
+        if blocks is None or len(blocks) < (2 if isinstance(child, nn.Sequential) else 1):
             continue
-        classes = {type(block) for block in child}
-        if len(classes) != 1 or not any(True for _ in child[0].parameters()):
+        classes = {type(block) for block in blocks}
+        if len(classes) != 1 or not any(True for _ in blocks[0].parameters()):
             continue
         size = sum(p.numel() for p in child.parameters())
         if best is None or size > best[0]:
-            best = (size, name, child)
+            best = (size, name, child)  # type: ignore[assignment]  # _indexed_blocks accepted it: one of the three
     return None if best is None else (best[1], best[2])
+
+
+def _indexed_blocks(container: nn.Module) -> list[nn.Module] | None:
+    """The children of a ModuleList/Sequential, or of a ModuleDict whose keys are their indices; else ``None``."""
+    if isinstance(container, (nn.ModuleList, nn.Sequential)):
+        return list(container)
+    if isinstance(container, nn.ModuleDict) and list(container.keys()) == [str(i) for i in range(len(container))]:
+        return list(container.values())
+    return None
+
+
+def block_at(container: nn.Module, index: int) -> nn.Module:
+    """Block ``index`` of a container ``find_block_container`` returned (its child named ``str(index)``)."""
+    return container.get_submodule(str(index))
 
 
 def find_blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``module``, in order; empty when it has none."""
     found = find_block_container(module)
-    return [] if found is None else list(found[1])
+    return [] if found is None else _indexed_blocks(found[1]) or []
 
 
 def tied_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:

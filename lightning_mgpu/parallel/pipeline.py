@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_mgpu._compat.tensors import tree_leaves
 from lightning_mgpu.layout import PP_AXIS
+from lightning_mgpu.parallel.blocks import block_at
 from lightning_mgpu.parallel.pipeline_plan import PipelineSplit, plan_split, stage_indices, stage_owner, stages_per_rank
 from lightning_mgpu.parallel.pipeline_standins import (
     PassThrough,
@@ -117,7 +118,10 @@ class Stage(nn.Module):
         else:
             output = self._run_checking_values(microbatch, x)
         if not self.is_last:
-            return output
+            if not torch.is_tensor(output):
+                raise TypeError(self._several_outputs(output))
+            # A channels-last or transposed block output (ConvNeXt) is made contiguous for the wire.
+            return output.contiguous()
         if self.inferring:
             self.runtime.trial_output = output
         else:
@@ -128,7 +132,7 @@ class Stage(nn.Module):
         """The captured network call of ``microbatch`` through this stage: its last block's output, or on the last
         stage the network's output."""
         progress = self._progress
-        progress.received = None if self.is_first else x
+        progress.received = None if self.is_first else _ContiguousGrad.apply(x)
         call = self.runtime.calls[microbatch]
         self.runtime.active = self
         try:
@@ -182,6 +186,18 @@ class Stage(nn.Module):
             " pipeline_parallel_size=1 for this model (tensor and data parallelism run it as is)."
         )
 
+    def _several_outputs(self, output: Any) -> str:
+        split = self.runtime.split
+        last = f"{split.container_fqn}.{self.block_range.stop - 1}"
+        kinds = [type(v).__name__ if not torch.is_tensor(v) else f"Tensor{tuple(v.shape)}" for v in tree_leaves(output)]
+        return (
+            f"Pipeline stage {self.index} ends with block {last}, which returns {type(output).__name__} of {kinds}"
+            " rather than one tensor: the model's next block reads more from it than the hidden states (T5's blocks"
+            " hand on their attention position bias). Pipeline stages pass one activation from block to block, so"
+            " this model cannot be split into stages. Use pipeline_parallel_size=1 for it (tensor and data"
+            " parallelism run it as is)."
+        )
+
     def reset(self) -> None:
         self._progress.next_microbatch = 0
 
@@ -196,6 +212,19 @@ class DirectParameters(nn.Module):
     def __init__(self, holder: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "_parameters", holder._parameters)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose gradient leaves contiguous: the gradient of a stage's input is sent back over the wire, and a
+    model that permutes its activations (ConvNeXt's channels-last blocks) makes it strided otherwise."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 @dataclass
@@ -252,8 +281,9 @@ class PipelineRuntime:
         for index in range(split.num_blocks):
             fqn = f"{split.container_fqn}.{index}"
             if index in mine:
-                self._gated.append((container[index], vars(container[index]).get("forward")))
-                _gate(container[index], index, self)
+                block = block_at(container, index)
+                self._gated.append((block, vars(block).get("forward")))
+                _gate(block, index, self)
             else:
                 self._replace(module, fqn, PassThrough(self.value_check))
         if not owns_first:
@@ -280,7 +310,7 @@ class PipelineRuntime:
             ends = [module.get_submodule(f) for f in (split.before if stage == 0 else [])]
             ends += [module.get_submodule(f) for f in (split.after if stage == num_stages - 1 else [])]
             ends += held.get(stage, [])
-            self.stages.append(Stage(self, stage, [container[i] for i in split.blocks_of(stage)], ends))
+            self.stages.append(Stage(self, stage, [block_at(container, i) for i in split.blocks_of(stage)], ends))
         for standin, _ in standins:  # a stand-in holding a tied weight goes with the stage that uses the weight
             held = list(standin.parameters(recurse=False))
             holder = (

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_mgpu.parallel.blocks import find_block_container
+from lightning_mgpu.parallel.blocks import block_at, find_block_container
 from lightning_mgpu.parallel.call_order import use_order
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -109,7 +109,7 @@ def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> Pipel
     (before, before_parameters), (after, after_parameters) = _around(module, container_fqn)
     split = PipelineSplit(container_fqn, len(container), before, after, [], before_parameters, after_parameters)
     if pipeline_split == "auto":
-        costs = [sum(p.numel() for p in block.parameters()) for block in container]
+        costs = [sum(p.numel() for p in block_at(container, i).parameters()) for i in range(len(container))]
         sizes = dict(module.named_parameters())
         size = lambda names, parameters: (
             sum(p.numel() for n in names for p in module.get_submodule(n).parameters())
@@ -121,7 +121,7 @@ def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> Pipel
     return split
 
 
-def _stage_container(module: nn.Module, pipeline_split: Any) -> tuple[str, nn.ModuleList | nn.Sequential]:
+def _stage_container(module: nn.Module, pipeline_split: Any) -> tuple[str, nn.Module]:
     """The ModuleList/Sequential whose children are cut into stages.
 
     An explicit split names it (the parent of its entries); otherwise the model's repeated blocks, or failing
@@ -131,8 +131,8 @@ def _stage_container(module: nn.Module, pipeline_split: Any) -> tuple[str, nn.Mo
         parents = {name.rpartition(".")[0] for name in pipeline_split}
         parent = parents.pop() if len(parents) == 1 else None
         container = _submodule_or_none(module, parent) if parent else None
-        if isinstance(container, (nn.ModuleList, nn.Sequential)):
-            return parent, container  # type: ignore[return-value]
+        if isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            return parent, container
     found = find_block_container(module) or _largest_sequential(module)
     if found is None:
         raise ValueError(
@@ -195,7 +195,7 @@ def _around(module: nn.Module, container_fqn: str) -> tuple[tuple[list[str], lis
             )
         for fqn, runs_after in places.items():
             (after if runs_after else before)[1].append(fqn)
-        node, prefix = getattr(node, part) if not part.isdigit() else node[int(part)], f"{prefix}{part}."
+        node, prefix = node.get_submodule(part), f"{prefix}{part}."
     return before, after
 
 

@@ -66,6 +66,5 @@ def _shape_trial(stage: Any) -> Generator[None, None, None]:
         yield
     finally:
         stage.inferring = stage.runtime.inferring = False
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
+        for buffer, value in saved:  # through ``.data``: no version bump that a saved forward would refuse
+            buffer.data.copy_(value)

@@ -39,16 +39,22 @@ _TRACE_SHAPE = (2, 4)  # (batch, sequence) of the fake hidden states
 _FUSED_STYLES = {3: "colwise_qkv", 2: "colwise_gate_up"}
 
 
+def no_linear_layers(blocks_fqn: str) -> ValueError:
+    return ValueError(
+        f"tp_plan='auto' found no Linear layers to shard in the blocks {blocks_fqn!r}: tensor parallelism splits"
+        " Linear layers, and a network of convolutions has none to split. Train it with data parallelism"
+        " (zero_stage) or pipeline parallelism, or pass `tp_plan` as a dict {module_glob: style} or a callable"
+        " (module, tp_mesh)."
+    )
+
+
 def derive_block_plan(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
     """``{glob over every block: style}`` for the blocks in ``blocks_fqn``, derived from block 0's data flow."""
     block_fqn = f"{blocks_fqn}.0"
     block = module.get_submodule(block_fqn)
     projections = {name: child for name, child in block.named_modules() if name and is_projection(child)}
     if not projections:
-        raise ValueError(
-            f"tp_plan='auto' found no Linear layers to shard in the blocks {blocks_fqn!r}. Pass"
-            " `tp_plan` as a dict {module_glob: style} or a callable (module, tp_mesh)."
-        )
+        raise no_linear_layers(blocks_fqn)
     glob = {name: block_glob(f"{block_fqn}.{name}", blocks_fqn) for name in projections}
     width = _stream_width(block, projections)
     try:

@@ -249,10 +249,9 @@ def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
 
         return derive_block_plan(module, blocks_fqn)
     if not plan:
-        raise ValueError(
-            f"tp_plan='auto' found no Linear layers to shard in the blocks {blocks_fqn!r}. Pass `tp_plan` as a dict"
-            f" {{module_glob: style}} or a callable (module, tp_mesh)."
-        )
+        from lightning_mgpu.parallel.tensor_derive import no_linear_layers
+
+        raise no_linear_layers(blocks_fqn)
     return plan
 
 

@@ -151,7 +151,7 @@ def spec_from_module(module: nn.Module, seq_len: int | None = None, **overrides:
     ``overrides`` (e.g. ``heads=...``) win over what is read; a shape neither read nor given is an error that names
     the flag to pass.
     """
-    from lightning_mgpu.parallel.blocks import find_block_container, tied_parameters
+    from lightning_mgpu.parallel.blocks import block_at, find_block_container, tied_parameters
 
     found = find_block_container(module)
     if found is None:
@@ -179,7 +179,7 @@ def spec_from_module(module: nn.Module, seq_len: int | None = None, **overrides:
     if missing:
         flags = " ".join(f"--{k.replace('_', '-')} N" for k in missing)
         raise ValueError(f"Could not read {', '.join(missing)} from {type(module).__name__}: pass {flags}.")
-    block_params = sum(p.numel() for p in blocks[0].parameters())
+    block_params = sum(p.numel() for p in block_at(blocks, 0).parameters())
     in_blocks = {id(p) for p in blocks.parameters()}
     embed_ids = {id(p) for m in embeddings for p in m.parameters()}
     seen: set[int] = set()
@@ -193,7 +193,7 @@ def spec_from_module(module: nn.Module, seq_len: int | None = None, **overrides:
         else:
             last += param.numel()
     tied = bool(tied_parameters(module))  # a tied head's copy on the last stage is added per layout (cost.py)
-    gated = any(hasattr(m, name) for m in blocks[0].modules() for name in ("gate_proj", "w3", "fc_1"))
+    gated = any(hasattr(m, name) for m in block_at(blocks, 0).modules() for name in ("gate_proj", "w3", "fc_1"))
     notes = (f"blocks: {container_name} ({len(blocks)} x {block_params:,} params)",)
     return ModelSpec(
         name=type(module).__name__,

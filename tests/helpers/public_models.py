@@ -133,10 +133,6 @@ _HF_SIZES = dict(
     d_ff=128,
     num_layers=2,
     num_heads=4,
-    decoder_start_token_id=0,
-    pad_token_id=0,
-    bos_token_id=0,
-    eos_token_id=1,
 )
 _HF_DROPOUTS = (
     "resid_pdrop",
@@ -151,6 +147,11 @@ _HF_DROPOUTS = (
 )
 
 
+# The token ids a tokenizer would give (a pretrained checkpoint's config has them; T5's default config has no
+# ``decoder_start_token_id``, without which it cannot train on ``labels`` even in one process).
+_HF_TOKENS = dict(pad_token_id=0, bos_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+
+
 def hf_config(model_type: str, dropout: float | None = None) -> Any:
     """The configuration class of ``model_type`` with its defaults, only the sizes above shrunk."""
     from transformers import AutoConfig
@@ -158,6 +159,7 @@ def hf_config(model_type: str, dropout: float | None = None) -> Any:
     config_class = type(AutoConfig.for_model(model_type))
     defaults = config_class()
     sizes = {k: v for k, v in _HF_SIZES.items() if hasattr(defaults, k)}
+    sizes.update(_HF_TOKENS)
     if dropout is not None:
         sizes.update({k: dropout for k in _HF_DROPOUTS if hasattr(defaults, k)})
     return config_class(**sizes)
