@@ -31,7 +31,7 @@ def find_block_container(module: nn.Module) -> tuple[str, nn.ModuleList | nn.Seq
             continue
         size = sum(p.numel() for p in child.parameters())
         if best is None or size > best[0]:
-            best = (size, name, child)  # type: ignore[assignment]  # _indexed_blocks accepted it: one of the three
+            best = (size, name, child)
     return None if best is None else (best[1], best[2])
 
 

@@ -297,19 +297,19 @@ class PipelineRuntime:
         # Parameters held directly by the modules on the path to the blocks: the stage that uses them owns them;
         # elsewhere they become buffers (the network code still reads them; their values do not matter there).
         self._demoted: list[tuple[nn.Module, str, nn.Parameter]] = []
-        held: dict[int, list[nn.Module]] = {0: [], num_stages - 1: []}
+        holders: dict[int, list[nn.Module]] = {0: [], num_stages - 1: []}
         for stage, names in ((0, split.before_parameters), (num_stages - 1, split.after_parameters)):
             for parent_fqn in dict.fromkeys(name.rpartition(".")[0] for name in names):
                 parent = module.get_submodule(parent_fqn)
                 if stage in my_stages:
-                    held[stage].append(DirectParameters(parent))
+                    holders[stage].append(DirectParameters(parent))
                 else:
                     self._demote(parent)
         self.stages = []
         for stage in my_stages:
             ends = [module.get_submodule(f) for f in (split.before if stage == 0 else [])]
             ends += [module.get_submodule(f) for f in (split.after if stage == num_stages - 1 else [])]
-            ends += held.get(stage, [])
+            ends += holders.get(stage, [])
             self.stages.append(Stage(self, stage, [block_at(container, i) for i in split.blocks_of(stage)], ends))
         for standin, _ in standins:  # a stand-in holding a tied weight goes with the stage that uses the weight
             held = list(standin.parameters(recurse=False))

@@ -121,7 +121,9 @@ def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> Pipel
     return split
 
 
-def _stage_container(module: nn.Module, pipeline_split: Any) -> tuple[str, nn.Module]:
+def _stage_container(
+    module: nn.Module, pipeline_split: Any
+) -> tuple[str, nn.ModuleList | nn.Sequential | nn.ModuleDict]:
     """The ModuleList/Sequential whose children are cut into stages.
 
     An explicit split names it (the parent of its entries); otherwise the model's repeated blocks, or failing
@@ -131,7 +133,7 @@ def _stage_container(module: nn.Module, pipeline_split: Any) -> tuple[str, nn.Mo
         parents = {name.rpartition(".")[0] for name in pipeline_split}
         parent = parents.pop() if len(parents) == 1 else None
         container = _submodule_or_none(module, parent) if parent else None
-        if isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+        if parent and isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             return parent, container
     found = find_block_container(module) or _largest_sequential(module)
     if found is None:
