@@ -69,9 +69,9 @@ def fit_each(
     results: dict[str, Any] = {}
     for name in runs:
         outputs = [rank[name] for rank in per_rank]
-        failed = next((o for o in outputs if isinstance(o, str)), None)
-        if failed is not None:
-            results[name] = failed
+        failed = [f"rank {rank}: {o}" for rank, o in enumerate(outputs) if isinstance(o, str)]
+        if failed:  # every failing rank's traceback: the first to fail is not always the first listed
+            results[name] = "\n".join(failed)
             continue
         rank0 = next(o for o in outputs if o["rank"] == 0)
         results[name] = RunResult(rank0["losses"], rank0["state_dict"], rank0["extra"]), [o["extra"] for o in outputs]

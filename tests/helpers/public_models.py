@@ -6,11 +6,18 @@ process (``dropout=0.0`` below; no parallel layout reproduces one process's rand
 make the library work: ``use_cache``, tied embeddings, attention implementation, norms and init stay as shipped. A
 helper that sets an option because the library needs it is a test bug: the library is what must change.
 
-timm imports torchvision, and the index's torchvision wheel is a CUDA build whose compiled operators cannot load
-beside the CPU torch these machines run (``torchvision::nms`` does not exist). ``import_timm`` installs that wheel
-into a folder of its own, off the environment's path (on the path, torchmetrics and so Lightning would import it and
-fail), and declares the two operators its Python code registers fake kernels for, without kernels: the models here
-never call them, and a call would fail loudly ("no kernel") instead of computing anything.
+Three of the packages cannot go into the environment with their dependencies, so ``public_packages`` installs them
+with ``--no-deps`` into a folder of their own, appended to ``sys.path`` (the environment's packages win):
+
+- timm imports torchvision, and the index's torchvision wheel is a CUDA build whose compiled operators cannot load
+  beside the CPU torch these machines run (``torchvision::nms`` does not exist). In the environment, torchmetrics
+  and so Lightning itself would import it and fail. Its Python code registers fake kernels for two operators; they
+  are declared here without kernels: the models here never call them, and a call would fail loudly ("no kernel").
+- litgpt pins ``huggingface-hub<1.4`` and ``jsonargparse<=4.41``, which transformers 5.23 and our CLI exclude; the
+  model code imports neither.
+
+torchtitan installs normally (the dev extra), 0.2: 0.3 dropped SDPA for its language models, and its flex attention
+has no backward on CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -30,29 +39,28 @@ VOCAB = 128
 SEQUENCE = 32
 IMAGE = 32
 CLASSES = 10
-TORCHVISION = "torchvision==0.28.0"  # the release paired with torch 2.13
-_TORCHVISION_DIR = Path(os.environ.get("LIGHTNING_MGPU_TORCHVISION_DIR", Path.home() / ".cache/lightning-mgpu/vision"))
+# The releases paired with torch 2.13 and transformers 5.23 (see the module docstring).
+PUBLIC_PACKAGES = ("timm==1.0.31", "torchvision==0.28.0", "litgpt==0.5.13")
+_PACKAGES_DIR = Path(os.environ.get("LIGHTNING_MGPU_MODELS_DIR", Path.home() / ".cache/lightning-mgpu/public-models"))
 
 
-def import_timm() -> Any:
-    """timm, importable beside the CPU torch (see the module docstring); raises ``ImportError`` with the reason."""
-    if "timm" in sys.modules:
-        return sys.modules["timm"]
-    if not (_TORCHVISION_DIR / "torchvision").is_dir():
-        command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(_TORCHVISION_DIR)]
-        done = subprocess.run([*command, TORCHVISION], capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise ImportError(f"timm needs torchvision; `{' '.join(command)} {TORCHVISION}` failed:\n{done.stderr}")
+def public_packages() -> None:
+    """Make timm and litgpt importable (installed once per machine, see the module docstring)."""
+    marker = _PACKAGES_DIR / ".installed"
+    with FileLock(str(_PACKAGES_DIR) + ".lock"):  # two test workers may ask at once
+        if not marker.exists() or marker.read_text() != " ".join(PUBLIC_PACKAGES):
+            command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(_PACKAGES_DIR)]
+            done = subprocess.run([*command, *PUBLIC_PACKAGES], capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise ImportError(f"`{' '.join(command + list(PUBLIC_PACKAGES))}` failed:\n{done.stderr}")
+            marker.write_text(" ".join(PUBLIC_PACKAGES))
     for name in ("nms", "qnms"):
         try:
             torch.library.define(f"torchvision::{name}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
         except RuntimeError:  # declared already (an earlier call in this process)
             pass
-    if str(_TORCHVISION_DIR) not in sys.path:
-        sys.path.append(str(_TORCHVISION_DIR))
-    import timm
-
-    return timm
+    if str(_PACKAGES_DIR) not in sys.path:
+        sys.path.append(str(_PACKAGES_DIR))
 
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -85,7 +93,10 @@ class TimmClassifier(_Trained):
         options = dict(sizes)
         if dropout is not None:
             options.update(drop_rate=dropout, drop_path_rate=dropout)
-        self.model = import_timm().create_model(name, num_classes=CLASSES, **options)
+        public_packages()
+        import timm
+
+        self.model = timm.create_model(name, num_classes=CLASSES, **options)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
@@ -98,6 +109,7 @@ class LitGPTModule(_Trained):
 
     def __init__(self, n_query_groups: int = 4, **config: Any) -> None:
         super().__init__()
+        public_packages()
         from litgpt.config import Config
         from litgpt.model import GPT
 
@@ -205,3 +217,23 @@ class HFMaskedLM(_Trained):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         return self._log_loss(_lm_loss(self.model(input_ids=x).logits, y))
+
+
+# ------------------------------------------------------------------------------------------------------ torchtitan
+class TorchTitanLlama(_Trained):
+    """torchtitan's Llama 3 ``Transformer`` from its ``TransformerModelArgs`` (defaults but sizes; blocks in an
+    ``nn.ModuleDict``), initialised by its own ``init_weights`` as torchtitan's trainer does."""
+
+    def __init__(self, n_kv_heads: int | None = 2, **args: Any) -> None:
+        super().__init__()
+        from torchtitan.models.llama3.model.args import TransformerModelArgs
+        from torchtitan.models.llama3.model.model import Transformer
+
+        sizes = dict(dim=64, n_layers=2, n_heads=4, vocab_size=VOCAB, max_seq_len=64)
+        self.model = Transformer(TransformerModelArgs(n_kv_heads=n_kv_heads, **{**sizes, **args}))
+        with torch.no_grad():  # as torchtitan's trainer calls it
+            self.model.init_weights()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self._log_loss(_lm_loss(self.model(x), y))
