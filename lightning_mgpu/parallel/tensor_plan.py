@@ -37,8 +37,11 @@ _COLWISE = (
     "fc",
     "fc_1",
     "fc_2",
-)  # litgpt: GptNeoxMLP.fc, LLaMAMLP.fc_1/fc_2
-_ROWWISE = ("c_proj", "o_proj", "out_proj", "down_proj", "fc2", "fc_out", "w2", "proj")
+    "wq",
+    "wk",
+    "wv",
+)  # litgpt: GptNeoxMLP.fc, LLaMAMLP.fc_1/fc_2; torchtitan and Meta's Llama: wq/wk/wv, w1/w3
+_ROWWISE = ("c_proj", "o_proj", "out_proj", "down_proj", "fc2", "fc_out", "w2", "wo", "proj")
 _TOKEN_EMBEDDINGS = ("wte", "embed_tokens", "tok_embeddings", "word_embeddings")
 _HEADS = ("lm_head", "output", "embed_out")
 # Hugging Face plan vocabulary (transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES) -> ours.

@@ -214,8 +214,13 @@ def _attention_on_local_heads(args: tuple, kwargs: dict) -> Any:
     if isinstance(mask, DTensor):
         mask = mask.full_tensor()
     if mask is not None and target[0] != Replicate() and mask.dim() >= 3 and mask.size(-3) > 1:
-        per_rank = mask.size(-3) // tp
-        mask = mask.narrow(mask.dim() - 3, mesh.get_local_rank() * per_rank, per_rank)
+        if mask.requires_grad:
+            # Computed from parameters every rank holds whole (T5's relative position bias): cut as a replicated
+            # DTensor, so that backward gathers the other heads' gradients and the parameters stay identical.
+            mask = _replicated(mask, mesh).redistribute(placements=[Shard(mask.dim() - 3)]).to_local()
+        else:
+            per_rank = mask.size(-3) // tp
+            mask = mask.narrow(mask.dim() - 3, mesh.get_local_rank() * per_rank, per_rank)
     bound["attn_mask"] = mask
     local_query, local_key, local_value = local
     out = F.scaled_dot_product_attention(local_query, local_key, local_value, **bound)

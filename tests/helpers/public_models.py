@@ -28,11 +28,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 import lightning as L
 import torch
 import torch.nn.functional as F
+from filelock import FileLock
 from torch import nn
 
 VOCAB = 128

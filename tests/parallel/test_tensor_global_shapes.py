@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from functools import partial
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.distributed import run_distributed, run_each, traceback_of
@@ -186,23 +188,37 @@ def test_collectives_with_sequence_parallel(spawned):
 
 
 def _fused_grouped_query(mesh):
+    """tp_plan="auto" keeps a fused grouped-query attention whole (with a warning); an explicit 'colwise_qkv' on it
+    is refused with the grouped-query reason, before any size check that divides its width by three."""
     from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = LitGPTModule(n_query_groups=2)
+        apply_tensor_parallel(module, mesh, "auto", False)
+    qkv = module.model.transformer.h[0].attn.qkv.weight
+    explicit = {"model.transformer.h.*.attn.qkv": "colwise_qkv", "model.transformer.h.*.attn.proj": "rowwise"}
     try:
-        apply_tensor_parallel(LitGPTModule(n_query_groups=2), mesh, "auto", False)
+        apply_tensor_parallel(LitGPTModule(n_query_groups=2), mesh, explicit, False)
     except ValueError as error:
-        return str(error)
-    return "no error"
+        refusal = str(error)
+    else:
+        refusal = "no error"
+    whole = not isinstance(qkv, DTensor) or all(p.is_replicate() for p in qkv.placements)
+    return {"warnings": [str(w.message) for w in caught], "qkv whole": whole, "refusal": refusal}
 
 
-def test_fused_grouped_query_attention_fails_before_training(spawned):
-    message = _ran(spawned, "fused-grouped-query")
-    assert isinstance(message, str), message
+def test_fused_grouped_query_attention_is_kept_whole_by_auto_and_refused_when_sharded(spawned):
+    outcome = _ran(spawned, "fused-grouped-query")
+    assert outcome["qkv whole"]
+    assert any("kept whole (replicated)" in w for w in outcome["warnings"]), outcome["warnings"]
+    message = outcome["refusal"]
     assert re.search(
         r"model.transformer.h.0.attn.qkv fuses q, k and v of grouped-query attention \(4 query heads, 2"
         r" key/value heads",
         message,
     ), message
+    assert "output features per q/k/v" not in message
     assert "{'model.transformer.h.*.attn.qkv': 'replicate', 'model.transformer.h.*.attn.proj': 'replicate'}" in message
 
 

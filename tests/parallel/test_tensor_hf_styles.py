@@ -385,11 +385,17 @@ def _tokens(batch):
     return RandomTokenDataModule(batch_size=batch)
 
 
+# GPT-NeoX's losses match to 1e-5, but on some CPUs one weight of 8192 in an MLP's output sits on a near-zero
+# gradient, which 10 AdamW steps turn into a 1.3e-4 difference (the same model, base commit included).
+_NEAR_ZERO_GRADIENT_ATOL = {"gpt_neox": 3e-4}
+
+
 def _tp2(name):
     """The run ``name`` of ``_trained()`` against its one-process reference."""
     reference_name = name.split("-")[0]
     reference = result(_references()[reference_name])
-    assert_same_training(reference, result(_trained()[name])[0], weight_atol=TP_WEIGHT_ATOL)
+    atol = _NEAR_ZERO_GRADIENT_ATOL.get(reference_name, TP_WEIGHT_ATOL)
+    assert_same_training(reference, result(_trained()[name])[0], weight_atol=atol)
 
 
 def test_phi3_trains_under_tp2_with_its_own_plan():
