@@ -15,6 +15,7 @@ The result is a list of qualified names (modules and parameters) in first-use or
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 from typing import Any
@@ -59,7 +60,7 @@ class _Walk:
         args = tree.args.posonlyargs + tree.args.args
         if not args:
             return
-        _Visitor(self, module, prefix, args[0].arg).visit_body(tree.body)
+        _Visitor(self, module, prefix, args[0].arg, function).visit_body(tree.body)
 
     def record(self, name: str) -> None:
         if name and name not in self._seen:
@@ -76,11 +77,12 @@ class _Walk:
 class _Visitor(ast.NodeVisitor):
     """Visits one function body, resolving ``self.a.b`` chains against the module tree."""
 
-    def __init__(self, walk: _Walk, module: nn.Module, prefix: str, self_name: str) -> None:
+    def __init__(self, walk: _Walk, module: nn.Module, prefix: str, self_name: str, function: Any) -> None:
         self.walk = walk
         self.module = module
         self.prefix = prefix
         self.self_name = self_name
+        self.function = function
 
     def visit_body(self, body: list[ast.stmt]) -> None:
         for statement in body:
@@ -107,6 +109,11 @@ class _Visitor(ast.NodeVisitor):
             self.walk.call_module(self.module, self.prefix)
             return
         if isinstance(function, ast.Name) and function.id == "super":
+            return
+        if _is_super_call(function):  # super().forward(x): the parent class's method, walked in place
+            parent = _parent_method(type(self.module), self.function, function.attr)  # type: ignore[attr-defined]
+            if parent is not None:
+                self.walk.method(self.module, self.prefix, parent)
             return
         chain = _chain(function, self.self_name)
         if chain is None:
@@ -143,6 +150,25 @@ class _Visitor(ast.NodeVisitor):
         return target, name, []
 
 
+def _is_super_call(node: ast.expr) -> bool:
+    """``super().name`` (the callee of ``super().name(...)``)."""
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name)
+        and node.value.func.id == "super"
+    )
+
+
+def _parent_method(cls: type, current: Any, name: str) -> Any:
+    """``name`` as ``super()`` finds it from the class that defines ``current``, or ``None``."""
+    mro = cls.__mro__
+    owner = next((i for i, c in enumerate(mro) if c.__dict__.get(getattr(current, "__name__", "")) is current), None)
+    if owner is None:
+        return None
+    return next((c.__dict__[name] for c in mro[owner + 1 :] if inspect.isfunction(c.__dict__.get(name))), None)
+
+
 def _child(module: Any, name: str) -> Any:
     """The submodule, parameter or buffer ``name`` of ``module``, or ``None``."""
     if not isinstance(module, nn.Module):
@@ -167,6 +193,7 @@ def _chain(node: ast.expr, self_name: str) -> list[str] | None:
     return None
 
 
+@functools.lru_cache(maxsize=1024)  # one parse per function, not per block instance
 def _parse(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
     function = inspect.unwrap(function)
     try:
