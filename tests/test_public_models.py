@@ -60,7 +60,7 @@ MODELS: dict[str, tuple[Any, str]] = {
         ),
         _IMAGES,
     ),
-    "timm ResNet-18": (functools.partial(pm.TimmClassifier, "resnet18"), _IMAGES),
+    "timm ResNet-18": (functools.partial(pm.TimmClassifier, "resnet18", sgd=True), _IMAGES),
     "timm ConvNeXt": (functools.partial(pm.TimmClassifier, "convnext_atto"), _IMAGES),
     "HF GPT-2": (functools.partial(pm.HFCausalLM, "gpt2", dropout=0.0), _TOKENS),
     "HF Llama": (functools.partial(pm.HFCausalLM, "llama", dropout=0.0), _TOKENS),
@@ -270,7 +270,8 @@ def test_default_dropout_trains_within_a_band_and_keeps_replicated_weights_ident
     strategy, devices = LAYOUTS[layout]
     kind = MODELS[model][1]
     data = _data(kind, GLOBAL_BATCH // _dp(strategy, devices))
-    outcome = fit_each({"run": Run(factory, data, strategy, STEPS, callbacks_factory=ReplicatedWeights)}, devices)
+    run = Run(factory, data, strategy, STEPS, callbacks_factory=lambda: [ReplicatedWeights()])
+    outcome = fit_each({"run": run}, devices)
     reference = references({f"{model} with dropout": Run(factory, _data(kind, GLOBAL_BATCH), None, STEPS)})
     result, extras = outcome["run"] if not isinstance(outcome["run"], str) else pytest.fail(outcome["run"])
     expected_losses = reference[f"{model} with dropout"]

@@ -71,11 +71,14 @@ class _Trained(L.LightningModule):
 
     model: nn.Module
 
-    def __init__(self, lr: float = 1e-3) -> None:
+    def __init__(self, lr: float = 1e-3, sgd: bool = False) -> None:
         super().__init__()
         self.lr = lr
+        self.sgd = sgd
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.sgd:  # how ResNets are trained; AdamW would turn reduction-order noise into lr-sized steps
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
     def _log_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -87,8 +90,8 @@ class _Trained(L.LightningModule):
 class TimmClassifier(_Trained):
     """A timm image model by name (``timm.create_model``), shrunk by ``sizes``; labels from 10 classes."""
 
-    def __init__(self, name: str, dropout: float | None = None, **sizes: Any) -> None:
-        super().__init__()
+    def __init__(self, name: str, dropout: float | None = None, sgd: bool = False, **sizes: Any) -> None:
+        super().__init__(lr=0.01 if sgd else 1e-3, sgd=sgd)
         options = dict(sizes)
         if dropout is not None:
             options.update(drop_rate=dropout, drop_path_rate=dropout)

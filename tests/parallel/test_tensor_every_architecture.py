@@ -97,7 +97,6 @@ _TINY = dict(
     attention_dropout=0.0,
     residual_dropout=0.0,  # dropout draws differ on shards: off, as in every test
     tie_word_embeddings=False,
-    use_cache=False,
     pad_token_id=0,
     bos_token_id=0,
     eos_token_id=1,

@@ -356,7 +356,6 @@ _COMMON = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
     tie_word_embeddings=False,
-    use_cache=False,
     bos_token_id=0,
     eos_token_id=1,
     pad_token_id=0,
