@@ -302,3 +302,17 @@ def test_t5_trains_under_tensor_parallelism_with_the_plan_its_refusal_offers():
     outcome = fit_each(runs, 2)["offered plan"]
     assert not isinstance(outcome, str), outcome
     assert_same_training(_reference("HF T5"), outcome[0], weight_atol=WEIGHT_ATOL)
+
+
+def test_gpt2_with_its_default_config_under_tp4_and_pp2_x_tp2():
+    """GPT-2 as ``GPT2Config()`` gives it (``use_cache=True``, tied embeddings), dropout 0: the cache lives inside
+    tensor-parallel attention at tp 4 and inside pipeline stages at pp 2 x tp 2."""
+    factory, kind = MODELS["HF GPT-2"]
+    layouts = {
+        "tp 4": {"tensor_parallel_size": 4},
+        "pp 2 x tp 2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+    }
+    outcomes = fit_each({n: Run(factory, _data(kind, GLOBAL_BATCH), s, STEPS) for n, s in layouts.items()}, 4)
+    for name, outcome in outcomes.items():
+        assert not isinstance(outcome, str), f"{name}:\n{outcome}"
+        assert_same_training(_reference("HF GPT-2"), outcome[0], weight_atol=WEIGHT_ATOL)
