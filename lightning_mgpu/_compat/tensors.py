@@ -24,6 +24,10 @@
 - ``plain_parameter_slots``: ``nn.Module._parameters`` replaced by a ``dict`` subclass (DeepSpeed ZeRO-3 puts one
   that gathers on access), made a plain ``dict`` again with the same entries, read without the subclass's hooks;
   ``named_parameters``/``_parameters[...]`` would trigger them, and nothing public replaces the slot dict.
+- ``share_parameter_slots``: ``nn.Module._parameters``, one dict shared by two modules, so that what a wrap puts in
+  one module's slots (FSDP2's sharded or gathered parameters) is what the other's code reads; nothing public shares
+  registrations.
+- ``contiguous_grad``: a ``torch.autograd.Function``, whose metaclass sets the private ``_backward_cls``.
 - ``in_backward``: ``torch._C._current_graph_task_id`` (-1 outside autograd's engine); no public API tells a
   forward recomputed by activation checkpointing in backward from a first forward (expert token counts).
 """
@@ -97,6 +101,27 @@ def restore_parameters(module: nn.Module, originals: dict[str, Any]) -> None:
 def parameter_slots(module: nn.Module) -> dict[str, Any]:
     """The module's own registered parameters by name, including slots that hold ``None``."""
     return dict(_slots(module, "_parameters"))
+
+
+def share_parameter_slots(module: nn.Module, source: nn.Module) -> None:
+    """Make ``module`` hold exactly ``source``'s own parameters, through the same slot dict (see the docstring)."""
+    module.__dict__["_parameters"] = _slots(source, "_parameters")
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (a view), whose gradient leaves backward contiguous: the gradient of a pipeline stage's input is sent
+    over the wire, and a model that permutes its activations (ConvNeXt's channels-last blocks) makes it strided."""
+    return _ContiguousGrad.apply(x)
 
 
 def set_children(module: nn.Module, children: Mapping[str, nn.Module]) -> None:

@@ -20,6 +20,7 @@ import inspect
 import textwrap
 from typing import Any
 
+import torch
 from torch import nn
 
 _ENTRY_POINTS = ("training_step", "forward")
@@ -43,7 +44,6 @@ class _Walk:
         self.order: list[str] = []
         self._seen: set[str] = set()
         self._methods: set[tuple[int, str]] = set()
-        self._named = {id(m): n for n, m in root.named_modules()}
 
     def visited_methods(self, module: nn.Module) -> set[str]:
         return {name for owner, name in self._methods if owner == id(module)}
@@ -173,10 +173,16 @@ def _child(module: Any, name: str) -> Any:
     """The submodule, parameter or buffer ``name`` of ``module``, or ``None``."""
     if not isinstance(module, nn.Module):
         return None
-    for table in (module._modules, module._parameters, module._buffers):
-        if name in table and table[name] is not None:
-            return table[name]
-    return None
+    value = getattr(module, name, None) if name in _registered(module) else None
+    return value if isinstance(value, (nn.Module, torch.Tensor)) else None
+
+
+def _registered(module: nn.Module) -> set[str]:
+    return {
+        *(n for n, _ in module.named_children()),
+        *(n for n, _ in module.named_parameters(recurse=False)),
+        *(n for n, _ in module.named_buffers(recurse=False)),
+    }
 
 
 def _chain(node: ast.expr, self_name: str) -> list[str] | None:

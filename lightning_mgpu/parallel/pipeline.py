@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_mgpu._compat.tensors import tree_leaves
+from lightning_mgpu._compat.tensors import contiguous_grad, share_parameter_slots, tree_leaves
 from lightning_mgpu.layout import PP_AXIS
 from lightning_mgpu.parallel.blocks import block_at
 from lightning_mgpu.parallel.pipeline_plan import PipelineSplit, plan_split, stage_indices, stage_owner, stages_per_rank
@@ -132,7 +132,7 @@ class Stage(nn.Module):
         """The captured network call of ``microbatch`` through this stage: its last block's output, or on the last
         stage the network's output."""
         progress = self._progress
-        progress.received = None if self.is_first else _ContiguousGrad.apply(x)
+        progress.received = None if self.is_first else contiguous_grad(x)
         call = self.runtime.calls[microbatch]
         self.runtime.active = self
         try:
@@ -211,20 +211,7 @@ class DirectParameters(nn.Module):
 
     def __init__(self, holder: nn.Module) -> None:
         super().__init__()
-        object.__setattr__(self, "_parameters", holder._parameters)
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose gradient leaves contiguous: the gradient of a stage's input is sent back over the wire, and a
-    model that permutes its activations (ConvNeXt's channels-last blocks) makes it strided otherwise."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
+        share_parameter_slots(self, holder)
 
 
 @dataclass
@@ -327,7 +314,7 @@ class PipelineRuntime:
 
     def _demote(self, parent: nn.Module) -> None:
         for name, param in list(parent.named_parameters(recurse=False)):
-            del parent._parameters[name]
+            delattr(parent, name)
             parent.register_buffer(name, param.detach(), persistent=False)
             self._demoted.append((parent, name, param))
 
@@ -343,9 +330,9 @@ class PipelineRuntime:
         """
         for fqn, _, original in reversed(self._replaced):
             replace_module(module, fqn, original)
-        for parent, name, param in reversed(self._demoted):
-            del parent._buffers[name]
-            parent._parameters[name] = param
+        for parent, name, param in self._demoted:  # in their order: the parameters' order is the optimizer's
+            delattr(parent, name)
+            parent.register_parameter(name, param)
         for block, forward in self._gated:
             if forward is None:
                 vars(block).pop("forward", None)

@@ -101,6 +101,27 @@ def test_tensor_helpers():
     doubled = tensors.tree_map(lambda x: x * 2 if torch.is_tensor(x) else x, nested)
     _expect(doubled["a"][0].item() == 2.0 and doubled["a"][1][1] == 3, "torch.utils._pytree.tree_map", "torch", "")
 
+    source, holder = torch.nn.Linear(2, 2), torch.nn.Module()
+    tensors.share_parameter_slots(holder, source)
+    replacement = torch.nn.Parameter(torch.zeros(2, 2))
+    holder.weight = replacement  # what a wrap does to the module it manages
+    _expect(
+        source.weight is replacement and [n for n, _ in holder.named_parameters()] == ["weight", "bias"],
+        "nn.Module._parameters",
+        "torch",
+        "a parameter set on one module is not seen by the module sharing its slots",
+    )
+    strided = torch.randn(2, 3, requires_grad=True)
+    out = tensors.contiguous_grad(strided)
+    grad = torch.randn(3, 2).t()  # a strided gradient
+    out.backward(grad)
+    _expect(
+        torch.equal(strided.grad, grad) and strided.grad.is_contiguous(),
+        "torch.autograd.Function",
+        "torch",
+        "the gradient is not handed back contiguous",
+    )
+
     seen = []
 
     class Mode(tensors.TorchDispatchMode):
