@@ -29,6 +29,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -155,7 +156,31 @@ def _checkpointed_forward(
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # evaluation: nothing is saved anyway
     extra: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
-    return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+    return checkpoint(inner, *args, use_reentrant=False, **extra, **_without_cache(self, kwargs))
+
+
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A block's keyword arguments without its key/value cache, as transformers' own gradient checkpointing drops
+    it: the recomputation in backward would append the keys to the cache a second time."""
+    if getattr(block, "_can_checkpoint_with_cache", False):
+        return kwargs
+    dropped = [k for k in _CACHE_ARGUMENTS if kwargs.get(k) is not None]
+    if not dropped and not kwargs.get("use_cache"):
+        return kwargs
+    if type(block) not in _warned_cache:
+        _warned_cache.add(type(block))
+        rank_zero_warn(
+            f"activation_checkpointing: {type(block).__name__} is called with a key/value cache, which recomputing"
+            " it in backward would fill twice; it runs without one in training (as transformers' gradient"
+            " checkpointing does). The loss is unchanged."
+        )
+    return {**kwargs, **dict.fromkeys(dropped), **({"use_cache": False} if kwargs.get("use_cache") else {})}
+
+
+_warned_cache: set[type] = set()
 
 
 class ActivationMemory:
