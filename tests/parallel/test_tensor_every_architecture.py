@@ -181,8 +181,11 @@ NOT_BUILDABLE = {  # model type -> why it is not trained here
         " that the configuration leaves empty (KeyError 'full_attention')",
     ),
     "lfm2_moe": "its own default configuration does not build: layer_types is None and the layers index it",
-    "granitemoehybrid": "shrunk to 2 layers (both Mamba), its default cache fails in one process: transformers"
-    " calls get_seq_length on a cache of linear-attention layers only",
+    **dict.fromkeys(
+        ("granitemoehybrid", "jamba"),
+        "shrunk to 2 layers (no attention layer among them), its default cache fails in one process: transformers"
+        " calls get_seq_length on a cache of linear-attention layers only",
+    ),
     **dict.fromkeys(
         ("qwen4_exp", "qwen4_exp_text"), "its own default configuration does not build: the indexer sizes are None"
     ),
@@ -214,13 +217,14 @@ KNOWN_DIVERGENT: dict[str, str] = {}
 # query rows of layer 1 pick another key under tp=2 than in one process (every top-k choice equal before; layer
 # outputs within 7e-6 relative), which moves that layer's output by 2.5e-2 and the losses by 1e-5 to 5.7e-5 later.
 # Four of six 1e-7 perturbations of the unsharded run (seeds 2-5) flip the same rows, with the same losses as tp=2
-# to 1e-7; the test's own seed (1234) and seed 1 do not (drift 9e-8, 1.8e-7).
+# to 1e-7; the test's own seed (1234) and seed 1 do not (drift 9e-8, 1.8e-7). Which seeds flip them depends on the
+# CPU's kernels: on the machine of 2026-11-28 seed 2 no longer did (drift 3.5e-7) and seed 3 does.
 # gemma3n: its activation sparsity keeps an MLP feature where it exceeds mean + 1.645 std over the features (ReLU
 # of the difference): a feature on the threshold flips its gradient, and AdamW moves its weights ~lr. Perturbations
 # of 1e-7 move its losses by 4.6e-5 / 8.6e-6 / 1.6e-5 (seeds 1234, 1, 2) and 11 to 66 of layer 0's gate weights by
 # 2.6e-3 to 4.8e-3; tp=2 moves its losses by 8.9e-6 at most (first step 1e-7; 2.4e-5 while each rank thresholded by
 # its own half's statistics) and 13 gate weights by up to 2.9e-3.
-CHAOTIC = {"gemma4": SEED, "gemma4_unified": SEED, "muse_spark": SEED, "mistral_large4": 2, "gemma3n": SEED}
+CHAOTIC = {"gemma4": SEED, "gemma4_unified": SEED, "muse_spark": SEED, "mistral_large4": 3, "gemma3n": SEED}
 CHAOTIC_MARGIN = 10.0
 
 # Weights on a near-tie in one process already: losses hold 1e-5, but a few weights move by about one AdamW step
