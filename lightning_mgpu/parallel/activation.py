@@ -165,8 +165,6 @@ _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 def _without_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """A block's keyword arguments without its key/value cache, as transformers' own gradient checkpointing drops
     it: the recomputation in backward would append the keys to the cache a second time."""
-    if getattr(block, "_can_checkpoint_with_cache", False):
-        return kwargs
     dropped = [k for k in _CACHE_ARGUMENTS if kwargs.get(k) is not None]
     if not dropped and not kwargs.get("use_cache"):
         return kwargs

@@ -281,17 +281,8 @@ class PipelineRuntime:
                 self._replace(module, fqn, Unreachable())
         standins = [(standin, original) for _, standin, original in self._replaced]
         keep_tied_names(module, standins)
-        # Parameters held directly by the modules on the path to the blocks: the stage that uses them owns them;
-        # elsewhere they become buffers (the network code still reads them; their values do not matter there).
         self._demoted: list[tuple[nn.Module, str, nn.Parameter]] = []
-        holders: dict[int, list[nn.Module]] = {0: [], num_stages - 1: []}
-        for stage, names in ((0, split.before_parameters), (num_stages - 1, split.after_parameters)):
-            for parent_fqn in dict.fromkeys(name.rpartition(".")[0] for name in names):
-                parent = module.get_submodule(parent_fqn)
-                if stage in my_stages:
-                    holders[stage].append(DirectParameters(parent))
-                else:
-                    self._demote(parent)
+        holders = self._place_direct_parameters(module, my_stages)
         self.stages = []
         for stage in my_stages:
             ends = [module.get_submodule(f) for f in (split.before if stage == 0 else [])]
@@ -311,6 +302,21 @@ class PipelineRuntime:
     def _replace(self, module: nn.Module, fqn: str, standin: nn.Module) -> None:
         self._replaced.append((fqn, standin, module.get_submodule(fqn)))
         replace_module(module, fqn, standin)
+
+    def _place_direct_parameters(self, module: nn.Module, my_stages: list[int]) -> dict[int, list[nn.Module]]:
+        """Parameters held directly by the modules on the path to the blocks: the stage that uses them owns them
+        (``DirectParameters``, by stage); elsewhere they become buffers (the network code still reads them; their
+        values do not matter there)."""
+        split, last = self.split, self.num_stages - 1
+        holders: dict[int, list[nn.Module]] = {0: [], last: []}
+        for stage, names in ((0, split.before_parameters), (last, split.after_parameters)):
+            for parent_fqn in dict.fromkeys(name.rpartition(".")[0] for name in names):
+                parent = module.get_submodule(parent_fqn)
+                if stage in my_stages:
+                    holders[stage].append(DirectParameters(parent))
+                else:
+                    self._demote(parent)
+        return holders
 
     def _demote(self, parent: nn.Module) -> None:
         for name, param in list(parent.named_parameters(recurse=False)):
