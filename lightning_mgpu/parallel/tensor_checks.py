@@ -91,11 +91,16 @@ def _config_value(attention: nn.Module, name: str) -> object:
 
 def fused_chunks_differ(module: nn.Module, name: str) -> bool:
     """Whether the fused projection ``name`` holds q, k and v of grouped-query attention (chunks of unequal size)."""
-    if "." not in name:
-        return False
-    attention = module.get_submodule(parent_name(name))
-    heads, groups = _head_count(attention, _QUERY_HEADS), _head_count(attention, _KEY_VALUE_HEADS)
+    heads, groups = _heads_and_groups(module, name)
     return heads is not None and groups is not None and groups != heads
+
+
+def _heads_and_groups(module: nn.Module, name: str) -> tuple[int | None, int | None]:
+    """Query and key/value head counts of the attention holding the projection ``name``."""
+    if "." not in name:
+        return None, None
+    attention = module.get_submodule(parent_name(name))
+    return _head_count(attention, _QUERY_HEADS), _head_count(attention, _KEY_VALUE_HEADS)
 
 
 def _check_fused_chunks(module: nn.Module, matched: dict[str, str]) -> None:
@@ -104,8 +109,7 @@ def _check_fused_chunks(module: nn.Module, matched: dict[str, str]) -> None:
         if style_name != "colwise_qkv" or "." not in name:
             continue
         attention_name = parent_name(name)
-        heads = _head_count(module.get_submodule(attention_name), _QUERY_HEADS)
-        groups = _head_count(module.get_submodule(attention_name), _KEY_VALUE_HEADS)
+        heads, groups = _heads_and_groups(module, name)
         if fused_chunks_differ(module, name):
             raise ValueError(
                 f"{name} fuses q, k and v of grouped-query attention ({heads} query heads, {groups} key/value heads"

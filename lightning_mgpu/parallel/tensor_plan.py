@@ -217,9 +217,9 @@ def _hf_style(name: str) -> str:
     return _HF_STYLES[name]
 
 
-def _warn_whole_attention(name: str) -> None:
+def _warn_whole_attention(glob: str) -> None:
     rank_zero_warn(
-        f"tp_plan='auto': {name} fuses q, k and v of grouped-query attention in chunks of different sizes, which"
+        f"tp_plan='auto': {glob} fuses q, k and v of grouped-query attention in chunks of different sizes, which"
         " 'colwise_qkv' (three equal chunks) cannot shard; that attention is kept whole (replicated) on every"
         " tensor-parallel rank and the MLP is sharded. Separate q/k/v projections shard the attention too."
     )
@@ -234,7 +234,7 @@ def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
         leaf = name.rsplit(".", 1)[-1]
         glob = block_glob(name, blocks_fqn)
         if leaf in _FUSED_QKV and fused_chunks_differ(module, name):
-            _warn_whole_attention(name)
+            _warn_whole_attention(glob)  # one message for every block: shown once
             plan[glob] = "replicate"
         elif leaf in _FUSED_QKV:
             plan[glob] = "colwise_qkv"
