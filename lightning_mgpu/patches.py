@@ -154,8 +154,9 @@ class ModuleSnapshot:
     def restore(self, state_dict: dict[str, Tensor]) -> None:
         """Restore the structure, then give every original parameter and buffer its value in ``state_dict``.
 
-        ``state_dict`` holds the full (unsharded) trained values under the plain FQNs, e.g. from
-        ``get_model_state_dict(full_state_dict=True)``; a parameter emptied by ``release`` that it lacks is an error.
+        ``state_dict`` holds the full (unsharded) trained values under the names ``named_parameters`` and
+        ``named_buffers`` give them (``checkpoint.states.full_named_tensors``); a parameter emptied by ``release``
+        that it lacks is an error.
         """
         self.restore_structure()
         for sub, state in self.states.values():

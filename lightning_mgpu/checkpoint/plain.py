@@ -1,7 +1,7 @@
 """The trained states put back into the user's plain module and optimizers when a run ends.
 
 The parallel module holds sharded (DTensor) parameters, and under pipelining each rank only its stages. At
-teardown every rank gathers the full model (``full_model_state_dict(everywhere=True)``), the module snapshot
+teardown every rank gathers every parameter and buffer whole, by name (``full_named_tensors``), the module snapshot
 taken before parallelizing brings back the original module tree with those values, and the optimizers are
 pointed at the original parameters, their states made plain (``DTensor.full_tensor``), so that both work in plain
 torch, and a checkpoint saved after ``fit`` describes them under the plain FQNs.
@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_mgpu.checkpoint.states import full_model_state_dict
+from lightning_mgpu.checkpoint.states import full_named_tensors
 from lightning_mgpu.parallel.experts import with_peers_listed_experts
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 
@@ -34,7 +34,7 @@ def restore_plain(
     for name, param in module.named_parameters(remove_duplicate=False):
         live_names.setdefault(param, name)
     optimizer_states = [_plain_states(optimizer) for optimizer in optimizers]
-    state_dict = with_peers_listed_experts(module, full_model_state_dict(module, pp_group, everywhere=True))
+    state_dict = with_peers_listed_experts(module, full_named_tensors(module, pp_group))
     patches.undo()
     snapshot.restore(state_dict)
     originals = dict(module.named_parameters(remove_duplicate=False))

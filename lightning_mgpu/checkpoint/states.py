@@ -21,9 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.storage import StorageReader
@@ -38,31 +36,58 @@ _GROUPS = "param_groups."
 def full_model_state_dict(
     model: nn.Module, pp_group: Any | None = None, everywhere: bool = False
 ) -> dict[str, torch.Tensor]:
-    """The unsharded model state on CPU, on global rank 0 (other ranks get ``{}``). Collective.
+    """The unsharded ``model.state_dict()`` on CPU, on global rank 0 (other ranks get ``{}``). Collective.
 
+    Keys are the model's own: its state-dict hooks run, as when plain Lightning saves it (torch's
+    ``get_model_state_dict`` cannot follow hooks that rename entries, e.g. a fused q|k|v saved as ``wq``/``wk``/``wv``).
     With pipeline stages (``pp_group``), every rank first gathers its stage's data/tensor-parallel shards, then
-    global rank 0 collects the stages, which hold disjoint parameters. ``everywhere``: every rank gets the whole
-    state (on the parameters' devices where no pipeline splits the model), e.g. to put the plain model back.
+    global rank 0 collects the stages, which hold disjoint entries. ``everywhere``: every rank gets the whole state
+    (on the parameters' devices where no pipeline splits the model).
     """
+    return _whole(model.state_dict(), pp_group, everywhere)
+
+
+def full_named_tensors(model: nn.Module, pp_group: Any | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter's and buffer's whole value on every rank, keyed by ``named_parameters``/``named_buffers``
+    names, every name of a tied one: what puts the plain module's own tensors back, whatever its state-dict hooks
+    call them. Collective.
+
+    A name that is a parameter on one pipeline rank and a buffer on another (a stage that does not own a parameter
+    held directly by a shared module keeps a buffer copy) takes the parameter's value.
+    """
+    buffers = _whole(dict(model.named_buffers(remove_duplicate=False)), pp_group, everywhere=True)
+    parameters = _whole(dict(model.named_parameters(remove_duplicate=False)), pp_group, everywhere=True)
+    return {**buffers, **parameters}
+
+
+@torch.no_grad()
+def _whole(state: dict[str, Any], pp_group: Any | None, everywhere: bool) -> dict[str, torch.Tensor]:
+    """``state`` with every DTensor gathered (in the same key order on the ranks of its mesh), merged over
+    ``pp_group``; on global rank 0 only unless ``everywhere``, on CPU unless ``everywhere`` without stages."""
+    from torch.distributed.tensor import DTensor
+
+    offload = pp_group is not None or not everywhere
+    whole = {}
+    for key, value in state.items():
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        whole[key] = value.detach().cpu() if offload and isinstance(value, torch.Tensor) else value
     if pp_group is None:
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not everywhere))
-        return cast(dict[str, torch.Tensor], full)  # a model's full state: tensors only
-    stage: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    stage = {key: value.detach().cpu() for key, value in stage.items()}
+        return whole if everywhere or dist.get_rank() == 0 else {}
     ranks = dist.get_process_group_ranks(pp_group)
     if everywhere:
         gathered: list | None = [None] * len(ranks)
-        dist.all_gather_object(gathered, stage, group=pp_group)
+        dist.all_gather_object(gathered, whole, group=pp_group)
     else:
         gathered = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
-        dist.gather_object(stage, gathered, dst=ranks[0], group=pp_group)
+        dist.gather_object(whole, gathered, dst=ranks[0], group=pp_group)
         if dist.get_rank() != 0:
             return {}
     return {key: value for part in gathered or [] for key, value in part.items()}
 
 
 def model_state(model: nn.Module) -> dict[str, Any]:
-    return describable(get_model_state_dict(model))
+    """``model.state_dict()`` (the model's hooks applied, values as the layout holds them) for DCP to save or fill."""
+    return describable(model.state_dict())
 
 
 def describable(state: dict[str, Any]) -> dict[str, Any]:
@@ -276,7 +301,7 @@ def load_states(
     except Exception as error:
         raise CheckpointError(f"Loading {where} failed: {error}") from error
     model_sd.update(request[MODEL_KEY])
-    set_model_state_dict(model, model_sd)
+    model.load_state_dict(model_sd)  # the model's own load hooks undo what its state-dict hooks did
     for optimizer, template, loaded, without in zip(optimizers, templates, request.get(OPTIMIZER_KEY, []), stateless):
         template.update(loaded)
         with _no_implicit_init(optimizer):
