@@ -316,3 +316,21 @@ def test_gpt2_with_its_default_config_under_tp4_and_pp2_x_tp2():
     for name, outcome in outcomes.items():
         assert not isinstance(outcome, str), f"{name}:\n{outcome}"
         assert_same_training(_reference("HF GPT-2"), outcome[0], weight_atol=WEIGHT_ATOL)
+
+
+def test_explicit_pipeline_split_names_blocks_of_a_module_dict():
+    """torchtitan's Llama 3 keeps its blocks in an ``nn.ModuleDict`` keyed "0", "1", ...: ``pipeline_split`` names
+    them as ``named_modules`` does, here an uneven split of 3 blocks (1 + 2); a name that is not a block is refused
+    before training with the names that are."""
+    _, kind = MODELS["torchtitan Llama 3"]
+    factory = functools.partial(pm.TorchTitanLlama, n_layers=3)
+    split = {"pipeline_parallel_size": 2, "pipeline_split": ["model.layers.1"]}
+    wrong = {"pipeline_parallel_size": 2, "pipeline_split": ["model.layers.7"]}
+    data = _data(kind, GLOBAL_BATCH)
+    (reference,) = references({"one process": Run(factory, data, None, STEPS)}).values()
+    assert not isinstance(reference, str), reference
+    outcomes = fit_each({"split": Run(factory, data, split, STEPS), "wrong": Run(factory, data, wrong, STEPS)}, 2)
+    assert not isinstance(outcomes["split"], str), outcomes["split"]
+    assert_same_training(reference, outcomes["split"][0], weight_atol=WEIGHT_ATOL)
+    assert isinstance(outcomes["wrong"], str), "a split at a block that does not exist trained"
+    assert re.search(r"model\.layers\.7.*model\.layers\.0", outcomes["wrong"], re.DOTALL), outcomes["wrong"]
