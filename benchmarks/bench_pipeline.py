@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from benchmarks import demo_gpt, harness
-from lightning_mgpu.parallel.pipeline_plan import PIPELINE_SCHEDULES as SCHEDULES
+from lightning_mgpu.parallel.pipeline import PIPELINE_SCHEDULES as SCHEDULES
 
 TARGET = 1.05
 
@@ -138,7 +138,7 @@ def run_by_hand(
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     from lightning_mgpu.demo import GPTLightningModule
-    from lightning_mgpu.parallel.pipeline_plan import plan_split, stage_indices, stage_owner, stages_per_rank
+    from lightning_mgpu.parallel.pipeline import plan_split, stage_indices, stage_owner, stages_per_rank
 
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))  # HybridStrategy's order: pp outermost
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()

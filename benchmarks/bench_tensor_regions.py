@@ -1,7 +1,7 @@
 """Tensor parallelism: the global-shape (DTensor region) path against the local-tensor path, on the same model.
 
 ``tp_plan="auto"`` runs the attention and MLP of a model that is not a Hugging Face one as *global-shape regions*
-(``lightning_mgpu/parallel/tensor_region.py``): the column-parallel projections hand back DTensors with the
+(``lightning_mgpu/parallel/tensor/region.py``): the column-parallel projections hand back DTensors with the
 unsharded shapes, so code that reshapes with global sizes works unchanged. The local path hands each rank its plain
 shard instead, which only code written for shards survives. Both run here on the demo GPT
 (``lightning_mgpu.demo``), whose attention reads its width from the projection's output and so runs either way:
@@ -38,7 +38,7 @@ PATHS = ("global", "local")
 def _local_plan(module: Any, tp_mesh: Any) -> None:
     """``tp_plan="auto"`` exactly, with no global-shape region: every projection hands its plain shard to the code
     (as for a Hugging Face model), and the attentions' head counts are localized for it (the demo GPT reads them)."""
-    from lightning_mgpu.parallel import tensor
+    from lightning_mgpu.parallel.tensor import apply as tensor  # an ablation: patches the private region choice
 
     regions = tensor._regions
 

@@ -14,7 +14,7 @@ from torch import nn
 def parallelize_by_hand(gpt: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
     """What ``tp_plan="auto"`` does to the demo GPT, written out for torch's ``parallelize_module``.
 
-    The style objects come from ``lightning_mgpu.parallel.tensor_styles.style``: identical to the auto plan's (fused
+    The style objects come from ``lightning_mgpu.parallel.tensor.style``: identical to the auto plan's (fused
     q|k|v as ``_Colwise(chunks=3)``, i.e. ``_StridedShard`` so each rank keeps the q, k and v of its own heads).
     Every DTensor parameter gets the hook the auto plan arms, which gives its gradient its own layout once after
     backward (Megatron's single reduction) instead of letting AdamW redistribute it on every use.
@@ -22,7 +22,7 @@ def parallelize_by_hand(gpt: nn.Module, tp_mesh: Any, sequence_parallel: bool) -
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_mgpu.parallel.tensor_styles import style
+    from lightning_mgpu.parallel.tensor import style
 
     sp, tp = sequence_parallel, tp_mesh.size()
     for block in gpt.transformer.h:
@@ -50,12 +50,12 @@ def parallelize_by_hand(gpt: nn.Module, tp_mesh: Any, sequence_parallel: bool) -
 def arm_gradient_layout(module: nn.Module) -> None:
     from torch.distributed.tensor import DTensor
 
-    from lightning_mgpu.parallel.tensor_styles import _keep_grad_placement
+    from lightning_mgpu.parallel.tensor import keep_grad_placement
 
     for param in module.parameters():
         if isinstance(param, DTensor) and param.requires_grad:
             param._post_accumulate_grad_hooks = None  # once, also where module.to() kept a stale one
-            param.register_post_accumulate_grad_hook(_keep_grad_placement)
+            param.register_post_accumulate_grad_hook(keep_grad_placement)
 
 
 def step_context(sequence_parallel: bool) -> Any:

@@ -16,11 +16,10 @@ from torch.optim import Optimizer
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import StepRunner, parallelize
-from lightning_mgpu.parallel.data import OptimizerStateSharding
+from lightning_mgpu.parallel.data import OptimizerStateSharding, stop_watching
 from lightning_mgpu.parallel.experts import expert_parameters
 from lightning_mgpu.parallel.local_step import ShardLocalStep, steps_on_shards
-from lightning_mgpu.parallel.pipeline_step import PipelineEngine
-from lightning_mgpu.parallel.unused_params import stop_watching
+from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.patches import PatchLog
 from lightning_mgpu.precision import HybridPrecision
 
@@ -73,7 +72,7 @@ def _refuse_manual_optimization_over_data_parallel(
 
 def unwire_optimizers(shardings: list[OptimizerStateSharding], watched_roots: Sequence[nn.Module] = ()) -> None:
     """Undo ZeRO-1's wrapping of the user's optimizers and, for ``watched_roots``, the hooks DDP roots may still hold
-    on the user's parameters (``parallel/unused_params.py``, while the first step has not decided). Empties
+    on the user's parameters (``parallel/data/unused_params.py``, while the first step has not decided). Empties
     ``shardings``."""
     for sharding in shardings:
         sharding.remove()

@@ -16,14 +16,14 @@ from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
-from lightning_mgpu.parallel.microbatches import microbatch_count_error
-from lightning_mgpu.parallel.pipeline_plan import (
+from lightning_mgpu.parallel.pipeline import (
     LOOP_SCHEDULES,
     PIPELINE_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
+    microbatch_count_error,
 )
-from lightning_mgpu.parallel.pipeline_plan import (
+from lightning_mgpu.parallel.pipeline import (
     stages_per_rank as resolve_stages_per_rank,
 )
 
@@ -51,8 +51,8 @@ class ParallelOptions:
     checkpoint_format: str = "sharded"
     async_checkpoint: bool = False
     deepspeed_config: Any = None  # None, a dict or a JSON file's path (zero_backend="deepspeed")
-    expert_parallel_size: int = 1  # experts sharded over groups of this many data-parallel ranks (parallel/experts.py)
-    find_unused_parameters: bool | None = None  # DDP's search for parameters without a gradient (unused_params.py)
+    expert_parallel_size: int = 1  # experts sharded over groups of this many data-parallel ranks (parallel/experts/)
+    find_unused_parameters: bool | None = None  # DDP's search for parameters without a gradient (data/unused_params.py)
 
     def __post_init__(self) -> None:
         _one_of("zero_backend", self.zero_backend, ZERO_BACKENDS)
@@ -64,7 +64,7 @@ class ParallelOptions:
                 f" got {self.tp_plan!r}."
             )
         if isinstance(self.tp_plan, dict):
-            from lightning_mgpu.parallel.tensor_plan import check_style_names
+            from lightning_mgpu.parallel.tensor import check_style_names
 
             not_globs = [glob for glob in self.tp_plan if not isinstance(glob, str) or not glob]
             if not_globs:

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.parallel.pipeline_step import PipelineEngine
+from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
 
 

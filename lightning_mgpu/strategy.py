@@ -44,11 +44,10 @@ from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimu
 from lightning_mgpu.layout_choice import agreed_plan, check_sizes, check_trainer_layout
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
-from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, set_gradient_sync
+from lightning_mgpu.parallel.data import OptimizerStateSharding, finish_backward, reduce_metrics_over, set_gradient_sync
 from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
 from lightning_mgpu.parallel.local_step import fused_on_cpu
-from lightning_mgpu.parallel.pipeline_step import PipelineEngine
-from lightning_mgpu.parallel.unused_params import finish_backward
+from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision

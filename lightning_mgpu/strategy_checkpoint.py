@@ -18,7 +18,7 @@ from lightning_mgpu._compat.lightning import PATH, attached_trainer
 from lightning_mgpu.layout import PP_AXIS, ParallelLayout
 from lightning_mgpu.parallel.deepspeed_engine import CHECKPOINT_KEY as DEEPSPEED_KEY
 from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
-from lightning_mgpu.parallel.pipeline_step import PipelineEngine
+from lightning_mgpu.parallel.pipeline import PipelineEngine
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

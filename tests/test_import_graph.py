@@ -136,3 +136,25 @@ def test_the_graph_sees_deferred_and_relative_imports():
     assert "lightning_mgpu.checkpoint.convert" in graph["lightning_mgpu.checkpoint.checkpointer"]  # in a function
     assert "lightning_mgpu.strategy" in graph["lightning_mgpu"] or graph["lightning_mgpu"]
     assert _circles({"a": {"b": 1}, "b": {"a": 2}, "c": {"a": 3}}) == [["a", "b"]]
+
+
+SUBPACKAGES = tuple(
+    f"{ROOT}.parallel.{path.name}"
+    for path in sorted((PACKAGE / "parallel").iterdir())
+    if (path / "__init__.py").exists()
+)
+
+
+def test_parallel_subpackages_are_entered_through_their_init():
+    """Code outside ``parallel/tensor``, ``pipeline``, ``data`` or ``experts`` imports what the subpackage's
+    ``__init__`` exports, never one of its inner modules: the entry points are the ``__init__``'s names."""
+    assert {"tensor", "pipeline", "data", "experts"} <= {name.rpartition(".")[2] for name in SUBPACKAGES}
+    graph = import_graph()
+    inward = [
+        f"{source} -> {target} ({_modules()[source].relative_to(PACKAGE.parent)}:{line})"
+        for source, targets in graph.items()
+        for target, line in targets.items()
+        for package in SUBPACKAGES
+        if target.startswith(package + ".") and not (source == package or source.startswith(package + "."))
+    ]
+    assert not inward, "Imports of a parallel subpackage's inner modules from outside it:\n" + "\n".join(inward)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from lightning_mgpu.demo import GPTLightningModule
 from lightning_mgpu.options import PIPELINE_SCHEDULES
-from lightning_mgpu.parallel.microbatches import microbatch_count_error
-from lightning_mgpu.parallel.pipeline_plan import stages_per_rank
+from lightning_mgpu.parallel.pipeline.microbatches import microbatch_count_error
+from lightning_mgpu.parallel.pipeline.plan import stages_per_rank
 from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import GPT2Module, LlamaModule, RandomTokenDataModule
 

@@ -702,6 +702,6 @@ def test_zero_without_data_parallelism_warns_that_nothing_is_sharded():
 
 
 def test_schedule_names_are_listed_once():
-    from lightning_mgpu.parallel import pipeline_plan as pipeline
+    from lightning_mgpu.parallel import pipeline
 
     assert PIPELINE_SCHEDULES == pipeline.SINGLE_STAGE_SCHEDULES + pipeline.LOOP_SCHEDULES + pipeline.V_SCHEDULES

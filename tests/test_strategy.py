@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_mgpu  # noqa: F401  (registers the strategy names)
 from lightning_mgpu import HybridPrecision, HybridStrategy
-from lightning_mgpu.parallel.data import reduce_metrics_over
+from lightning_mgpu.parallel.data.wrap import reduce_metrics_over
 from tests.helpers.distributed import run_distributed
 
 

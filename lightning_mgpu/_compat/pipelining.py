@@ -14,7 +14,7 @@ metric state (checked on torchmetrics 1.9.0).
   the other stages after each step so that every rank's copy is the same. Public stand-in: ``metric_state`` and
   ``merge_state``, which carry the states but not the update count or the forward value a logged metric shows.
 
-``check()`` (``tests/parallel/test_pipeline_runtime.py``) fails loudly, naming the internal and the version it was
+``check()`` (``tests/parallel/pipeline/test_step.py``) fails loudly, naming the internal and the version it was
 checked on, when torch renames or drops one of them.
 """
 

@@ -25,7 +25,7 @@ from lightning_mgpu.monitor.timing import (
     StepRecorder,
     mesh_axes,
 )
-from lightning_mgpu.parallel.expert_counts import ExpertTokenCounts
+from lightning_mgpu.parallel.experts import ExpertTokenCounts
 
 FlopsPerStep = float | Callable[[Any], float]
 

@@ -5,12 +5,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 from typing_extensions import override
 
 from lightning_mgpu.layout import DP_AXIS, TP_AXIS, ParallelLayout
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
 from lightning_mgpu.parallel.blocks import is_float8_linear
 from lightning_mgpu.parallel.data import apply_data_parallel
+from lightning_mgpu.parallel.experts import (
+    apply_expert_parallel,
+    apply_global_router_loss,
+    check_no_router_loss,
+    find_expert_lists,
+    plan_without_experts,
+)
 from lightning_mgpu.parallel.pipeline import PipelineRuntime, split_pipeline
 from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 
@@ -39,8 +47,6 @@ def parallelize(
             raise NotImplementedError("fp8-mixed with tensor_parallel_size > 1 is not supported yet.")
         tp_plan = options.tp_plan
         if options.expert_parallel_size > 1:
-            from lightning_mgpu.parallel.experts import plan_without_experts
-
             tp_plan = plan_without_experts(module, tp_plan, options.sequence_parallel)  # experts: split over ep
         apply_tensor_parallel(
             module, mesh[TP_AXIS], tp_plan, options.sequence_parallel, loss_parallel=options.loss_parallel
@@ -54,8 +60,6 @@ def parallelize(
         runtime = split_pipeline(module, mesh, options)
     offload_policy = None
     if options.cpu_offload:
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
         # Pinned host memory makes the copies to and from the GPU asynchronous; there is none without CUDA.
         offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     # The wrap also does the casting (param_dtype) and the offloading, so it applies at dp=1 when either is asked.
@@ -63,12 +67,8 @@ def parallelize(
     # Under zero_backend="deepspeed" the DeepSpeed engine is the data-parallel wrap (built by the strategy).
     torch_data_parallel = options.zero_backend == "torch"
     if options.expert_parallel_size > 1:
-        from lightning_mgpu.parallel.experts import apply_expert_parallel
-
         # Before the data-parallel wrap, which then leaves the experts (wrapped over their replicas) out.
         if runtime is not None:
-            from lightning_mgpu.parallel.router_loss import check_no_router_loss
-
             sizes = f"expert_parallel_size={options.expert_parallel_size}, pipeline_parallel_size=" + str(
                 layout.pipeline_parallel_size
             )
@@ -84,8 +84,6 @@ def parallelize(
             replicate=runtime is not None and layout.zero_stage <= 1,
         )
     if layout.data_parallel_size > 1 and runtime is None:
-        from lightning_mgpu.parallel.router_loss import apply_global_router_loss
-
         # A Hugging Face load-balancing loss on the whole batch, as one process computes it (not each rank's own).
         apply_global_router_loss(module, mesh[DP_AXIS].get_group())
     if torch_data_parallel and (layout.data_parallel_size > 1 or offload_policy is not None or casts):
@@ -98,8 +96,6 @@ def parallelize(
         # torch 2.13.
         reshard_blocks = None if runtime is None or len(runtime.stages) == 1 else False
         # Routed experts in a ModuleList can get no token on a rank in any step: DDP keeps searching for them.
-        from lightning_mgpu.parallel.experts import find_expert_lists
-
         find_unused = options.find_unused_parameters
         if find_unused is None and find_expert_lists(module):
             find_unused = True

@@ -282,7 +282,7 @@ class TorchMemoryProbe(MemoryProbe):
             self.results.update({k: self.results.pop(f"{k.rstrip('s')}_bytes") for k in ("params", "grads", "optim")})
 
 
-# The torch backend at the same point (tests/parallel/test_data.py): no fp32 master copy; ZeRO-1 under DDP keeps
+# The torch backend at the same point (tests/parallel/data/test_wrap.py): no fp32 master copy; ZeRO-1 under DDP keeps
 # whole parameters and gradients, FSDP2 (ZeRO-2/3) has resharded both by then.
 TORCH_BYTES_PER_PARAM = {1: lambda dp: 8 + 8 / dp, 2: lambda dp: 16 / dp, 3: lambda dp: 16 / dp}
 PADDING = 0.02  # DeepSpeed pads partitions to an alignment

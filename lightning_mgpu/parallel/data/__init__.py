@@ -1,0 +1,26 @@
+"""Data parallelism and ZeRO stages 0-3 on torch's FSDP2 and composable DDP.
+
+``apply_data_parallel`` wraps a module (or pipeline stage) for its ZeRO stage; ``OptimizerStateSharding`` is
+ZeRO-1's optimizer-state partition; ``set_gradient_sync``, ``reduce_metrics_over`` and the unused-parameter
+watch (``finish_backward``, ``stop_watching``) serve the strategy's step; ``use_gloo_comms`` gives FSDP2 gloo
+collectives at their analytic volume.
+"""
+
+from lightning_mgpu.parallel.data.gloo_comms import use_gloo_comms
+from lightning_mgpu.parallel.data.unused_params import finish_backward, stop_watching
+from lightning_mgpu.parallel.data.wrap import (
+    OptimizerStateSharding,
+    apply_data_parallel,
+    reduce_metrics_over,
+    set_gradient_sync,
+)
+
+__all__ = [
+    "OptimizerStateSharding",
+    "apply_data_parallel",
+    "finish_backward",
+    "reduce_metrics_over",
+    "set_gradient_sync",
+    "stop_watching",
+    "use_gloo_comms",
+]

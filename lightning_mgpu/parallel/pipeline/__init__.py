@@ -1,0 +1,35 @@
+"""Pipeline parallelism for unmodified models, run by ``torch.distributed.pipelining`` schedules.
+
+``split_pipeline`` keeps this rank's stages of a module (``plan.py`` decides the cut, pure functions);
+``PipelineEngine`` runs a training step through the schedule behind an unchanged ``training_step``. The schedule
+tables and ``stages_per_rank``/``microbatch_count_error`` let options be checked before any process starts.
+"""
+
+from lightning_mgpu.parallel.pipeline.microbatches import microbatch_count_error
+from lightning_mgpu.parallel.pipeline.plan import (
+    LOOP_SCHEDULES,
+    PIPELINE_SCHEDULES,
+    SINGLE_STAGE_SCHEDULES,
+    V_SCHEDULES,
+    plan_split,
+    stage_indices,
+    stage_owner,
+    stages_per_rank,
+)
+from lightning_mgpu.parallel.pipeline.split import PipelineRuntime, split_pipeline
+from lightning_mgpu.parallel.pipeline.step import PipelineEngine
+
+__all__ = [
+    "LOOP_SCHEDULES",
+    "PIPELINE_SCHEDULES",
+    "SINGLE_STAGE_SCHEDULES",
+    "V_SCHEDULES",
+    "PipelineEngine",
+    "PipelineRuntime",
+    "microbatch_count_error",
+    "plan_split",
+    "split_pipeline",
+    "stage_indices",
+    "stage_owner",
+    "stages_per_rank",
+]

@@ -1,0 +1,218 @@
+"""A tensor-parallel plan derived from a block's structure, for models without a plan (BERT, and any encoder or
+decoder block whose projection names the GPT-block rules do not know).
+
+One block is run once on a fake hidden-states input (``FakeTensorMode``: no computation, no random numbers drawn,
+nothing of the model changed) while a ``TorchFunctionMode`` follows where each tensor comes from: the block input,
+or the output of one projection (a ``Linear`` or GPT-2 ``Conv1D``, recognised by its weight among the arguments of
+any operation). From that data flow, Megatron-LM's split follows without reading a single module name:
+
+- a projection whose output reaches the block output without passing another projection *writes into the residual
+  stream*; the stream is the block input plus what those writers add to it;
+- a projection that reads the stream and does not write into it is **column-parallel** (q/k/v, an MLP's
+  up-projection);
+- a writer whose input comes only from column-parallel outputs is **row-parallel** (the attention output, an
+  MLP's down-projection).
+
+Anything else (a projection between two others, one that reads and writes the stream, one the trace never reached)
+cannot be split this way: the error names it with the explicit plan to pass. Head counts are not guessed here: the
+divisibility check reads them from the attention module or its config (``checks.py``). A derived plan runs
+through global-shape regions (``region.py``), so the block's own shape arithmetic stays untouched; it is
+logged so that it can be pinned as an explicit ``tp_plan``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_mgpu._compat.tensors import fake_tensor_mode, tree_flatten
+from lightning_mgpu.parallel.blocks import block_glob, is_projection, projection_features
+
+_INPUT = "<block input>"
+_TRACE_SHAPE = (2, 4)  # (batch, sequence) of the fake hidden states
+# A column-parallel projection whose output is split into equal parts: each part sharded alike (see apply.py).
+_FUSED_STYLES = {3: "colwise_qkv", 2: "colwise_gate_up"}
+
+
+def no_linear_layers(blocks_fqn: str) -> ValueError:
+    return ValueError(
+        f"tp_plan='auto' found no Linear layers to shard in the blocks {blocks_fqn!r}: tensor parallelism splits"
+        " Linear layers, and a network of convolutions has none to split. Train it with data parallelism"
+        " (zero_stage) or pipeline parallelism, or pass `tp_plan` as a dict {module_glob: style} or a callable"
+        " (module, tp_mesh)."
+    )
+
+
+def derive_block_plan(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
+    """``{glob over every block: style}`` for the blocks in ``blocks_fqn``, derived from block 0's data flow."""
+    block_fqn = f"{blocks_fqn}.0"
+    block = module.get_submodule(block_fqn)
+    projections = {name: child for name, child in block.named_modules() if name and is_projection(child)}
+    if not projections:
+        raise no_linear_layers(blocks_fqn)
+    glob = {name: block_glob(f"{block_fqn}.{name}", blocks_fqn) for name in projections}
+    width = _stream_width(block, projections)
+    try:
+        reads, output, fused = _trace(block, projections, width)
+    except Exception as error:  # the block needs more than hidden states (rotary cos/sin, a mask it cannot omit)
+        guess = {glob[n]: _guess_by_shape(p, width) for n, p in projections.items()}
+        raise ValueError(
+            f"tp_plan='auto' cannot tell how to shard the layers of the blocks in {blocks_fqn!r}: their names are"
+            f" not known and running {block_fqn} ({type(block).__name__}) on hidden states of width {width} alone"
+            f" failed ({type(error).__name__}: {error}). Pass `tp_plan` as a dict; by shapes alone it would be"
+            f" tp_plan={guess!r} (choose where it says '|': 'colwise' reads the block input, 'rowwise' writes back"
+            " into the residual stream, 'replicate' keeps a layer whole)."
+        ) from error
+    styles, unplaced = _classify(reads, output, fused, list(projections))
+    if unplaced:
+        explicit = {glob[n]: styles.get(n, "replicate") for n in projections}
+        reasons = "; ".join(f"{block_fqn}.{n}: {why}" for n, why in unplaced.items())
+        raise ValueError(
+            f"tp_plan='auto' cannot tell how to shard these layers of the blocks in {blocks_fqn!r} from their data"
+            f" flow: {reasons}. Pass `tp_plan` as a dict; this one keeps them whole (replicated) and shards the rest"
+            f" as derived: tp_plan={explicit!r}"
+        )
+    plan = {glob[n]: s for n, s in styles.items()}
+    rank_zero_info(
+        "tp_plan='auto' derived this plan for the blocks in %r (%s) from their structure; pass it as"
+        " `tp_plan` to pin it: %r",
+        blocks_fqn,
+        type(block).__name__,
+        plan,
+    )
+    return plan
+
+
+def _stream_width(block: nn.Module, projections: dict[str, nn.Module]) -> int:
+    """The residual stream's width: what the block's own norms normalize (not a per-head q/k norm deeper down),
+    else the most common projection input."""
+    for child in block.children():
+        shape = getattr(child, "normalized_shape", None)
+        if isinstance(shape, (tuple, list)) and len(shape) == 1:
+            return int(shape[0])
+    return Counter(projection_features(p)[0] for p in projections.values()).most_common(1)[0][0]
+
+
+def _guess_by_shape(projection: nn.Module, width: int) -> str:
+    fan_in, fan_out = projection_features(projection)
+    if fan_in == width and fan_out != width:
+        return "colwise"
+    if fan_out == width and fan_in != width:
+        return "rowwise"
+    return "colwise | rowwise | replicate"
+
+
+class _DataFlow(TorchFunctionMode):
+    """Records, for every tensor made inside the block, which projections' outputs (or the block input) it derives
+    from without passing another projection; and, for each projection, where its input came from."""
+
+    def __init__(self, weights: dict[int, str]) -> None:
+        super().__init__()
+        self.weights = weights
+        self.sources: dict[int, frozenset] = {}
+        self.reads: dict[str, set] = {}
+        self.outputs: dict[int, str] = {}  # a projection's own output tensor -> the projection
+        self.chunks: dict[str, int] = {}  # a fused projection -> how many equal parts its output is split into
+        self._alive: list[Any] = []  # keeps traced tensors alive so that their ids stay theirs
+
+    def mark(self, tensor: torch.Tensor, sources: frozenset) -> None:
+        self.sources[id(tensor)] = self.sources.get(id(tensor), frozenset()) | sources
+        self._alive.append(tensor)
+
+    def of(self, value: Any) -> frozenset:
+        tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        return frozenset().union(*(self.sources.get(id(t), frozenset()) for t in tensors))
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        arguments = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        projection = next((self.weights[id(t)] for t in arguments if id(t) in self.weights), None)
+        came_from = self.of(arguments)
+        if projection is not None:
+            self.reads.setdefault(projection, set()).update(came_from)
+            came_from = frozenset((projection,))
+        elif args and id(args[0]) in self.outputs and _equal_parts_of_last_dim(args[0], result):
+            self.chunks[self.outputs[id(args[0])]] = len(result)
+        for tensor in tree_flatten(result)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self.mark(tensor, came_from)
+        return result
+
+    def output_of(self, name: str) -> Any:
+        """Forward hook (removed after the trace): what a projection module returns, e.g. after Conv1D's ``view``."""
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                self.outputs[id(output)] = name
+
+        return hook
+
+
+def _equal_parts_of_last_dim(tensor: Any, result: Any) -> bool:
+    """Whether ``result`` is ``tensor`` cut into 2+ equal parts along its last dimension (a fused ``[q | k | v]``
+    or ``[gate | up]`` split with ``split``/``chunk``)."""
+    if not isinstance(tensor, torch.Tensor) or not isinstance(result, (tuple, list)) or len(result) < 2:
+        return False
+    shape = tuple(tensor.shape)
+    parts = [tuple(part.shape) if isinstance(part, torch.Tensor) else None for part in result]
+    return all(part == (*shape[:-1], shape[-1] // len(parts)) for part in parts) and shape[-1] % len(parts) == 0
+
+
+def _trace(
+    block: nn.Module, projections: dict[str, nn.Module], width: int
+) -> tuple[dict[str, set], frozenset, dict[str, int]]:
+    """Run ``block`` on fake hidden states: each projection's input sources, the output's sources, and the fused
+    projections with their number of parts."""
+
+    weights = {id(p.weight): name for name, p in projections.items()}
+    dtype = next(block.parameters()).dtype
+    with fake_tensor_mode(allow_non_fake_inputs=True), torch.no_grad():
+        hidden = torch.zeros(*_TRACE_SHAPE, width, dtype=dtype)
+        flow = _DataFlow(weights)
+        flow.mark(hidden, frozenset((_INPUT,)))
+        handles = [p.register_forward_hook(flow.output_of(name)) for name, p in projections.items()]
+        try:
+            with flow:
+                output = block(hidden)
+        finally:
+            for handle in handles:
+                handle.remove()
+        first = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
+        if first is None:
+            raise TypeError(f"the block returned no tensor ({type(output).__name__})")
+        return flow.reads, flow.of(first), flow.chunks
+
+
+def _classify(
+    reads: dict[str, set], output: frozenset, fused: dict[str, int], names: list[str]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Megatron's split from the data flow: ``({projection: style}, {projection: why it has none})``."""
+    writers = {n for n in output if n != _INPUT}
+    stream = writers | {_INPUT}
+    readers = {n for n, came_from in reads.items() if came_from and came_from <= stream and n not in writers}
+    rowwise = {n for n in writers if reads.get(n) and reads[n] <= readers}
+    feeding = {source for n in rowwise for source in reads[n]}
+    styles: dict[str, str] = {}
+    unplaced: dict[str, str] = {}
+    for name in names:
+        if name in rowwise:
+            styles[name] = "rowwise"
+        elif name in readers and name in feeding:
+            styles[name] = _FUSED_STYLES.get(fused.get(name, 1), "colwise")
+        elif name not in reads:
+            unplaced[name] = "not reached by the block's forward on hidden states alone"
+        elif name in readers:
+            unplaced[name] = "reads the residual stream, but no row-parallel projection reads its output"
+        elif name in writers:
+            unplaced[name] = (
+                f"writes into the residual stream, but reads more than column-parallel outputs ({sorted(reads[name])})"
+            )
+        else:
+            unplaced[name] = f"sits between other projections (reads {sorted(reads[name])})"
+    return styles, unplaced
