@@ -35,6 +35,7 @@ from lightning_mgpu._compat.lightning import (
     materialize_distributed_module,
     optimizers_to_device,
     reset_optimizers_and_schedulers,
+    set_device_mesh,
 )
 from lightning_mgpu.checkpoint.plain import restore_plain
 from lightning_mgpu.failure_vote import every_rank_failed
@@ -170,6 +171,12 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         return self._layout
 
     @property
+    def pipeline(self) -> PipelineEngine | None:
+        """This rank's pipeline engine (schedule, stages, microbatches) while a run is set up; None without
+        pipeline parallelism."""
+        return self._pipeline
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
             raise RuntimeError("The device mesh exists only after the processes have been initialized.")
@@ -292,7 +299,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         self._dp_group = self._device_mesh[DP_AXIS].get_group()  # looked up once: slicing a mesh is not free
         # A user's `configure_model` may read `self.device_mesh`, as with Lightning's ModelParallelStrategy.
         if self.lightning_module is not None:
-            self.lightning_module._device_mesh = self._device_mesh
+            set_device_mesh(self.lightning_module, self._device_mesh)
 
     def _planned_layout(self) -> ParallelLayout:
         def cluster() -> planner_auto.ClusterSpec:

@@ -14,6 +14,8 @@ equivalent for most of them:
   does before building optimizers).
 - Precision utilities: ``_optimizer_handles_unscaling``, ``_convert_fp_tensor``, ``_DtypeContextManager``,
   ``Precision._after_closure`` (runs ``on_before_optimizer_step`` and clipping after the closure).
+- Module internals: ``LightningModule._device_mesh``, what its public ``device_mesh`` property returns (no public
+  setter; Lightning's ``ModelParallelStrategy`` sets it the same way).
 - Trainer internals: ``LightningModule._trainer`` (``.trainer`` raises when detached), the fit loop's data source
   and data fetcher, the fetcher's profiler hooks (``_start_profiler``/``_stop_profiler``: where a batch waits for
   data), and ``trainer.call``'s hook dispatchers.
@@ -138,6 +140,12 @@ def after_closure(plugin: Any, model: Any, optimizer: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- trainer internals
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """Make ``mesh`` what ``module.device_mesh`` returns (a user's ``configure_model`` may read it)."""
+    _attribute(module, "_device_mesh", "LightningModule")
+    module._device_mesh = mesh
+
+
 def attached_trainer(module: Any) -> Any:
     """The Trainer ``module`` is attached to, or None (``module.trainer`` raises when there is none)."""
     from lightning.pytorch import LightningModule

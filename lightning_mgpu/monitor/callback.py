@@ -262,7 +262,7 @@ class ScalingMonitor(Callback):
             else measures.device_peak_flops(device, str(trainer.precision))
         )
         flops = self._flops if callable(self.flops_per_step) else self.flops_per_step
-        layout = getattr(strategy, "_layout", None)
+        layout = _layout(strategy)
         options = getattr(strategy, "options", None)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         return {
@@ -307,6 +307,13 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _layout(strategy: Any) -> Any | None:
+    try:
+        return getattr(strategy, "layout", None)
+    except RuntimeError:  # HybridStrategy whose planner has not chosen yet
+        return None
+
+
 def _device_mesh(strategy: Any) -> Any | None:
     try:
         return getattr(strategy, "device_mesh", None)
@@ -323,7 +330,7 @@ def _replicas(trainer: pl.Trainer) -> int:
 
 
 def _pipeline_info(strategy: Any) -> dict[str, Any] | None:
-    engine = getattr(strategy, "_pipeline", None)
+    engine = getattr(strategy, "pipeline", None)
     if engine is None:
         return None
     stages = engine.runtime.num_stages

@@ -427,6 +427,10 @@ def test_lightning_internals(tmp_path):
     )
 
     model = _Tiny()
+    mesh = object()
+    lc.set_device_mesh(model, mesh)
+    _expect(model.device_mesh is mesh, "LightningModule._device_mesh", "lightning", "device_mesh reads elsewhere")
+    lc.set_device_mesh(model, None)
     _expect(
         lc.attached_trainer(model) is None and lc.attached_trainer(nn.Linear(1, 1)) is None,
         "LightningModule._trainer",

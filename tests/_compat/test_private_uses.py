@@ -1,8 +1,10 @@
 """Outside ``lightning_mgpu/_compat``, the package uses no private torch, Lightning or torchmetrics API.
 
-Found statically (``ast``): imports of private modules or names from those packages; attribute reads, writes and
-``getattr``-style access of private names (``obj._x``) unless the name is one the package defines itself; and
-``self._x`` in a class derived from one of their classes when that class chain does not define ``_x``. Found at
+Found statically (``ast``): imports of private modules or names from those packages; attribute reads and writes of
+private names (``obj._x``) unless the name is one the package defines itself and no framework class or instance
+has (``module._device_mesh`` is Lightning's); ``getattr``-style access of any private name on another object, the
+package's own included (read it through a public property); and ``self._x`` in a class derived from one of their
+classes when that class chain does not define ``_x``. Found at
 run time: methods of our classes that override a private method of one of their classes (``_apply`` on a
 ``ParallelStyle``). Each offender is listed with its file and line.
 """
@@ -55,7 +57,9 @@ def _framework_privates() -> set[str]:
         pl.plugins.precision.Precision,
         torchmetrics.Metric,
     )
-    return {name for cls in classes for name in dir(cls) if _private(name)}
+    # Attributes their instances set in __init__ (``LightningModule._device_mesh``), which no class lists.
+    instances = (torch.nn.Module(), pl.LightningModule())
+    return {name for obj in (*classes, *instances) for name in (*dir(obj), *vars(obj)) if _private(name)}
 
 
 def _private(name: str) -> bool:
@@ -178,9 +182,10 @@ def _static_offenders(files: list[Path] | None = None) -> list[str]:
                 and isinstance(node.args[1].value, str)
             ):
                 name = node.args[1].value
+                on_self = isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls")
                 if (
                     _private(name)
-                    and name not in ours
+                    and not on_self
                     and name not in OTHER_LIBRARIES
                     and not name.startswith("_lightning_mgpu")
                 ):
@@ -248,7 +253,8 @@ def test_the_scan_finds_what_it_is_meant_to_find():
     planted.write_text(
         "import os\nfrom torch.utils._pytree import tree_map\n"
         "from torch.distributed.tensor.parallel import ParallelStyle\n"
-        "def f(m):\n    return m._forward_hooks, getattr(m, '_buffers'), os._exit\n"
+        "def f(m, s):\n    return m._forward_hooks, getattr(m, '_buffers'), os._exit, getattr(s, '_layout')\n"
+        "def g(module, mesh):\n    module._device_mesh = mesh\n"
         "class S(ParallelStyle):\n    def _apply(self, module, mesh):\n        return self._private_of_torch\n"
     )
     try:
@@ -259,6 +265,8 @@ def test_the_scan_finds_what_it_is_meant_to_find():
         ":2: from torch.utils._pytree",
         ":5: ._forward_hooks",
         "getattr(..., '_buffers')",
+        "getattr(..., '_layout')",  # a private of ours, read on another object
+        ":7: ._device_mesh",  # a LightningModule instance's private, written
         "self._private_of_torch",
         "S._apply overrides",
     ):
