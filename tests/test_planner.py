@@ -12,6 +12,7 @@ import lightning as L
 import pytest
 
 from lightning_mgpu.cli import main
+from lightning_mgpu.parallel.pipeline import PIPELINE_SCHEDULES
 from lightning_mgpu.planner import (
     ClusterSpec,
     Efficiency,
@@ -23,7 +24,13 @@ from lightning_mgpu.planner import (
     preset,
     search,
 )
-from lightning_mgpu.planner.cost import activation_bytes_per_layer, bubble_fraction, memory, paper_flops_per_step
+from lightning_mgpu.planner.cost import (
+    SCHEDULES,
+    activation_bytes_per_layer,
+    bubble_fraction,
+    memory,
+    paper_flops_per_step,
+)
 from lightning_mgpu.planner.model_spec import spec_from_module
 from lightning_mgpu.planner.search import layout_from_options, parse_fix, reference_tokens_per_gpu
 
@@ -128,6 +135,7 @@ def test_memory_by_zero_stage_and_schedule():
     assert act["GPipe"] / act["1F1B"] == pytest.approx(16 / 4, rel=0.01)
     assert bubble_fraction(Layout(schedule="1F1B", **base)) == pytest.approx(3 / 19)
     assert bubble_fraction(Layout(schedule="Interleaved1F1B", **base)) == pytest.approx(1.5 / 17.5)
+    assert set(SCHEDULES) <= set(PIPELINE_SCHEDULES)  # the planner's schedules are names the runtime runs
 
 
 def test_spec_from_a_real_module_on_meta():

@@ -10,35 +10,21 @@ from typing import Any
 import torch
 from torch import nn
 
-# Dense peak FLOP/s per device from the vendors' data sheets: (name fragment, 16-bit, tf32, fp32). The first
-# fragment found in `torch.cuda.get_device_name()` wins, so longer names come first.
-_PEAKS = (
-    ("H200", 989e12, 494e12, 67e12),
-    ("H100 PCIe", 756e12, 378e12, 51e12),
-    ("H100", 989e12, 494e12, 67e12),
-    ("A100", 312e12, 156e12, 19.5e12),
-    ("L40S", 362e12, 183e12, 91.6e12),
-    ("L4", 121e12, 60e12, 30.3e12),
-    ("A10", 125e12, 62.5e12, 31.2e12),
-    ("RTX 4090", 165e12, 82.6e12, 82.6e12),
-    ("V100", 125e12, 15.7e12, 15.7e12),
-    ("T4", 65e12, 8.1e12, 8.1e12),
-)
+from lightning_mgpu.gpus import gpu_named
 
 
 def device_peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
     """Peak FLOP/s of one device for ``precision`` and where the number comes from.
 
-    CUDA devices are looked up in the table above; a CPU process (or an unknown GPU) is measured with a square
-    matmul in the training dtype on its own threads, which is what a CPU rank can reach at best.
+    CUDA devices are looked up in the table of GPUs (``lightning_mgpu.gpus``); a CPU process (or an unknown GPU) is
+    measured with a square matmul in the training dtype on its own threads, which is what a CPU rank can reach at
+    best.
     """
     half = "16" in str(precision)
     if device.type == "cuda" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(device)
-        for fragment, peak16, tf32, fp32 in _PEAKS:
-            if fragment in name:
-                peak = peak16 if half else (tf32 if torch.backends.cuda.matmul.allow_tf32 else fp32)
-                return peak, f"table: {fragment}"
+        gpu = gpu_named(torch.cuda.get_device_name(device))
+        if gpu is not None:
+            return gpu.peak_flops(half, torch.backends.cuda.matmul.allow_tf32), f"table: {gpu.device_name}"
     dtype = torch.bfloat16 if "bf16" in str(precision) else torch.float32
     return _measured_matmul_flops(device, dtype), f"measured: {dtype} matmul on {device.type}"
 

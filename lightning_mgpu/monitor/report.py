@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mgpu.monitor.diagnose import diagnose
+from lightning_mgpu.parallel.pipeline import bubble_fraction
 
 REPORT_VERSION = 1
 MIB = 2**20
@@ -57,15 +58,6 @@ FIELDS = {
     " memory_tight, memory_headroom",
     "fields": "this documentation",
 }
-
-
-def analytic_bubble(schedule: str, pp: int, stages: int, microbatches: int) -> float:
-    """Idle share of a pipeline step in theory: (p-1)/(m+p-1), with ``v`` stages per rank (p-1)/(v*m+p-1).
-
-    Zero-bubble schedules fill part of it with weight-gradient work; for them it is the bound of their placement.
-    """
-    v = max(1, stages // max(1, pp))
-    return (pp - 1) / (v * microbatches + pp - 1)
 
 
 def build_report(context: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -180,7 +172,7 @@ def _pipeline(info: dict[str, Any] | None, parts: dict[str, float]) -> dict[str,
     return {
         **info,
         "measured_bubble": parts.get("bubble", 0.0) / busy if busy > 0 else None,
-        "analytic_bubble": analytic_bubble(info["schedule"], info["pp"], info["stages"], info["num_microbatches"]),
+        "analytic_bubble": bubble_fraction(info["pp"], info["num_microbatches"], max(1, info["stages"] // info["pp"])),
     }
 
 

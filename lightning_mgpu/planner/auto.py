@@ -18,8 +18,9 @@ from typing import Any
 
 from torch import nn
 
+from lightning_mgpu.gpus import gpu_named
 from lightning_mgpu.layout import ParallelLayout, Size, divisors
-from lightning_mgpu.planner.cluster import GB, PRESETS, ClusterSpec, Efficiency, preset
+from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency, preset
 from lightning_mgpu.planner.cost import PRECISIONS, Estimate, Training, estimate
 from lightning_mgpu.planner.model_spec import spec_from_module
 from lightning_mgpu.planner.search import _structural_problem, explain, layout_from_options, search
@@ -34,8 +35,8 @@ def local_cluster(world_size: int, devices_per_node: int, accelerator: str = "cp
         import torch
 
         props = torch.cuda.get_device_properties(0)
-        name = props.name.lower().replace(" ", "-")
-        key = next((k for k in PRESETS if k.split("-")[0] in name), "h100-sxm")
+        known = gpu_named(props.name)
+        key = known.preset if known is not None else "h100-sxm"
         return preset(key, gpus=world_size, gpus_per_node=devices_per_node, memory_gb=props.total_memory / GB)
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lightning_mgpu.gpus import GPUS
+
 GB = 1e9
 
 
@@ -104,17 +106,11 @@ class Efficiency:
     source: str = "defaults"
 
 
-# name: (memory GB, dense bf16 TFLOP/s, NVLink GB/s per direction, network GB/s per GPU, HBM GB/s, GPUs per node)
+# name: (memory GB, dense bf16 TFLOP/s, NVLink GB/s per direction, network GB/s per GPU, HBM GB/s, GPUs per node),
+# from the one table of GPUs (`lightning_mgpu.gpus`)
 PRESETS: dict[str, tuple[float, float, float, float, float, int]] = {
-    "a100-40gb": (40, 312, 300, 25, 1555, 8),
-    "a100-80gb": (80, 312, 300, 25, 2039, 8),
-    "h100-sxm": (80, 989, 450, 50, 3350, 8),
-    "h100-pcie": (80, 756, 64, 50, 2000, 8),
-    "h200": (141, 989, 450, 50, 4800, 8),
-    "b200": (180, 2250, 900, 50, 8000, 8),
-    "v100-32gb": (32, 125, 150, 12.5, 900, 8),
-    "l40s": (48, 362, 32, 25, 864, 8),
-    "mi300x": (192, 1307, 448, 50, 5300, 8),
+    gpu.preset: (gpu.memory_gb, gpu.bf16_tflops, gpu.nvlink_gbps, gpu.network_gbps, gpu.hbm_gbps, gpu.gpus_per_node)
+    for gpu in GPUS
 }
 
 

@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_mgpu.parallel import pipeline
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
 from lightning_mgpu.planner.model_spec import ModelSpec
 
@@ -30,12 +31,14 @@ PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     "bf16-true": (2, 2, 4, 2),
     "16-true": (2, 2, 4, 2),
 }
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # the pipeline schedules the cost model has a bubble for
+# The pipeline schedules the cost model has an activation-memory model for (`in_flight`), named as in the
+# runtime's one table of schedules (`parallel.pipeline`).
+SCHEDULES = (*pipeline.SINGLE_STAGE_SCHEDULES, "Interleaved1F1B")
 
 
 def stages_per_rank(schedule: str) -> int:
-    """Stages per rank of a modelled schedule (``"none"``: no pipeline): two for the interleaved one."""
-    return 2 if schedule == "Interleaved1F1B" else 1
+    """Stages per rank of a modelled schedule (``"none"``: no pipeline), as the runtime places them by default."""
+    return 1 if schedule == "none" else pipeline.stages_per_rank(schedule, None)
 
 
 CHECKPOINTING = ("none", "selective", "full")
@@ -149,10 +152,7 @@ def in_flight(layout: Layout) -> float:
 
 
 def bubble_fraction(layout: Layout) -> float:
-    if layout.pp == 1:
-        return 0.0
-    idle = (layout.pp - 1) / layout.stages_per_rank
-    return idle / (layout.num_microbatches + idle)
+    return pipeline.bubble_fraction(layout.pp, layout.num_microbatches, layout.stages_per_rank)
 
 
 def local_params(model: ModelSpec, layout: Layout) -> dict[str, float]:

@@ -34,6 +34,14 @@ def stages_per_rank(schedule: str, requested: int | None) -> int:
     return requested or 2
 
 
+def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle share of a pipeline step in theory: (p-1)/(v*m+p-1) for ``v`` stages per rank (Narayanan et al.,
+    2021). Zero-bubble schedules fill part of it with weight-gradient work; for them it bounds their placement."""
+    if pp <= 1:
+        return 0.0
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
 def stage_indices(schedule: str, pp_rank: int, pp_size: int, per_rank: int) -> list[int]:
     """Which global stages this rank runs: looped (r, r+p, ...) or V-shaped (r, 2p-1-r)."""
     if schedule in V_SCHEDULES:
