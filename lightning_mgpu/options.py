@@ -1,4 +1,9 @@
-"""The strategy's non-size options, validated once, before any process starts.
+"""The strategy's non-size options: plain typed data at the bottom of the package, validated once, before any
+process starts.
+
+Here are the checks of values alone and the rule below; what needs a parallelism's own knowledge (the schedule
+table, plan style names, the DeepSpeed engine's layouts) is that parallelism's ``check`` (``parallel.pipeline``,
+``parallel.tensor``, ``deepspeed_config``), which the strategy runs with these (``layout_choice``).
 
 The rule for options that act along one parallel dimension only (``sequence_parallel``, ``loss_parallel`` and
 ``tp_plan`` along tensor parallelism; ``pipeline_schedule``, ``num_microbatches``, ``stages_per_rank`` and
@@ -15,17 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Literal, get_args
-
-from lightning_mgpu.parallel.pipeline import (
-    LOOP_SCHEDULES,
-    PIPELINE_SCHEDULES,
-    SINGLE_STAGE_SCHEDULES,
-    V_SCHEDULES,
-    microbatch_count_error,
-)
-from lightning_mgpu.parallel.pipeline import (
-    stages_per_rank as resolve_stages_per_rank,
-)
 
 StartMethod = Literal["auto", "popen", "fork", "spawn", "forkserver"]
 START_METHODS = get_args(StartMethod)
@@ -57,21 +51,17 @@ class ParallelOptions:
     def __post_init__(self) -> None:
         _one_of("zero_backend", self.zero_backend, ZERO_BACKENDS)
         _one_of("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
-        _one_of("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         if not (self.tp_plan == "auto" or isinstance(self.tp_plan, dict) or callable(self.tp_plan)):
             raise ValueError(
                 f"`tp_plan` must be 'auto', a dict {{module_glob: style}} or a callable (module, tp_mesh),"
                 f" got {self.tp_plan!r}."
             )
         if isinstance(self.tp_plan, dict):
-            from lightning_mgpu.parallel.tensor import check_style_names
-
             not_globs = [glob for glob in self.tp_plan if not isinstance(glob, str) or not glob]
             if not_globs:
                 raise ValueError(
                     f"`tp_plan` keys are module-name globs (str, e.g. 'model.layers.*.mlp.up_proj'), got {not_globs}."
                 )
-            check_style_names(self.tp_plan)
         if not (self.pipeline_split == "auto" or _is_list_of_str(self.pipeline_split)):
             raise ValueError(
                 f"`pipeline_split` must be 'auto' or a list of module names where stages begin,"
@@ -102,30 +92,6 @@ class ParallelOptions:
             raise ValueError(
                 "`async_checkpoint=True` writes sharded checkpoints in the background and needs"
                 f" `checkpoint_format='sharded'`, got {self.checkpoint_format!r}."
-            )
-        self._check_stages_per_rank()
-
-    def _check_stages_per_rank(self) -> None:
-        """``stages_per_rank`` against the schedule's stage placement (torch 2.13's schedules' own rules)."""
-        schedule, per_rank = self.pipeline_schedule, self.stages_per_rank
-        if schedule in SINGLE_STAGE_SCHEDULES and per_rank not in (None, 1):
-            raise ValueError(
-                f"`stages_per_rank={per_rank}` needs a multi-stage schedule, but pipeline_schedule={schedule!r} runs"
-                f" one stage per rank. Choose one of {', '.join(map(repr, LOOP_SCHEDULES))} (2 or more stages per"
-                f" rank) or {', '.join(map(repr, V_SCHEDULES))} (two), or remove stages_per_rank."
-            )
-        if schedule in LOOP_SCHEDULES and per_rank == 1:
-            raise ValueError(
-                f"pipeline_schedule={schedule!r} loops over several stages per rank and needs stages_per_rank >= 2,"
-                f" got `stages_per_rank=1`. Choose 'GPipe' or '1F1B' for one stage per rank, or remove stages_per_rank"
-                " (default 2)."
-            )
-        if schedule in V_SCHEDULES and per_rank not in (None, 2):
-            peers = SINGLE_STAGE_SCHEDULES if per_rank == 1 else LOOP_SCHEDULES
-            raise ValueError(
-                f"pipeline_schedule={schedule!r} places exactly two stages on each rank (a V), got"
-                f" `stages_per_rank={per_rank}`. Remove stages_per_rank (or set it to 2), or choose one of"
-                f" {', '.join(map(repr, peers))} for {per_rank} stage(s) per rank."
             )
 
     def check_implemented(self) -> None:
@@ -170,46 +136,10 @@ class ParallelOptions:
                 f" CPUOffloadPolicy) and needs zero_stage=3, got zero_stage={zero_stage}. Set zero_stage=3, or"
                 f" remove cpu_offload."
             )
-        if self.num_microbatches is not None and _positive_int(pipeline_parallel_size) and pipeline_parallel_size > 1:
-            self._check_microbatches(pipeline_parallel_size)
-        self._check_deepspeed(zero_stage, tensor_parallel_size, pipeline_parallel_size)
-
-    def _check_deepspeed(
-        self, zero_stage: int | Literal["auto"], tensor_parallel_size: Any, pipeline_parallel_size: Any
-    ) -> None:
-        """The DeepSpeed engine's layouts and config, judged before launch (see ``deepspeed_config``)."""
-        if self.zero_backend != "deepspeed":
-            if self.deepspeed_config is not None:
-                raise ValueError(
-                    f"`deepspeed_config` configures the DeepSpeed engine and needs zero_backend='deepspeed', got"
-                    f" zero_backend={self.zero_backend!r}. Set zero_backend='deepspeed', or remove deepspeed_config."
-                )
-            return
-        from lightning_mgpu.deepspeed_config import check_config
-        from lightning_mgpu.parallel.deepspeed_engine import composition_error
-
-        why = composition_error(tensor_parallel_size, pipeline_parallel_size)
-        if why is not None:
-            raise ValueError(why)
-        if self.cpu_offload:
+        if self.zero_backend != "deepspeed" and self.deepspeed_config is not None:
             raise ValueError(
-                "`cpu_offload=True` is the torch backend's offload; with zero_backend='deepspeed' put"
-                " {'zero_optimization': {'offload_optimizer': {'device': 'cpu'}, 'offload_param': {'device': 'cpu'}}}"
-                " in deepspeed_config instead, and remove cpu_offload."
-            )
-        if zero_stage != "auto":  # checked against each candidate stage when the Trainer is built
-            check_config(self.deepspeed_config, zero_stage)
-
-    def _check_microbatches(self, pp_size: int) -> None:
-        """A ``num_microbatches`` the schedule can never run, whatever the batch size, is refused up front."""
-        schedule = self.pipeline_schedule
-        num_stages = pp_size * resolve_stages_per_rank(schedule, self.stages_per_rank)
-        why = microbatch_count_error(schedule, self.num_microbatches, pp_size, num_stages)  # type: ignore[arg-type]
-        if why is not None:
-            raise ValueError(
-                f"`num_microbatches={self.num_microbatches}` cannot run with pipeline_parallel_size={pp_size}: {why}."
-                f" Set num_microbatches={num_stages} (one per stage, the default when it is not given) or another"
-                f" count the schedule runs, or choose another pipeline_schedule."
+                f"`deepspeed_config` configures the DeepSpeed engine and needs zero_backend='deepspeed', got"
+                f" zero_backend={self.zero_backend!r}. Set zero_backend='deepspeed', or remove deepspeed_config."
             )
 
 

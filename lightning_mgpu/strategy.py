@@ -42,7 +42,7 @@ from lightning_mgpu.failure_vote import every_rank_failed
 from lightning_mgpu.failures import handle_rank_failure, restore_sigterm
 from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
-from lightning_mgpu.layout_choice import agreed_plan, check_sizes, check_trainer_layout
+from lightning_mgpu.layout_choice import agreed_plan, check_options, check_sizes, check_trainer_layout
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.data import OptimizerStateSharding, finish_backward, reduce_metrics_over, set_gradient_sync
@@ -134,8 +134,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             expert_parallel_size=expert_parallel_size,
             find_unused_parameters=find_unused_parameters,
         )
-        self.options.check_implemented()
-        self.options.check_sizes(zero_stage, tensor_parallel_size, pipeline_parallel_size)
+        check_options(self.options, zero_stage, tensor_parallel_size, pipeline_parallel_size)
         self._launch_options = LaunchOptions(process_group_backend, timeout, start_method)
         self._process_group_backend = process_group_backend
         self._timeout = cast(timedelta | None, self._launch_options.timeout)  # LaunchOptions made it a timedelta

@@ -1,4 +1,5 @@
-"""The package's import graph: no circles, and nothing below the strategy imports it or its options.
+"""The package's import graph: no circles, nothing below the strategy imports it, the options at the bottom, and
+the parallel subpackages entered through their ``__init__``.
 
 Built with ``ast`` from every import statement, function-level and ``TYPE_CHECKING`` ones included (a deferred
 import is still a dependency). Importing ``a.b.c`` also depends on the packages ``a.b`` (their ``__init__`` runs
@@ -15,8 +16,8 @@ import lightning_mgpu
 
 PACKAGE = Path(lightning_mgpu.__file__).parent
 ROOT = "lightning_mgpu"
-# The upper layer: the Lightning face and its validated options.
-UPPER = ("lightning_mgpu.strategy", "lightning_mgpu.options")
+# The upper layer: the Lightning face. (Its options are plain data at the bottom, which every layer may import.)
+UPPER = ("lightning_mgpu.strategy",)
 # What sits below it and must not reach up into it.
 LOWER = ("lightning_mgpu.parallel", "lightning_mgpu.checkpoint", "lightning_mgpu.precision")
 
@@ -116,7 +117,7 @@ def test_no_import_circles():
     )
 
 
-def test_nothing_below_the_strategy_imports_it_or_its_options():
+def test_nothing_below_the_strategy_imports_it():
     graph = import_graph()
     upward = [
         f"{source} -> {target} ({_modules()[source].relative_to(PACKAGE.parent)}:{line})"
@@ -125,9 +126,7 @@ def test_nothing_below_the_strategy_imports_it_or_its_options():
         for target, line in targets.items()
         if target in UPPER
     ]
-    assert not upward, "Imports from parallel/, checkpoint/ or precision.py up into strategy/options:\n" + "\n".join(
-        upward
-    )
+    assert not upward, "Imports from parallel/, checkpoint/ or precision.py up into the strategy:\n" + "\n".join(upward)
 
 
 def test_the_graph_sees_deferred_and_relative_imports():
@@ -158,3 +157,10 @@ def test_parallel_subpackages_are_entered_through_their_init():
         if target.startswith(package + ".") and not (source == package or source.startswith(package + "."))
     ]
     assert not inward, "Imports of a parallel subpackage's inner modules from outside it:\n" + "\n".join(inward)
+
+
+def test_the_options_are_a_bottom_layer():
+    """``options.py`` is plain typed data: it imports nothing of the package, so every layer can take a
+    ``ParallelOptions`` (each parallelism checks its own options in its ``check``)."""
+    assert import_graph()["lightning_mgpu.options"] == {}
+    assert "lightning_mgpu.options" in import_graph()["lightning_mgpu.parallel.pipeline.checks"]

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_mgpu.demo import GPTLightningModule
-from lightning_mgpu.options import PIPELINE_SCHEDULES
+from lightning_mgpu.parallel.pipeline import PIPELINE_SCHEDULES
 from lightning_mgpu.parallel.pipeline.microbatches import microbatch_count_error
 from lightning_mgpu.parallel.pipeline.plan import stages_per_rank
 from tests.helpers.equivalence import assert_same_training, fit

@@ -20,7 +20,8 @@ from lightning.pytorch.plugins.precision import DoublePrecision
 from torch import nn
 
 from lightning_mgpu import HybridPrecision, HybridStrategy
-from lightning_mgpu.options import PIPELINE_SCHEDULES, LaunchOptions
+from lightning_mgpu.options import LaunchOptions
+from lightning_mgpu.parallel.pipeline import PIPELINE_SCHEDULES
 from tests.helpers.distributed import run_distributed
 from tests.helpers.modules import LlamaModule, RandomTokenDataModule
 

@@ -9,6 +9,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from typing_extensions import override
 
 from lightning_mgpu.layout import DP_AXIS, TP_AXIS, ParallelLayout
+from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
 from lightning_mgpu.parallel.blocks import is_float8_linear
 from lightning_mgpu.parallel.data import apply_data_parallel
@@ -30,13 +31,11 @@ def parallelize(
     module: nn.Module,
     layout: ParallelLayout,
     mesh: DeviceMesh,
-    options: Any,
+    options: ParallelOptions,
     mp_policy: Any | None = None,
     root: nn.Module | None = None,
 ) -> PipelineRuntime | None:
     """Apply every parallelism of ``layout`` to ``module`` in place: tensor, checkpointing, pipeline, data.
-
-    ``options`` is the strategy's ``ParallelOptions`` (not imported here: the options module is the layer above).
 
     ``mp_policy`` is the precision plugin's FSDP2 ``MixedPrecisionPolicy`` (``HybridPrecision.mp_policy()``) for the
     data-parallel wrap. ``root`` is the module called once per step that the data-parallel root wrap goes on.

@@ -40,13 +40,31 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mgpu._compat.lightning import call_callback_hooks, call_lightning_module_hook, fit_data_source
-from lightning_mgpu.deepspeed_config import DeepSpeedConfig, build_config
+from lightning_mgpu.deepspeed_config import DeepSpeedConfig, build_config, check_config
+from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.deepspeed_release import DeepSpeedRelease
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_mgpu.layout import ParallelLayout
+
+
+def check(options: ParallelOptions, zero_stage: int | str, tensor_size: Any, pipeline_size: Any) -> None:
+    """``zero_backend='deepspeed'``: the DeepSpeed engine's layouts and config, judged before launch."""
+    if options.zero_backend != "deepspeed":
+        return
+    why = composition_error(tensor_size, pipeline_size)
+    if why is not None:
+        raise ValueError(why)
+    if options.cpu_offload:
+        raise ValueError(
+            "`cpu_offload=True` is the torch backend's offload; with zero_backend='deepspeed' put"
+            " {'zero_optimization': {'offload_optimizer': {'device': 'cpu'}, 'offload_param': {'device': 'cpu'}}}"
+            " in deepspeed_config instead, and remove cpu_offload."
+        )
+    if zero_stage != "auto":  # checked against each candidate stage when the Trainer is built
+        check_config(options.deepspeed_config, zero_stage)
 
 
 def composition_error(tensor_parallel_size: Any, pipeline_parallel_size: Any) -> str | None:

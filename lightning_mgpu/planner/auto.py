@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_mgpu.gpus import gpu_named
 from lightning_mgpu.layout import ParallelLayout, Size, divisors
+from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency, preset
 from lightning_mgpu.planner.cost import PRECISIONS, Estimate, Training, estimate
 from lightning_mgpu.planner.model_spec import spec_from_module
@@ -189,7 +190,7 @@ def plan_strategy_layout(
     cluster: ClusterSpec,
     batch_per_replica: int | None,
     precision: str,
-    options: Any,
+    options: ParallelOptions,
     efficiency: Efficiency | None = None,
 ) -> StrategyPlan:
     """The candidate (already checked against the strategy's options) that the cost model predicts fastest among

@@ -38,6 +38,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_mgpu._compat.dtensor import unflatten_mesh
 from lightning_mgpu._compat.tensors import restore_parameters, set_children, swap_parameters
+from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.options import ParallelOptions
 
 EP_AXIS = "ep"
 REPLICA_AXIS = "dp_replicate"  # the data-parallel ranks that hold the same experts
@@ -101,7 +103,7 @@ def _routed_call(experts: nn.Module) -> bool:
     return len(inspect.signature(experts.forward).parameters) >= 3
 
 
-def check_expert_layout(options: Any, layout: Any) -> None:
+def check_expert_layout(options: ParallelOptions, layout: ParallelLayout) -> None:
     """When the Trainer is built: an ``ep`` that divides ``dp`` and compositions this version implements."""
     ep, dp = options.expert_parallel_size, layout.data_parallel_size
     if dp % ep:

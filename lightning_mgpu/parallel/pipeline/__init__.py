@@ -2,9 +2,10 @@
 
 ``split_pipeline`` keeps this rank's stages of a module (``plan.py`` decides the cut, pure functions);
 ``PipelineEngine`` runs a training step through the schedule behind an unchanged ``training_step``. The schedule
-tables and ``stages_per_rank``/``microbatch_count_error`` let options be checked before any process starts.
+tables and ``check``/``check_microbatches`` judge the pipeline options before any process starts.
 """
 
+from lightning_mgpu.parallel.pipeline.checks import check, check_microbatches
 from lightning_mgpu.parallel.pipeline.microbatches import microbatch_count_error
 from lightning_mgpu.parallel.pipeline.plan import (
     LOOP_SCHEDULES,
@@ -28,6 +29,8 @@ __all__ = [
     "PipelineEngine",
     "PipelineRuntime",
     "bubble_fraction",
+    "check",
+    "check_microbatches",
     "microbatch_count_error",
     "plan_split",
     "split_pipeline",

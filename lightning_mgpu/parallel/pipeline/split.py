@@ -29,10 +29,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_mgpu._compat.tensors import contiguous_grad, share_parameter_slots, tree_leaves
 from lightning_mgpu.layout import PP_AXIS
+from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.blocks import block_at
 from lightning_mgpu.parallel.pipeline.plan import PipelineSplit, plan_split, stage_indices, stage_owner, stages_per_rank
 from lightning_mgpu.parallel.pipeline.standins import (
@@ -366,7 +368,7 @@ def _placeholder_targets(module: nn.Module, fqn: str) -> list[str]:
     ]
 
 
-def split_pipeline(module: nn.Module, mesh: Any, options: Any) -> PipelineRuntime:
+def split_pipeline(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions) -> PipelineRuntime:
     """Keep this rank's stages of ``module`` (in place) and return them. Collective over the whole ``mesh``."""
     schedule, pp_mesh = options.pipeline_schedule, mesh[PP_AXIS]
     per_rank = stages_per_rank(schedule, options.stages_per_rank)

@@ -13,6 +13,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.blocks import block_glob, find_block_container, is_projection, tied_parameters
 from lightning_mgpu.parallel.tensor.checks import fused_chunks_differ
 from lightning_mgpu.parallel.tensor.experts import PARAMETER_STYLES, names_parameters_only, owned_by_experts
@@ -81,8 +82,14 @@ _HF_REFUSED_KEEP_MODULE = ("grouped_gemm", "ep_dispatch_experts", "local_params"
 STYLE_NAMES = (*STYLES, *(name for name in PARAMETER_STYLES if name not in STYLES))
 
 
+def check(options: ParallelOptions) -> None:
+    """The tensor-parallel options checked before any process starts: a dict ``tp_plan`` names known styles."""
+    if isinstance(options.tp_plan, dict):
+        check_style_names(options.tp_plan)
+
+
 def check_style_names(plan: dict[str, str]) -> None:
-    """The one check that a plan names known styles (run by the options, and again on any plan applied)."""
+    """The one check that a plan names known styles (run with the options, and again on any plan applied)."""
     unknown = {glob: style for glob, style in plan.items() if style not in STYLE_NAMES}
     if unknown:
         raise ValueError(f"`tp_plan` has unknown styles {unknown}; use one of {list(STYLE_NAMES)}.")
