@@ -13,8 +13,8 @@ from lightning_mgpu import ScalingMonitor
 from lightning_mgpu.parallel.experts.apply import _FUSED, check_experts, find_experts
 from tests.helpers.equivalence import LOSS_RTOL, assert_same_training, fit
 from tests.helpers.modules import RandomTokenDataModule
-from tests.parallel.tensor.test_apply_experts import mixtral, mixtral_without_aux_loss, qwen3_moe
-from tests.parallel.tensor.test_apply_hf_styles import GLOBAL_BATCH, STEPS, TP_WEIGHT_ATOL
+from tests.parallel.tensor.test_experts import mixtral, mixtral_without_aux_loss, qwen3_moe
+from tests.parallel.tensor.test_hf_styles import GLOBAL_BATCH, STEPS, TP_WEIGHT_ATOL
 
 transformers = pytest.importorskip("transformers")
 SEQUENCE = 16  # tokens per sample
@@ -402,7 +402,7 @@ def test_checkpoint_saved_at_ep2_resumes_at_dp2_zero3_and_on_one_process(tmp_pat
 
 def test_hugging_face_moe_layers_are_found_and_the_rest_left_alone():
     """Mixtral, Qwen3-MoE and OLMoE as shipped: one experts module per layer (fused 3-D weights), router untouched."""
-    from tests.parallel.tensor.test_apply_hf_styles import HFModule
+    from tests.parallel.tensor.test_hf_styles import HFModule
 
     olmoe = HFModule("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2)
     for module in (mixtral_without_aux_loss(), qwen3_moe(), olmoe):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.equivalence import LOSS_RTOL, RunResult, assert_same_training
-from tests.parallel.tensor.test_apply_hf_styles import _declared_plans
+from tests.parallel.tensor.test_hf_styles import _declared_plans
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,7 +18,7 @@ from lightning_mgpu.parallel.tensor.experts import ExpertsParallel, place_expert
 from lightning_mgpu.parallel.tensor.plan import _match, auto_plan
 from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.equivalence import assert_same_training
-from tests.parallel.tensor.test_apply_hf_styles import GLOBAL_BATCH, TP_WEIGHT_ATOL, HFModule, _tokens
+from tests.parallel.tensor.test_hf_styles import GLOBAL_BATCH, TP_WEIGHT_ATOL, HFModule, _tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,7 +77,7 @@ class ExpertShards(L.Callback):
 
 def _longcat_plan() -> dict[str, str]:
     """The explicit plan LongCat-Flash's refusal offers: its MLA attention kept whole, the experts sharded."""
-    from tests.parallel.tensor.test_apply_hf_styles import _explicit_plan, _refusal
+    from tests.parallel.tensor.test_hf_styles import _explicit_plan, _refusal
 
     return _explicit_plan(_refusal(longcat_flash))
 

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 def test_per_head_values_are_found_in_attentions_only():
     from lightning_mgpu.parallel.tensor.heads import per_head_outputs, per_head_parameters
     from lightning_mgpu.parallel.tensor.plan import _match, auto_plan
-    from tests.parallel.tensor.test_apply_every_architecture import _tiny_model
+    from tests.parallel.tensor.test_every_architecture import _tiny_model
 
     def found(model_type: str) -> tuple[dict, list]:
         model = _tiny_model(model_type)
@@ -68,7 +68,7 @@ def _sharded_checks() -> dict[str, float]:
     from torch.distributed.tensor import DTensor
 
     from lightning_mgpu.parallel.tensor.apply import apply_tensor_parallel
-    from tests.parallel.tensor.test_apply_every_architecture import _loss, _tiny_model
+    from tests.parallel.tensor.test_every_architecture import _loss, _tiny_model
 
     rank = int(os.environ["RANK"])
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
