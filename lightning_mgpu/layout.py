@@ -19,6 +19,10 @@ PP_AXIS = "pp"
 DP_AXIS = "dp"
 TP_AXIS = "tp"
 MESH_AXES = (PP_AXIS, DP_AXIS, TP_AXIS)
+# Expert parallelism cuts the data-parallel axis in two, ``dp = replicas x ep``: ranks of one ``ep`` group hold
+# different experts, ranks of one replica group the same ones (``parallel.experts``).
+EP_AXIS = "ep"
+EXPERT_REPLICA_AXIS = "dp_replicate"
 
 ZERO_STAGES = (0, 1, 2, 3)
 

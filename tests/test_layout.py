@@ -64,3 +64,30 @@ def test_mesh_axes_put_tensor_parallel_innermost():
     # rank 5 = (pp 1, dp 0, tp 1) in a (pp=2, dp=2, tp=2) mesh
     assert groups[5] == {"pp": [1, 5], "dp": [5, 7], "tp": [4, 5]}
     assert groups[0]["tp"] == [0, 1]  # consecutive ranks (one node's GPUs) share a tensor-parallel group
+
+
+def test_mesh_axes_are_named_once_in_layout_py():
+    """Outside ``layout.py`` no mesh is indexed or built with a literal axis name (``mesh["dp"]``,
+    ``mesh_dim_names=("dp", "tp")``): every axis, the expert ones included, is a constant of ``layout.py``."""
+    import ast
+    from pathlib import Path
+
+    import lightning_mgpu
+    from lightning_mgpu import layout
+
+    axes = {layout.PP_AXIS, layout.DP_AXIS, layout.TP_AXIS, layout.EP_AXIS, layout.EXPERT_REPLICA_AXIS}
+    package = Path(lightning_mgpu.__file__).parent
+    literal = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "layout.py" and path.parent == package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[ast.AST] = []
+            if isinstance(node, ast.Subscript) and "mesh" in ast.unparse(node.value).lower():
+                names = [node.slice]
+            elif isinstance(node, ast.keyword) and node.arg == "mesh_dim_names":
+                names = list(node.value.elts) if isinstance(node.value, (ast.Tuple, ast.List)) else [node.value]
+            for name in names:
+                if isinstance(name, ast.Constant) and name.value in axes:
+                    literal.append(f"{path.relative_to(package.parent)}:{node.lineno}: {name.value!r}")
+    assert not literal, "Mesh axes named by a literal instead of layout.py's constant:\n" + "\n".join(literal)

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import fit_data_fetcher
+from lightning_mgpu.layout import PP_AXIS, TP_AXIS
 from lightning_mgpu.monitor import measures
 from lightning_mgpu.monitor import report as reporting
 from lightning_mgpu.monitor.timing import (
@@ -243,7 +244,7 @@ class ScalingMonitor(Callback):
         memory["gradients"] = self._memory.get("gradients", memory["gradients"])
         memory.update(measures.peak_and_capacity(device, local))
         mesh = _device_mesh(trainer.strategy)
-        pp_rank = mesh["pp"].get_local_rank() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else 0
+        pp_rank = mesh[PP_AXIS].get_local_rank() if mesh is not None and PP_AXIS in (mesh.mesh_dim_names or ()) else 0
         return {
             "rank": trainer.global_rank,
             "pp_rank": pp_rank,
@@ -297,7 +298,7 @@ class ScalingMonitor(Callback):
 
 def _expert_tokens(counter: ExpertTokenCounts | None, mesh: Any) -> dict[str, list[int]]:
     """This rank's per-expert token counts per MoE layer; empty on tensor-parallel peers (they see the same tokens)."""
-    tp_peer = mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].get_local_rank() > 0
+    tp_peer = mesh is not None and TP_AXIS in (mesh.mesh_dim_names or ()) and mesh[TP_AXIS].get_local_rank() > 0
     if counter is None or tp_peer:
         return {}
     return {name: counts.tolist() for name, counts in counter.counts.items()}

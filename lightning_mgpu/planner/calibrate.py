@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.launch import free_port
+from lightning_mgpu.layout import DP_AXIS, TP_AXIS
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
 from lightning_mgpu.planner.model_spec import ModelSpec
 
@@ -350,12 +351,12 @@ def _parallel_probes(
     out: dict[str, float] = {}
     tp = _tp_degree(world, heads)
     if tp > 1:
-        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=(DP_AXIS, TP_AXIS))
         module = copy.deepcopy(probe.module)
-        apply_tensor_parallel(module, mesh["tp"], "auto", False)
+        apply_tensor_parallel(module, mesh[TP_AXIS], "auto", False)
         out["tp"], out["tp_degree"] = _best_times(_forward_backward(module, inputs), 3)[1], tp
     module = copy.deepcopy(probe.module)
-    apply_data_parallel(module, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), 3)
+    apply_data_parallel(module, init_device_mesh("cpu", (world,), mesh_dim_names=(DP_AXIS,)), 3)
     out["zero3"] = _best_times(_forward_backward(module, inputs), 3)[1]
     optimizer = torch.optim.AdamW(module.parameters())
     if steps_on_shards(optimizer):  # stepped as the library steps it: on the local shards

@@ -38,11 +38,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_mgpu._compat.dtensor import unflatten_mesh
 from lightning_mgpu._compat.tensors import restore_parameters, set_children, swap_parameters
-from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.layout import DP_AXIS, EP_AXIS, EXPERT_REPLICA_AXIS, ParallelLayout
 from lightning_mgpu.options import ParallelOptions
 
-EP_AXIS = "ep"
-REPLICA_AXIS = "dp_replicate"  # the data-parallel ranks that hold the same experts
 _FUSED = ("gate_up_proj", "down_proj")
 _TOTAL = "_lightning_mgpu_total_experts"
 
@@ -149,9 +147,9 @@ def check_experts(module: nn.Module, ep: int) -> dict[str, nn.Module]:
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     """The ``(dp_replicate, ep)`` sub-mesh of this rank: ``dp`` unflattened, ``ep`` consecutive ranks per group."""
-    dp = mesh["dp"].size()
-    full = unflatten_mesh(mesh, "dp", (dp // ep, ep), (REPLICA_AXIS, EP_AXIS))
-    return full[REPLICA_AXIS, EP_AXIS]
+    dp = mesh[DP_AXIS].size()
+    full = unflatten_mesh(mesh, DP_AXIS, (dp // ep, ep), (EXPERT_REPLICA_AXIS, EP_AXIS))
+    return full[EXPERT_REPLICA_AXIS, EP_AXIS]
 
 
 def apply_expert_parallel(
@@ -176,7 +174,7 @@ def apply_expert_parallel(
 
     check_experts(module, ep)
     ep_mesh = expert_mesh(mesh, ep)
-    dp = mesh["dp"].size()
+    dp = mesh[DP_AXIS].size()
     units: list[Any] = list(find_experts(module).values())  # FSDP-wrapped below: methods of the wrapped class
     for unit in units:
         _keep_local_experts(unit, ep_mesh[EP_AXIS])
@@ -189,13 +187,15 @@ def apply_expert_parallel(
             mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy()
         )
         if replicate:
-            replicate_with_fsdp(experts_module, mesh=ep_mesh[REPLICA_AXIS], **policies)
+            replicate_with_fsdp(experts_module, mesh=ep_mesh[EXPERT_REPLICA_AXIS], **policies)
         else:
-            fully_shard(experts_module, mesh=ep_mesh[REPLICA_AXIS], reshard_after_forward=zero_stage == 3, **policies)
+            fully_shard(
+                experts_module, mesh=ep_mesh[EXPERT_REPLICA_AXIS], reshard_after_forward=zero_stage == 3, **policies
+            )
             use_gloo_comms(experts_module)  # on gloo: an all-to-all reduce-scatter, a broadcast all-gather
         experts_module.set_gradient_divide_factor(float(dp))
         # A plain sum, then the division: gloo has no pre-multiplied sum (and the NCCL one is not zero-copy).
-        experts_module.set_force_sum_reduction_for_comms(ep_mesh[REPLICA_AXIS].size() > 1)
+        experts_module.set_force_sum_reduction_for_comms(ep_mesh[EXPERT_REPLICA_AXIS].size() > 1)
     return ep_mesh
 
 
