@@ -86,7 +86,7 @@ def _memory_probe(mem_step: int) -> Any:
         zero_config: dict[str, Any] | None = None
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-            from lightning_mgpu.parallel.deepspeed_engine import memory_per_rank
+            from lightning_mgpu.backends.deepspeed import memory_per_rank
 
             if trainer.global_step == mem_step and hasattr(trainer.strategy.model, "optimizer"):
                 base = getattr(optimizer, "optimizer", optimizer)  # Lightning hands the DeepSpeed optimizer over
@@ -157,7 +157,7 @@ KINDS = ("lightning-ds", "ds", "ds-dd", "torch")
 
 
 def _expected_bytes_per_param(name: str, dp: int) -> float:
-    from lightning_mgpu.parallel.deepspeed_engine import zero_bytes_per_param
+    from lightning_mgpu.backends.deepspeed import zero_bytes_per_param
 
     stage = int(name[-1])
     if name.startswith("torch"):

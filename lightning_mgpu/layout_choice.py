@@ -8,9 +8,10 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_mgpu.backends import deepspeed
 from lightning_mgpu.layout import ParallelLayout, Size, warn_about_layout
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.parallel import deepspeed_engine, pipeline, tensor
+from lightning_mgpu.parallel import pipeline, tensor
 from lightning_mgpu.parallel.experts import check_expert_layout
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
@@ -46,7 +47,7 @@ def check_sizes(
 def _check_with_sizes(options: ParallelOptions, zero_stage: Size, tensor_size: Size, pipeline_size: Size) -> None:
     if isinstance(pipeline_size, int):
         pipeline.check_microbatches(options, pipeline_size)
-    deepspeed_engine.check(options, zero_stage, tensor_size, pipeline_size)
+    deepspeed.check(options, zero_stage, tensor_size, pipeline_size)
 
 
 def check_trainer_layout(

@@ -37,6 +37,7 @@ from lightning_mgpu._compat.lightning import (
     reset_optimizers_and_schedulers,
     set_device_mesh,
 )
+from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner, DeepSpeedStates
 from lightning_mgpu.checkpoint.plain import restore_plain
 from lightning_mgpu.failure_vote import every_rank_failed
 from lightning_mgpu.failures import handle_rank_failure, restore_sigterm
@@ -46,7 +47,6 @@ from lightning_mgpu.layout_choice import agreed_plan, check_options, check_sizes
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.data import OptimizerStateSharding, finish_backward, reduce_metrics_over, set_gradient_sync
-from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
 from lightning_mgpu.parallel.local_step import fused_on_cpu
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
@@ -149,7 +149,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         self._pipeline: PipelineEngine | None = None
         # zero_backend="deepspeed": the data-parallel dimension runs through a DeepSpeed engine (built in `setup`).
         self._deepspeed = DeepSpeedEngineRunner(deepspeed_config) if zero_backend == "deepspeed" else None
-        state_access = sharded_checkpoint.DeepSpeedStates(self._deepspeed) if self._deepspeed is not None else None
+        state_access = DeepSpeedStates(self._deepspeed) if self._deepspeed is not None else None
         self._checkpointer = sharded_checkpoint.Checkpointer(checkpoint_format, async_checkpoint, state_access)
         self.num_nodes = 1
         # Every patch on the user's objects during one run, and the module as it was, undone in `teardown`.

@@ -15,9 +15,9 @@ from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
 from lightning_mgpu._compat.lightning import PATH, attached_trainer
+from lightning_mgpu.backends.deepspeed import CHECKPOINT_KEY as DEEPSPEED_KEY
+from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner
 from lightning_mgpu.layout import PP_AXIS, ParallelLayout
-from lightning_mgpu.parallel.deepspeed_engine import CHECKPOINT_KEY as DEEPSPEED_KEY
-from lightning_mgpu.parallel.deepspeed_engine import DeepSpeedEngineRunner
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 
 if TYPE_CHECKING:

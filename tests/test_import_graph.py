@@ -164,3 +164,17 @@ def test_the_options_are_a_bottom_layer():
     ``ParallelOptions`` (each parallelism checks its own options in its ``check``)."""
     assert import_graph()["lightning_mgpu.options"] == {}
     assert "lightning_mgpu.options" in import_graph()["lightning_mgpu.parallel.pipeline.checks"]
+
+
+def test_checkpoint_and_parallel_in_one_direction():
+    """``checkpoint/`` may use ``parallel/`` (the experts a rank holds), never the reverse; the DeepSpeed backend,
+    which needs both, sits above them in ``backends/``."""
+    graph = import_graph()
+    back = [
+        f"{source} -> {target}"
+        for source, targets in graph.items()
+        if source.startswith(f"{ROOT}.parallel")
+        for target in targets
+        if target.startswith((f"{ROOT}.checkpoint", f"{ROOT}.backends"))
+    ]
+    assert not back, "parallel/ imports checkpoint/ or backends/:\n" + "\n".join(back)

@@ -5,13 +5,11 @@
 - ``states``: model/optimizer/RNG states of the live objects, conversions between optimizer formats.
 - ``checkpointer``: ``Checkpointer``, what ``HybridStrategy``'s checkpoint hooks call (sync/async, sharded/full).
 - ``resume``: continuing the training data where a checkpoint stopped (mid-epoch, or after ``fit`` returned).
-- ``deepspeed_states``: the same states read from / written into a DeepSpeed engine's partitions.
 - ``convert``: consolidation to one file (torch or safetensors) and ``inspect``, without a process group.
 """
 
 from lightning_mgpu.checkpoint.checkpointer import Checkpointer
 from lightning_mgpu.checkpoint.convert import consolidate, describe, write_consolidated
-from lightning_mgpu.checkpoint.deepspeed_states import DeepSpeedStates
 from lightning_mgpu.checkpoint.format import METADATA_FILE, CheckpointError, is_sharded_checkpoint
 from lightning_mgpu.checkpoint.states import full_model_state_dict
 
@@ -19,7 +17,6 @@ __all__ = [
     "METADATA_FILE",
     "CheckpointError",
     "Checkpointer",
-    "DeepSpeedStates",
     "consolidate",
     "describe",
     "full_model_state_dict",

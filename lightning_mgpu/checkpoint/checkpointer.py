@@ -177,7 +177,7 @@ class Checkpointer:
         if async_save and checkpoint_format != "sharded":
             raise ValueError("`async_checkpoint=True` needs `checkpoint_format='sharded'`.")
         # How the live states are read and written: the `states` module, or an object with the same functions
-        # for an engine that keeps its own partitions (`deepspeed_states.DeepSpeedStates`).
+        # for an engine that keeps its own partitions (`backends.deepspeed.DeepSpeedStates`).
         self.states = state_access if state_access is not None else states
         self.checkpoint_format = checkpoint_format
         self.async_save = async_save

@@ -40,9 +40,9 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mgpu._compat.lightning import call_callback_hooks, call_lightning_module_hook, fit_data_source
-from lightning_mgpu.deepspeed_config import DeepSpeedConfig, build_config, check_config
+from lightning_mgpu.backends.deepspeed.config import DeepSpeedConfig, build_config, check_config
+from lightning_mgpu.backends.deepspeed.release import DeepSpeedRelease
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.parallel.deepspeed_release import DeepSpeedRelease
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

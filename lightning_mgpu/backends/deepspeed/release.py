@@ -23,7 +23,7 @@ from lightning_mgpu._compat.tensors import plain_parameter_slots
 from lightning_mgpu.checkpoint.format import STATE_PREFIX
 
 if TYPE_CHECKING:
-    from lightning_mgpu.checkpoint.deepspeed_states import EngineRunner
+    from lightning_mgpu.backends.deepspeed.states import EngineRunner
 
 # Attributes DeepSpeed puts on modules (deepspeed 0.19: runtime/zero/parameter_offload.py, partition_parameters.py);
 # modules also carry Lightning's and the user's own attributes, so only these go.
@@ -60,7 +60,7 @@ class DeepSpeedRelease:
 
     def release(self, runner: EngineRunner, module: nn.Module) -> None:
         """Gather the trained values, destroy the engine, and put the plain module and optimizer back."""
-        from lightning_mgpu.checkpoint.deepspeed_states import DeepSpeedStates
+        from lightning_mgpu.backends.deepspeed.states import DeepSpeedStates
 
         access = DeepSpeedStates(runner)
         values = access.full_model_state(module)

@@ -262,7 +262,7 @@ class DeepSpeedMemoryProbe(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if trainer.global_step != 1:
             return
-        from lightning_mgpu.parallel.deepspeed_engine import memory_per_rank
+        from lightning_mgpu.backends.deepspeed import memory_per_rank
 
         sizes = [getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters()]
         self.results = {
@@ -293,7 +293,7 @@ WHOLE_PARAMS = {(1, "grads"), (2, "grads")}
 def test_memory_per_rank_follows_zero_formulas(capsys):
     """DeepSpeed's parameters, gradients and optimizer state per rank after backward follow the ZeRO formulas
     (K = 12, ``zero_bytes_per_param``); the torch backend's, measured in the same spawn, are printed beside."""
-    from lightning_mgpu.parallel.deepspeed_engine import zero_bytes_per_param
+    from lightning_mgpu.backends.deepspeed import zero_bytes_per_param
 
     stages = (1, 2, 3)
     runs = [
@@ -576,7 +576,7 @@ def test_configs_contradicting_the_trainer_fail_before_training():
 
 
 def test_config_file_passes_through(tmp_path):
-    from lightning_mgpu.deepspeed_config import build_config
+    from lightning_mgpu.backends.deepspeed import build_config
 
     path = tmp_path / "ds.json"
     path.write_text(
@@ -599,7 +599,7 @@ def test_no_config_gets_lightnings_deepspeed_strategy_settings(stage):
     it (read from Lightning itself, so a change there fails here); an empty config keeps DeepSpeed's defaults."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    from lightning_mgpu.deepspeed_config import build_config
+    from lightning_mgpu.backends.deepspeed import build_config
 
     lightning = DeepSpeedStrategy(stage=stage).config
     ours = build_config(None, stage, "32-true", None, None, 1, 4, 2)

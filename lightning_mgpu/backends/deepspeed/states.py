@@ -101,8 +101,8 @@ def _is_scalar(value: Any) -> bool:
 
 
 class EngineRunner(Protocol):
-    """What is read of the runner that built the engine (``parallel.deepspeed_engine.DeepSpeedEngineRunner``), here
-    and by ``parallel.deepspeed_release``: a protocol, so this checkpoint layer does not import the parallel one."""
+    """What is read of the runner that built the engine (``engine.DeepSpeedEngineRunner``), here
+    and by ``release``: a protocol, so the states do not import the engine."""
 
     engine: Any  # None once released
     optimizer: Optimizer | None
@@ -118,7 +118,7 @@ class DeepSpeedStates:
     @property
     def _released(self) -> bool:
         """After ``fit`` the engine is gone and the module and optimizer are plain torch objects again
-        (``deepspeed_release``): a save then reads them like the torch backend's unsharded ones."""
+        (``release``): a save then reads them like the torch backend's unsharded ones."""
         return self.runner.engine is None
 
     # ------------------------------------------------------------------------------------------------------ save
