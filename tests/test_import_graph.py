@@ -17,7 +17,7 @@ import lightning_mgpu
 PACKAGE = Path(lightning_mgpu.__file__).parent
 ROOT = "lightning_mgpu"
 # The upper layer: the Lightning face. (Its options are plain data at the bottom, which every layer may import.)
-UPPER = ("lightning_mgpu.strategy",)
+UPPER = ("lightning_mgpu.strategy",)  # the package: its modules import it too
 # What sits below it and must not reach up into it.
 LOWER = ("lightning_mgpu.parallel", "lightning_mgpu.checkpoint", "lightning_mgpu.precision")
 

@@ -2,8 +2,8 @@
 
 It owns Lightning's hooks and hands every piece of parallel work to ``layout``, ``parallel/`` and ``checkpoint``:
 the layout's checks and planned choice (``layout_choice``), the module made parallel and its optimizers wired
-(``module_setup``), where a step runs (``step_dispatch``); the checkpoint and collective hooks are mixed in from
-``strategy_checkpoint`` and ``strategy_collectives``.
+(``setup``), where a step runs (``step``); the checkpoint and collective hooks are mixed in from
+``checkpoint_hooks`` and ``collectives``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
-from lightning_mgpu import module_setup
 from lightning_mgpu._compat.lightning import (
     IS_INTERACTIVE,
     StrategyHooks,
@@ -43,7 +42,6 @@ from lightning_mgpu.failure_vote import every_rank_failed
 from lightning_mgpu.failures import handle_rank_failure, restore_sigterm
 from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
-from lightning_mgpu.layout_choice import agreed_plan, check_options, check_sizes, check_trainer_layout
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.data import OptimizerStateSharding, finish_backward, reduce_metrics_over, set_gradient_sync
@@ -52,9 +50,11 @@ from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
-from lightning_mgpu.step_dispatch import run_step, step_context
-from lightning_mgpu.strategy_checkpoint import CheckpointHooks
-from lightning_mgpu.strategy_collectives import DataParallelCollectives
+from lightning_mgpu.strategy import setup as module_setup
+from lightning_mgpu.strategy.checkpoint_hooks import CheckpointHooks
+from lightning_mgpu.strategy.collectives import DataParallelCollectives
+from lightning_mgpu.strategy.layout_choice import agreed_plan, check_options, check_sizes, check_trainer_layout
+from lightning_mgpu.strategy.step import run_step, step_context
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
