@@ -6,7 +6,7 @@ import time
 
 import torch.distributed as dist
 
-from lightning_mgpu.failure_vote import every_rank_failed
+from lightning_mgpu.launch.vote import every_rank_failed
 from tests.helpers.distributed import run_distributed
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mgpu.failures import FailureRecord, coordinates, format_report, is_secondary
+from lightning_mgpu.launch.failures import FailureRecord, coordinates, format_report, is_secondary
 from tests.helpers.distributed import free_port
 from tests.helpers.processes import LAUNCH_VARIABLES
 
@@ -299,7 +299,7 @@ def test_communication_errors_are_echoes():
 def test_a_failures_sigterm_handler_is_put_back_at_teardown(tmp_path, monkeypatch):
     """A failure replaces SIGTERM's handler (a launcher's SIGTERM then prints this rank's line first); teardown puts
     back the one it replaced, also when the fit failed before Lightning registered (and so restores) its own."""
-    from lightning_mgpu import failures
+    from lightning_mgpu.launch import failures
 
     monkeypatch.setenv(failures.FAILURE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the failure installs its own; put back after the test

@@ -62,7 +62,7 @@ def test_free_port_is_bindable_and_outside_the_range_the_kernel_hands_out_itself
     a job running beside this one get theirs (the race behind a rare EADDRINUSE under `pytest -n 2`)."""
     import socket
 
-    from lightning_mgpu.launch import _ephemeral_ports, free_port
+    from lightning_mgpu.launch.ports import _ephemeral_ports, free_port
 
     low, high = _ephemeral_ports()
     ports = {free_port() for _ in range(50)}

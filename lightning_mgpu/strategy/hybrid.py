@@ -38,9 +38,13 @@ from lightning_mgpu._compat.lightning import (
 )
 from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner, DeepSpeedStates
 from lightning_mgpu.checkpoint.plain import restore_plain
-from lightning_mgpu.failure_vote import every_rank_failed
-from lightning_mgpu.failures import handle_rank_failure, restore_sigterm
-from lightning_mgpu.launch import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
+from lightning_mgpu.launch import (
+    HybridMultiProcessingLauncher,
+    HybridSubprocessScriptLauncher,
+    every_rank_failed,
+    handle_rank_failure,
+    restore_sigterm,
+)
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
@@ -271,8 +275,8 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # Record which rank failed and why, for the one report printed when the job ends (failures.py). The script
-        # launcher's main process prints it for all its ranks.
+        # Record which rank failed and why, for the one report printed when the job ends (launch/failures.py).
+        # The script launcher's main process prints it for all its ranks.
         mesh_shape = self._layout.mesh_shape if self._layout is not None else (1, self.world_size, 1)
         report = getattr(self._launcher, "report_failure", None)
         self._failed = self._interrupted = True  # teardown then runs no collective (the module is not gathered back)
@@ -469,7 +473,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             self.precision_plugin.teardown()
             self.accelerator.teardown()
         finally:
-            restore_sigterm()  # a failure's SIGTERM handler (failures.py) does not outlive the fit
+            restore_sigterm()  # a failure's SIGTERM handler (launch/failures.py) does not outlive the fit
 
     def _restore_user_objects(self) -> None:
         """Undo every patch on the user's objects and give back the plain module with the trained values.

@@ -17,7 +17,7 @@ import time
 import torch.distributed as dist
 
 from lightning_mgpu._compat.c10d import default_store
-from lightning_mgpu.failures import is_secondary
+from lightning_mgpu.launch.failures import is_secondary
 
 # Ranks failing at the same step reach their teardown this close together (the step's last collective lines them
 # up); a rank failing alone waits this long before its report ends the job, so it stays short.
