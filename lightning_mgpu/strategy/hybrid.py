@@ -8,6 +8,7 @@ the layout's checks and planned choice (``layout_choice``), the module made para
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
@@ -175,8 +176,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
 
     @property
     def pipeline(self) -> PipelineEngine | None:
-        """This rank's pipeline engine (schedule, stages, microbatches) while a run is set up; None without
-        pipeline parallelism."""
+        """This rank's pipeline engine (schedule, stages, microbatches) in a run; None without pipelining."""
         return self._pipeline
 
     @property
@@ -229,12 +229,10 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         if self.num_processes:
             world = self.num_nodes * self.num_processes
             choices = planner_auto.layout_candidates(world, *self._requested_sizes)
-            self._layout_choices = planner_auto.valid_layouts(choices, self._check_sizes)
+            check = functools.partial(check_sizes, self.options, self.precision_plugin, self._requested_sizes)
+            self._layout_choices = planner_auto.valid_layouts(choices, check)
             self._layout = self._layout_choices[0] if len(self._layout_choices) == 1 else None
             self._check_layout(self._layout)
-
-    def _check_sizes(self, layout: ParallelLayout) -> None:
-        check_sizes(self.options, self.precision_plugin, self._requested_sizes, layout)
 
     def _check_layout(self, layout: ParallelLayout | None) -> None:
         assert self.parallel_devices is not None
@@ -296,22 +294,17 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         if self._layout is None:  # several layouts possible: the planner chooses, with the module at hand
-            self._layout = self._planned_layout()
+            devices = (self.world_size, self.num_processes, self.root_device.type)
+            precision = str(self.precision_plugin.precision)
+            args = (self._layout_choices, self.options, precision, devices, self.global_rank, self.broadcast)
+            self._plan = agreed_plan(self.lightning_module, *args)
+            self._layout = self._plan.layout
             self._check_layout(self._layout)
         self._device_mesh = self.layout.build_mesh(self.root_device.type)
         self._dp_group = self._device_mesh[DP_AXIS].get_group()  # looked up once: slicing a mesh is not free
         # A user's `configure_model` may read `self.device_mesh`, as with Lightning's ModelParallelStrategy.
         if self.lightning_module is not None:
             set_device_mesh(self.lightning_module, self._device_mesh)
-
-    def _planned_layout(self) -> ParallelLayout:
-        def cluster() -> planner_auto.ClusterSpec:
-            return planner_auto.local_cluster(self.world_size, self.num_processes, self.root_device.type)
-
-        precision = str(self.precision_plugin.precision)
-        args = (self._layout_choices, self.options, precision, self.global_rank, cluster, self.broadcast)
-        self._plan = agreed_plan(self.lightning_module, *args)
-        return self._plan.layout
 
     @property
     def plan(self) -> planner_auto.StrategyPlan | None:
@@ -501,9 +494,5 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("hybrid", cls, description="lightning-mgpu HybridStrategy (ZeRO stage 0)")
         for stage in range(4):
-            strategy_registry.register(
-                f"hybrid_zero{stage}",
-                cls,
-                description=f"lightning-mgpu HybridStrategy, ZeRO stage {stage}",
-                zero_stage=stage,
-            )
+            description = f"lightning-mgpu HybridStrategy, ZeRO stage {stage}"
+            strategy_registry.register(f"hybrid_zero{stage}", cls, description=description, zero_stage=stage)

@@ -79,19 +79,19 @@ def agreed_plan(
     choices: list[ParallelLayout],
     options: ParallelOptions,
     precision: str,
+    devices: tuple[int, int, str],
     global_rank: int,
-    cluster: Callable[[], Any],
     broadcast: Callable[[Any, int], Any],
 ) -> planner_auto.StrategyPlan:
-    """Global rank 0 asks the planner (module, devices, batch size, precision) and every rank runs its answer,
-    so that ranks never disagree; an error there is raised on every rank rather than left to hang the others."""
+    """Global rank 0 asks the planner (module, ``devices``: world size, devices per node and their type, batch
+    size, precision) and every rank runs its answer, so that ranks never disagree; an error there is raised on
+    every rank rather than left to hang the others."""
     answer: Any = None
     failure: Exception | None = None
     if global_rank == 0:
         try:
-            answer = planner_auto.plan_strategy_layout(
-                module, choices, cluster(), planner_auto.batch_per_replica(module), precision, options
-            )
+            cluster, batch = planner_auto.local_cluster(*devices), planner_auto.batch_per_replica(module)
+            answer = planner_auto.plan_strategy_layout(module, choices, cluster, batch, precision, options)
         except Exception as error:  # noqa: BLE001 - raised on every rank below
             failure = error
             answer = error if isinstance(error, ValueError) else RuntimeError(f"{type(error).__name__}: {error}")
