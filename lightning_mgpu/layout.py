@@ -2,7 +2,8 @@
 
 Every other module asks the layout for its process groups; nobody computes ranks by hand.
 The mesh is ``(pp, dp, tp)`` with ``tp`` innermost, so consecutive ranks (the GPUs of one node) form a
-tensor-parallel group and the chattiest collectives stay on the fastest links.
+tensor-parallel group and the chattiest collectives stay on the fastest links. Under hybrid sharding (HSDP) ``dp``
+is itself ``(dp_replicate, dp_shard)``, shard groups of consecutive ranks inside replicas.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ MESH_AXES = (PP_AXIS, DP_AXIS, TP_AXIS)
 # Expert parallelism cuts the data-parallel axis in two, ``dp = replicas x ep``: ranks of one ``ep`` group hold
 # different experts, ranks of one replica group the same ones (``parallel.experts``).
 EP_AXIS = "ep"
-EXPERT_REPLICA_AXIS = "dp_replicate"
+EXPERT_REPLICA_AXIS = "ep_replicate"
+# Hybrid sharding (HSDP) cuts the data-parallel axis the same way, ``dp = replicas x shard``: ZeRO shards over the
+# ranks of one ``dp_shard`` group (consecutive ranks: a node) and replicates across ``dp_replicate`` (parallel.data).
+DP_REPLICATE_AXIS = "dp_replicate"
+DP_SHARD_AXIS = "dp_shard"
+HYBRID_SHARD_AXES = (DP_REPLICATE_AXIS, DP_SHARD_AXIS)
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -119,14 +125,39 @@ class ParallelLayout:
             f" (zero_stage={self.zero_stage})"
         )
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the named ``(pp, dp, tp)`` mesh; needs an initialized default process group."""
+    def build_mesh(self, device_type: str, data_parallel_shard_size: int | None = None) -> DeviceMesh:
+        """Create the named ``(pp, dp, tp)`` mesh; needs an initialized default process group.
+
+        With ``data_parallel_shard_size`` (HSDP) the mesh is ``(pp, dp_replicate, dp_shard, tp)``, ``dp_shard`` of
+        that size, and ``dp`` is both of them flattened: ``mesh["dp"]`` stays the whole data-parallel group.
+        """
         from torch.distributed.device_mesh import init_device_mesh
+
+        from lightning_mgpu._compat.dtensor import flatten_mesh
 
         world = torch.distributed.get_world_size()
         if world != self.world_size:
             raise RuntimeError(f"The layout {self.describe()} needs {self.world_size} processes, found {world}.")
-        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
+        shard = data_parallel_shard_size
+        if shard is None or shard == self.data_parallel_size:
+            return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
+        if self.data_parallel_size % shard:
+            raise ValueError(f"data_parallel_shard_size={shard} does not divide {self.describe()}'s data parallelism.")
+        pp, dp, tp = self.mesh_shape
+        shape = (pp, dp // shard, shard, tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=(PP_AXIS, *HYBRID_SHARD_AXES, TP_AXIS))
+        flatten_mesh(mesh, HYBRID_SHARD_AXES, DP_AXIS)
+        return mesh
+
+
+def zero_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ZeRO wraps over: ``dp``, or ``(dp_replicate, dp_shard)`` where the mesh has hybrid sharding."""
+    return mesh[HYBRID_SHARD_AXES] if DP_SHARD_AXIS in (mesh.mesh_dim_names or ()) else mesh[DP_AXIS]
+
+
+def zero_shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that split ZeRO's states among themselves: ``dp_shard`` under hybrid sharding, else ``dp``."""
+    return mesh[DP_SHARD_AXIS] if DP_SHARD_AXIS in (mesh.mesh_dim_names or ()) else mesh[DP_AXIS]
 
 
 def warn_about_layout(layout: ParallelLayout, devices_per_node: int, num_nodes: int, wrapped: bool) -> None:

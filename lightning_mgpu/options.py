@@ -46,6 +46,7 @@ class ParallelOptions:
     async_checkpoint: bool = False
     deepspeed_config: Any = None  # None, a dict or a JSON file's path (zero_backend="deepspeed")
     expert_parallel_size: int = 1  # experts sharded over groups of this many data-parallel ranks (parallel/experts/)
+    data_parallel_shard_size: int | None = None  # HSDP: ZeRO shards over groups of this many dp ranks (parallel/data/)
     find_unused_parameters: bool | None = None  # DDP's search for parameters without a gradient (data/unused_params.py)
 
     def __post_init__(self) -> None:
@@ -74,6 +75,11 @@ class ParallelOptions:
             )
         if not _positive_int(self.expert_parallel_size):
             raise ValueError(f"`expert_parallel_size` must be a positive integer, got {self.expert_parallel_size!r}.")
+        if self.data_parallel_shard_size is not None and not _positive_int(self.data_parallel_shard_size):
+            raise ValueError(
+                "`data_parallel_shard_size` must be a positive integer (ZeRO shards over groups of that many"
+                f" data-parallel ranks) or None (over all of them), got {self.data_parallel_shard_size!r}."
+            )
         if self.num_microbatches is not None and not _positive_int(self.num_microbatches):
             raise ValueError(f"`num_microbatches` must be a positive integer or None, got {self.num_microbatches!r}.")
         if self.stages_per_rank is not None and not _positive_int(self.stages_per_rank):

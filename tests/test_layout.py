@@ -75,7 +75,15 @@ def test_mesh_axes_are_named_once_in_layout_py():
     import lightning_mgpu
     from lightning_mgpu import layout
 
-    axes = {layout.PP_AXIS, layout.DP_AXIS, layout.TP_AXIS, layout.EP_AXIS, layout.EXPERT_REPLICA_AXIS}
+    axes = {
+        layout.PP_AXIS,
+        layout.DP_AXIS,
+        layout.TP_AXIS,
+        layout.EP_AXIS,
+        layout.EXPERT_REPLICA_AXIS,
+        layout.DP_REPLICATE_AXIS,
+        layout.DP_SHARD_AXIS,
+    }
     package = Path(lightning_mgpu.__file__).parent
     literal = []
     for path in sorted(package.rglob("*.py")):

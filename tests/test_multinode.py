@@ -33,27 +33,14 @@ def _example_module():
     return module
 
 
-@pytest.fixture(scope="module")
-def two_node_run(tmp_path_factory):
+def _torchrun_two_nodes(report_dir: Path, layout: list[str]) -> tuple[list, list[dict]]:
+    """``torchrun.sh`` as two simulated nodes of 2 processes with ``layout``'s arguments: each node's output and
+    each rank's report."""
     if TORCHRUN is None:
         pytest.skip("torchrun is not installed")
-    report_dir = tmp_path_factory.mktemp("multinode")
     port = str(free_port())
-    args = [
-        "--accelerator",
-        "cpu",
-        "--tp",
-        "2",
-        "--pp",
-        "2",
-        "--max-steps",
-        str(MAX_STEPS),
-        "--timeout",
-        "120",
-        "--report-dir",
-        str(report_dir),
-    ]
-    command = ["bash", str(MULTINODE / "torchrun.sh"), *args]
+    args = ["--accelerator", "cpu", *layout, "--max-steps", str(MAX_STEPS), "--timeout", "120"]
+    command = ["bash", str(MULTINODE / "torchrun.sh"), *args, "--report-dir", str(report_dir)]
     envs = [
         clean_env(
             NNODES=str(NODES),
@@ -70,6 +57,21 @@ def two_node_run(tmp_path_factory):
         assert result.returncode == 0, f"node {node} exited with {result.returncode}:\n{result.stdout[-5000:]}"
     reports = [json.loads((report_dir / f"rank{rank}.json").read_text()) for rank in range(NODES * DEVICES)]
     return results, reports
+
+
+@pytest.fixture(scope="module")
+def two_node_run(tmp_path_factory):
+    return _torchrun_two_nodes(tmp_path_factory.mktemp("multinode"), ["--tp", "2", "--pp", "2"])
+
+
+@pytest.fixture(scope="module")
+def reference_losses():
+    example = _example_module()
+    reference, _ = fit(
+        example.build_module, example.build_datamodule, devices=1, max_steps=MAX_STEPS, seed=example.SEED
+    )
+    assert len(reference.losses) == MAX_STEPS
+    return reference.losses
 
 
 def test_two_simulated_nodes_keep_tensor_parallel_groups_inside_a_node(two_node_run):
@@ -91,15 +93,24 @@ def test_two_simulated_nodes_keep_tensor_parallel_groups_inside_a_node(two_node_
     assert sorted(map(tuple, {tuple(r["groups"]["tp"]) for r in reports})) == [(0, 1), (2, 3)]
 
 
-def test_two_simulated_nodes_train_like_one_process(two_node_run):
+def test_two_simulated_nodes_train_like_one_process(two_node_run, reference_losses):
     _, reports = two_node_run
-    example = _example_module()
-    reference, _ = fit(
-        example.build_module, example.build_datamodule, devices=1, max_steps=MAX_STEPS, seed=example.SEED
-    )
-    assert len(reference.losses) == MAX_STEPS
     for report in reports:  # logged on every rank, the single-process values
-        assert report["losses"] == pytest.approx(reference.losses, rel=LOSS_RTOL, abs=0.0), report["global_rank"]
+        assert report["losses"] == pytest.approx(reference_losses, rel=LOSS_RTOL, abs=0.0), report["global_rank"]
+
+
+def test_hybrid_sharding_shards_inside_each_simulated_node(tmp_path, reference_losses):
+    """dp 4 at ZeRO-3 with ``--shard-size 2`` (``data_parallel_shard_size``): the shard groups are the nodes, the
+    replicate groups cross them, and the run (global batch 8, as the reference's) trains like one process."""
+    layout = ["--zero-stage", "3", "--shard-size", "2", "--batch-size", "2"]
+    _, reports = _torchrun_two_nodes(tmp_path, layout)
+    node_of = {r["global_rank"]: r["node_rank"] for r in reports}
+    for report in reports:
+        assert report["mesh_dim_names"] == ["pp", "dp_replicate", "dp_shard", "tp"], report
+        assert {node_of[rank] for rank in report["groups"]["dp_shard"]} == {report["node_rank"]}, report
+        assert {node_of[rank] for rank in report["groups"]["dp_replicate"]} == {0, 1}, report
+        assert report["losses"] == pytest.approx(reference_losses, rel=LOSS_RTOL, abs=0.0), report["global_rank"]
+    assert {tuple(r["groups"]["dp_shard"]) for r in reports} == {(0, 1), (2, 3)}
 
 
 # A stand-in for SLURM's srun: start SLURM_NTASKS copies of the command with the variables srun gives each task.

@@ -7,6 +7,9 @@ uses the processes it was given instead of starting its own.
 
     # one node, 8 GPUs each, 2 nodes: tp 8 inside a node, pp 2 across the nodes
     NNODES=2 NPROC_PER_NODE=8 NODE_RANK=0 MASTER_ADDR=node0 bash examples/multinode/torchrun.sh --tp 8 --pp 2
+    # the same nodes, data parallel only: ZeRO-3 shards inside each node and replicates across them (HSDP)
+    NNODES=2 NPROC_PER_NODE=8 NODE_RANK=0 MASTER_ADDR=node0 bash examples/multinode/torchrun.sh --zero-stage 3 \
+        --shard-size 8 --batch-size 1
 
 The rank order is node-major (ranks ``n * devices .. (n + 1) * devices - 1`` live on node ``n``) and the mesh
 is ``(pp, dp, tp)`` with ``tp`` innermost, so a ``tensor_parallel_size`` that divides the devices of a node keeps
@@ -91,6 +94,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (keep it a divisor of --devices)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     parser.add_argument("--zero-stage", type=int, default=0)
+    parser.add_argument("--shard-size", type=int, default=None,
+                        help="data_parallel_shard_size: ZeRO shards inside groups of this many ranks (a node), HSDP")
     parser.add_argument("--schedule", default="1F1B", help="pipeline_schedule")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--batch-size", type=int, default=8, help="per data-parallel rank")
@@ -108,6 +113,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
         zero_stage=args.zero_stage,
+        data_parallel_shard_size=args.shard_size,
         timeout=args.timeout,
         **pipeline,
     )

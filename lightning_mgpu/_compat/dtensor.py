@@ -101,3 +101,12 @@ def unflatten_mesh(mesh: Any, dim_name: str, sizes: tuple[int, ...], names: tupl
     if unflatten is None:
         raise AttributeError(changed("DeviceMesh._unflatten", "torch", "the method is gone"))
     return unflatten(dim_name, sizes, names)
+
+
+def flatten_mesh(mesh: Any, dim_names: tuple[str, ...], name: str) -> Any:
+    """The dimensions ``dim_names`` of ``mesh`` as one dimension ``name``, sliceable from the root mesh afterwards
+    (``root[name]``): one process group for all of them."""
+    flatten = getattr(mesh[dim_names], "_flatten", None)
+    if flatten is None:
+        raise AttributeError(changed("DeviceMesh._flatten", "torch", "the method is gone"))
+    return flatten(name)

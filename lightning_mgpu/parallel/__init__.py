@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 from typing_extensions import override
 
-from lightning_mgpu.layout import DP_AXIS, TP_AXIS, ParallelLayout
+from lightning_mgpu.layout import DP_AXIS, TP_AXIS, ParallelLayout, zero_mesh
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
 from lightning_mgpu.parallel.blocks import is_float8_linear
@@ -98,6 +98,7 @@ def parallelize(
         find_unused = options.find_unused_parameters
         if find_unused is None and find_expert_lists(module):
             find_unused = True
+        hybrid_mesh = zero_mesh(mesh) if options.data_parallel_shard_size is not None else None
         for stage_root, blocks in roots:
             apply_data_parallel(
                 module,
@@ -109,6 +110,7 @@ def parallelize(
                 blocks=blocks,
                 reshard_blocks=reshard_blocks,
                 find_unused_parameters=find_unused,
+                hybrid_mesh=hybrid_mesh if hybrid_mesh is not None and hybrid_mesh.ndim == 2 else None,
             )
     return runtime
 

@@ -71,10 +71,20 @@ class Layout:
     num_microbatches: int = 1
     checkpointing: str = "none"
     sequence_parallel: bool = False
+    dp_shard: int | None = None  # HSDP: ZeRO shards over groups of this many dp ranks (None: all of dp)
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def shard(self) -> int:
+        """The ranks ZeRO splits its states over: ``dp``, or the hybrid-sharding group."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicas(self) -> int:
+        return self.dp // self.shard
 
     @property
     def stages_per_rank(self) -> int:
@@ -82,6 +92,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}"]
+        if self.shard != self.dp:
+            parts.append(f"hsdp={self.shard}")
         if self.pp > 1:
             parts.append(self.schedule)
         parts += [f"mbs={self.microbatch_size}x{self.num_microbatches}", f"ckpt={self.checkpointing}"]
@@ -182,7 +194,7 @@ def local_params(model: ModelSpec, layout: Layout) -> dict[str, float]:
 def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout) -> dict[str, float]:
     """Bytes per GPU on the fullest pipeline stage (the first or the last), by kind."""
     p_bytes, g_bytes, o_bytes, a_bytes = PRECISIONS[training.precision]
-    t, d, z = layout.tp, layout.dp, layout.zero_stage
+    t, d, z = layout.tp, layout.shard, layout.zero_stage  # ZeRO divides by the ranks it shards over
     layers = math.ceil(model.layers / layout.pp)
     s, b, h = model.seq_len, layout.microbatch_size, model.hidden
     per_layer = activation_bytes_per_layer(model, training, layout, layout.checkpointing)
@@ -208,7 +220,7 @@ def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: L
             temporary += local * p_bytes * (1 - 1 / d)
         if z == 3 and d > 1:  # one block gathered, the next prefetched, and one block's unsharded gradients
             temporary += model.params_per_layer / t * (2 * p_bytes + g_bytes)
-        if z <= 1 and d > 1:
+        if z <= 1 and layout.dp > 1:
             temporary += 2 * DP_BUCKET_BYTES
         step_temp = local * 4 / (d if z >= 1 else 1)  # foreach Adam's intermediate of the local states
         total = params + grads + optimizer + max(activations + temporary, step_temp)
@@ -249,14 +261,18 @@ def step_time(
     layers = math.ceil(model.layers / p)
     head = 3 * head_flops * tokens / t / peak + eff.memory_passes * 3 * 4 * tokens * model.vocab / t / hbm
     head += eff.layer_overhead_s  # the embedding's and the head's dispatch: one more block's
-    # ZeRO-3 gathers each block's parameters in forward and backward and reduce-scatters its gradients per microbatch.
+    # ZeRO-3 gathers each block's parameters in forward and backward and reduce-scatters its gradients per microbatch
+    # over the shard group; under HSDP the reduced shards are then all-reduced across the replicas.
     dp_bw = _bandwidth(t, d, cluster)
+    k, r = layout.shard, layout.replicas
+    shard_bw, replica_bw = _bandwidth(t, k, cluster), _bandwidth(t * k, r, cluster)
     zero3 = zero3_root = 0.0
     collective = eff.latency_s + eff.shard_collective_s  # one FSDP2 all-gather or reduce-scatter, data aside
     if layout.zero_stage == 3 and d > 1:
         block_bytes = model.params_per_layer / t
-        zero3 = (2 * block_bytes * p_bytes + block_bytes * g_bytes) * (d - 1) / d / (dp_bw * GB * eff.comm)
+        zero3 = (2 * block_bytes * p_bytes + block_bytes * g_bytes) * (k - 1) / k / (shard_bw * GB * eff.comm)
         zero3 += 3 * collective  # two gathers and one reduce-scatter per block
+        zero3 += _ring(r, block_bytes * g_bytes / k, replica_bw, eff) + (collective if r > 1 else 0.0)
         zero3 = max(zero3 - eff.dp_overlap * block_compute, (1 - eff.dp_overlap) * zero3)
         zero3_root = 3 * collective * (1 - eff.dp_overlap)  # the root's wrap: embedding, head, final norm
     stage = layers * (block_compute + block_tp + zero3) + head + zero3_root  # the last stage, which runs the head
@@ -276,8 +292,14 @@ def step_time(
     if d > 1 and layout.zero_stage < 3:
         nbytes = stage_params * g_bytes if layout.zero_stage == 0 else stage_params * (g_bytes + p_bytes) / 2
         dp = _ring(d, nbytes, dp_bw, eff)
+        if layout.zero_stage == 2 and r > 1:  # HSDP: reduce-scatter and gather in the shard group, all-reduce across
+            dp = stage_params * (g_bytes + p_bytes) * (k - 1) / k / (shard_bw * GB * eff.comm)
+            dp += _ring(r, stage_params * g_bytes / k, replica_bw, eff)
+        elif layout.zero_stage == 1 and r > 1:  # all-reduce over dp, the owners' broadcast in the shard group
+            dp = _ring(d, stage_params * g_bytes, dp_bw, eff)
+            dp += stage_params * p_bytes * (k - 1) / k / (shard_bw * GB * eff.comm)
         if layout.zero_stage == 2:  # FSDP2 gathers the parameters once more at the start of the step
-            dp += stage_params * p_bytes * (d - 1) / d / (dp_bw * GB * eff.comm)
+            dp += stage_params * p_bytes * (k - 1) / k / (shard_bw * GB * eff.comm)
             units = layers + 1 if p > 1 else stage_params * p_bytes // DP_BUCKET_BYTES + 1
             dp += 2 * units * collective  # one gather and one reduce-scatter per unit
         elif fsdp:
@@ -286,7 +308,7 @@ def step_time(
             dp += math.ceil(nbytes / DP_BUCKET_BYTES) * eff.latency_s  # one all-reduce per bucket
         window = stage * 2 / passes
         dp = dp - eff.dp_overlap * min(dp, window)
-    shards = d if layout.zero_stage >= 1 else 1
+    shards = k if layout.zero_stage >= 1 else 1
     optimizer = stage_params / shards * (p_bytes + g_bytes + 16 + 4 + 8) / hbm  # read p, g, m, v; write p, m, v
     optimizer += eff.step_overhead_s
     if t > 1 or fsdp:  # the parameters are DTensors
@@ -304,6 +326,43 @@ def step_time(
     }
     # Processes beyond the cores share them (CPU): every part of the step, collectives included, runs that much slower.
     return {kind: seconds * cluster.contention for kind, seconds in times.items()}
+
+
+def data_parallel_bytes(
+    numel: float,
+    zero_stage: int,
+    dp: int,
+    shard: int | None = None,
+    gathered: float | None = None,
+    dtype_bytes: int = 4,
+) -> dict[str, float]:
+    """Bytes one rank sends per step for data parallelism over ``numel`` parameters (ring algorithms: an all-reduce
+    sends 2(w-1)/w of the tensor, a reduce-scatter, all-gather or broadcast (w-1)/w), by group: ``shard`` (the ranks
+    ZeRO shards over: all of dp, or the HSDP group), ``replicas`` (across HSDP groups) and ``dp`` (all of dp).
+
+    ``gathered``: parameter elements all-gathered per step (ZeRO-3: blocks twice, in forward and backward, the root
+    once; default ``numel``, ZeRO-2's one gather). Stage 0 all-reduces gradients over dp; stage 1 reduces each
+    gradient to its owner and broadcasts the update (under HSDP: all-reduce over dp, broadcast in the shard group);
+    stages 2-3 reduce-scatter gradients in the shard group, all-reduce the shards across replicas and gather.
+    """
+    k = shard or dp
+    r = dp // k
+    sent = {"shard": 0.0, "replicas": 0.0, "dp": 0.0}
+    whole = numel * dtype_bytes
+    if dp <= 1:
+        return sent
+    if zero_stage == 0:
+        sent["dp"] = 2 * (dp - 1) / dp * whole
+    elif zero_stage == 1 and r == 1:
+        sent["dp"] = 2 * (dp - 1) / dp * whole  # reduce to owners + broadcast: reduce-scatter + all-gather volume
+    elif zero_stage == 1:
+        sent["dp"] = 2 * (dp - 1) / dp * whole
+        sent["shard"] = (k - 1) / k * whole
+    else:
+        gathered_bytes = (numel if gathered is None else gathered) * dtype_bytes
+        sent["shard"] = (k - 1) / k * (whole + gathered_bytes)
+        sent["replicas"] = 2 * (r - 1) / r * whole / k
+    return sent
 
 
 def paper_flops_per_step(model: ModelSpec, global_batch: int, checkpointing: str = "full") -> float:

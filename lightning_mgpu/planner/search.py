@@ -23,8 +23,16 @@ _FIX_KEYS = {
     "ckpt": str,
     "checkpointing": str,
     "sp": int,
+    "hsdp": int,
+    "dp_shard": int,
 }
-_ALIASES = {"zero": "zero_stage", "mbs": "microbatch_size", "ckpt": "checkpointing", "sp": "sequence_parallel"}
+_ALIASES = {
+    "zero": "zero_stage",
+    "mbs": "microbatch_size",
+    "ckpt": "checkpointing",
+    "sp": "sequence_parallel",
+    "hsdp": "dp_shard",
+}
 
 
 @dataclass
@@ -63,6 +71,8 @@ def parse_fix(text: str | None) -> dict[str, object]:
         raise ValueError(f"--fix schedule={fixed['schedule']}: choose one of {', '.join(SCHEDULES)}.")
     if "zero_stage" in fixed and fixed["zero_stage"] not in (0, 1, 2, 3):
         raise ValueError(f"--fix zero={fixed['zero_stage']}: ZeRO stages are 0, 1, 2, 3.")
+    if "dp_shard" in fixed and int(fixed["dp_shard"]) < 1:  # type: ignore[call-overload]
+        raise ValueError(f"--fix hsdp={fixed['dp_shard']}: the shard group size must be a positive integer.")
     return fixed
 
 
@@ -103,11 +113,11 @@ def candidates(
                 if fixed.keys() & {"tp", "pp", "dp"}:
                     yield problem
                 continue
-            yield from _variants(model, training, tp, pp, dp, fixed)
+            yield from _variants(model, training, tp, pp, dp, fixed, cluster.gpus_per_node)
 
 
 def _variants(
-    model: ModelSpec, training: Training, tp: int, pp: int, dp: int, fixed: dict[str, object]
+    model: ModelSpec, training: Training, tp: int, pp: int, dp: int, fixed: dict[str, object], gpus_per_node: int = 8
 ) -> Iterator[Layout | str]:
     per_rank = training.global_batch // dp
     mbs_fixed = fixed.get("microbatch_size")
@@ -134,18 +144,32 @@ def _variants(
                         continue
                     if ckpt == "selective" and training.flash_attention and "checkpointing" not in fixed:
                         continue  # flash attention keeps no scores: selective recomputation would change nothing
-                        continue
-                    yield Layout(
-                        tp=tp,
-                        pp=pp,
-                        dp=dp,
-                        zero_stage=zero,
-                        schedule=schedule,
-                        microbatch_size=mbs,
-                        num_microbatches=m,
-                        checkpointing=ckpt,
-                        sequence_parallel=bool(fixed.get("sequence_parallel", tp > 1)),
-                    )
+                    for shard in _shard_sizes(dp, tp, zero, gpus_per_node, fixed):
+                        yield Layout(
+                            tp=tp,
+                            pp=pp,
+                            dp=dp,
+                            zero_stage=zero,
+                            schedule=schedule,
+                            microbatch_size=mbs,
+                            num_microbatches=m,
+                            checkpointing=ckpt,
+                            sequence_parallel=bool(fixed.get("sequence_parallel", tp > 1)),
+                            dp_shard=shard,
+                        )
+
+
+def _shard_sizes(dp: int, tp: int, zero: int, gpus_per_node: int, fixed: dict[str, object]) -> list[int | None]:
+    """ZeRO over all of dp (None) and, where dp leaves a node at ZeRO 2-3, hybrid sharding inside each node (HSDP:
+    the shard groups' collectives on the node's links, only the shards' all-reduce across nodes)."""
+    if "dp_shard" in fixed:
+        shard = int(fixed["dp_shard"])  # type: ignore[call-overload]
+        return [None if shard == dp else shard] if dp % shard == 0 and zero >= 1 else []
+    sizes: list[int | None] = [None]
+    node_shard = gpus_per_node // tp if gpus_per_node % tp == 0 else 0
+    if zero >= 2 and 1 < node_shard < dp and dp % node_shard == 0:
+        sizes.append(node_shard)
+    return sizes
 
 
 def search(
@@ -193,7 +217,7 @@ def _distinct(results: list[Estimate]) -> list[Estimate]:
     kept = []
     for result in results:
         lay = result.layout
-        key = (lay.tp, lay.pp, lay.dp, lay.zero_stage, lay.checkpointing)
+        key = (lay.tp, lay.pp, lay.dp, lay.zero_stage, lay.checkpointing, lay.shard)
         if key not in seen:
             seen.add(key)
             kept.append(result)

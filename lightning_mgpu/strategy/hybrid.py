@@ -89,6 +89,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         zero_backend: str = "torch",
         deepspeed_config: dict | str | None = None,
         expert_parallel_size: int = 1,
+        data_parallel_shard_size: int | None = None,
         find_unused_parameters: bool | None = None,
         tp_plan: str | dict[str, str] | Callable[..., None] = "auto",
         sequence_parallel: bool = False,
@@ -137,6 +138,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             async_checkpoint=async_checkpoint,
             deepspeed_config=deepspeed_config,
             expert_parallel_size=expert_parallel_size,
+            data_parallel_shard_size=data_parallel_shard_size,
             find_unused_parameters=find_unused_parameters,
         )
         check_options(self.options, zero_stage, tensor_parallel_size, pipeline_parallel_size)
@@ -300,7 +302,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             self._plan = agreed_plan(self.lightning_module, *args)
             self._layout = self._plan.layout
             self._check_layout(self._layout)
-        self._device_mesh = self.layout.build_mesh(self.root_device.type)
+        self._device_mesh = self.layout.build_mesh(self.root_device.type, self.options.data_parallel_shard_size)
         self._dp_group = self._device_mesh[DP_AXIS].get_group()  # looked up once: slicing a mesh is not free
         # A user's `configure_model` may read `self.device_mesh`, as with Lightning's ModelParallelStrategy.
         if self.lightning_module is not None:

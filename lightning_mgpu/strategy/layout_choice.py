@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mgpu.backends import deepspeed
 from lightning_mgpu.layout import ParallelLayout, Size, warn_about_layout
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.parallel import pipeline, tensor
+from lightning_mgpu.parallel import data, pipeline, tensor
 from lightning_mgpu.parallel.experts import check_expert_layout
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
@@ -39,6 +39,7 @@ def check_sizes(
     sizes = (layout.zero_stage, layout.tensor_parallel_size, layout.pipeline_parallel_size)
     options.check_sizes(*sizes, auto)
     _check_with_sizes(options, *sizes)
+    data.check(options, layout)
     if options.expert_parallel_size > 1:
         check_expert_layout(options, layout)
     precision.check_layout(layout.tensor_parallel_size)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
-from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout
+from lightning_mgpu.layout import PP_AXIS, ParallelLayout, zero_shard_mesh
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.data import OptimizerStateSharding, stop_watching
@@ -123,4 +123,5 @@ def wire_optimizers(
     if layout.zero_stage != 1 or layout.data_parallel_size == 1 or deepspeed is not None:
         return []
     local = expert_parameters(module)  # sharded over their own mesh: each rank steps its own
-    return [OptimizerStateSharding(optimizer, mesh[DP_AXIS], roots, precision, local) for optimizer in optimizers]
+    shard_mesh = zero_shard_mesh(mesh)  # all of dp, or one hybrid-sharding group
+    return [OptimizerStateSharding(optimizer, shard_mesh, roots, precision, local) for optimizer in optimizers]

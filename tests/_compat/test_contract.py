@@ -281,6 +281,9 @@ def _distributed_contract() -> dict:
     out["style"] = (calls == ["apply"], isinstance(linear.weight, DTensor), torch.allclose(got, expected))
     split = dtensor.unflatten_mesh(mesh, "dp", (1, 1), ("replica", "ep"))
     out["unflatten"] = split.mesh_dim_names == ("replica", "ep")
+    two = init_device_mesh("cpu", (1, 1), mesh_dim_names=("outer", "inner"))
+    flat = dtensor.flatten_mesh(two, ("outer", "inner"), "both")
+    out["flatten"] = (flat.mesh_dim_names == ("both",), two["both"].size() == 1)
 
     ddp = nn.Linear(2, 2)
     fsdp.replicate_ddp(ddp, process_group=mesh.get_group())
@@ -353,6 +356,7 @@ def test_distributed_shims_in_a_process_group():
     _expect(out["style"][0], "ParallelStyle._apply", "torch", "parallelize_module no longer calls it")
     _expect(all(out["style"][1:]), "ColwiseParallel._prepare_input_fn/_prepare_output_fn", "torch", str(out["style"]))
     _expect(out["unflatten"], "DeviceMesh._unflatten", "torch", "dimension names differ")
+    _expect(all(out["flatten"]), "DeviceMesh._flatten", "torch", str(out["flatten"]))
     _expect(all(out["fsdp"]), "torch.distributed._composable.replicate(_with_fsdp)", "torch", str(out["fsdp"]))
     _expect(
         out["unapply"] == [False, True],

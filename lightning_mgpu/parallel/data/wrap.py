@@ -54,8 +54,14 @@ def apply_data_parallel(
     blocks: list[nn.Module] | None = None,
     reshard_blocks: bool | None = None,
     find_unused_parameters: bool | None = None,
+    hybrid_mesh: DeviceMesh | None = None,
 ) -> None:
     """Wrap ``module`` in place for data parallelism over ``dp_mesh`` at the given ZeRO stage.
+
+    ``hybrid_mesh``: hybrid sharding (HSDP), the ``(dp_replicate, dp_shard)`` view of ``dp_mesh``. ZeRO-2/3 then
+    shard over ``dp_shard`` and replicate over ``dp_replicate`` (``fully_shard`` on the 2-D mesh: gradients
+    reduce-scattered in the shard group, then all-reduced across replicas); ZeRO-1 all-reduces gradients over all
+    of ``dp_mesh`` and its optimizer states split over ``dp_shard`` (``OptimizerStateSharding``).
 
     ``blocks`` defaults to the model's repeated blocks (with pipelining: only this rank's).
     Its blocks get a wrap each; ``root`` (default: ``module`` itself), which must contain ``module``, takes the
@@ -73,13 +79,15 @@ def apply_data_parallel(
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs: dict[str, Any] = {
-        "mesh": dp_mesh,
+        "mesh": hybrid_mesh if hybrid_mesh is not None and zero_stage >= 2 else dp_mesh,
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": offload_policy or OffloadPolicy(),
     }
     root = module if root is None else root
     if zero_stage <= 1 and _plain_data_parallel(root, blocks, mp_policy, offload_policy):
-        _replicate_with_ddp(root, dp_mesh, zero_stage, find_unused_parameters)
+        # Under HSDP a parameter's owners are one rank per replica: gradients are all-reduced, not reduced to one.
+        owner_reduce = zero_stage == 1 and hybrid_mesh is None
+        _replicate_with_ddp(root, dp_mesh, owner_reduce, find_unused_parameters)
         return
     wrap: Callable[..., Any]
     if zero_stage <= 1:
@@ -133,7 +141,7 @@ def _plain_data_parallel(root: nn.Module, blocks: list[nn.Module] | None, mp_pol
     return not any(isinstance(p, DTensor) for p in root.parameters())
 
 
-def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, find_unused: bool | None) -> None:
+def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, owner_reduce: bool, find_unused: bool | None) -> None:
     """Torch's DDP applied in place: bucketed all-reduces that start while backward still runs.
 
     Gradients are views into the buckets (no copy). DDP builds its reducer on the first forward. ``find_unused``:
@@ -147,8 +155,9 @@ def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, f
     }
     replicate_ddp(root, **kwargs)
     comm_hook = None
-    if zero_stage == 1:
-        # Set before DDP's first forward builds the reducer; owners come with the optimizers (OptimizerStateSharding).
+    if owner_reduce:
+        # ZeRO-1: set before DDP's first forward builds the reducer; owners come with the optimizers
+        # (OptimizerStateSharding).
         reduce = _OwnerReduce(dp_mesh.get_group())
         comm_hook = (reduce, _reduce_to_owners)
         cast(Any, root).register_comm_hook(*comm_hook)  # a method replicate_ddp gave its class
