@@ -461,3 +461,32 @@ def test_choose_layout_for_a_real_module_keeps_fixed_sizes():
     )
     with pytest.raises(ValueError, match=r"found no layout .* needs .* GB per GPU"):
         choose_layout(module, tiny, global_batch=8)
+
+
+def test_hybrid_sharding_divides_memory_by_the_shard_group_and_keeps_gathers_on_a_node():
+    """HSDP (``dp_shard``): ZeRO's bytes per rank divide by the shard group, not dp; the gathers run on the node's
+    links, so on several nodes ZeRO-3 with shard groups of a node spends less time communicating than over all dp;
+    the search offers it where dp leaves a node, and ``--fix hsdp=`` pins it."""
+    from lightning_mgpu.planner.cost import data_parallel_bytes, step_time
+
+    model = ModelSpec(layers=32, hidden=4096, heads=32, vocab=32000, seq_len=4096)
+    cluster, training = preset("h100-sxm", gpus=32), Training(global_batch=64)
+    n = model.total_params
+    full = memory(model, cluster, training, Layout(dp=32, zero_stage=3))
+    hybrid = memory(model, cluster, training, Layout(dp=32, zero_stage=3, dp_shard=8))
+    assert hybrid["optimizer"] == pytest.approx(8 * n / 8, rel=1e-3) and full["optimizer"] == pytest.approx(8 * n / 32)
+    assert hybrid["params"] == pytest.approx(4 * full["params"], rel=1e-6)
+    eff = Efficiency()
+    over_nodes = step_time(model, cluster, training, Layout(dp=32, zero_stage=3, num_microbatches=2), eff)
+    in_node = step_time(model, cluster, training, Layout(dp=32, zero_stage=3, num_microbatches=2, dp_shard=8), eff)
+    assert in_node["zero3_gather"] < over_nodes["zero3_gather"]
+    assert Layout(dp=32, zero_stage=3, dp_shard=8).describe().endswith("hsdp=8 mbs=1x1 ckpt=none")
+    plan = search(model, cluster, training, eff, fixed=parse_fix("zero=3,hsdp=8,tp=1,pp=1"), scaling=False)
+    assert plan.ranked and all(e.layout.shard == 8 and e.layout.replicas == 4 for e in plan.ranked)
+    offered = search(model, cluster, training, eff, fixed=parse_fix("zero=3,tp=1,pp=1"), scaling=False)
+    assert {e.layout.shard for e in offered.ranked + offered.infeasible} >= {8, 32}
+    # The analytic bytes per group: an all-reduce of the shards across 4 groups, gathers and reduce-scatters in one.
+    sent = data_parallel_bytes(n, 3, dp=32, shard=8, gathered=2 * n)
+    assert sent["replicas"] == pytest.approx(2 * 3 / 4 * 4 * n / 8)
+    assert sent["shard"] == pytest.approx(7 / 8 * 4 * (n + 2 * n)) and sent["dp"] == 0
+    assert data_parallel_bytes(n, 0, dp=32) == {"shard": 0.0, "replicas": 0.0, "dp": 2 * 31 / 32 * 4 * n}
