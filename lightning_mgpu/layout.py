@@ -20,6 +20,10 @@ PP_AXIS = "pp"
 DP_AXIS = "dp"
 TP_AXIS = "tp"
 MESH_AXES = (PP_AXIS, DP_AXIS, TP_AXIS)
+# Context parallelism splits each sequence over ``cp`` ranks between dp and tp: ``(pp, dp, cp, tp)``. Its ranks hold
+# replicated weights and see the same samples, so gradients average over ``dp x cp`` flattened (``dp_cp``).
+CP_AXIS = "cp"
+DP_CP_AXIS = "dp_cp"
 # Expert parallelism cuts the data-parallel axis in two, ``dp = replicas x ep``: ranks of one ``ep`` group hold
 # different experts, ranks of one replica group the same ones (``parallel.experts``).
 EP_AXIS = "ep"
@@ -45,15 +49,18 @@ def _check_size(name: str, value: object, allow_auto: bool) -> None:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Degrees of data, tensor and pipeline parallelism plus the ZeRO stage; ``dp * tp * pp == world_size``."""
+    """Degrees of data, tensor, pipeline and context parallelism plus the ZeRO stage;
+    ``dp * tp * pp * cp == world_size``."""
 
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     zero_stage: int = 0
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check_size("data_parallel_size", self.data_parallel_size, allow_auto=False)
+        _check_size("context_parallel_size", self.context_parallel_size, allow_auto=False)
         _check_size("tensor_parallel_size", self.tensor_parallel_size, allow_auto=False)
         _check_size("pipeline_parallel_size", self.pipeline_parallel_size, allow_auto=False)
         _check_zero_stage(self.zero_stage)
@@ -66,6 +73,7 @@ class ParallelLayout:
         tensor_parallel_size: Size = 1,
         pipeline_parallel_size: Size = 1,
         zero_stage: int | Literal["auto"] = 0,
+        context_parallel_size: int = 1,
     ) -> ParallelLayout:
         """Fill in ``"auto"`` sizes from the world size and check that the product covers every process.
 
@@ -75,6 +83,14 @@ class ParallelLayout:
         ``HybridStrategy`` asks the planner at setup instead (``planner.auto``).
         """
         _check_size("world_size", world_size, allow_auto=False)
+        _check_size("context_parallel_size", context_parallel_size, allow_auto=False)
+        cp = context_parallel_size
+        if world_size % cp:
+            raise ValueError(
+                f"context_parallel_size={cp} does not divide the world size {world_size} (devices x num_nodes)."
+                f" Choose one of {divisors(world_size)}."
+            )
+        world_size //= cp  # the other sizes share what context parallelism leaves
         sizes = {
             "data_parallel_size": data_parallel_size,
             "tensor_parallel_size": tensor_parallel_size,
@@ -101,27 +117,44 @@ class ParallelLayout:
                     f" (devices x num_nodes). Choose sizes whose product divides {world_size}: {divisors(world_size)}."
                 )
             sizes[absorber] = world_size // fixed
-        layout = cls(zero_stage=zero_stage, **sizes)  # type: ignore[arg-type]
-        if layout.world_size != world_size:
+        layout = cls(zero_stage=zero_stage, context_parallel_size=cp, **sizes)  # type: ignore[arg-type]
+        if layout.world_size != world_size * cp:
+            with_cp = f" x context_parallel_size={cp}" if cp > 1 else ""
             raise ValueError(
                 f"data_parallel_size={layout.data_parallel_size} x tensor_parallel_size={layout.tensor_parallel_size}"
-                f" x pipeline_parallel_size={layout.pipeline_parallel_size} = {layout.world_size} processes, but the"
-                f" Trainer has {world_size} (devices x num_nodes)."
-                f" Make the product equal {world_size}, or set `data_parallel_size='auto'`."
+                f" x pipeline_parallel_size={layout.pipeline_parallel_size}{with_cp} = {layout.world_size} processes,"
+                f" but the Trainer has {world_size * cp} (devices x num_nodes)."
+                f" Make the product equal {world_size * cp}, or set `data_parallel_size='auto'`."
             )
         return layout
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size * self.cp
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        return (self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size)
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Ranks that hold the same weights and average their gradients: ``dp x cp``."""
+        return self.data_parallel_size * self.cp
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        return MESH_AXES if self.cp == 1 else (PP_AXIS, DP_AXIS, CP_AXIS, TP_AXIS)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The mesh's sizes along ``mesh_axes``: ``(pp, dp, tp)``, or ``(pp, dp, cp, tp)`` with context parallelism."""
+        pp, dp, tp = self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size
+        return (pp, dp, tp) if self.cp == 1 else (pp, dp, self.cp, tp)
 
     def describe(self) -> str:
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
         return (
-            f"dp={self.data_parallel_size} x tp={self.tensor_parallel_size} x pp={self.pipeline_parallel_size}"
+            f"dp={self.data_parallel_size} x tp={self.tensor_parallel_size} x pp={self.pipeline_parallel_size}{cp}"
             f" (zero_stage={self.zero_stage})"
         )
 
@@ -139,25 +172,35 @@ class ParallelLayout:
         if world != self.world_size:
             raise RuntimeError(f"The layout {self.describe()} needs {self.world_size} processes, found {world}.")
         shard = data_parallel_shard_size
+        if self.cp > 1:  # gradients average over dp x cp: one flattened group for the data-parallel wrap
+            mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_axes)
+            flatten_mesh(mesh, (DP_AXIS, CP_AXIS), DP_CP_AXIS)
+            return mesh
         if shard is None or shard == self.data_parallel_size:
             return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
         if self.data_parallel_size % shard:
             raise ValueError(f"data_parallel_shard_size={shard} does not divide {self.describe()}'s data parallelism.")
-        pp, dp, tp = self.mesh_shape
+        pp, dp, tp = self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size
         shape = (pp, dp // shard, shard, tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=(PP_AXIS, *HYBRID_SHARD_AXES, TP_AXIS))
         flatten_mesh(mesh, HYBRID_SHARD_AXES, DP_AXIS)
         return mesh
 
 
+def gradient_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks whose gradients average (the data-parallel wrap's group): ``dp``, or ``dp x cp`` flattened."""
+    return mesh[DP_CP_AXIS] if CP_AXIS in (mesh.mesh_dim_names or ()) else mesh[DP_AXIS]
+
+
 def zero_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ZeRO wraps over: ``dp``, or ``(dp_replicate, dp_shard)`` where the mesh has hybrid sharding."""
-    return mesh[HYBRID_SHARD_AXES] if DP_SHARD_AXIS in (mesh.mesh_dim_names or ()) else mesh[DP_AXIS]
+    """The mesh ZeRO wraps over: the gradient mesh, or ``(dp_replicate, dp_shard)`` under hybrid sharding."""
+    return mesh[HYBRID_SHARD_AXES] if DP_SHARD_AXIS in (mesh.mesh_dim_names or ()) else gradient_mesh(mesh)
 
 
 def zero_shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The ranks that split ZeRO's states among themselves: ``dp_shard`` under hybrid sharding, else ``dp``."""
-    return mesh[DP_SHARD_AXIS] if DP_SHARD_AXIS in (mesh.mesh_dim_names or ()) else mesh[DP_AXIS]
+    """The ranks that split ZeRO's states among themselves: ``dp_shard`` under hybrid sharding, else the gradient
+    mesh."""
+    return mesh[DP_SHARD_AXIS] if DP_SHARD_AXIS in (mesh.mesh_dim_names or ()) else gradient_mesh(mesh)
 
 
 def warn_about_layout(layout: ParallelLayout, devices_per_node: int, num_nodes: int, wrapped: bool) -> None:

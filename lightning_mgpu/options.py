@@ -26,6 +26,7 @@ START_METHODS = get_args(StartMethod)
 ZERO_BACKENDS = ("torch", "deepspeed")
 CHECKPOINT_FORMATS = ("sharded", "full")
 ACTIVATION_CHECKPOINTING = (False, True, "full", "selective")
+CONTEXT_PARALLEL_MODES = ("ring", "alltoall")
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,13 @@ class ParallelOptions:
     deepspeed_config: Any = None  # None, a dict or a JSON file's path (zero_backend="deepspeed")
     expert_parallel_size: int = 1  # experts sharded over groups of this many data-parallel ranks (parallel/experts/)
     data_parallel_shard_size: int | None = None  # HSDP: ZeRO shards over groups of this many dp ranks (parallel/data/)
+    context_parallel_mode: str = "ring"  # how attention spans the sequence's shards (parallel/context/)
     find_unused_parameters: bool | None = None  # DDP's search for parameters without a gradient (data/unused_params.py)
 
     def __post_init__(self) -> None:
         _one_of("zero_backend", self.zero_backend, ZERO_BACKENDS)
         _one_of("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
+        _one_of("context_parallel_mode", self.context_parallel_mode, CONTEXT_PARALLEL_MODES)
         if not (self.tp_plan == "auto" or isinstance(self.tp_plan, dict) or callable(self.tp_plan)):
             raise ValueError(
                 f"`tp_plan` must be 'auto', a dict {{module_glob: style}} or a callable (module, tp_mesh),"
@@ -116,13 +119,18 @@ class ParallelOptions:
         tensor_parallel_size: Any,
         pipeline_parallel_size: Any,
         auto: tuple[str, ...] = (),
+        context_parallel_size: int = 1,
     ) -> None:
         """Options that need a given ZeRO stage or parallel size (see the module docstring for the rule).
 
         Sizes still ``"auto"`` are skipped: the strategy calls this again with the resolved sizes, naming in
         ``auto`` those that were resolved from ``"auto"``.
         """
-        sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
+        sizes = {
+            "tensor_parallel_size": tensor_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size,
+            "context_parallel_size": context_parallel_size,
+        }
         defaults = {f.name: f.default for f in fields(self)}
         for dimension, options in _DIMENSION_OPTIONS.items():
             size = sizes[dimension]
@@ -239,6 +247,9 @@ _DIMENSION_OPTIONS = {
         "num_microbatches": "cuts each batch into microbatches for the pipeline schedule",
         "stages_per_rank": "places several pipeline stages on each rank",
         "pipeline_split": "says where pipeline stages begin",
+    },
+    "context_parallel_size": {
+        "context_parallel_mode": "says how attention spans the sequence's shards across context-parallel ranks",
     },
 }
 

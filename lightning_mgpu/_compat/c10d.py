@@ -28,6 +28,13 @@ def functional_collectives() -> ModuleType:
     return funcol
 
 
+def all_to_all(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """Equal chunks of dim 0 exchanged within ``group``, differentiable (the backward is the reverse exchange)."""
+    funcol = functional_collectives()
+    exchanged = funcol.all_to_all_single_autograd(tensor, None, None, group)
+    return exchanged.wait() if isinstance(exchanged, funcol.AsyncCollectiveTensor) else exchanged
+
+
 def all_reduce(tensor: torch.Tensor, op: str, mesh: Any) -> torch.Tensor:
     """``tensor`` reduced with ``op`` (``"sum"``, ...) over ``mesh`` (a 1-D DeviceMesh or a group), waited on."""
     funcol = functional_collectives()

@@ -141,7 +141,9 @@ def _describe_layout(record: Any) -> str:
 
     if not isinstance(record, dict):
         return str(record)
-    return ParallelLayout(**{field.name: record[field.name] for field in dataclasses.fields(ParallelLayout)}).describe()
+    # Sizes a checkpoint of an older version does not record (context_parallel_size) have their default.
+    fields = {field.name: record[field.name] for field in dataclasses.fields(ParallelLayout) if field.name in record}
+    return ParallelLayout(**fields).describe()
 
 
 def describe(path: Path, show_optimizer: bool = False, load_weights_only: bool | None = None) -> str:

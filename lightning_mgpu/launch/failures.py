@@ -84,10 +84,15 @@ def error_line(exception: BaseException) -> str:
     return f"{type(exception).__name__}: {_SOURCE_PREFIX.sub('', lines[0])[:300]}"
 
 
-def coordinates(rank: int, mesh_shape: tuple[int, int, int]) -> str:
-    """The rank's place in the row-major ``(pp, dp, tp)`` mesh, e.g. ``"pp 0, dp 1, tp 0"``."""
-    _, dp, tp = mesh_shape
-    return f"pp {rank // (dp * tp)}, dp {rank // tp % dp}, tp {rank % tp}"
+def coordinates(rank: int, mesh_shape: tuple[int, ...]) -> str:
+    """The rank's place in the row-major ``(pp, dp, tp)`` mesh, e.g. ``"pp 0, dp 1, tp 0"`` (``(pp, dp, cp, tp)``
+    with context parallelism: ``"pp 0, dp 1, cp 0, tp 0"``)."""
+    names = ("pp", "dp", "tp") if len(mesh_shape) == 3 else ("pp", "dp", "cp", "tp")
+    place, rest = [], rank
+    for name, size in reversed(list(zip(names, mesh_shape))):
+        place.append(f"{name} {rest % size}")
+        rest //= size
+    return ", ".join(reversed(place))
 
 
 def describe_exit(code: int) -> str:
@@ -197,7 +202,7 @@ def handle_rank_failure(
     exception: BaseException,
     rank: int,
     world_size: int,
-    mesh_shape: tuple[int, int, int],
+    mesh_shape: tuple[int, ...],
     report_from_main: Callable[[bool], None] | None = None,
 ) -> None:
     """Record this rank's failure and decide what this process prints if the error ends it.
@@ -260,7 +265,7 @@ def _say_then_end(signum: int, frame: object) -> None:
 
 
 def _print_own_failure(
-    record: FailureRecord, world_size: int, mesh_shape: tuple[int, int, int], directory: str | None
+    record: FailureRecord, world_size: int, mesh_shape: tuple[int, ...], directory: str | None
 ) -> None:
     """torchrun/SLURM: no launcher reports for us, so each rank says what it knows, briefly when it is an echo."""
     me = f"rank {record.rank} of {world_size} ({coordinates(record.rank, mesh_shape)})"

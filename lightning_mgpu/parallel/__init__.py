@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 from typing_extensions import override
 
-from lightning_mgpu.layout import DP_AXIS, TP_AXIS, ParallelLayout, zero_mesh
+from lightning_mgpu.layout import TP_AXIS, ParallelLayout, gradient_mesh, zero_mesh
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
 from lightning_mgpu.parallel.blocks import is_float8_linear
@@ -82,10 +82,10 @@ def parallelize(
             offload_policy,
             replicate=runtime is not None and layout.zero_stage <= 1,
         )
-    if layout.data_parallel_size > 1 and runtime is None:
+    if layout.gradient_ranks > 1 and runtime is None:
         # A Hugging Face load-balancing loss on the whole batch, as one process computes it (not each rank's own).
-        apply_global_router_loss(module, mesh[DP_AXIS].get_group())
-    if torch_data_parallel and (layout.data_parallel_size > 1 or offload_policy is not None or casts):
+        apply_global_router_loss(module, gradient_mesh(mesh).get_group())
+    if torch_data_parallel and (layout.gradient_ranks > 1 or offload_policy is not None or casts):
         # With pipelining each stage is a root of its own: the schedule drives each stage's gradient sync
         # (no-sync on all but the last backward of a step), also when a rank holds several stages.
         roots = [(stage, stage.blocks) for stage in runtime.stages] if runtime is not None else [(root, None)]
@@ -102,7 +102,7 @@ def parallelize(
         for stage_root, blocks in roots:
             apply_data_parallel(
                 module,
-                mesh[DP_AXIS],
+                gradient_mesh(mesh),  # dp, or dp x cp: ranks whose gradients average
                 layout.zero_stage,
                 mp_policy=mp_policy,
                 offload_policy=offload_policy,

@@ -134,6 +134,7 @@ def layout_candidates(
     tensor_parallel_size: Size,
     pipeline_parallel_size: Size,
     zero_stage: Size,
+    context_parallel_size: int = 1,
 ) -> list[ParallelLayout]:
     """Every layout the requested sizes allow on ``world_size`` processes; the old rule's (``"auto"`` sizes 1, dp
     taking the rest, ZeRO 0) first, so that it is what a module the planner cannot read falls back to.
@@ -141,21 +142,23 @@ def layout_candidates(
     Sharded parameters under a pipeline (ZeRO >= 2 with pp > 1) are offered only when the stage is given, as the
     planner's search does; at dp=1 ZeRO has nothing to shard and ``"auto"`` means 0.
     """
+    cp = context_parallel_size
     first = ParallelLayout.resolve(
-        world_size, data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage
+        world_size, data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage, cp
     )
     requested = {"dp": data_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
     found = [first]
-    for tp in divisors(world_size):
-        for pp in divisors(world_size // tp):
-            dp = world_size // (tp * pp)
+    for tp in divisors(world_size // cp):
+        for pp in divisors(world_size // cp // tp):
+            dp = world_size // (tp * pp * cp)
             if any(value != "auto" and value != size for value, size in zip(requested.values(), (dp, tp, pp))):
                 continue
-            stages = (0, 1, 2, 3) if zero_stage == "auto" and dp > 1 else (0 if zero_stage == "auto" else zero_stage,)
+            fixed = (0 if zero_stage == "auto" else zero_stage,)
+            stages = (0, 1, 2, 3) if zero_stage == "auto" and dp * cp > 1 else fixed
             for zero in stages:
                 if zero >= 2 and pp > 1 and zero_stage == "auto":
                     continue
-                layout = ParallelLayout(dp, tp, pp, zero)
+                layout = ParallelLayout(dp, tp, pp, zero, cp)
                 if layout not in found:
                     found.append(layout)
     return found

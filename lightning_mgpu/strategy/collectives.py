@@ -25,6 +25,7 @@ class DataParallelCollectives(ParallelStrategy):
 
     _device_mesh: Any | None
     _dp_group: Any
+    _reduce_group: Any  # dp, or dp x cp: the ranks that computed parts of a logged value
 
     def _data_parallel_group(self, group: Any | None) -> Any | None:
         if group is not None or self._device_mesh is None:
@@ -35,8 +36,10 @@ class DataParallelCollectives(ParallelStrategy):
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:
-        """Reduce over the data-parallel group by default: tensor/pipeline peers hold the same samples' values."""
-        group = self._data_parallel_group(group)
+        """Reduce over the data-parallel group by default: tensor/pipeline peers hold the same samples' values (with
+        context parallelism, over dp x cp: each cp rank computed its part of the sequence's values)."""
+        if group is None and self._device_mesh is not None:
+            group = self._reduce_group
         if not isinstance(tensor, Tensor) or (group is not None and dist.get_world_size(group) == 1):
             return tensor  # nothing to reduce (dp=1 under tp/pp): skip Lightning's barrier + all-reduce per log
         if not _distributed():

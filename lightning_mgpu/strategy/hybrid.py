@@ -46,9 +46,10 @@ from lightning_mgpu.launch import (
     handle_rank_failure,
     restore_sigterm,
 )
-from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, minimum_world_size
+from lightning_mgpu.layout import CP_AXIS, DP_AXIS, PP_AXIS, ParallelLayout, Size, gradient_mesh, minimum_world_size
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
+from lightning_mgpu.parallel.context import ContextParallel
 from lightning_mgpu.parallel.data import OptimizerStateSharding, finish_backward, reduce_metrics_over, set_gradient_sync
 from lightning_mgpu.parallel.local_step import fused_on_cpu
 from lightning_mgpu.parallel.pipeline import PipelineEngine
@@ -90,6 +91,8 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         deepspeed_config: dict | str | None = None,
         expert_parallel_size: int = 1,
         data_parallel_shard_size: int | None = None,
+        context_parallel_size: int = 1,
+        context_parallel_mode: str = "ring",
         find_unused_parameters: bool | None = None,
         tp_plan: str | dict[str, str] | Callable[..., None] = "auto",
         sequence_parallel: bool = False,
@@ -122,7 +125,12 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         # Validate everything that does not need the world size now, before any process is started; the rest when
         # the Trainer is built (`set_world_ranks`, the `precision_plugin` setter), still in the launching process.
         self._requested_sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage)
-        ParallelLayout.resolve(minimum_world_size(*self._requested_sizes[:3]), *self._requested_sizes)
+        self._context_parallel_size = context_parallel_size
+        ParallelLayout.resolve(
+            minimum_world_size(*self._requested_sizes[:3], context_parallel_size),
+            *self._requested_sizes,
+            context_parallel_size=context_parallel_size,
+        )
         self.options = ParallelOptions(
             zero_backend=zero_backend,
             tp_plan=tp_plan,
@@ -139,9 +147,10 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             deepspeed_config=deepspeed_config,
             expert_parallel_size=expert_parallel_size,
             data_parallel_shard_size=data_parallel_shard_size,
+            context_parallel_mode=context_parallel_mode,
             find_unused_parameters=find_unused_parameters,
         )
-        check_options(self.options, zero_stage, tensor_parallel_size, pipeline_parallel_size)
+        check_options(self.options, zero_stage, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
         self._launch_options = LaunchOptions(process_group_backend, timeout, start_method)
         self._process_group_backend = process_group_backend
         self._timeout = cast(timedelta | None, self._launch_options.timeout)  # LaunchOptions made it a timedelta
@@ -154,6 +163,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         self._optimizer_sharding: list[OptimizerStateSharding] = []
         self._runner: StepRunner | None = None
         self._pipeline: PipelineEngine | None = None
+        self._context: ContextParallel | None = None
         # zero_backend="deepspeed": the data-parallel dimension runs through a DeepSpeed engine (built in `setup`).
         self._deepspeed = DeepSpeedEngineRunner(deepspeed_config) if zero_backend == "deepspeed" else None
         state_access = DeepSpeedStates(self._deepspeed) if self._deepspeed is not None else None
@@ -230,7 +240,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         if self.num_processes:
             world = self.num_nodes * self.num_processes
-            choices = planner_auto.layout_candidates(world, *self._requested_sizes)
+            choices = planner_auto.layout_candidates(world, *self._requested_sizes, self._context_parallel_size)
             check = functools.partial(check_sizes, self.options, self.precision_plugin, self._requested_sizes)
             self._layout_choices = planner_auto.valid_layouts(choices, check)
             self._layout = self._layout_choices[0] if len(self._layout_choices) == 1 else None
@@ -304,6 +314,8 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             self._check_layout(self._layout)
         self._device_mesh = self.layout.build_mesh(self.root_device.type, self.options.data_parallel_shard_size)
         self._dp_group = self._device_mesh[DP_AXIS].get_group()  # looked up once: slicing a mesh is not free
+        # Logged values average over every rank that computed part of them: dp, and cp's sequence shards.
+        self._reduce_group = gradient_mesh(self._device_mesh).get_group()
         # A user's `configure_model` may read `self.device_mesh`, as with Lightning's ModelParallelStrategy.
         if self.lightning_module is not None:
             set_device_mesh(self.lightning_module, self._device_mesh)
@@ -342,7 +354,11 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             self.model = self._runner
             if self._snapshot is not None:
                 self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains
-        reduce_metrics_over(self.lightning_module, self.device_mesh[DP_AXIS].get_group(), self._patches)
+        if self.layout.context_parallel_size > 1:
+            group = self.device_mesh[CP_AXIS].get_group()
+            mode = self.options.context_parallel_mode
+            self._context = ContextParallel(self.lightning_module, group, mode, self._patches)
+        reduce_metrics_over(self.lightning_module, self._reduce_group, self._patches)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -390,7 +406,10 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
     # ------------------------------------------------------------------------------------------------------ steps
     def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         context = self._tensor_parallel_context(method_name)
-        return run_step(self.model, self._pipeline, self.lightning_module, context, method_name, args, kwargs)
+        if self._context is not None:  # each sequence split over the cp ranks
+            args = self._context.split(method_name, args)
+        output = run_step(self.model, self._pipeline, self.lightning_module, context, method_name, args, kwargs)
+        return output if self._context is None else self._context.finish(method_name, output)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

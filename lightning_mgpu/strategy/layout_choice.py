@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mgpu.backends import deepspeed
 from lightning_mgpu.layout import ParallelLayout, Size, warn_about_layout
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.parallel import data, pipeline, tensor
+from lightning_mgpu.parallel import context, data, pipeline, tensor
 from lightning_mgpu.parallel.experts import check_expert_layout
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
@@ -20,14 +20,20 @@ _SIZE_NAMES = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_
 
 
 def check_options(
-    options: ParallelOptions, zero_stage: Size, tensor_parallel_size: Size, pipeline_parallel_size: Size
+    options: ParallelOptions,
+    zero_stage: Size,
+    tensor_parallel_size: Size,
+    pipeline_parallel_size: Size,
+    context_parallel_size: int = 1,
 ) -> None:
     """Every parallelism's checks of its own options, against the sizes as given (``"auto"`` ones are judged per
     candidate layout by :func:`check_sizes`). Raised when the strategy is built, before any process starts."""
     options.check_implemented()
     tensor.check(options)
     pipeline.check(options)
-    options.check_sizes(zero_stage, tensor_parallel_size, pipeline_parallel_size)
+    options.check_sizes(
+        zero_stage, tensor_parallel_size, pipeline_parallel_size, context_parallel_size=context_parallel_size
+    )
     _check_with_sizes(options, zero_stage, tensor_parallel_size, pipeline_parallel_size)
 
 
@@ -37,9 +43,10 @@ def check_sizes(
     """The options against one layout's sizes (raises naming the option and the fix)."""
     auto = tuple(name for name, size in zip(_SIZE_NAMES, requested_sizes) if size == "auto")
     sizes = (layout.zero_stage, layout.tensor_parallel_size, layout.pipeline_parallel_size)
-    options.check_sizes(*sizes, auto)
+    options.check_sizes(*sizes, auto, context_parallel_size=layout.context_parallel_size)
     _check_with_sizes(options, *sizes)
     data.check(options, layout)
+    context.check(options, layout)
     if options.expert_parallel_size > 1:
         check_expert_layout(options, layout)
     precision.check_layout(layout.tensor_parallel_size)

@@ -60,7 +60,7 @@ def _refuse_manual_optimization_over_data_parallel(
     reduces part of the gradients). Refused until the torch backend wraps such steps differently."""
     if getattr(module, "automatic_optimization", True) or options.zero_backend != "torch":
         return
-    if layout.pipeline_parallel_size == 1 and (layout.data_parallel_size > 1 or options.cpu_offload):
+    if layout.pipeline_parallel_size == 1 and (layout.gradient_ranks > 1 or options.cpu_offload):
         raise NotImplementedError(
             f"Manual optimization (`automatic_optimization = False`) with data_parallel_size="
             f"{layout.data_parallel_size}{' and cpu_offload=True' if options.cpu_offload else ''} is not supported:"
@@ -120,7 +120,7 @@ def wire_optimizers(
     for optimizer in optimizers if deepspeed is None else ():
         if steps_on_shards(optimizer):
             patches.add(ShardLocalStep(optimizer).remove)
-    if layout.zero_stage != 1 or layout.data_parallel_size == 1 or deepspeed is not None:
+    if layout.zero_stage != 1 or layout.gradient_ranks == 1 or deepspeed is not None:
         return []
     local = expert_parameters(module)  # sharded over their own mesh: each rank steps its own
     shard_mesh = zero_shard_mesh(mesh)  # all of dp, or one hybrid-sharding group

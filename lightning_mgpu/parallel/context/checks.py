@@ -1,0 +1,25 @@
+"""Context-parallel options against one layout, checked when the Trainer is built (before any process starts)."""
+
+from __future__ import annotations
+
+from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.options import ParallelOptions
+
+
+def check(options: ParallelOptions, layout: ParallelLayout) -> None:
+    """The compositions this version implements with ``context_parallel_size > 1``."""
+    cp = layout.context_parallel_size
+    if cp == 1:
+        return
+    unsupported = {
+        "zero_backend='deepspeed'": options.zero_backend != "torch",
+        f"expert_parallel_size={options.expert_parallel_size}": options.expert_parallel_size > 1,
+        f"data_parallel_shard_size={options.data_parallel_shard_size}": options.data_parallel_shard_size is not None,
+    }
+    named = [name for name, bad in unsupported.items() if bad]
+    if named:
+        raise NotImplementedError(
+            f"context_parallel_size={cp} does not compose with {', '.join(named)} yet: context parallelism averages"
+            " gradients over dp x cp with the torch backend's data-parallel wrap, over all data-parallel ranks."
+            " Remove those options, or use context_parallel_size=1."
+        )

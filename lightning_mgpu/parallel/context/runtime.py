@@ -1,0 +1,262 @@
+"""Context parallelism on an unchanged module: its batches split along the sequence, its attention made exact.
+
+For one run, ``ContextParallel`` installs (every patch in the run's ``PatchLog``, undone at teardown):
+
+- ``F.scaled_dot_product_attention`` -> ring or all-to-all attention over the cp group (``attention.py``) while a
+  step's batch is split; other calls (prediction, a different length) go to torch's own;
+- ``F.cross_entropy`` (``reduction="mean"``, class targets) -> the mean over the tokens of the whole sequence, not of
+  this rank's shard: shards hold different numbers of ignored (padding) tokens;
+- position ids that follow the global positions: an ``nn.Embedding`` called with ``arange(T_local) + c`` (learned
+  positions: nanoGPT's ``wpe``, GPT-2, OPT) gets this rank's global positions ``+ c``, as do Hugging Face
+  ``*RotaryEmbedding`` modules called with such ``position_ids``;
+- Hugging Face causal LMs called with ``labels``: the labels are shifted on the whole sequence, then split
+  (``shift_labels``), as ``accelerate``'s context parallelism does: shifting a shard would pair a chunk's last token
+  with the first token of another chunk.
+
+The step's returned loss keeps this rank's gradient but takes the value averaged over the cp group, so every rank
+logs the loss of the whole sequence. Gradients average over ``dp x cp`` (the data-parallel wrap's mesh).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+from lightning_mgpu.parallel.context.attention import alltoall_attention, ring_attention
+from lightning_mgpu.parallel.context.order import local_positions, shard_sequence
+from lightning_mgpu.patches import PatchLog
+
+_SPLIT_STEPS = ("training_step", "validation_step", "test_step")
+# Buffers of rotary tables that a model slices by the (local) sequence length itself: they cannot follow the
+# global positions (litgpt's `cos`/`sin`, torchtitan's `freqs_cis`).
+_ROPE_TABLES = ("cos", "sin", "freqs_cis", "rope_cache", "freqs")
+
+
+class ContextParallel:
+    """The patches and per-step state of context parallelism over ``group`` (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, group: Any, mode: str, patches: PatchLog) -> None:
+        check_module(module)
+        self.group = group
+        self.cp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.mode = mode
+        self.attention_calls = 0
+        self._active = False
+        self._local_len = 0
+        self._positions: Tensor | None = None
+        self._globals: dict[int, Tensor] = {}  # id(shard) -> the whole tensor it was cut from, for this step
+        self._sdpa = F.scaled_dot_product_attention
+        self._cross_entropy = F.cross_entropy
+        patches.set_attribute(F, "scaled_dot_product_attention", self._attention)
+        patches.set_attribute(F, "cross_entropy", self._token_mean_cross_entropy)
+        for submodule in module.modules():
+            if isinstance(submodule, nn.Embedding):
+                patches.hook(submodule.register_forward_pre_hook(self._global_embedding_positions))
+            elif type(submodule).__name__.endswith("RotaryEmbedding"):
+                patches.hook(submodule.register_forward_pre_hook(self._global_rotary_positions, with_kwargs=True))
+            if callable(getattr(submodule, "loss_function", None)) and "labels" in _parameters(submodule):
+                patches.hook(submodule.register_forward_pre_hook(self._shifted_labels, with_kwargs=True))
+
+    # ------------------------------------------------------------------------------------------------- the step
+    def split(self, method_name: str, args: tuple) -> tuple:
+        """The step's batch (its first argument) with every ``(B, T, ...)`` tensor cut to this rank's tokens."""
+        self._active = method_name in _SPLIT_STEPS and bool(args)
+        self._globals.clear()
+        if not self._active:
+            return args
+        batch = args[0]
+        seq_len = _sequence_length(batch)
+        if seq_len % (2 * self.cp):
+            raise ValueError(
+                f"context_parallel_size={self.cp} splits each sequence into {2 * self.cp} equal chunks (two per rank,"
+                f" balancing the causal mask's work), but the batch's sequences have {seq_len} tokens. Pad or cut"
+                f" them to a multiple of {2 * self.cp}, or choose a context_parallel_size whose double divides"
+                f" {seq_len}."
+            )
+        self._local_len = seq_len // self.cp
+        self._positions = None
+        batch_size = _batch_size(batch)
+
+        def cut(tensor: Tensor) -> Tensor:
+            if tensor.ndim < 2 or tensor.shape[0] != batch_size or tensor.shape[1] != seq_len:
+                return tensor
+            shard = shard_sequence(tensor, 1, self.cp, self.rank)
+            self._globals[id(shard)] = tensor
+            return shard
+
+        return (apply_to_collection(batch, Tensor, cut), *args[1:])
+
+    def finish(self, method_name: str, output: Any) -> Any:
+        """After the step's forward: refuse a model whose attention this never saw, and give the loss the value of
+        the whole sequence (each rank keeps its own gradient)."""
+        if not self._active:
+            return output
+        if method_name == "training_step" and self.attention_calls == 0:
+            raise NotImplementedError(
+                f"context_parallel_size={self.cp}: the model's forward called no"
+                " `torch.nn.functional.scaled_dot_product_attention`, the only attention this version splits"
+                " exactly over the sequence. Attention written by hand (softmax(q @ k^T)) or FlexAttention with a"
+                " block mask would attend within this rank's shard only. Use SDPA (Hugging Face:"
+                " attn_implementation='sdpa', the default), or context_parallel_size=1."
+            )
+        if isinstance(output, Tensor) and output.ndim == 0:
+            return self._averaged(output)
+        if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+            return {**output, "loss": self._averaged(output["loss"])}
+        return output
+
+    def _averaged(self, loss: Tensor) -> Tensor:
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=self.group)
+        return loss + (mean / self.cp - loss.detach())
+
+    def _local_positions(self, device: torch.device) -> Tensor:
+        if self._positions is None or self._positions.device != device:
+            self._positions = local_positions(self._local_len * self.cp, self.cp, self.rank, device)
+        return self._positions
+
+    # ------------------------------------------------------------------------------------------------ patches
+    def _attention(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Tensor:
+        if not self._active or query.ndim != 4 or query.shape[2] != self._local_len or key.shape[2] != self._local_len:
+            return self._sdpa(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa,
+            )  # fmt: skip
+        if attn_mask is not None:
+            raise NotImplementedError(
+                f"context_parallel_size={self.cp}: scaled_dot_product_attention got an explicit attn_mask"
+                f" {tuple(attn_mask.shape)} (a padding or sliding-window mask, built on this rank's shard), which"
+                " cannot be split exactly. Causal language models need none: pad on the right and mark the padding"
+                " in the labels with the ignore index (-100), without an attention_mask; or use"
+                " context_parallel_size=1."
+            )
+        if dropout_p > 0:
+            raise NotImplementedError(
+                f"context_parallel_size={self.cp}: attention dropout ({dropout_p}) is not split over the sequence."
+                " Set the model's attention dropout to 0, or use context_parallel_size=1."
+            )
+        self.attention_calls += 1
+        if self.mode == "alltoall":
+            if query.shape[1] % self.cp:
+                raise ValueError(
+                    f"context_parallel_mode='alltoall' scatters the attention heads over the {self.cp} cp ranks,"
+                    f" but this attention has {query.shape[1]} heads per rank (after tensor parallelism). Use"
+                    " context_parallel_mode='ring' (any head count), or a context_parallel_size dividing"
+                    f" {query.shape[1]}."
+                )
+            return alltoall_attention(query, key, value, is_causal, scale, self.group, self._sdpa)
+        return ring_attention(query, key, value, is_causal, scale, self.group)
+
+    def _token_mean_cross_entropy(self, input: Tensor, target: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        options = inspect.signature(self._cross_entropy).bind(input, target, *args, **kwargs).arguments
+        plain = options.get("reduction", "mean") == "mean" and options.get("weight") is None
+        plain = plain and options.get("size_average") is None and options.get("reduce") is None
+        if not self._active or not plain or target.is_floating_point():
+            return self._cross_entropy(input, target, *args, **kwargs)
+        options["reduction"] = "sum"
+        total = self._cross_entropy(**options)
+        counts = torch.stack([(target != options.get("ignore_index", -100)).sum().to(total.dtype), total.detach()])
+        dist.all_reduce(counts, group=self.group)
+        tokens, whole = counts[0], counts[1]
+        local = total * self.cp / tokens  # averaged over the cp ranks' gradients: the whole sequence's mean
+        return local + (whole / tokens - local.detach())
+
+    def _global_embedding_positions(self, module: nn.Module, args: tuple) -> tuple | None:
+        if not self._active or not args or id(args[0]) in self._globals:
+            return None  # a token embedding gets the batch's own (already split) ids
+        positions = self._as_global(args[0])
+        return None if positions is None else (positions, *args[1:])
+
+    def _global_rotary_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        if not self._active:
+            return None
+        if "position_ids" in kwargs:
+            positions = self._as_global(kwargs["position_ids"])
+            return None if positions is None else (args, {**kwargs, "position_ids": positions})
+        if len(args) >= 2:
+            positions = self._as_global(args[1])
+            return None if positions is None else ((args[0], positions, *args[2:]), kwargs)
+        return None
+
+    def _as_global(self, ids: Any) -> Tensor | None:
+        """``arange(T_local) + c`` (any leading shape) -> this rank's global positions ``+ c``; else None."""
+        if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.ndim == 0 or ids.shape[-1] != self._local_len:
+            return None
+        rows = ids.reshape(-1, self._local_len)
+        local = torch.arange(self._local_len, device=ids.device)
+        offsets = rows[:, :1]
+        if not torch.equal(rows - offsets, local.expand_as(rows)):
+            return None
+        return (self._local_positions(ids.device) + offsets).reshape(ids.shape).to(ids.dtype)
+
+    def _shifted_labels(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        labels = kwargs.get("labels")
+        if not self._active or labels is None or "shift_labels" in kwargs:
+            return None
+        whole = self._globals.get(id(labels))
+        if whole is None:
+            raise NotImplementedError(
+                f"context_parallel_size={self.cp}: {type(module).__name__} got `labels` that are not a tensor of the"
+                " batch itself (computed inside the step): the model shifts them by one token, which needs the"
+                " whole sequence. Pass the batch's labels tensor unchanged, or compute the loss from `.logits`."
+            )
+        shifted = F.pad(whole[:, 1:], (0, 1), value=-100)
+        return args, {**kwargs, "shift_labels": shard_sequence(shifted, 1, self.cp, self.rank)}
+
+
+def check_module(module: nn.Module) -> None:
+    """Before training: rotary tables the model slices by the local length itself cannot follow global positions."""
+    for name, submodule in module.named_modules():
+        if type(submodule).__name__.endswith("RotaryEmbedding"):
+            continue
+        for buffer_name, _ in submodule.named_buffers(recurse=False):
+            if buffer_name in _ROPE_TABLES:
+                where = f"{name}.{buffer_name}" if name else buffer_name
+                raise NotImplementedError(
+                    f"Context parallelism cannot follow the global positions of {type(submodule).__name__}'s rotary"
+                    f" table `{where}`: the model slices it by the sequence length it sees, which is this rank's"
+                    " shard. Models that take positions as `position_ids` (Hugging Face) or learned position"
+                    " embeddings (nanoGPT, GPT-2) are supported; use context_parallel_size=1 for this one."
+                )
+
+
+def _parameters(module: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _sequence_length(batch: Any) -> int:
+    """The batch's sequence length: dim 1 of its first integer tensor of two or more dims (the token ids)."""
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, lambda t: found.append(t) if t.ndim >= 2 and not t.is_floating_point() else None)
+    if not found:
+        raise ValueError(
+            "Context parallelism splits token sequences, but the batch holds no integer tensor of shape"
+            " (batch, sequence, ...). Batches of token ids (input_ids, labels) are supported."
+        )
+    return found[0].shape[1]
+
+
+def _batch_size(batch: Any) -> int:
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, lambda t: found.append(t) if t.ndim >= 2 and not t.is_floating_point() else None)
+    return found[0].shape[0]
