@@ -192,6 +192,11 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         return self._pipeline
 
     @property
+    def context_parallel(self) -> ContextParallel | None:
+        """This run's context parallelism (batch splitting, attention calls); None without it."""
+        return self._context
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
             raise RuntimeError("The device mesh exists only after the processes have been initialized.")

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_mgpu.parallel.context.attention import alltoall_attention, ring_attention
 from lightning_mgpu.parallel.context.order import local_positions, shard_sequence
@@ -152,6 +153,20 @@ class ContextParallel:
                 f"context_parallel_size={self.cp}: attention dropout ({dropout_p}) is not split over the sequence."
                 " Set the model's attention dropout to 0, or use context_parallel_size=1."
             )
+        if isinstance(query, DTensor):  # heads sharded over tensor parallelism: attention runs on the local heads
+            if any(p.is_shard(2) or p.is_shard(-2) for p in query.placements):
+                raise NotImplementedError(
+                    f"context_parallel_size={self.cp}: the attention's queries are split along the sequence by"
+                    f" tensor parallelism ({query.placements}); context parallelism splits it already."
+                )
+            q, k, v = (t.to_local() if isinstance(t, DTensor) else t for t in (query, key, value))
+            out = self._split_attention(q, k, v, is_causal, scale)
+            return DTensor.from_local(out, query.device_mesh, query.placements)
+        return self._split_attention(query, key, value, is_causal, scale)
+
+    def _split_attention(
+        self, query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None
+    ) -> Tensor:
         self.attention_calls += 1
         if self.mode == "alltoall":
             if query.shape[1] % self.cp:

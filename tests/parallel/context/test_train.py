@@ -1,0 +1,235 @@
+"""Context parallelism on public model code as published: every layout trains like one process.
+
+nanoGPT (learned positions, causal SDPA) and a Hugging Face Llama (rotary position ids, grouped-query attention),
+each sequence split over cp ranks, against the same model trained on one process: per-step losses within 1e-5
+relative, weights within 1e-4 (fp32); bf16-mixed within 2e-2 of one process in bf16-mixed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_mgpu import HybridStrategy
+from lightning_mgpu.layout import CP_AXIS
+from lightning_mgpu.parallel.context import check_module
+from tests.helpers import public_models as pm
+from tests.helpers.batched import Run, fit_each, references, result
+from tests.helpers.equivalence import assert_same_training, fit
+from tests.helpers.modules import RandomTokenDataModule
+from tests.helpers.nanogpt import NanoGPTModule
+
+STEPS = 6
+GLOBAL_BATCH = 8
+WEIGHT_ATOL = 1e-4
+BF16_RTOL = 2e-2
+
+
+class PaddedTokens(RandomTokenDataModule):
+    """Right-padded sequences: each sample's last 0-12 targets are the ignore index, so the cp shards of one
+    sequence hold different numbers of counted tokens (a per-shard mean would weight them wrongly)."""
+
+    def __init__(self, ignore_index: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        x, y = self.train_data.tensors
+        g = torch.Generator().manual_seed(7)
+        pad = torch.randint(0, 13, (len(y),), generator=g)
+        positions = torch.arange(y.shape[1])
+        y = torch.where(positions >= y.shape[1] - pad[:, None], ignore_index, y)
+        self.train_data = torch.utils.data.TensorDataset(x, y)
+
+
+class HFCausalLMWithLabels(pm.HFCausalLM):
+    """The other usual Hugging Face step: the model computes its own (shifted) loss from ``labels``."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self._log_loss(self.model(input_ids=x, labels=y).loss)
+
+
+def _tokens(batch: int, seq_len: int = 32) -> Any:
+    return functools.partial(RandomTokenDataModule, vocab_size=pm.VOCAB, seq_len=seq_len, batch_size=batch)
+
+
+def _padded(batch: int, ignore_index: int) -> Any:
+    return functools.partial(PaddedTokens, ignore_index, vocab_size=pm.VOCAB, seq_len=32, batch_size=batch)
+
+
+NANOGPT = functools.partial(NanoGPTModule, n_layer=2)
+LLAMA = functools.partial(pm.HFCausalLM, "llama", dropout=0.0)
+LLAMA_LABELS = functools.partial(HFCausalLMWithLabels, "llama", dropout=0.0)
+BF16 = {"precision": "bf16-mixed"}
+# name: (model, data per global batch, strategy, devices, trainer kwargs)
+CASES: dict[str, tuple[Any, Any, dict[str, Any], int, dict[str, Any]]] = {
+    "nanoGPT cp 2 ring": (NANOGPT, _tokens, {"context_parallel_size": 2}, 2, {}),
+    "nanoGPT cp 2 alltoall": (NANOGPT, _tokens, {"context_parallel_size": 2, "context_parallel_mode": "alltoall"}, 2,
+                              {}),
+    "Llama cp 2 ring": (LLAMA, _tokens, {"context_parallel_size": 2}, 2, {}),
+    "Llama cp 2 alltoall": (LLAMA, _tokens, {"context_parallel_size": 2, "context_parallel_mode": "alltoall"}, 2, {}),
+    "Llama, labels, padded, cp 2": (LLAMA_LABELS, functools.partial(_padded, ignore_index=-100),
+                                    {"context_parallel_size": 2}, 2, {}),
+    "nanoGPT, padded, cp 2": (NANOGPT, functools.partial(_padded, ignore_index=-1), {"context_parallel_size": 2}, 2,
+                              {}),
+    "nanoGPT cp 4 ring": (NANOGPT, _tokens, {"context_parallel_size": 4}, 4, {}),
+    "nanoGPT dp 2 x cp 2 ZeRO-3": (NANOGPT, _tokens, {"context_parallel_size": 2, "zero_stage": 3}, 4, {}),
+    "Llama dp 2 x cp 2 ZeRO-1 alltoall": (LLAMA, _tokens, {"context_parallel_size": 2, "zero_stage": 1,
+                                                          "context_parallel_mode": "alltoall"}, 4, {}),
+    "nanoGPT tp 2 x cp 2, sequence parallel": (NANOGPT, _tokens, {"context_parallel_size": 2, "tensor_parallel_size": 2,
+                                                                "sequence_parallel": True}, 4, {}),
+    "nanoGPT pp 2 x cp 2 1F1B": (NANOGPT, _tokens, {"context_parallel_size": 2, "pipeline_parallel_size": 2}, 4, {}),
+    "Llama cp 2, activation checkpointing": (LLAMA, _tokens, {"context_parallel_size": 2,
+                                                             "activation_checkpointing": True}, 2, {}),
+    "Llama dp 2 x cp 2 ZeRO-3 bf16-mixed": (LLAMA, _tokens, {"context_parallel_size": 2, "zero_stage": 3}, 4, BF16),
+}  # fmt: skip
+
+
+def _dp(strategy: dict[str, Any], devices: int) -> int:
+    others = [strategy.get(k, 1) for k in ("context_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")]
+    return devices // (others[0] * others[1] * others[2])
+
+
+class CPGroup(L.Callback):
+    """Each rank's context-parallel group and the number of ring/all-to-all attention calls it made."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        self.results["cp_group"] = dist.get_process_group_ranks(strategy.device_mesh[CP_AXIS].get_group())
+        self.results["attention_calls"] = strategy.context_parallel.attention_calls  # type: ignore[attr-defined]
+
+
+_outcomes: dict[int, dict[str, Any]] = {}
+
+
+def _trained(devices: int) -> dict[str, Any]:
+    """Every case of one world size in one job."""
+    if devices not in _outcomes:
+        runs = {
+            name: Run(model, data(GLOBAL_BATCH // _dp(strategy, world)), strategy, STEPS, trainer, lambda: [CPGroup()])
+            for name, (model, data, strategy, world, trainer) in CASES.items()
+            if world == devices
+        }
+        _outcomes[devices] = fit_each(runs, devices, timeout=900)
+    return _outcomes[devices]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_context_parallel_trains_like_one_process(case):
+    model, data, strategy, devices, trainer = CASES[case]
+    (reference,) = references({case: Run(model, data(GLOBAL_BATCH), None, STEPS, trainer)}).values()
+    trained, extras = result(_trained(devices)[case])
+    if trainer.get("precision") == "bf16-mixed":
+        tolerances = {"loss_rtol": BF16_RTOL, "weight_rtol": BF16_RTOL, "weight_atol": BF16_RTOL}
+        assert_same_training(result(reference), trained, **tolerances)
+    else:
+        assert_same_training(result(reference), trained, weight_atol=WEIGHT_ATOL)
+    cp = strategy["context_parallel_size"]
+    for extra in extras:
+        assert len(extra["cp_group"]) == cp, extra
+        # Consecutive ranks under tp (cp next to it), else neighbours: the group is what the mesh says.
+        assert extra["attention_calls"] > 0, extra
+
+
+def test_a_context_parallel_checkpoint_resumes_on_one_process(tmp_path):
+    """Saved at step 3 of 6 under cp 2 (ring), resumed on one process: the resumed steps' losses as the
+    uninterrupted run's, and the states loaded equal to those saved."""
+    from tests.test_checkpoint import CROSS_LAYOUT_RTOL, SaveAt, _assert_same_states, _losses_match
+
+    saved, _ = fit(
+        LLAMA, _tokens(GLOBAL_BATCH), {"context_parallel_size": 2}, 2, STEPS,
+        callbacks_factory=lambda: [SaveAt(tmp_path, (3,))],
+    )  # fmt: skip
+    resaved = tmp_path / "one"
+    resaved.mkdir()
+    resumed, _ = fit(
+        LLAMA, _tokens(GLOBAL_BATCH), {}, 1, STEPS,
+        callbacks_factory=lambda: [SaveAt(resaved, resave=True)],
+        fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")},
+    )  # fmt: skip
+    _losses_match(saved.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
+    _assert_same_states(tmp_path / "step3.ckpt", resaved / "resaved.ckpt")
+
+
+class HandWrittenAttention(L.LightningModule):
+    """Attention as softmax(q k^T) v written out: nothing context parallelism can see to split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(pm.VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, pm.VOCAB)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        q, k, v = self.qkv(self.embed(x)).chunk(3, dim=-1)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+        att = (q @ k.transpose(-2, -1) / 4).masked_fill(mask, float("-inf")).softmax(-1)
+        return torch.nn.functional.cross_entropy(self.head(att @ v).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+REFUSED = {
+    "hand-written attention": (HandWrittenAttention, _tokens(4), {"context_parallel_size": 2},
+                               r"called no `torch.nn.functional.scaled_dot_product_attention`"),
+    "sequence not divisible": (NANOGPT, functools.partial(_tokens(4), seq_len=30), {"context_parallel_size": 2},
+                               r"sequences have 30 tokens. Pad or cut them to a multiple of 4"),
+    "alltoall heads": (functools.partial(NanoGPTModule, n_layer=1, n_head=1), _tokens(4),
+                       {"context_parallel_size": 2, "context_parallel_mode": "alltoall"},
+                       r"this attention has 1 heads per rank.*context_parallel_mode='ring'"),
+}  # fmt: skip
+
+
+def _refusals() -> dict[str, str]:
+    runs = {name: Run(model, data, strategy, 1) for name, (model, data, strategy, _) in REFUSED.items()}
+    return {name: outcome if isinstance(outcome, str) else "trained" for name, outcome in fit_each(runs, 2).items()}
+
+
+_refused: dict[str, str] = {}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_context_parallelism_cannot_make_exact_is_refused_in_the_first_step(case):
+    if not _refused:
+        _refused.update(_refusals())
+    import re
+
+    assert re.search(REFUSED[case][3], _refused[case], re.DOTALL), _refused[case][-2000:]
+
+
+def test_rotary_tables_sliced_by_the_local_length_are_refused_before_training():
+    """litgpt's ``cos``/``sin`` and torchtitan's ``freqs_cis`` are sliced by the length the model sees."""
+    with pytest.raises(NotImplementedError, match=r"rotary table `model.cos`"):
+        check_module(pm.LitGPTModule())
+    with pytest.raises(NotImplementedError, match=r"rotary table `model.freqs_cis`"):
+        check_module(pm.TorchTitanLlama())
+    check_module(LLAMA())  # Hugging Face rotary embeddings take position_ids
+    check_module(NANOGPT())
+
+
+OPTION_ERRORS = {
+    "mode without cp": ({"context_parallel_mode": "alltoall"}, ValueError,
+                        r"`context_parallel_mode='alltoall'`.*needs context_parallel_size > 1"),
+    "unknown mode": ({"context_parallel_size": 2, "context_parallel_mode": "ulysses"}, ValueError,
+                     r"`context_parallel_mode` must be one of 'ring', 'alltoall'"),
+    "deepspeed": ({"context_parallel_size": 2, "zero_stage": 2, "zero_backend": "deepspeed"}, NotImplementedError,
+                  r"context_parallel_size=2 does not compose with zero_backend='deepspeed'"),
+    "hsdp": ({"context_parallel_size": 2, "zero_stage": 2, "data_parallel_shard_size": 1}, NotImplementedError,
+             r"does not compose with data_parallel_shard_size=1"),
+    "world": ({"context_parallel_size": 3}, ValueError, r"context_parallel_size=3 does not divide the world size 4"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(OPTION_ERRORS))
+def test_context_parallel_options_are_checked_before_any_process_starts(case):
+    kwargs, error, message = OPTION_ERRORS[case]
+    with pytest.raises(error, match=message):
+        L.Trainer(accelerator="cpu", devices=4, strategy=HybridStrategy(**kwargs), logger=False)
