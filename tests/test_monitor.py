@@ -155,6 +155,7 @@ def test_split_adds_up_on_every_layout(tmp_path, dp, tp, pp, axes):
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
         "zero_stage": 0,
+        "context_parallel_size": 1,
     }
     assert report["throughput"]["tokens_per_s"] > 0 and 0 < report["throughput"]["mfu"] < 1
     assert len(report["memory"]) == dp * tp * pp and all(m["parameters"] > 0 for m in report["memory"])
@@ -169,6 +170,23 @@ def test_split_adds_up_on_every_layout(tmp_path, dp, tp, pp, axes):
         assert report["pipeline"] is None
     if (dp, tp, pp) == (2, 2, 2):
         _check_files(tmp_path)
+
+
+def _context_parallel_job(out: str) -> dict:
+    before = _patched_objects()
+    report, walls, _ = _fit(Path(out), HybridStrategy(context_parallel_size=2), devices=2)
+    return {"report": report, "walls": walls, "restored": _patched_objects() == before}
+
+
+def test_context_parallel_ring_traffic_is_reported_as_comm_cp(tmp_path):
+    """cp 2 (ring): the key/value blocks' sends and receives are the ``cp`` axis's communication, not a bubble."""
+    results = run_distributed(_context_parallel_job, 2, str(tmp_path))
+    report = results[0]["report"]
+    assert all(r["restored"] for r in results)
+    _check_split_adds_up(report, [r["walls"] for r in results])
+    assert report["communication"]["cp"]["exposed_s"] > 0, report["communication"]
+    assert report["time_split"]["parts_s"].get("bubble", 0.0) == 0.0
+    assert report["layout"]["context_parallel_size"] == 2
 
 
 def _same_training_job(out: str) -> tuple[list[float], list[float], bool]:

@@ -275,6 +275,7 @@ class ScalingMonitor(Callback):
                 "tensor_parallel_size": layout.tensor_parallel_size,
                 "pipeline_parallel_size": layout.pipeline_parallel_size,
                 "zero_stage": layout.zero_stage,
+                "context_parallel_size": layout.context_parallel_size,
             },
             "options": {}
             if options is None

@@ -20,7 +20,7 @@ FIELDS = {
     "version": "format version of this file",
     "strategy": "the Trainer's strategy class",
     "layout": "HybridStrategy's degrees {data_parallel_size, tensor_parallel_size, pipeline_parallel_size,"
-    " zero_stage}; null with other strategies",
+    " zero_stage, context_parallel_size}; null with other strategies",
     "options": "HybridStrategy options that the diagnoses read (activation_checkpointing, pipeline_schedule, ...)",
     "world_size": "processes in the job",
     "data_parallel_replicas": "ranks reading distinct samples (the data-parallel size)",

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from lightning_mgpu._compat.c10d import functional_collectives, group_name, pipelining_p2p
 from lightning_mgpu._compat.lightning import fetcher_profiler_hooks, set_fetcher_profiler_hooks
+from lightning_mgpu.layout import DP_AXIS, DP_CP_AXIS
 
 FORWARD_BACKWARD = "forward_backward"
 OPTIMIZER = "optimizer"
@@ -333,7 +334,10 @@ class CollectiveTimer:
             try:
                 return original(work, *args, **kwargs)
             finally:
-                if recorder.close(start, BUBBLE if receive else f"comm_{axis}") is not None and issued is not None:
+                # A pipeline stage waiting to receive waits for its neighbour's compute (the bubble); the ring of
+                # context parallelism waits for a key/value block in flight (communication).
+                waited = BUBBLE if receive and axis == "pp" else f"comm_{axis}"
+                if recorder.close(start, waited) is not None and issued is not None:
                     recorder.overlap(axis, issued, start)
 
         return timed
@@ -394,6 +398,13 @@ def mesh_axes(mesh: Any) -> dict[str, str]:
     for dim, name in enumerate(mesh.mesh_dim_names):
         if mesh.size(dim) > 1:
             axes[mesh.get_group(dim).group_name] = _short_axis(name)
+    for flattened in (DP_AXIS, DP_CP_AXIS):  # dp over (dp_replicate, dp_shard); gradients over dp x cp
+        if flattened not in mesh.mesh_dim_names:
+            try:
+                group = mesh[flattened].get_group()
+            except (KeyError, RuntimeError):
+                continue
+            axes.setdefault(group.group_name, "dp")
     return axes
 
 

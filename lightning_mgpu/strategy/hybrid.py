@@ -46,7 +46,7 @@ from lightning_mgpu.launch import (
     handle_rank_failure,
     restore_sigterm,
 )
-from lightning_mgpu.layout import CP_AXIS, DP_AXIS, PP_AXIS, ParallelLayout, Size, gradient_mesh, minimum_world_size
+from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, gradient_mesh, minimum_world_size
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.context import ContextParallel
@@ -353,16 +353,12 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             if self._restore_module and self._deepspeed is None:
                 self._snapshot = ModuleSnapshot.take(self.lightning_module)
             module, mesh, precision = self.lightning_module, self.device_mesh, self.precision_plugin
-            self._runner, self._pipeline = module_setup.parallelize_for_run(
+            self._runner, self._pipeline, self._context = module_setup.parallelize_for_run(
                 module, self.layout, mesh, self.options, precision, self.root_device, self._patches
             )
             self.model = self._runner
             if self._snapshot is not None:
                 self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains
-        if self.layout.context_parallel_size > 1:
-            group = self.device_mesh[CP_AXIS].get_group()
-            mode = self.options.context_parallel_mode
-            self._context = ContextParallel(self.lightning_module, group, mode, self._patches)
         reduce_metrics_over(self.lightning_module, self._reduce_group, self._patches)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -411,10 +407,8 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
     # ------------------------------------------------------------------------------------------------------ steps
     def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         context = self._tensor_parallel_context(method_name)
-        if self._context is not None:  # each sequence split over the cp ranks
-            args = self._context.split(method_name, args)
-        output = run_step(self.model, self._pipeline, self.lightning_module, context, method_name, args, kwargs)
-        return output if self._context is None else self._context.finish(method_name, output)
+        parallel = (self.model, self._pipeline, self._context)
+        return run_step(*parallel, self.lightning_module, context, method_name, args, kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -512,7 +506,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         if self._interrupted and self.layout.zero_stage >= 2:  # only sharded groups can be left unsharded
             module_setup.reshard(self._data_parallel_roots)
         restore_plain(snapshot, list(self.optimizers), self._patches, pp_group)
-        self.model, self._runner, self._pipeline = self.lightning_module, None, None
+        self.model, self._runner, self._pipeline, self._context = self.lightning_module, None, None, None
         gc.collect()  # DDP's reducer (its autograd hooks on the parameters) goes with the step runner
 
     @classmethod

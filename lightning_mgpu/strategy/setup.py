@@ -13,9 +13,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
-from lightning_mgpu.layout import PP_AXIS, ParallelLayout, zero_shard_mesh
+from lightning_mgpu.layout import CP_AXIS, PP_AXIS, ParallelLayout, zero_shard_mesh
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import StepRunner, parallelize
+from lightning_mgpu.parallel.context import ContextParallel
 from lightning_mgpu.parallel.data import OptimizerStateSharding, stop_watching
 from lightning_mgpu.parallel.experts import expert_parameters
 from lightning_mgpu.parallel.local_step import ShardLocalStep, steps_on_shards
@@ -36,20 +37,24 @@ def parallelize_for_run(
     precision: HybridPrecision,
     device: torch.device,
     patches: PatchLog,
-) -> tuple[StepRunner, PipelineEngine | None]:
-    """Every parallelism of ``layout`` applied to ``module``; the step runner Lightning calls, and the pipeline
-    engine that runs the schedule when ``layout`` pipelines."""
+) -> tuple[StepRunner, PipelineEngine | None, ContextParallel | None]:
+    """Every parallelism of ``layout`` applied to ``module``; the step runner Lightning calls, the pipeline engine
+    that runs the schedule when ``layout`` pipelines, and the batch splitting and attention of context
+    parallelism."""
     _refuse_manual_optimization_over_data_parallel(module, layout, options)
     runner = StepRunner(module)
     pipeline = parallelize(module, layout, mesh, options, mp_policy=precision.mp_policy(), root=runner)
+    context = None
+    if layout.context_parallel_size > 1:
+        context = ContextParallel(module, mesh[CP_AXIS].get_group(), options.context_parallel_mode, patches)
     if pipeline is None:
-        return runner, None
+        return runner, None, context
     engine = PipelineEngine(
         module, pipeline, options.pipeline_schedule, options.num_microbatches, mesh[PP_AXIS].get_group(), device
     )
     engine.share_with(precision)
     patches.add(engine.remove)
-    return runner, engine
+    return runner, engine, context
 
 
 def _refuse_manual_optimization_over_data_parallel(

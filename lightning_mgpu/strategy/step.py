@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.parallel.context import ContextParallel
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
 
@@ -27,13 +28,30 @@ def step_context(layout: ParallelLayout, options: ParallelOptions, method_name: 
 def run_step(
     model: nn.Module | None,
     pipeline: PipelineEngine | None,
+    context_parallel: ContextParallel | None,
     module: Any,
     context: AbstractContextManager,
     method_name: str,
     args: tuple,
     kwargs: dict[str, Any],
 ) -> Any:
-    """``method_name`` of the user's ``module`` (a LightningModule) on this rank's part of the batch."""
+    """``method_name`` of the user's ``module`` (a LightningModule) on this rank's part of the batch (with context
+    parallelism: its part of each sequence)."""
+    if context_parallel is None:
+        return _run(model, pipeline, module, context, method_name, args, kwargs)
+    args = context_parallel.split(method_name, args)
+    return context_parallel.finish(method_name, _run(model, pipeline, module, context, method_name, args, kwargs))
+
+
+def _run(
+    model: nn.Module | None,
+    pipeline: PipelineEngine | None,
+    module: Any,
+    context: AbstractContextManager,
+    method_name: str,
+    args: tuple,
+    kwargs: dict[str, Any],
+) -> Any:
     if pipeline is not None:
         if kwargs:
             raise TypeError(f"Under pipeline parallelism {method_name} is called with positional arguments only.")
