@@ -490,3 +490,47 @@ def test_hybrid_sharding_divides_memory_by_the_shard_group_and_keeps_gathers_on_
     assert sent["replicas"] == pytest.approx(2 * 3 / 4 * 4 * n / 8)
     assert sent["shard"] == pytest.approx(7 / 8 * 4 * (n + 2 * n)) and sent["dp"] == 0
     assert data_parallel_bytes(n, 0, dp=32) == {"shard": 0.0, "replicas": 0.0, "dp": 2 * 31 / 32 * 4 * n}
+
+
+def test_context_parallelism_divides_activations_and_wins_for_long_sequences(capsys):
+    """A 7B Llama at 131072 tokens on 8 H100s: activation memory per GPU falls by cp; with data parallelism only
+    (tp=1, pp=1) no layout without cp fits and a cp layout does; left free, the search ranks a cp layout first
+    (its ring traffic hides behind attention, where tensor parallelism's all-reduces do not)."""
+    model = ModelSpec(layers=32, hidden=4096, heads=32, vocab=32000, seq_len=131072, gated_mlp=True, ffn_hidden=11008)
+    cluster, training = preset("h100-sxm", gpus=8), Training(global_batch=8)
+    one = memory(model, cluster, training, Layout(dp=8, zero_stage=3, checkpointing="full"))
+    four = memory(model, cluster, training, Layout(dp=2, cp=4, zero_stage=3, checkpointing="full"))
+    assert four["activations"] == pytest.approx(one["activations"] / 4, rel=1e-6)
+    assert four["optimizer"] == pytest.approx(one["optimizer"], rel=1e-6)  # ZeRO shards over dp x cp = 8 either way
+    only_dp = search(model, cluster, training, fixed=parse_fix("tp=1,pp=1"), scaling=False)
+    assert only_dp.ranked and all(e.layout.cp > 1 for e in only_dp.ranked)
+    assert not search(model, cluster, training, fixed=parse_fix("tp=1,pp=1,cp=1"), scaling=False).ranked
+    free = search(model, cluster, training, scaling=False)
+    assert free.best is not None and free.best.layout.cp > 1, free.best
+    assert (
+        main(
+            [
+                "plan",
+                "--layers",
+                "32",
+                "--hidden",
+                "4096",
+                "--heads",
+                "32",
+                "--vocab",
+                "32000",
+                "--seq-len",
+                "131072",
+                "--gated-mlp",
+                "--ffn-hidden",
+                "11008",
+                "--global-batch",
+                "8",
+                "--fix",
+                "tp=1,pp=1",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert " cp " in out.splitlines()[4] and "cp=" in out  # the table's cp column and the winner named with it

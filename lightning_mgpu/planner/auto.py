@@ -232,6 +232,8 @@ def plan_strategy_layout(
             options.num_microbatches,
             options.activation_checkpointing,
             options.sequence_parallel,
+            candidate.context_parallel_size,
+            options.context_parallel_mode,
         )
         result = estimate(spec, cluster, training, layout, efficiency)
         if result.fits:

@@ -49,7 +49,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     out.add_argument(
         "--fix",
         default=None,
-        help="evaluate given choices only, e.g. tp=8,pp=64 (keys: tp pp dp zero schedule mbs ckpt sp)",
+        help="evaluate given choices only, e.g. tp=8,pp=64 (keys: tp pp dp cp cp_mode zero hsdp schedule mbs ckpt sp)",
     )
     out.add_argument("--top", type=int, default=10, help="rows in the table")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -140,7 +140,8 @@ def _row(rank: str, e: Estimate) -> str:
     schedule = lay.schedule if lay.pp > 1 else "-"
     scaling = "-" if e.scaling_efficiency != e.scaling_efficiency else f"{e.scaling_efficiency:.0%}"
     return (
-        f"{rank:>4} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.zero_stage:>4} {schedule:<15} {lay.microbatch_size:>4}"
+        f"{rank:>4} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.cp:>3} {lay.zero_stage:>4} {schedule:<15}"
+        f" {lay.microbatch_size:>4}"
         f" {lay.num_microbatches:>5} {lay.checkpointing:<9} {e.memory['total'] / GB:>7.1f} {e.time['step']:>8.3f}"
         f" {e.tokens_per_s:>11,.0f} {e.tflops_per_gpu:>7.1f} {e.mfu:>5.0%} {e.bubble:>6.1%} {scaling:>6}"
     )
@@ -156,7 +157,7 @@ def format_plan(plan: Plan, top: int = 10) -> str:
         "",
     ]
     header = (
-        f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'schedule':<15} {'mbs':>4} {'n_mb':>5}"
+        f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'cp':>3} {'zero':>4} {'schedule':<15} {'mbs':>4} {'n_mb':>5}"
         f" {'ckpt':<9} {'GB/GPU':>7} {'step s':>8} {'tokens/s':>11} {'TFLOP/s':>7} {'MFU':>5} {'bubble':>6}"
         f" {'scale':>6}"
     )

@@ -72,19 +72,26 @@ class Layout:
     checkpointing: str = "none"
     sequence_parallel: bool = False
     dp_shard: int | None = None  # HSDP: ZeRO shards over groups of this many dp ranks (None: all of dp)
+    cp: int = 1  # context parallelism: each sequence split over this many ranks
+    cp_mode: str = "ring"
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Ranks holding the same weights, whose gradients average: ``dp x cp``."""
+        return self.dp * self.cp
 
     @property
     def shard(self) -> int:
-        """The ranks ZeRO splits its states over: ``dp``, or the hybrid-sharding group."""
-        return self.dp_shard or self.dp
+        """The ranks ZeRO splits its states over: ``dp x cp``, or the hybrid-sharding group."""
+        return self.dp_shard or self.gradient_ranks
 
     @property
     def replicas(self) -> int:
-        return self.dp // self.shard
+        return self.gradient_ranks // self.shard
 
     @property
     def stages_per_rank(self) -> int:
@@ -92,7 +99,9 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}"]
-        if self.shard != self.dp:
+        if self.cp > 1:
+            parts.insert(3, f"cp={self.cp}" + ("" if self.cp_mode == "ring" else f"({self.cp_mode})"))
+        if self.shard != self.gradient_ranks:
             parts.append(f"hsdp={self.shard}")
         if self.pp > 1:
             parts.append(self.schedule)
@@ -138,8 +147,9 @@ def _bandwidth(inner: int, size: int, cluster: ClusterSpec) -> float:
 
 def activation_bytes_per_layer(model: ModelSpec, training: Training, layout: Layout, checkpointing: str) -> float:
     """Korthikanti et al. (2022), eq. 1-6, for one block and one microbatch, generalised to GQA, any FFN width,
-    gated MLPs and 32-bit activations. With flash attention the ``5 a s^2 b`` score terms vanish."""
-    s, b, h, t = model.seq_len, layout.microbatch_size, model.hidden, layout.tp
+    gated MLPs and 32-bit activations. With flash attention the ``5 a s^2 b`` score terms vanish. Context
+    parallelism holds ``s / cp`` tokens per rank (and ``1/cp`` of the scores)."""
+    s, b, h, t = model.seq_len // layout.cp, layout.microbatch_size, model.hidden, layout.tp
     scale = PRECISIONS[training.precision][3] / 2
     sp = layout.sequence_parallel and t > 1
     if checkpointing == "full":
@@ -147,7 +157,8 @@ def activation_bytes_per_layer(model: ModelSpec, training: Training, layout: Lay
     replicated = 10 * s * b * h  # norm inputs, the q/k/v and MLP inputs, two dropout masks
     mlp = (8 if model.gated_mlp else 4) * s * b * model.ffn
     split = (4 * h + 4 * model.kv_dim) * s * b + mlp  # q, k, v, attention output, MLP inner activations
-    scores = 0.0 if training.flash_attention or checkpointing == "selective" else 5 * model.heads * s * s * b
+    eager = not training.flash_attention and checkpointing != "selective"
+    scores = 5 * model.heads * s * s * b * layout.cp if eager else 0.0  # local queries x all keys
     return scale * (replicated / (t if sp else 1) + (split + scores) / t)
 
 
@@ -196,7 +207,7 @@ def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: L
     p_bytes, g_bytes, o_bytes, a_bytes = PRECISIONS[training.precision]
     t, d, z = layout.tp, layout.shard, layout.zero_stage  # ZeRO divides by the ranks it shards over
     layers = math.ceil(model.layers / layout.pp)
-    s, b, h = model.seq_len, layout.microbatch_size, model.hidden
+    s, b, h = model.seq_len // layout.cp, layout.microbatch_size, model.hidden
     per_layer = activation_bytes_per_layer(model, training, layout, layout.checkpointing)
     worst: dict[str, float] = {}
     for stage, local in local_params(model, layout).items():
@@ -220,7 +231,7 @@ def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: L
             temporary += local * p_bytes * (1 - 1 / d)
         if z == 3 and d > 1:  # one block gathered, the next prefetched, and one block's unsharded gradients
             temporary += model.params_per_layer / t * (2 * p_bytes + g_bytes)
-        if z <= 1 and layout.dp > 1:
+        if z <= 1 and layout.gradient_ranks > 1:
             temporary += 2 * DP_BUCKET_BYTES
         step_temp = local * 4 / (d if z >= 1 else 1)  # foreach Adam's intermediate of the local states
         total = params + grads + optimizer + max(activations + temporary, step_temp)
@@ -240,10 +251,10 @@ def step_time(
     model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout, eff: Efficiency
 ) -> dict[str, float]:
     """Seconds per optimizer step, by kind; ``step`` is the total the GPUs wait for."""
-    t, p, d, m, v = layout.tp, layout.pp, layout.dp, layout.num_microbatches, layout.stages_per_rank
+    t, p, d, m, v = layout.tp, layout.pp, layout.gradient_ranks, layout.num_microbatches, layout.stages_per_rank
     p_bytes, g_bytes, _, a_bytes = PRECISIONS[training.precision]
     s, b, h = model.seq_len, layout.microbatch_size, model.hidden
-    tokens = s * b
+    tokens = s * b // layout.cp  # this rank's share of each microbatch's tokens
     block_flops, head_flops = model.forward_flops_per_token()
     ckpt = layout.checkpointing
     passes = 4 if ckpt == "full" else 3  # forward, backward = 2 forwards, and the forward again when recomputing
@@ -275,7 +286,8 @@ def step_time(
         zero3 += _ring(r, block_bytes * g_bytes / k, replica_bw, eff) + (collective if r > 1 else 0.0)
         zero3 = max(zero3 - eff.dp_overlap * block_compute, (1 - eff.dp_overlap) * zero3)
         zero3_root = 3 * collective * (1 - eff.dp_overlap)  # the root's wrap: embedding, head, final norm
-    stage = layers * (block_compute + block_tp + zero3) + head + zero3_root  # the last stage, which runs the head
+    block_cp = context_parallel_time(model, cluster, training, layout, eff, block_compute)
+    stage = layers * (block_compute + block_tp + block_cp + zero3) + head + zero3_root  # the last stage: runs the head
     p2p = 0.0
     if p > 1:
         pp_bw = _bandwidth(t * d, p, cluster)
@@ -317,6 +329,7 @@ def step_time(
     times = {
         "compute": compute_only,
         "tensor_parallel": m * layers * block_tp,
+        "context_parallel": m * layers * block_cp,
         "zero3_gather": m * (layers * zero3 + zero3_root),
         "pipeline_p2p": (m + (p - 1) / v) * p2p,
         "bubble": pipeline - m * per_microbatch,
@@ -326,6 +339,44 @@ def step_time(
     }
     # Processes beyond the cores share them (CPU): every part of the step, collectives included, runs that much slower.
     return {kind: seconds * cluster.contention for kind, seconds in times.items()}
+
+
+def context_parallel_bytes(
+    model: ModelSpec, training: Training, layout: Layout, bytes_per_value: int | None = None
+) -> dict[str, float]:
+    """Bytes one rank sends per block and microbatch for context parallelism, forward and backward.
+
+    Ring: the key/value block (``K_local + V_local`` bytes, this rank's ``s/cp`` tokens of the local heads) travels
+    ``cp - 1`` hops forward; backward sends it ``cp - 1`` hops again and its fp32 gradients ``cp`` hops (the last
+    one home). All-to-all: q, k, v and the output are each exchanged once ((cp-1)/cp of them) forward, and their
+    gradients once backward.
+    """
+    cp = layout.cp
+    if cp == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    value = PRECISIONS[training.precision][3] if bytes_per_value is None else bytes_per_value
+    tokens = model.seq_len // cp * layout.microbatch_size
+    kv_values = 2 * tokens * model.kv_dim / layout.tp
+    if layout.cp_mode == "ring":
+        return {"forward": (cp - 1) * kv_values * value, "backward": (cp - 1) * kv_values * value + cp * kv_values * 4}
+    exchanged = (cp - 1) / cp * (2 * tokens * model.hidden / layout.tp + kv_values) * value
+    return {"forward": exchanged, "backward": exchanged}
+
+
+def context_parallel_time(
+    model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout, eff: Efficiency, block_compute: float
+) -> float:
+    """Exposed seconds of one block's context-parallel traffic (one microbatch): the ring's hops overlap the
+    attention of the block at hand (up to the block's compute), all-to-alls do not."""
+    if layout.cp == 1:
+        return 0.0
+    sent = context_parallel_bytes(model, training, layout)
+    bandwidth = _bandwidth(layout.tp, layout.cp, cluster) * GB * eff.comm
+    seconds = (sent["forward"] + sent["backward"]) / bandwidth
+    if layout.cp_mode == "ring":
+        hops = 3 * layout.cp - 2
+        return max(0.0, seconds - block_compute) + hops * eff.latency_s
+    return seconds + 8 * eff.latency_s
 
 
 def data_parallel_bytes(

@@ -25,6 +25,8 @@ _FIX_KEYS = {
     "sp": int,
     "hsdp": int,
     "dp_shard": int,
+    "cp": int,
+    "cp_mode": str,
 }
 _ALIASES = {
     "zero": "zero_stage",
@@ -71,16 +73,20 @@ def parse_fix(text: str | None) -> dict[str, object]:
         raise ValueError(f"--fix schedule={fixed['schedule']}: choose one of {', '.join(SCHEDULES)}.")
     if "zero_stage" in fixed and fixed["zero_stage"] not in (0, 1, 2, 3):
         raise ValueError(f"--fix zero={fixed['zero_stage']}: ZeRO stages are 0, 1, 2, 3.")
+    if "cp_mode" in fixed and fixed["cp_mode"] not in ("ring", "alltoall"):
+        raise ValueError(f"--fix cp_mode={fixed['cp_mode']}: choose ring or alltoall.")
     if "dp_shard" in fixed and int(fixed["dp_shard"]) < 1:  # type: ignore[call-overload]
         raise ValueError(f"--fix hsdp={fixed['dp_shard']}: the shard group size must be a positive integer.")
     return fixed
 
 
 def _structural_problem(
-    model: ModelSpec, cluster: ClusterSpec, training: Training, tp: int, pp: int, dp: int
+    model: ModelSpec, cluster: ClusterSpec, training: Training, tp: int, pp: int, dp: int, cp: int = 1
 ) -> str | None:
     if model.heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
         return f"tp={tp} does not divide the {model.heads} attention heads ({model.num_kv_heads} key/value heads)"
+    if model.seq_len % (2 * cp):
+        return f"cp={cp}: the sequence of {model.seq_len} tokens does not split into {2 * cp} equal chunks"
     if pp > model.layers:
         return f"pp={pp} exceeds the {model.layers} layers"
     if training.global_batch % dp:
@@ -94,26 +100,47 @@ def candidates(
     """Every layout worth estimating; a string says why a fixed choice cannot run at all."""
     fixed = fixed or {}
     n = cluster.gpus
-    degrees = {k: int(v) for k, v in fixed.items() if k in ("tp", "pp", "dp")}  # type: ignore[call-overload]
-    if n % math.prod(degrees.values()) or ("dp" in degrees and len(degrees) == 3 and math.prod(degrees.values()) != n):
+    degrees = {k: int(v) for k, v in fixed.items() if k in ("tp", "pp", "dp", "cp")}  # type: ignore[call-overload]
+    complete = "dp" in degrees and len(degrees.keys() & {"tp", "pp", "dp"}) == 3 and "cp" in degrees
+    if n % math.prod(degrees.values()) or (complete and math.prod(degrees.values()) != n):
         fixed_text = " x ".join(f"{k}={v}" for k, v in degrees.items())
         yield f"{fixed_text} does not match the {n} GPUs: the product must divide {n} (and equal it with dp fixed)"
         return
-    for tp in divisors(n):
-        if "tp" in fixed and tp != fixed["tp"]:
-            continue
-        for pp in divisors(n // tp):
-            if "pp" in fixed and pp != fixed["pp"]:
+    for cp in _context_sizes(model, n, fixed):
+        for tp in divisors(n // cp):
+            if "tp" in fixed and tp != fixed["tp"]:
                 continue
-            dp = n // (tp * pp)
-            if "dp" in fixed and dp != fixed["dp"]:
-                continue
-            problem = _structural_problem(model, cluster, training, tp, pp, dp)
-            if problem:
-                if fixed.keys() & {"tp", "pp", "dp"}:
-                    yield problem
-                continue
-            yield from _variants(model, training, tp, pp, dp, fixed, cluster.gpus_per_node)
+            for pp in divisors(n // cp // tp):
+                if "pp" in fixed and pp != fixed["pp"]:
+                    continue
+                dp = n // (tp * pp * cp)
+                if "dp" in fixed and dp != fixed["dp"]:
+                    continue
+                problem = _structural_problem(model, cluster, training, tp, pp, dp, cp)
+                if problem:
+                    if fixed.keys() & {"tp", "pp", "dp", "cp"}:
+                        yield problem
+                    continue
+                for layout in _variants(model, training, tp, pp, dp, fixed, cluster.gpus_per_node):
+                    yield layout if isinstance(layout, str) or cp == 1 else _with_context(layout, cp, fixed)
+
+
+LONG_SEQUENCE = 8192  # below this many tokens the search does not split sequences unless asked (--fix cp=)
+
+
+def _context_sizes(model: ModelSpec, gpus: int, fixed: dict[str, object]) -> list[int]:
+    """Context-parallel sizes worth trying: 1, and for long sequences the powers of two up to 16 that divide the
+    GPUs (activation memory falls by cp, the ring's traffic hides behind attention)."""
+    if "cp" in fixed:
+        return [int(fixed["cp"])]  # type: ignore[call-overload]
+    if model.seq_len < LONG_SEQUENCE:
+        return [1]
+    return [cp for cp in (1, 2, 4, 8, 16) if gpus % cp == 0]
+
+
+def _with_context(layout: Layout, cp: int, fixed: dict[str, object]) -> Layout:
+    mode = str(fixed.get("cp_mode", "ring"))
+    return replace(layout, cp=cp, cp_mode=mode, dp_shard=None)
 
 
 def _variants(
@@ -217,7 +244,7 @@ def _distinct(results: list[Estimate]) -> list[Estimate]:
     kept = []
     for result in results:
         lay = result.layout
-        key = (lay.tp, lay.pp, lay.dp, lay.zero_stage, lay.checkpointing, lay.shard)
+        key = (lay.tp, lay.pp, lay.dp, lay.cp, lay.zero_stage, lay.checkpointing, lay.shard)
         if key not in seen:
             seen.add(key)
             kept.append(result)
@@ -288,10 +315,12 @@ def layout_from_options(
     num_microbatches: int | None = None,
     activation_checkpointing: object = False,
     sequence_parallel: bool = False,
+    context_parallel_size: int = 1,
+    context_parallel_mode: str = "ring",
 ) -> Layout:
     """The planner's :class:`Layout` for ``HybridStrategy`` arguments (its defaults: as many microbatches as stages)."""
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
-    dp = world_size // (tp * pp)
+    tp, pp, cp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
+    dp = world_size // (tp * pp * cp)
     per_rank = global_batch // dp
     schedule = pipeline_schedule if pp > 1 else "none"
     stages = pp * stages_per_rank(schedule)
@@ -308,4 +337,6 @@ def layout_from_options(
         num_microbatches=m,
         checkpointing=ckpt,
         sequence_parallel=sequence_parallel and tp > 1,
+        cp=cp,
+        cp_mode=context_parallel_mode,
     )

@@ -233,3 +233,60 @@ def test_context_parallel_options_are_checked_before_any_process_starts(case):
     kwargs, error, message = OPTION_ERRORS[case]
     with pytest.raises(error, match=message):
         L.Trainer(accelerator="cpu", devices=4, strategy=HybridStrategy(**kwargs), logger=False)
+
+
+class ContextTraffic(L.Callback):
+    """Bytes this rank sends per training step through the ring's point-to-point exchanges (forward and backward)
+    and the all-to-alls' forward calls: each call observed, then passed on unchanged."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {"ring": [], "alltoall_forward": []}
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        from lightning_mgpu._compat.c10d import functional_collectives
+
+        ring, alltoall = [0], [0]
+        self.results["ring"].append(ring)
+        self.results["alltoall_forward"].append(alltoall)
+        funcol = functional_collectives()
+        batch, exchange = dist.batch_isend_irecv, funcol.all_to_all_single_autograd
+
+        def counted_batch(ops: list) -> Any:
+            ring[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+            return batch(ops)
+
+        def counted_exchange(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            cp = dist.get_world_size(args[2] if len(args) > 2 else kwargs["group"])
+            alltoall[0] += tensor.numel() * tensor.element_size() * (cp - 1) // cp
+            return exchange(tensor, *args, **kwargs)
+
+        self._undo = [(dist, "batch_isend_irecv", batch), (funcol, "all_to_all_single_autograd", exchange)]
+        dist.batch_isend_irecv, funcol.all_to_all_single_autograd = counted_batch, counted_exchange
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        for owner, name, original in self._undo:
+            setattr(owner, name, original)
+
+
+@pytest.mark.parametrize("mode", ["ring", "alltoall"])
+def test_context_parallel_traffic_is_the_analytic_volume(mode):
+    """nanoGPT (2 blocks, 32 tokens, width 32) at cp 2: the ring sends each block's K/V (cp-1) hops forward,
+    (cp-1) hops again backward with their fp32 gradients cp hops; the all-to-all exchanges (cp-1)/cp of q, k, v and
+    the output forward (its backward mirrors it): ``planner.cost.context_parallel_bytes``, per block and step."""
+    from lightning_mgpu.planner.cost import Layout, Training, context_parallel_bytes
+    from lightning_mgpu.planner.model_spec import ModelSpec
+
+    strategy = {"context_parallel_size": 2, "context_parallel_mode": mode}
+    outcome = fit_each({"counted": Run(NANOGPT, _tokens(GLOBAL_BATCH), strategy, 3, {}, lambda: [ContextTraffic()])}, 2)
+    _, extras = result(outcome["counted"])
+    spec = ModelSpec(layers=2, hidden=32, heads=4, vocab=pm.VOCAB, seq_len=32)
+    layout = Layout(cp=2, cp_mode=mode, microbatch_size=GLOBAL_BATCH)
+    per_block = context_parallel_bytes(spec, Training(GLOBAL_BATCH, precision="32-true"), layout)
+    for extra in extras:
+        if mode == "ring":
+            expected = spec.layers * (per_block["forward"] + per_block["backward"])
+            assert [step[0] for step in extra["ring"]] == [expected] * 3, (extra["ring"], expected)
+        else:
+            expected = spec.layers * per_block["forward"]
+            assert [step[0] for step in extra["alltoall_forward"]] == [expected] * 3, (extra, expected)
