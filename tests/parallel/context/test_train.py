@@ -24,7 +24,7 @@ from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import RandomTokenDataModule
 from tests.helpers.nanogpt import NanoGPTModule
 
-STEPS = 6
+STEPS = 10
 GLOBAL_BATCH = 8
 WEIGHT_ATOL = 1e-4
 BF16_RTOL = 2e-2

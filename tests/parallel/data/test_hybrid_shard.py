@@ -19,7 +19,7 @@ from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import RandomTokenDataModule
 from tests.helpers.nanogpt import NanoGPTModule
 
-STEPS = 6
+STEPS = 10
 GLOBAL_BATCH = 8
 WEIGHT_ATOL = 1e-4  # AdamW turns reduction-order noise on near-zero gradients into ~1e-5 steps
 MODELS = {
