@@ -357,6 +357,7 @@ def test_full_format_is_one_plain_file_that_resumes_in_another_layout(uninterrup
     plain = ResumeModule()
     assert full["state_dict"].keys() == plain.state_dict().keys()
     assert full["parallel_layout"] == {
+        "context_parallel_size": 1,
         "data_parallel_size": 2,
         "tensor_parallel_size": 1,
         "pipeline_parallel_size": 1,

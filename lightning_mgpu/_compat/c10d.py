@@ -12,6 +12,9 @@
   activation checkpointing recognises); None where it does not exist.
 - ``default_store()``: ``distributed_c10d._get_default_store``, the key-value store of the default process group
   (no public accessor): ranks that failed agree through it, without a collective, on what their teardown may do.
+- ``fake_store()``: ``torch.testing._internal.distributed.fake_pg.FakeStore``, the store torch's own fake-backend
+  dry runs (torchtitan's ``--comm.mode fake_backend``) initialize the ``"fake"`` process group with: its
+  rendezvous returns at once for any world size, where a real store would wait for every rank.
 """
 
 from __future__ import annotations
@@ -21,11 +24,22 @@ from typing import Any
 
 import torch
 
+from lightning_mgpu._compat import changed
+
 
 def functional_collectives() -> ModuleType:
     import torch.distributed._functional_collectives as funcol
 
     return funcol
+
+
+def fake_store() -> Any:
+    """A store for ``init_process_group("fake", ...)`` that needs no other rank (see the module docstring)."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as error:
+        raise AttributeError(changed("fake_pg.FakeStore", "torch", str(error))) from error
+    return FakeStore()
 
 
 def all_to_all(tensor: torch.Tensor, group: Any) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Any
 from lightning_mgpu.planner.cluster import GB, PRESETS, ClusterSpec, Efficiency, preset
 from lightning_mgpu.planner.cost import PRECISIONS, Estimate, Training
 from lightning_mgpu.planner.model_spec import ModelSpec, spec_from_path
+from lightning_mgpu.planner.rehearse import run_rehearsal
 from lightning_mgpu.planner.search import Plan, check_fit_hint, explain, parse_fix, search
 
 _MODEL_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len")
@@ -50,6 +51,13 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         "--fix",
         default=None,
         help="evaluate given choices only, e.g. tp=8,pp=64 (keys: tp pp dp cp cp_mode zero hsdp schedule mbs ckpt sp)",
+    )
+    out.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="play the --fix layout's ranks with the library's real setup on this machine (meta tensors, torch's"
+        " fake process group at --gpus ranks): per rank parameter/gradient/optimizer bytes and stage blocks, beside"
+        " the planner; a layout the real job would refuse fails here with the same message",
     )
     out.add_argument("--top", type=int, default=10, help="rows in the table")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -104,6 +112,8 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     except ValueError as error:
         raise SystemExit(f"lightning-mgpu plan: error: {error}") from None
+    if args.rehearse:
+        return run_rehearsal(args, model, cluster, training, fixed)
     efficiency = Efficiency()
     if args.calibrate:
         from lightning_mgpu.planner.calibrate import calibrate

@@ -183,10 +183,11 @@ def local_params(model: ModelSpec, layout: Layout) -> dict[str, float]:
 
     Tensor parallelism shards the blocks' matmul weights; norms and row-wise biases stay whole. The token
     embedding and the head are sharded over the vocabulary with sequence parallelism (as this library's plans do;
-    without it they stay replicated).
+    without it they stay replicated), or always where the model's own plan does (``ModelSpec.vocab_parallel``:
+    Hugging Face models with an untied head).
     """
     t = layout.tp
-    vocab_t = t if layout.sequence_parallel else 1
+    vocab_t = t if layout.sequence_parallel or model.vocab_parallel else 1
     matmul = min(model.matmul_params_per_layer, model.params_per_layer)
     block = matmul / t + (model.params_per_layer - matmul)
     token = model.vocab * model.hidden

@@ -36,6 +36,9 @@ class ModelSpec:
     block_params: int | None = None
     embed_params: int | None = None
     head_params: int | None = None
+    # The library's tensor plan shards the token embedding and the head over the vocabulary even without sequence
+    # parallelism: Hugging Face models' own plans do (an untied head); this library's plans only with it.
+    vocab_parallel: bool = False
     name: str = "model"
     notes: tuple[str, ...] = field(default=(), compare=False)
 
@@ -195,9 +198,11 @@ def spec_from_module(module: nn.Module, seq_len: int | None = None, **overrides:
     tied = bool(tied_parameters(module))  # a tied head's copy on the last stage is added per layout (cost.py)
     gated = any(hasattr(m, name) for m in block_at(blocks, 0).modules() for name in ("gate_proj", "w3", "fc_1"))
     notes = (f"blocks: {container_name} ({len(blocks)} x {block_params:,} params)",)
+    hugging_face = any(getattr(getattr(m, "config", None), "base_model_tp_plan", None) for m in module.modules())
     return ModelSpec(
         name=type(module).__name__,
         tied_embeddings=tied,
+        vocab_parallel=hugging_face and not tied,
         gated_mlp=gated,
         block_params=block_params,
         embed_params=first,

@@ -27,6 +27,7 @@ _FIX_KEYS = {
     "dp_shard": int,
     "cp": int,
     "cp_mode": str,
+    "ep": int,  # read by --rehearse (the cost model has no expert parallelism)
 }
 _ALIASES = {
     "zero": "zero_stage",

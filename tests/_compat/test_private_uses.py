@@ -31,7 +31,9 @@ OTHER_LIBRARIES = {
     "_lazy_init_hp_params_optimizer_state": "deepspeed: ZeRO-1/2 optimizer-state linking",
 }
 # Names Python's own machinery puts on classes (abc, typing), not private APIs of the frameworks.
-_MACHINERY = {"_abc_impl", "_is_protocol", "_is_runtime_protocol"}
+# Set on a subclass by the language or a framework metaclass, not by the subclass's code: ``_backward_cls`` is what
+# torch's ``FunctionMeta`` gives every ``torch.autograd.Function`` subclass (a custom Function is public API).
+_MACHINERY = {"_abc_impl", "_is_protocol", "_is_runtime_protocol", "_backward_cls"}
 
 
 def _framework_privates() -> set[str]:
