@@ -49,6 +49,7 @@ class ParallelOptions:
     expert_parallel_size: int = 1  # experts sharded over groups of this many data-parallel ranks (parallel/experts/)
     data_parallel_shard_size: int | None = None  # HSDP: ZeRO shards over groups of this many dp ranks (parallel/data/)
     context_parallel_mode: str = "ring"  # how attention spans the sequence's shards (parallel/context/)
+    compile: bool | dict[str, Any] = False  # torch.compile each block (True, or torch.compile's keyword arguments)
     find_unused_parameters: bool | None = None  # DDP's search for parameters without a gradient (data/unused_params.py)
 
     def __post_init__(self) -> None:
@@ -97,6 +98,11 @@ class ParallelOptions:
         for name in ("sequence_parallel", "loss_parallel", "cpu_offload", "async_checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        if not (isinstance(self.compile, bool) or _is_str_keyed_dict(self.compile)):
+            raise ValueError(
+                "`compile` must be True, False or a dict of torch.compile keyword arguments (e.g."
+                f" {{'mode': 'max-autotune', 'dynamic': True}}), got {self.compile!r}."
+            )
         if self.async_checkpoint and self.checkpoint_format != "sharded":
             raise ValueError(
                 "`async_checkpoint=True` writes sharded checkpoints in the background and needs"
@@ -261,6 +267,10 @@ def _one_of(name: str, value: Any, allowed: tuple) -> None:
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_str_keyed_dict(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(key, str) for key in value)
 
 
 def _is_list_of_str(value: Any) -> bool:

@@ -11,7 +11,7 @@ from typing_extensions import override
 from lightning_mgpu.layout import TP_AXIS, ParallelLayout, gradient_mesh, zero_mesh
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
-from lightning_mgpu.parallel.blocks import is_float8_linear
+from lightning_mgpu.parallel.blocks import compile_blocks, is_float8_linear
 from lightning_mgpu.parallel.data import apply_data_parallel
 from lightning_mgpu.parallel.experts import (
     apply_expert_parallel,
@@ -54,6 +54,10 @@ def parallelize(
         # Before the pipeline split: its gate around each owned block must stay *outside* the checkpointed region,
         # so that recomputation in backward sees the same (received) input as the forward did.
         apply_activation_checkpointing(module, options.activation_checkpointing)
+    if options.compile is not False:
+        # After tensor parallelism and checkpointing, before the pipeline's gates and the data-parallel wrap, whose
+        # hooks stay outside the compiled region (torchtitan's order).
+        compile_blocks(module, {} if options.compile is True else options.compile)
     runtime = None
     if layout.pipeline_parallel_size > 1:
         runtime = split_pipeline(module, mesh, options)

@@ -7,7 +7,7 @@ weights (one Parameter held by several modules, which every split must keep one 
 from __future__ import annotations
 
 import sys
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -53,6 +53,19 @@ def find_blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``module``, in order; empty when it has none."""
     found = find_block_container(module)
     return [] if found is None else _indexed_blocks(found[1]) or []
+
+
+def compile_blocks(module: nn.Module, options: dict[str, Any]) -> list[nn.Module]:
+    """``torch.compile`` each repeated block's forward in place (``options``: torch.compile's keyword arguments).
+
+    One graph per block class and shape, reused by every block: compiling the whole model would trace the loop over
+    blocks and the step's Python. A shape change (a ragged last batch) recompiles once, then torch marks the
+    dimension dynamic. The compiled forward is an instance attribute, removed when the run gives the module back.
+    """
+    blocks = find_blocks(module)
+    for block in blocks:
+        block.forward = torch.compile(block.forward, **options)
+    return blocks
 
 
 def tied_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:

@@ -93,6 +93,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         data_parallel_shard_size: int | None = None,
         context_parallel_size: int = 1,
         context_parallel_mode: str = "ring",
+        compile: bool | dict[str, Any] = False,
         find_unused_parameters: bool | None = None,
         tp_plan: str | dict[str, str] | Callable[..., None] = "auto",
         sequence_parallel: bool = False,
@@ -148,6 +149,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             expert_parallel_size=expert_parallel_size,
             data_parallel_shard_size=data_parallel_shard_size,
             context_parallel_mode=context_parallel_mode,
+            compile=compile,
             find_unused_parameters=find_unused_parameters,
         )
         check_options(self.options, zero_stage, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)

@@ -46,13 +46,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-from lightning_mgpu._compat.dtensor import is_strided_shard
+from lightning_mgpu._compat.dtensor import is_strided_shard, strided_chunks
 from lightning_mgpu._compat.tensors import tree_map
 
 _SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes, torch.Tensor.chunk, torch.chunk)
 _MOMENTS = (torch.std, torch.Tensor.std, torch.var, torch.Tensor.var)
 _CONCATS = (torch.cat, torch.concat, torch.concatenate)
 _SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+@torch.compiler.disable
+def _strided_layout(placement: Any) -> tuple[int, int]:
+    """``(split_factor, dim)`` of a ``_StridedShard``, read outside ``torch.compile``'s tracing (dynamo cannot read
+    the attributes of torch's placement objects inside a torch-function mode): a graph break under compile=True."""
+    return strided_chunks(placement), placement.dim
 
 
 class GlobalShapeMode(TorchFunctionMode):
@@ -142,8 +149,9 @@ def _split_fused(func: Any, args: tuple, kwargs: dict) -> tuple | None:
     sizes = args[1] if len(args) > 1 else next((kwargs[n] for n in names if n in kwargs), None)
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     dim %= tensor.dim()
-    factor, total = placement.split_factor, tensor.shape[dim]
-    if dim != placement.dim % tensor.dim():
+    factor, placed = _strided_layout(placement)
+    total = tensor.shape[dim]
+    if dim != placed % tensor.dim():
         return None
     if chunked:
         matches = sizes == factor
