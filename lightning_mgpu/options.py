@@ -260,6 +260,14 @@ _DIMENSION_OPTIONS = {
 }
 
 
+def refuse_compositions(subject: str, combinations: dict[str, bool], why: str) -> None:
+    """Raise ``NotImplementedError`` naming every combination in ``combinations`` that is set (``True``) and does not
+    compose with ``subject`` yet, followed by ``why`` (the reason and the fix)."""
+    named = [name for name, present in combinations.items() if present]
+    if named:
+        raise NotImplementedError(f"{subject} does not compose with {', '.join(named)} yet: {why}")
+
+
 def _one_of(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"`{name}` must be one of {', '.join(map(repr, allowed))}, got {value!r}.")

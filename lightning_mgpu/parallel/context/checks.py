@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_mgpu.layout import ParallelLayout
-from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.options import ParallelOptions, refuse_compositions
 
 
 def check(options: ParallelOptions, layout: ParallelLayout) -> None:
@@ -11,15 +11,14 @@ def check(options: ParallelOptions, layout: ParallelLayout) -> None:
     cp = layout.context_parallel_size
     if cp == 1:
         return
-    unsupported = {
-        "zero_backend='deepspeed'": options.zero_backend != "torch",
-        f"expert_parallel_size={options.expert_parallel_size}": options.expert_parallel_size > 1,
-        f"data_parallel_shard_size={options.data_parallel_shard_size}": options.data_parallel_shard_size is not None,
-    }
-    named = [name for name, bad in unsupported.items() if bad]
-    if named:
-        raise NotImplementedError(
-            f"context_parallel_size={cp} does not compose with {', '.join(named)} yet: context parallelism averages"
-            " gradients over dp x cp with the torch backend's data-parallel wrap, over all data-parallel ranks."
-            " Remove those options, or use context_parallel_size=1."
-        )
+    shard = options.data_parallel_shard_size
+    refuse_compositions(
+        f"context_parallel_size={cp}",
+        {
+            "zero_backend='deepspeed'": options.zero_backend != "torch",
+            f"expert_parallel_size={options.expert_parallel_size}": options.expert_parallel_size > 1,
+            f"data_parallel_shard_size={shard}": shard is not None,
+        },
+        "context parallelism averages gradients over dp x cp with the torch backend's data-parallel wrap, over all"
+        " data-parallel ranks. Remove those options, or use context_parallel_size=1.",
+    )

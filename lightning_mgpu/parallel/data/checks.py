@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_mgpu.layout import ParallelLayout, divisors
-from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.options import ParallelOptions, refuse_compositions
 
 
 def check(options: ParallelOptions, layout: ParallelLayout) -> None:
@@ -23,14 +23,13 @@ def check(options: ParallelOptions, layout: ParallelLayout) -> None:
             f"data_parallel_shard_size={shard} says over how many ranks ZeRO shards its states, but zero_stage=0"
             " shards nothing. Set zero_stage to 1, 2 or 3, or remove data_parallel_shard_size."
         )
-    unsupported = {
-        "zero_backend='deepspeed'": options.zero_backend != "torch",
-        f"expert_parallel_size={options.expert_parallel_size}": options.expert_parallel_size > 1,
-    }
-    named = [name for name, bad in unsupported.items() if bad]
-    if named:
-        raise NotImplementedError(
-            f"data_parallel_shard_size={shard} does not compose with {', '.join(named)} yet: hybrid sharding runs on"
-            " the torch backend (FSDP2 on a 2-D mesh), and expert parallelism already cuts the data-parallel ranks"
-            " its own way. Remove data_parallel_shard_size, or use zero_backend='torch' and expert_parallel_size=1."
-        )
+    refuse_compositions(
+        f"data_parallel_shard_size={shard}",
+        {
+            "zero_backend='deepspeed'": options.zero_backend != "torch",
+            f"expert_parallel_size={options.expert_parallel_size}": options.expert_parallel_size > 1,
+        },
+        "hybrid sharding runs on the torch backend (FSDP2 on a 2-D mesh), and expert parallelism already cuts the"
+        " data-parallel ranks its own way. Remove data_parallel_shard_size, or use zero_backend='torch' and"
+        " expert_parallel_size=1.",
+    )

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from lightning_mgpu._compat.dtensor import unflatten_mesh
 from lightning_mgpu._compat.tensors import restore_parameters, set_children, swap_parameters
 from lightning_mgpu.layout import DP_AXIS, EP_AXIS, EXPERT_REPLICA_AXIS, ParallelLayout
-from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.options import ParallelOptions, refuse_compositions
 
 _FUSED = ("gate_up_proj", "down_proj")
 _TOTAL = "_lightning_mgpu_total_experts"
@@ -110,19 +110,14 @@ def check_expert_layout(options: ParallelOptions, layout: ParallelLayout) -> Non
             f"expert_parallel_size={ep} must divide data_parallel_size={dp}: the ep groups are carved out of the"
             f" data-parallel ranks. Choose expert_parallel_size from {valid}, or give data parallelism more devices."
         )
-    unsupported = {
-        "sequence_parallel": options.sequence_parallel,
-        "zero_backend='deepspeed'": options.zero_backend != "torch",
-    }
-    named = [name for name, bad in unsupported.items() if bad]
-    if named:
-        raise NotImplementedError(
-            f"expert_parallel_size={ep} does not compose with {', '.join(named)} yet: sequence parallelism would"
-            " hand each tensor-parallel rank part of the tokens its experts are routed; the DeepSpeed engine shards"
-            " over every data-parallel rank, which hold different experts. Expert parallelism runs with data"
-            " parallelism at ZeRO 0-3 (torch backend), tensor parallelism (without sequence_parallel) and"
-            " pipeline parallelism; set sequence_parallel=False, zero_backend='torch', or expert_parallel_size=1."
-        )
+    refuse_compositions(
+        f"expert_parallel_size={ep}",
+        {"sequence_parallel": options.sequence_parallel, "zero_backend='deepspeed'": options.zero_backend != "torch"},
+        "sequence parallelism would hand each tensor-parallel rank part of the tokens its experts are routed; the"
+        " DeepSpeed engine shards over every data-parallel rank, which hold different experts. Expert parallelism"
+        " runs with data parallelism at ZeRO 0-3 (torch backend), tensor parallelism (without sequence_parallel) and"
+        " pipeline parallelism; set sequence_parallel=False, zero_backend='torch', or expert_parallel_size=1.",
+    )
 
 
 def check_experts(module: nn.Module, ep: int) -> dict[str, nn.Module]:
