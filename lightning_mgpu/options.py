@@ -50,6 +50,7 @@ class ParallelOptions:
     data_parallel_shard_size: int | None = None  # HSDP: ZeRO shards over groups of this many dp ranks (parallel/data/)
     context_parallel_mode: str = "ring"  # how attention spans the sequence's shards (parallel/context/)
     compile: bool | dict[str, Any] = False  # torch.compile each block (True, or torch.compile's keyword arguments)
+    global_batch_size: int | None = None  # samples per optimizer step on any world size (strategy/batch.py)
     find_unused_parameters: bool | None = None  # DDP's search for parameters without a gradient (data/unused_params.py)
 
     def __post_init__(self) -> None:
@@ -83,6 +84,11 @@ class ParallelOptions:
             raise ValueError(
                 "`data_parallel_shard_size` must be a positive integer (ZeRO shards over groups of that many"
                 f" data-parallel ranks) or None (over all of them), got {self.data_parallel_shard_size!r}."
+            )
+        if self.global_batch_size is not None and not _positive_int(self.global_batch_size):
+            raise ValueError(
+                "`global_batch_size` must be a positive integer (samples per optimizer step over all data-parallel"
+                f" ranks) or None, got {self.global_batch_size!r}."
             )
         if self.num_microbatches is not None and not _positive_int(self.num_microbatches):
             raise ValueError(f"`num_microbatches` must be a positive integer or None, got {self.num_microbatches!r}.")

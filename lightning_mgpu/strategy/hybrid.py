@@ -57,6 +57,7 @@ from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
 from lightning_mgpu.strategy import setup as module_setup
+from lightning_mgpu.strategy.batch import keep_global_batch
 from lightning_mgpu.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_mgpu.strategy.collectives import DataParallelCollectives
 from lightning_mgpu.strategy.layout_choice import agreed_plan, check_options, check_sizes, check_trainer_layout
@@ -94,6 +95,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         context_parallel_size: int = 1,
         context_parallel_mode: str = "ring",
         compile: bool | dict[str, Any] = False,
+        global_batch_size: int | None = None,
         find_unused_parameters: bool | None = None,
         tp_plan: str | dict[str, str] | Callable[..., None] = "auto",
         sequence_parallel: bool = False,
@@ -150,6 +152,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             data_parallel_shard_size=data_parallel_shard_size,
             context_parallel_mode=context_parallel_mode,
             compile=compile,
+            global_batch_size=global_batch_size,
             find_unused_parameters=find_unused_parameters,
         )
         check_options(self.options, zero_stage, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
@@ -331,6 +334,14 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
     def plan(self) -> planner_auto.StrategyPlan | None:
         """What the planner chose for ``"auto"`` sizes, its prediction and the measured steps (``None``: no choice)."""
         return self._plan
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.options.global_batch_size is not None:
+            assert self.lightning_module is not None
+            trainer = self.lightning_module.trainer
+            keep_global_batch(trainer, self.options.global_batch_size, self.layout.data_parallel_size)
 
     @override
     def on_train_end(self) -> None:

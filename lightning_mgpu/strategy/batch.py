@@ -1,0 +1,56 @@
+"""The global batch kept on any world size: ``HybridStrategy(global_batch_size=N)`` sets the gradient accumulation.
+
+The same config then trains the same on 8 or 64 devices, and a job restarted on fewer devices keeps its samples per
+optimizer step: ``accumulate_grad_batches = N / (per-rank batch x data-parallel size)``. Tensor, pipeline and
+context-parallel peers share their samples and do not count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+
+def accumulation_for(global_batch_size: int, per_rank_batch: int, data_parallel_size: int, requested: int) -> int:
+    """Micro-batches per optimizer step that make ``global_batch_size`` samples; raises naming the numbers where
+    they do not divide, or where the Trainer's own ``accumulate_grad_batches`` says otherwise."""
+    per_step = per_rank_batch * data_parallel_size
+    if global_batch_size % per_step:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not a multiple of the samples one micro-batch step takes:"
+            f" {per_rank_batch} per data-parallel rank x {data_parallel_size} data-parallel ranks = {per_step}."
+            f" Choose a global_batch_size that {per_step} divides, or a per-rank batch size (the DataLoader's"
+            f" batch_size) that divides global_batch_size / {data_parallel_size}."
+        )
+    accumulate = global_batch_size // per_step
+    if requested not in (1, accumulate):
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={requested}) contradicts global_batch_size={global_batch_size}, which"
+            f" needs {accumulate} here ({per_rank_batch} per rank x {data_parallel_size} ranks). Remove one of them."
+        )
+    return accumulate
+
+
+def per_rank_batch_size(dataloader: Any) -> int:
+    """The training DataLoader's batch size (its ``batch_size``, or its batch sampler's)."""
+    size = getattr(dataloader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(
+            "global_batch_size needs the training DataLoader's batch size, but it has none (a custom batch sampler"
+            " without `batch_size`). Set Trainer(accumulate_grad_batches=...) yourself instead."
+        )
+    return size
+
+
+def keep_global_batch(trainer: Any, global_batch_size: int, data_parallel_size: int) -> None:
+    """Set ``trainer.accumulate_grad_batches`` for ``global_batch_size`` (before the first training step)."""
+    per_rank = per_rank_batch_size(trainer.train_dataloader)
+    accumulate = accumulation_for(global_batch_size, per_rank, data_parallel_size, trainer.accumulate_grad_batches)
+    trainer.accumulate_grad_batches = accumulate
+    rank_zero_info(
+        f"global_batch_size={global_batch_size}: {per_rank} per rank x {data_parallel_size} data-parallel ranks x"
+        f" {accumulate} accumulated micro-batches per optimizer step."
+    )
