@@ -50,7 +50,7 @@ class CollectiveCounter(L.Callback):
     """
 
     def __init__(self, batches: int | None = None) -> None:
-        self.results: dict[str, Any] = {"per_batch": [], "bytes_per_batch": []}
+        self.results: dict[str, Any] = {"per_batch": [], "bytes_per_batch": [], "bytes_by_kind_per_batch": []}
         self._profiler: Any = None
         self._batches = batches
 
@@ -70,6 +70,7 @@ class CollectiveCounter(L.Callback):
         comm = collectives_of(self._profiler, trainer.world_size)
         self.results["per_batch"].append(comm["counts"])
         self.results["bytes_per_batch"].append(comm["bytes"])
+        self.results["bytes_by_kind_per_batch"].append(comm["bytes_by_kind"])
         self._profiler = None
 
 
@@ -146,6 +147,7 @@ def collectives_of(profiler: Any, world_size: int, dtype_bytes: int = 4) -> dict
     work = [e for e in events if e.name.startswith(("gloo:", "nccl:"))]
     counts: Counter = Counter()
     small: Counter = Counter()
+    by_kind: Counter = Counter()
     sent = 0.0
     f = (world_size - 1) / world_size if world_size > 1 else 0.0
     for op, item in _pair_with_work(ops, work):
@@ -158,7 +160,8 @@ def collectives_of(profiler: Any, world_size: int, dtype_bytes: int = 4) -> dict
             continue
         counts[kind] += 1
         sent += factor * f * numel * dtype_bytes
-    return {"counts": dict(counts), "small": dict(small), "bytes": sent}
+        by_kind[kind] += factor * f * numel * dtype_bytes
+    return {"counts": dict(counts), "small": dict(small), "bytes": sent, "bytes_by_kind": dict(by_kind)}
 
 
 class MetricRecorder(L.Callback):

@@ -23,6 +23,7 @@ from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import RandomTokenDataModule
 from tests.helpers.nanogpt import NanoGPTModule
+from tests.helpers.probes import CollectiveCounter
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -273,12 +274,15 @@ class ContextTraffic(L.Callback):
 def test_context_parallel_traffic_is_the_analytic_volume(mode):
     """nanoGPT (2 blocks, 32 tokens, width 32) at cp 2: the ring sends each block's K/V (cp-1) hops forward,
     (cp-1) hops again backward with their fp32 gradients cp hops; the all-to-all exchanges (cp-1)/cp of q, k, v and
-    the output forward (its backward mirrors it): ``planner.cost.context_parallel_bytes``, per block and step."""
+    the output forward and their gradients backward: ``planner.cost.context_parallel_bytes``, per block and step.
+    The ring's sends and the all-to-all's forward calls are counted where they are issued; the all-to-all's
+    backward (autograd's, from C++) by the profiler's record of every collective the step ran."""
     from lightning_mgpu.planner.cost import Layout, Training, context_parallel_bytes
     from lightning_mgpu.planner.model_spec import ModelSpec
 
     strategy = {"context_parallel_size": 2, "context_parallel_mode": mode}
-    outcome = fit_each({"counted": Run(NANOGPT, _tokens(GLOBAL_BATCH), strategy, 3, {}, lambda: [ContextTraffic()])}, 2)
+    probes = lambda: [ContextTraffic(), CollectiveCounter()]
+    outcome = fit_each({"counted": Run(NANOGPT, _tokens(GLOBAL_BATCH), strategy, 3, {}, probes)}, 2)
     _, extras = result(outcome["counted"])
     spec = ModelSpec(layers=2, hidden=32, heads=4, vocab=pm.VOCAB, seq_len=32)
     layout = Layout(cp=2, cp_mode=mode, microbatch_size=GLOBAL_BATCH)
@@ -290,3 +294,6 @@ def test_context_parallel_traffic_is_the_analytic_volume(mode):
         else:
             expected = spec.layers * per_block["forward"]
             assert [step[0] for step in extra["alltoall_forward"]] == [expected] * 3, (extra, expected)
+            both = spec.layers * (per_block["forward"] + per_block["backward"])
+            counted = [step.get("A2A", 0.0) for step in extra["bytes_by_kind_per_batch"]]
+            assert counted == [pytest.approx(both)] * 3, (counted, both)
