@@ -238,7 +238,12 @@ def test_collective_counter_pairs_each_op_with_a_work_item_of_its_kind():
         ),
         2,
     )
-    assert expected == {"counts": {"RD": 2, "AR": 1, "RS": 1}, "small": {}, "bytes": 2 * (20992 + 21888) + 116 + 116}
+    assert expected == {
+        "counts": {"RD": 2, "AR": 1, "RS": 1},
+        "small": {},
+        "bytes": 2 * (20992 + 21888) + 116 + 116,
+        "bytes_by_kind": {"RD": 2 * (20992 + 21888), "AR": 116, "RS": 116},
+    }
     started = [("all_reduce", [[58]]), ("all_reduce", [[29]]), ("reduce", [[21888]]), ("reduce", [[20992]])]
     swapped = SimpleNamespace(
         events=lambda: (
