@@ -111,6 +111,8 @@ def test_the_command_rehearses_and_refuses_the_real_way(capsys):
     for entry in report["ranks"]:
         assert {"rank", "pp", "dp", "tp", "parameter_bytes", "gradient_bytes", "optimizer_bytes"} <= set(entry)
         assert entry["dp"] == 0 and entry["layers"], entry
+    with pytest.raises(SystemExit, match=r"--fix ep= is read by --rehearse only"):
+        main([*common, "--gpus", "8", "--fix", "ep=2"])
     with pytest.raises(SystemExit) as refused:
         main([*common, "--gpus", "16", "--fix", "tp=16,pp=1,zero=1", "--rehearse"])
     assert "8 key/value heads" in str(refused.value) or "key/value heads" in str(refused.value), refused.value
