@@ -46,6 +46,8 @@ class Model(L.LightningModule):
         self.layer = torch.nn.Linear(4, 1)
 
     def training_step(self, batch, batch_idx):
+        if batch_idx == 2 and self.global_rank == 0 and os.environ.get("RANK_0_BUSY"):
+            time.sleep(4)  # in Python, not in a collective, when rank 1 fails and torchrun stops this rank
         if batch_idx == 2 and FAIL_RANK in ("all", str(self.global_rank)):
             with open(f"failed_at_{self.global_rank}", "w") as f:
                 f.write(repr(time.time()))
@@ -235,6 +237,16 @@ def test_torchrun_worker_raises(tmp_path):
     summary = run.stderr[run.stderr.index("Root Cause") :]
     assert "rank      : 1" in summary and summary.count('raise ValueError("boom")') == 1
     assert "Connection reset by peer" not in run.stderr and "Connection closed by peer" not in run.stderr
+
+
+def test_torchrun_stops_a_rank_between_collectives(tmp_path):
+    # torchrun's SIGTERM reaches rank 0 in its own Python code, before any collective of it could fail: Lightning
+    # ends it with a SystemExit (SIGTERMException), which no excepthook sees; it still says why it stopped.
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_port", str(free_port()), "train.py"]
+    run = _run(tmp_path, command, START="auto", FAIL_RANK="1", FAIL_MODE="raise", RANK_0_BUSY="1")
+    _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) failed: ValueError: boom")
+    assert "lightning-mgpu: rank 0 of 2 (pp 0, dp 0, tp 0) stopped: rank 1 failed: ValueError: boom" in run.stderr
 
 
 def test_external_launch_worker_raises(tmp_path):

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
 FAILURE_DIR_ENV = "LIGHTNING_MGPU_FAILURE_DIR"  # set by our launchers for the ranks they start
 _PREFIX = "lightning-mgpu:"
 _SOURCE_PREFIX = re.compile(r"^\[[^]]*:\d+\]\s*")  # "[/pytorch/third_party/gloo/.../pair.cc:537] "
@@ -208,13 +210,22 @@ def handle_rank_failure(
     """Record this rank's failure and decide what this process prints if the error ends it.
 
     ``report_from_main``: this process is the script launcher's main process, which reports for all ranks; it is
-    called with whether this rank's own error is the cause (not an echo). Printing happens in a ``sys.excepthook``
-    that acts only on this very exception reaching the top level (a user who catches it sees nothing change) and
-    hands every other exception to the hook it found.
+    called with whether this rank's own error is the cause (not an echo). Under our launchers printing happens in a
+    ``sys.excepthook`` that acts only on this very exception reaching the top level (a user who catches it sees
+    nothing change) and hands every other exception to the hook it found; under torchrun or SLURM each rank prints
+    its own line at once (the launcher may stop it any moment now).
     """
     if isinstance(exception, KeyboardInterrupt) and os.environ.get(FAILURE_DIR_ENV):
         # Ctrl-C reaches every process of a script launcher: its report must not blame the first rank to exit.
         record_failure(exception, rank, os.environ[FAILURE_DIR_ENV])
+        return
+    external = report_from_main is None and not os.environ.get(FAILURE_DIR_ENV)  # torchrun, SLURM: no report for us
+    if isinstance(exception, SIGTERMException) and world_size > 1 and external:
+        # torchrun/SLURM stopped this rank before any collective failed here (it was between them): Lightning ends
+        # it with a SystemExit, which no excepthook sees, so this rank says now why it stopped.
+        directory = _external_failure_dir()
+        record, written = record_failure(exception, rank, directory)
+        _print_own_failure(record, world_size, mesh_shape, directory if written else None)
         return
     if not isinstance(exception, Exception) or isinstance(exception, RankFailedError) or world_size == 1:
         return  # SystemExit, the fork launcher's report reaching its parent, or no other rank
@@ -234,9 +245,11 @@ def handle_rank_failure(
     elif launched and written:
         _install_excepthook(exception, lambda: None)  # the launcher prints the report with our traceback
     else:
-        _install_excepthook(
-            exception, lambda: _print_own_failure(record, world_size, mesh_shape, directory if written else None)
-        )
+        # torchrun/SLURM: this rank says now what it knows. At exit would be too late: torchrun stops the survivors
+        # as soon as one rank has exited, and once Lightning's teardown has put back the default SIGTERM action
+        # (the moments before the exception reaches the top), that ends a rank without a word.
+        _print_own_failure(record, world_size, mesh_shape, directory if written else None)
+        _install_excepthook(exception, lambda: None)  # printed: Python's own printing of it would repeat it
 
 
 def restore_sigterm() -> None:
@@ -273,6 +286,8 @@ def _print_own_failure(
         causes = sorted((r for r in read_records(directory).values() if not r.secondary), key=lambda r: r.time)
         if causes:
             cause = f"rank {causes[0].rank} failed: {causes[0].error}"
+        elif record.error.startswith(SIGTERMException.__name__):
+            cause = "its launcher or scheduler sent SIGTERM; see the other ranks' output"
         else:
             cause = f"another rank failed or stopped ({record.error[:200]}); see the other ranks' output"
         print(f"{_PREFIX} {me} stopped: {cause}", file=sys.stderr, flush=True)
