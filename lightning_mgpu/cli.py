@@ -181,23 +181,27 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lightning-mgpu`` command line (the docs' command reference is rendered from it)."""
     from lightning_mgpu import __version__
+    from lightning_mgpu.planner.command import add_plan_parser
+    from lightning_mgpu.sweep import add_bench
 
     parser = argparse.ArgumentParser(
         prog="lightning-mgpu",
-        description="Tensor, pipeline and data parallelism with ZeRO for PyTorch Lightning.",
+        description="Tensor, pipeline, context and data parallelism with ZeRO for PyTorch Lightning.",
     )
     parser.add_argument("--version", action="version", version=f"lightning-mgpu {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_demo(subparsers)
     _add_checkpoint_commands(subparsers)
-    from lightning_mgpu.planner.command import add_plan_parser
-
     add_plan_parser(subparsers)
-    from lightning_mgpu.sweep import add_bench
-
     add_bench(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()

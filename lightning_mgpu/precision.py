@@ -82,7 +82,9 @@ class HybridPrecision(Precision):
         reduce_dtype: dtype gradients are reduced in over data-parallel ranks (FSDP2 ``reduce_dtype``), e.g.
             ``"bf16"`` to halve gradient traffic. ``None`` (default): the gradients' own dtype.
         fp8_emulate: run ``fp8-mixed`` through torchao's emulation (any device, slow; for testing on CPU).
-        init_scale, growth_interval: the loss scaler's (``16-mixed`` only), as in ``torch.amp.GradScaler``.
+        init_scale: the loss scaler's initial scale (``16-mixed`` only), as in ``torch.amp.GradScaler``.
+        growth_interval: steps without overflow before the loss scale grows (``16-mixed`` only), as in
+            ``torch.amp.GradScaler``.
 
     ``Trainer(precision=...)`` with :class:`~lightning_mgpu.HybridStrategy` selects this plugin at the precision
     Lightning chose (on CPU Lightning turns ``"16-mixed"`` into ``"bf16-mixed"``, with a warning). Options beyond

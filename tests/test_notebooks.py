@@ -2,8 +2,8 @@
 
 Each notebook also asserts its own results in its cells (a failing assertion fails the test with the cell's
 traceback); the tests below check the printed outputs on top. The committed notebooks carry their outputs, so they
-read well on GitHub: re-save them after a change with the command in examples/README.md. Each test forks 2-8 CPU
-processes from the kernel; 45-85 s apiece on two CPU cores shared with other work.
+read well on GitHub: re-save them after a change with the command in docs/guides/notebooks.md. Each test forks 2-8
+CPU processes from the kernel; 45-85 s apiece on two CPU cores shared with other work.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ EXPECTED: dict[str, dict[str, str]] = {
     },
     "HF BART": {"pp 2": _STANDINS, "pp 2 x dp 2 ZeRO-1": _STANDINS},
 }
-# Layouts a model is not run under, and why (each also shown in the README's table).
+# Layouts a model is not run under, and why (each also shown in the table of docs/guides/public-models.md).
 _OWN_TEST = "trains like one process accumulating the same microbatches (BatchNorm: see the test below)"
 NOT_RUN: dict[str, dict[str, str]] = {
     "timm ResNet-18": {
@@ -98,7 +98,7 @@ NOT_RUN: dict[str, dict[str, str]] = {
 }
 
 
-# The README's table says each outcome in a few words.
+# The docs' table (docs/guides/public-models.md) says each outcome in a few words.
 _IN_SHORT = {
     TRAINS: "✓",
     _NO_LINEAR: "refused: no Linear layer to split",
@@ -109,8 +109,8 @@ _IN_SHORT = {
 }
 
 
-def readme_table() -> str:
-    """The table of models and layouts in the README, rendered from ``EXPECTED`` and ``NOT_RUN``."""
+def docs_table() -> str:
+    """The table of models and layouts in docs/guides/public-models.md, rendered from ``EXPECTED`` and ``NOT_RUN``."""
     lines = [f"| model | {' | '.join(LAYOUTS)} |", f"|---|{'---|' * len(LAYOUTS)}"]
     for model in MODELS:
         cells = [_IN_SHORT.get(expected(model, layout), expected(model, layout)) for layout in LAYOUTS]
@@ -120,9 +120,10 @@ def readme_table() -> str:
     return "\n".join(lines)
 
 
-def test_the_readme_shows_this_suite_s_table():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert readme_table() in readme, f"README.md must hold the suite's table as rendered:\n{readme_table()}"
+def test_the_docs_show_this_suite_s_table():
+    page = (Path(__file__).parent.parent / "docs" / "guides" / "public-models.md").read_text()
+    table = docs_table()
+    assert table in page, f"docs/guides/public-models.md must hold the suite's table as rendered:\n{table}"
 
 
 def expected(model: str, layout: str) -> str:

@@ -1,7 +1,7 @@
 """Rehearsal: the library's real setup path at the cluster's world size, on meta tensors and torch's fake group.
 
 Large shapes are rehearsed on a few ranks each (every pipeline stage at tensor-parallel rank 0, where the stages
-differ), the command on a small model; the whole 64-rank 70B run of the README is the command's own example.
+differ), the command on a small model; the whole 64-rank 70B run of docs/guides/planner.md is the command's own example.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The troubleshooting section of examples/README.md quotes the package's messages verbatim: keep them in step.
+"""The troubleshooting page (docs/troubleshooting.md) quotes the package's messages verbatim: keep them in step.
 
 Only the messages raised before any process starts are produced here (about a second); the others in the guide
 (tp divisibility, checkpoints, ragged batches, failing ranks) need processes or files and were copied from real
@@ -15,7 +15,7 @@ import pytest
 
 from lightning_mgpu import HybridStrategy
 
-GUIDE = Path(__file__).resolve().parents[1] / "examples" / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
 
 
 def _trainer(devices: int, **strategy_kwargs) -> L.Trainer:
@@ -40,7 +40,7 @@ def test_guide_quotes_the_error(case):
     with pytest.raises(ValueError) as info:
         CASES[case]()
     quoted = f"{type(info.value).__name__}: {info.value}"
-    assert quoted in GUIDE.read_text(), f"examples/README.md does not quote the current message:\n{quoted}"
+    assert quoted in GUIDE.read_text(), f"docs/troubleshooting.md does not quote the current message:\n{quoted}"
 
 
 def test_guide_quotes_the_zero_stage_warning():

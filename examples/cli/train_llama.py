@@ -25,6 +25,7 @@ import lightning_mgpu  # noqa: F401  (registers the "hybrid*" strategy names wit
 from lightning_mgpu.demo import TextDataModule
 
 
+# --8<-- [start:module]
 class LlamaLightningModule(L.LightningModule):
     """Next-byte prediction with a small Llama (GQA, RMSNorm, SwiGLU, RoPE); the loss is the model's own."""
 
@@ -52,7 +53,6 @@ class LlamaLightningModule(L.LightningModule):
             num_key_value_heads=num_key_value_heads,
             max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=False,
-            use_cache=False,
             bos_token_id=0,
             eos_token_id=1,
         )
@@ -74,6 +74,7 @@ class LlamaLightningModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
+# --8<-- [end:module]
 
 
 def main() -> None:

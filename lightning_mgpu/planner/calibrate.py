@@ -43,7 +43,7 @@ from lightning_mgpu.planner.model_spec import ModelSpec
 MAX_CALIBRATION_PARAMS = 200_000_000  # larger real modules are measured one block at a time
 BATCHES, LARGE = (1, 4, 8), 4  # batch sizes of the timed forward + backward passes; the one the workers run
 # Where the forked probes are not run (``quick_measure``): what ``measure`` found on this repository's 2-core CI
-# machine for the demo GPT (4 blocks, 64 wide; benchmarks/README.md): gloo per process on a core of its own, and the
+# machine for the demo GPT (4 blocks, 64 wide; docs/benchmarks.md): gloo per process on a core of its own, and the
 # DTensor, FSDP2, DTensor-optimizer and pipeline terms as multiples of the per-block dispatch overhead (0.5-0.75 ms
 # there; medians of three calibrations), so that they follow the speed of the machine at hand, which
 # ``quick_measure`` measures.

@@ -71,13 +71,116 @@ if TYPE_CHECKING:
 
 
 class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
-    """Data, tensor and pipeline parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
+    """Data, tensor, pipeline, context and expert parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
 
-    Arguments: the README's "HybridStrategy arguments" table. Sizes multiply to ``devices x num_nodes``;
-    ``data_parallel_size="auto"`` takes what the others leave; ``"auto"`` tensor/pipeline sizes and ZeRO stage that
-    leave several layouts are chosen at setup by the planner (``planner.auto``) for the real module.
-    ``start_method="auto"`` starts a subprocess per device from a script and forks from a notebook or interactive
-    session.
+    The sizes multiply to ``devices x num_nodes``: ``world = pp x dp x cp x tp``, tensor parallelism innermost (one
+    node's GPUs), the pipeline outermost. ``"auto"`` sizes and ZeRO stage that leave several layouts are chosen at
+    setup by the planner for the real module. Arguments are checked when the strategy and the Trainer are built,
+    before any process starts, and a bad one is refused naming the value and the fix. An option of a dimension of
+    size 1 (e.g. ``pipeline_schedule`` with ``pipeline_parallel_size=1``) is refused rather than ignored.
+
+    Args:
+        tensor_parallel_size: Tensor parallel degree (``int`` or ``"auto"``; default ``1``). The layers of each
+            block split over this many ranks (Megatron's column/row split through DTensor); heads and hidden sizes
+            must divide it. Keep it within one node. Interacts with ``tp_plan``, ``sequence_parallel``,
+            ``loss_parallel``.
+        pipeline_parallel_size: Pipeline parallel degree (``int`` or ``"auto"``; default ``1``). The module's
+            repeated blocks split into stages run by ``torch.distributed.pipelining``; ``training_step`` is
+            unchanged. Interacts with ``pipeline_schedule``, ``num_microbatches``, ``stages_per_rank``,
+            ``pipeline_split``.
+        data_parallel_size: Data parallel degree (default ``"auto"``: the world size divided by
+            ``tp x pp x cp``). Each data-parallel rank sees its own samples; ZeRO shards over these ranks.
+        zero_stage: ZeRO stage ``0``-``3`` or ``"auto"`` (default ``0``): 0 replicates everything (DDP), 1 shards
+            the optimizer states, 2 also the gradients, 3 also the parameters (FSDP2 ``fully_shard``). Interacts
+            with ``data_parallel_shard_size``, ``cpu_offload``, ``zero_backend``.
+        zero_backend: ``"torch"`` (default: DDP/FSDP2) or ``"deepspeed"``: the data-parallel dimension runs through
+            a DeepSpeed engine at ``zero_stage``. DeepSpeed is data parallelism only: tensor/pipeline parallelism
+            with it are refused before training.
+        deepspeed_config: With ``zero_backend="deepspeed"``: a dict or the path of a JSON file for
+            ``deepspeed.initialize`` (offload, bucket sizes, ZeRO++ ...). Precision, clipping, accumulation,
+            micro-batch size and stage come from the Trainer and the strategy and may not be contradicted.
+            Default ``None``.
+        expert_parallel_size: Mixture-of-experts layers hold ``num_experts / n`` experts per rank, tokens routed by
+            all-to-all (default ``1``). Composes with ZeRO 0-3, tensor and pipeline parallelism.
+        data_parallel_shard_size: HSDP: ZeRO (stages 1-3) shards over groups of this many consecutive
+            data-parallel ranks (e.g. one node) and replicates across the groups; must divide the data-parallel
+            size. Default ``None``: shard over all of dp.
+        context_parallel_size: Split each sequence over this many ranks (a ``cp`` mesh axis; default ``1``).
+            Attention through ``F.scaled_dot_product_attention`` runs on the local shard with exact results;
+            losses equal the whole sequence's mean. Sequence lengths must be multiples of ``2 x cp`` (two
+            load-balanced chunks per rank).
+        context_parallel_mode: ``"ring"`` (default: K/V blocks passed around the cp group; any head count) or
+            ``"alltoall"`` (Ulysses: heads scattered during attention; heads per tensor-parallel rank divisible by
+            cp). Needs ``context_parallel_size > 1``.
+        compile: ``True`` or a dict of ``torch.compile`` keyword arguments (default ``False``): each repeated
+            block's forward is compiled after tensor parallelism and activation checkpointing, before the
+            pipeline's and data parallelism's wraps (torchtitan's order), in every layout.
+        global_batch_size: Samples per optimizer step over all data-parallel ranks, kept on any world size
+            (default ``None``). ``accumulate_grad_batches`` becomes ``N / (batch_size x dp)`` when training starts;
+            refused, naming the numbers, when that does not divide or the Trainer says otherwise.
+        find_unused_parameters: Where DDP replicates (ZeRO 0/1 without tensor/pipeline parallelism): whether each
+            step searches for parameters without a gradient. ``None`` (default) decides from the first
+            synchronizing step: if every rank gave every parameter a gradient, the search stops; a later step that
+            leaves one without a gradient then stops the run with an error naming ``True``. Set ``True`` for models
+            whose steps may leave parameters unused (layer drop, a loss term used on some steps).
+        tp_plan: ``"auto"`` (default: derived from the module, or the Hugging Face model's own
+            ``base_model_tp_plan``), a dict ``{module_glob: style}`` (``"colwise"``, ``"rowwise"``,
+            ``"embedding_rowwise"``, ``"sequence_parallel"``, ... and Hugging Face's style names) or a callable
+            ``(module, tp_mesh)`` that parallelizes in place. Needs ``tensor_parallel_size > 1``.
+        sequence_parallel: Shard the norms' activations along the sequence between tensor-parallel regions
+            (default ``False``). Needs ``tensor_parallel_size > 1``.
+        loss_parallel: Keep the LM head's logits sharded over the vocabulary; cross-entropy runs on the shards
+            (default ``False``). Needs ``tensor_parallel_size > 1``.
+        pipeline_schedule: ``"GPipe"``, ``"1F1B"`` (default), ``"Interleaved1F1B"``, ``"LoopedBFS"``,
+            ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"`` or ``"DualPipeV"``. Needs
+            ``pipeline_parallel_size > 1``.
+        num_microbatches: Microbatches per step (default ``None``: the number of stages). 1F1B and DualPipeV need
+            at least the number of stages, interleaved schedules a multiple of their rounds. A ragged last batch
+            runs as the nearest count of equal microbatches (with a warning).
+        stages_per_rank: Virtual stages per rank (default ``None``: 1 for GPipe/1F1B, 2 for the looped and V
+            schedules). V schedules need exactly 2, looped ones 2 or more.
+        pipeline_split: ``"auto"`` (default: balanced by parameters over the repeated blocks, or the children of
+            the largest ``Sequential``) or the names of the children of one ``ModuleList``/``Sequential`` where
+            stages 1, 2, ... begin.
+        activation_checkpointing: ``True``/``"full"`` (each block keeps only its input and recomputes its inside
+            in backward), ``"selective"`` (the outputs of matmuls, attention and collectives kept, the cheap ops
+            recomputed) or a list of module classes to checkpoint in full (default ``False``).
+        cpu_offload: With ``zero_stage=3``: keep sharded parameters, gradients and optimizer states in CPU memory
+            (default ``False``).
+        checkpoint_format: ``"sharded"`` (default: a ``torch.distributed.checkpoint`` directory written by all
+            ranks, loadable in any layout) or ``"full"`` (one ``torch.save`` file of the plain state dict).
+        async_checkpoint: Write sharded checkpoints in the background while training goes on (default ``False``).
+        process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default; torch's
+            ``"cpu:gloo,cuda:nccl"`` form is accepted; unknown or unavailable backends are refused.
+        timeout: Timeout of every collective: a ``timedelta`` or a number of seconds (default 30 minutes, as in
+            Lightning). A rank that stops responding ends the job within it.
+        start_method: ``"auto"`` (default: ``"popen"``, a subprocess per device, from scripts; ``"fork"`` from
+            notebooks and interactive Python), ``"popen"``, ``"fork"``, ``"spawn"`` or ``"forkserver"``. Under
+            torchrun or SLURM the launcher's processes are used.
+        accelerator: Lightning's accelerator (set by the Trainer).
+        parallel_devices: Lightning's devices of this node (set by the Trainer).
+        cluster_environment: Lightning's cluster environment (set by the Trainer: torchrun, SLURM, ...).
+        checkpoint_io: Lightning's checkpoint IO plugin, used by ``checkpoint_format="full"``.
+        precision_plugin: A :class:`~lightning_mgpu.HybridPrecision`; the Trainer's ``precision=`` sets it.
+        restore_module_on_teardown: When ``fit``/``validate``/... ends, give the module back as plain torch on
+            every rank, holding the trained weights in full, with the optimizers pointing at its parameters
+            (default ``True``). ``False`` leaves it parallelized (sharded parameters, this rank's pipeline stages)
+            for models whose full weights do not fit on one device; save them with ``trainer.save_checkpoint``.
+
+    Example:
+        ```python
+        import lightning as L
+        from lightning_mgpu import HybridStrategy
+
+        strategy = HybridStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1)
+        trainer = L.Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
+        assert trainer.strategy.layout.data_parallel_size == 2
+        ```
+
+    After the Trainer is built the layout is ``trainer.strategy.layout`` (a frozen :class:`ParallelLayout`); in a
+    run the named mesh is ``trainer.strategy.device_mesh``, ``(pp, dp, tp)`` (``(pp, dp, cp, tp)`` with context
+    parallelism, ``(pp, dp_replicate, dp_shard, tp)`` with HSDP), also ``self.device_mesh`` in
+    ``configure_model``.
     """
 
     strategy_name = "hybrid"
@@ -184,6 +287,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
     # ----------------------------------------------------------------------------------------------- layout / mesh
     @property
     def layout(self) -> ParallelLayout:
+        """The resolved sizes and ZeRO stage (``"auto"`` filled in), known once the Trainer is built."""
         if self._layout is None:
             raise RuntimeError(
                 "The layout is known once the Trainer has been created with this strategy, or, where the planner"
@@ -203,6 +307,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
 
     @property
     def device_mesh(self) -> DeviceMesh:
+        """The named device mesh of the run (``(pp, dp, tp)``, with ``cp`` or ``dp_replicate``/``dp_shard``)."""
         if self._device_mesh is None:
             raise RuntimeError("The device mesh exists only after the processes have been initialized.")
         return self._device_mesh

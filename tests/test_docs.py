@@ -1,0 +1,106 @@
+"""The documentation cannot drift from the code: every argument is documented where the IDE shows it, and every
+Python snippet of the docs site runs.
+
+The site itself is built in strict mode by ``.ci/run`` (``mkdocs build --strict``: broken links and references fail).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_mgpu import HybridPrecision, HybridStrategy, ScalingMonitor
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+# A fence whose info string is `python` (optionally with attributes) is executed; `py` shows code that cannot run
+# here (a GPU, a user's own model).
+_PYTHON_BLOCK = re.compile(r"^```python[^\n]*\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
+
+
+def _documented_arguments(cls: type) -> list[str]:
+    doc = inspect.getdoc(cls) or ""
+    assert "\nArgs:\n" in doc, f"{cls.__name__}'s docstring has no Args: section"
+    section = doc.split("\nArgs:\n", 1)[1]
+    names = []
+    for line in section.splitlines():
+        if line and not line.startswith(" "):
+            break  # the next section
+        if match := re.match(r"^    (\w+)(?: \([^)]*\))?:", line):
+            names.append(match.group(1))
+    return names
+
+
+@pytest.mark.parametrize("cls", [HybridStrategy, HybridPrecision, ScalingMonitor], ids=lambda c: c.__name__)
+def test_every_argument_has_an_args_entry_in_signature_order(cls):
+    parameters = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+    documented = _documented_arguments(cls)
+    assert documented == parameters, (
+        f"{cls.__name__}: undocumented {sorted(set(parameters) - set(documented))},"
+        f" documented but not parameters {sorted(set(documented) - set(parameters))}, or out of order"
+    )
+
+
+def _pages() -> list[Path]:
+    return sorted(DOCS.rglob("*.md"))
+
+
+def test_the_docs_have_their_pages_and_runnable_snippets():
+    pages = _pages()
+    names = {str(p.relative_to(DOCS)) for p in pages}
+    for required in ("index.md", "troubleshooting.md", "benchmarks.md", "reference/api.md", "reference/cli.md"):
+        assert required in names, f"docs/{required} is missing"
+    assert sum(name.startswith("guides/") for name in names) >= 12
+    assert sum(len(_PYTHON_BLOCK.findall(p.read_text())) for p in pages) >= 10, "too few executed snippets"
+
+
+RUNNER = r"""
+import re, sys, traceback, warnings
+from pathlib import Path
+warnings.simplefilter("ignore")
+block = re.compile(sys.argv[1], re.MULTILINE | re.DOTALL)
+failures = []
+for page in sys.argv[2:]:
+    namespace = {"__name__": "__docs__"}
+    for i, code in enumerate(block.findall(Path(page).read_text())):
+        try:
+            exec(compile(code, f"{page} (python block {i + 1})", "exec"), namespace)
+        except BaseException:
+            failures.append(traceback.format_exc(limit=3))
+            break
+print("\n".join(failures), file=sys.stderr)
+sys.exit(1 if failures else 0)
+"""
+
+
+def test_every_python_snippet_of_the_docs_runs(tmp_path):
+    """Each page's ``python`` blocks run in order in one namespace (a tutorial's state carries over); one process
+    for all pages, so the imports are paid once."""
+    pages = [str(p) for p in _pages() if _PYTHON_BLOCK.search(p.read_text())]
+    result = subprocess.run(
+        [sys.executable, "-c", RUNNER, _PYTHON_BLOCK.pattern, *pages],
+        cwd=tmp_path,  # snippets that write files write them here
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, f"snippets failed:\n{result.stderr[-6000:]}"
+
+
+def test_the_readme_is_short_starts_with_the_two_commands_and_its_links_resolve():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    commands = re.findall(r"^```bash\n(.*?)\n```", readme, re.MULTILINE | re.DOTALL)
+    # The demo command is what tests/test_cli.py runs (after the install); the test command is what .ci/run runs.
+    assert commands[:2] == [
+        "pip install torch==2.13.0 -e . && lightning-mgpu demo",
+        'pip install torch==2.13.0 -e ".[dev]" && python -m pytest -q',
+    ]
+    assert "\npython -m pytest -q\n" in (REPO / ".ci" / "run").read_text()
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme):
+        assert (REPO / target).exists(), f"README links to {target}, which does not exist"
