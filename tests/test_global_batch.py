@@ -63,3 +63,42 @@ def test_global_batch_size_must_be_a_positive_integer():
 
     with pytest.raises(ValueError, match=r"`global_batch_size` must be a positive integer"):
         HybridStrategy(global_batch_size=0)
+
+
+class SaveAfterStep(L.Callback):
+    """``trainer.save_checkpoint`` once the optimizer has taken ``step`` steps (where ModelCheckpoint saves)."""
+
+    def __init__(self, path: Any, step: int) -> None:
+        self.path, self.step, self.saved = path, step, False
+        self.results: dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step and not self.saved:
+            trainer.save_checkpoint(self.path)
+            self.saved = True
+
+
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [(2, 1), (1, 2)], ids=["dp2-to-1", "dp1-to-2"])
+def test_a_mid_epoch_resume_on_another_data_parallel_size_continues_in_samples(tmp_path, saved_on, resumed_on):
+    """Saved after 3 of 6 steps (mid-epoch: 8 steps an epoch) with 4 samples per rank and global_batch_size=8, then
+    resumed on the other data-parallel size with the same per-rank batch (so accumulation 1 <-> 2): the epoch goes on
+    at its 25th sample, neither repeating nor skipping one, and the 6 steps end where one process with batches of 8
+    does (1e-5 relative, 1e-4 absolute after AdamW). Counted in per-rank batches it would repeat or skip 12."""
+    from tests.helpers.equivalence import fit
+
+    (reference,) = references({"one": Run(NANOGPT, _data(8), None, STEPS)}).values()
+    checkpoint = tmp_path / "step3.ckpt"
+    strategy = {"global_batch_size": 8}
+    fit(NANOGPT, _data(4), strategy, saved_on, 3, callbacks_factory=lambda: [SaveAfterStep(checkpoint, 3)])
+    resumed, extras = fit(
+        NANOGPT,
+        _data(4),
+        strategy,
+        resumed_on,
+        STEPS,
+        callbacks_factory=lambda: [Accumulation()],
+        fit_kwargs={"ckpt_path": str(checkpoint)},
+    )
+    assert extras[0] == {"accumulate_grad_batches": 2 // resumed_on, "optimizer_steps": STEPS}, extras
+    for key, expected in result(reference).state_dict.items():
+        torch.testing.assert_close(resumed.state_dict[key], expected, rtol=1e-5, atol=1e-4, msg=key)

@@ -184,6 +184,7 @@ class Checkpointer:
         self._pending: _PendingSave | None = None
         self._async_group: Any | None = None
         self._resuming = False
+        self._saved_data: dict[str, int] | None = None  # the resumed checkpoint's `resume.data_record`
 
     # ------------------------------------------------------------------------------------------------------ save
     def save(
@@ -205,6 +206,7 @@ class Checkpointer:
             groups = [self.states.group_fqns(model, o, s) for o, s in zip(optimizers, state[OPTIMIZER_KEY])]
         gathered = _gather_object({"rng": states.collect_rng_states(), "groups": groups})
         meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZER_KEY, "loops")}
+        meta[resume.DATA_KEY] = resume.data_record(attached_trainer(model), layout.data_parallel_size)
         if "loops" in checkpoint:
             meta["loops"] = copy.deepcopy(checkpoint["loops"])
             resume.align_loops_with_data(meta)  # e.g. saved after `fit` stopped mid-epoch: where the data stopped
@@ -309,19 +311,26 @@ class Checkpointer:
             self.states.load_states(fmt.FlatReader(flat), model, optimizers, strict, str(path))
             meta = {k: v for k, v in meta.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
         resume.align_loops_with_data(meta)  # for checkpoints saved by an earlier version
+        data_record = meta.pop(resume.DATA_KEY, None)
         if fitting:
+            self._saved_data = data_record
             rng_states = meta.get(INFO_KEY, {}).get("rng_states")
             if rng_states:
                 states.set_rng_states(rng_states[_rank() % len(rng_states)])
             self._resuming = True
         return meta
 
-    def process_dataloader(self, dataloader: Any, trainer: pl.Trainer) -> Any:
-        """After a mid-epoch resume, the training loader continues where the checkpoint's epoch stopped."""
+    def process_dataloader(self, dataloader: Any, trainer: pl.Trainer, data_parallel_size: int) -> Any:
+        """After a mid-epoch resume, the training loader continues where the checkpoint's epoch stopped, in samples
+        (the data-parallel size or the per-rank batch may have changed since)."""
         if not self._resuming or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         self._resuming = False
-        skip, epoch = resume.batches_to_skip(trainer)
+        saved, self._saved_data = self._saved_data, None
+        skip, epoch = resume.batches_to_skip(trainer, saved["accumulate_grad_batches"] if saved else None)
+        batch = resume.loader_batch_size(dataloader)
+        if saved is not None and batch is not None:
+            skip = resume.continue_in_samples(trainer, skip, saved, batch * data_parallel_size)
         if not skip:
             return dataloader
         # Lightning warns that a plain loader cannot resume mid-epoch; this one does.

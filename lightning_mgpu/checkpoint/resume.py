@@ -5,6 +5,11 @@ restarts the epoch's iterator from its first batch (with a warning), so the resu
 interrupted one had already seen. The strategy hands the training loader to :class:`FastForward`, which skips
 the batches the checkpoint's epoch had consumed, once, using the sampler's epoch of the checkpoint.
 
+The position is kept in samples: a checkpoint records the samples one batch step took (per-rank batch x
+data-parallel size), so a job resumed on another data-parallel size (or per-rank batch) skips exactly the samples
+the interrupted epoch consumed, and Lightning's batch counters of that epoch are recounted in the new batches
+(:func:`continue_in_samples`). With ``global_batch_size`` the optimizer steps then take the same samples as before.
+
 Lightning's loop counters do not always resume where the data stopped: a checkpoint saved after ``fit(max_steps=k)``
 returned mid-epoch would resume at the next epoch, one saved in ``on_train_epoch_end`` an epoch too far. The
 checkpointer passes every checkpoint through :func:`align_loops_with_data` when saving and loading.
@@ -26,9 +31,54 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-def batches_to_skip(trainer: pl.Trainer) -> tuple[int, int]:
+DATA_KEY = "lightning_mgpu_data"  # in a checkpoint: how many samples one batch step of the saving run took
+
+
+def data_record(trainer: pl.Trainer | None, data_parallel_size: int) -> dict[str, int] | None:
+    """What a checkpoint keeps to continue its epoch in samples on any layout; None without a training loader of
+    one batch size (before fit, several loaders, a custom batch sampler): those resume in batches."""
+    if trainer is None:
+        return None
+    batch = loader_batch_size(trainer.train_dataloader)
+    if batch is None:
+        return None
+    return {"samples_per_batch": batch * data_parallel_size, "accumulate_grad_batches": trainer.accumulate_grad_batches}
+
+
+def loader_batch_size(loader: Any) -> int | None:
+    """A training loader's batch size (its ``batch_size``, or its batch sampler's); None when it has none."""
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and size >= 1 else None
+
+
+def continue_in_samples(trainer: pl.Trainer, skip: int, saved: dict[str, int], samples_per_batch: int) -> int:
+    """The batches to skip in this run for the ``skip`` batches of ``saved``'s run; Lightning's batch counters are
+    recounted to match. Raises where the consumed samples are not a whole number of this run's batch steps."""
+    then = saved["samples_per_batch"]
+    if then == samples_per_batch or not skip:
+        return skip
+    samples = skip * then
+    if samples % samples_per_batch:
+        raise ValueError(
+            f"The checkpoint stopped after {samples} samples of its epoch ({skip} batch steps of {then} samples),"
+            f" which this run's batch steps of {samples_per_batch} samples (per-rank batch x data-parallel size) do"
+            " not divide: it cannot continue that epoch exactly. Choose a per-rank batch size or data-parallel size"
+            f" whose product divides {samples}, or resume from a checkpoint saved at an epoch's end."
+        )
+    now = samples // samples_per_batch
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for counts in (progress.current, progress.total):
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(counts, name, getattr(counts, name) + now - skip)
+    return now
+
+
+def batches_to_skip(trainer: pl.Trainer, accumulate_grad_batches: int | None = None) -> tuple[int, int]:
     """``(batches consumed in the interrupted epoch, that epoch)``, from the restored loops; ``(0, epoch)`` when
-    the checkpoint was saved at an epoch boundary. Mirrors how Lightning's loops count the restarted epoch."""
+    the checkpoint was saved at an epoch boundary. Mirrors how Lightning's loops count the restarted epoch;
+    ``accumulate_grad_batches``: the saving run's (default: the Trainer's)."""
     fit_loop = trainer.fit_loop
     epoch = fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]  # a _ProcessedTracker
     fit_loop.update_restart_stage()  # recomputed by `fit_loop.reset()` as well; only read here
@@ -40,7 +90,7 @@ def batches_to_skip(trainer: pl.Trainer) -> tuple[int, int]:
     if epoch_loop.restarted_on_train_batch_end:
         if progress.is_last_batch:
             return 0, epoch  # the epoch's last batch had finished: Lightning starts the next epoch
-        accumulating = progress.current.ready % trainer.accumulate_grad_batches != 0
+        accumulating = progress.current.ready % (accumulate_grad_batches or trainer.accumulate_grad_batches) != 0
         if not accumulating:
             consumed += 1  # saved in `on_train_batch_end`: Lightning counts the batch as completed
     return consumed, epoch

@@ -11,6 +11,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_mgpu.checkpoint.resume import loader_batch_size
+
 
 def accumulation_for(global_batch_size: int, per_rank_batch: int, data_parallel_size: int, requested: int) -> int:
     """Micro-batches per optimizer step that make ``global_batch_size`` samples; raises naming the numbers where
@@ -34,10 +36,8 @@ def accumulation_for(global_batch_size: int, per_rank_batch: int, data_parallel_
 
 def per_rank_batch_size(dataloader: Any) -> int:
     """The training DataLoader's batch size (its ``batch_size``, or its batch sampler's)."""
-    size = getattr(dataloader, "batch_size", None)
+    size = loader_batch_size(dataloader)
     if size is None:
-        size = getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
-    if not isinstance(size, int) or size < 1:
         raise ValueError(
             "global_batch_size needs the training DataLoader's batch size, but it has none (a custom batch sampler"
             " without `batch_size`). Set Trainer(accumulate_grad_batches=...) yourself instead."

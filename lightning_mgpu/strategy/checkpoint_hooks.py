@@ -95,7 +95,8 @@ class CheckpointHooks(ParallelStrategy):
         # After a mid-epoch resume the training data continues where the checkpoint stopped (Lightning alone
         # would restart the epoch's batches); see `checkpoint.resume`.
         assert self.lightning_module is not None
-        return self.checkpointer.process_dataloader(dataloader, self.lightning_module.trainer)
+        trainer = self.lightning_module.trainer
+        return self.checkpointer.process_dataloader(dataloader, trainer, self.layout.data_parallel_size)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The unsharded model weights on CPU on global rank 0 (``{}`` elsewhere). Call on every rank."""
