@@ -1,7 +1,8 @@
 """Starting the ranks and ending them well: Lightning's launchers with one clear report when a rank fails
-(``launchers``), what a failed rank records and how the report reads under any launcher (``failures``), whether
-every rank failed (``vote``), and a rendezvous port (``ports``)."""
+(``launchers``), what torchrun's restarts need (``elastic``), what a failed rank records and how the report reads
+under any launcher (``failures``), whether every rank failed (``vote``), and a rendezvous port (``ports``)."""
 
+from lightning_mgpu.launch.elastic import warn_about_restarts
 from lightning_mgpu.launch.failures import RankFailedError, handle_rank_failure, restore_sigterm
 from lightning_mgpu.launch.launchers import HybridMultiProcessingLauncher, HybridSubprocessScriptLauncher
 from lightning_mgpu.launch.ports import free_port
@@ -15,4 +16,5 @@ __all__ = [
     "free_port",
     "handle_rank_failure",
     "restore_sigterm",
+    "warn_about_restarts",
 ]

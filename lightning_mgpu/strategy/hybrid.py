@@ -45,6 +45,7 @@ from lightning_mgpu.launch import (
     every_rank_failed,
     handle_rank_failure,
     restore_sigterm,
+    warn_about_restarts,
 )
 from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, gradient_mesh, minimum_world_size
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
@@ -417,6 +418,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         assert self.cluster_environment is not None
         self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        warn_about_restarts(self.global_rank)
         init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
