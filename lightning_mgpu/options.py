@@ -176,10 +176,16 @@ class LaunchOptions:
     process_group_backend: str | None = None
     timeout: timedelta | int | float | None = None
     start_method: StartMethod = "auto"
+    heartbeat_timeout: float | None = 60.0
 
     def __post_init__(self) -> None:
         _one_of("start_method", self.start_method, START_METHODS)
         object.__setattr__(self, "timeout", _timeout(self.timeout))
+        beat = self.heartbeat_timeout
+        if beat is not None and (isinstance(beat, bool) or not isinstance(beat, int | float) or beat <= 0):
+            raise ValueError(
+                f"`heartbeat_timeout` must be a positive number of seconds or None (no heartbeat), got {beat!r}."
+            )
         if self.process_group_backend is not None:
             _check_backend(self.process_group_backend)
 

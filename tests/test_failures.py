@@ -53,6 +53,8 @@ class Model(L.LightningModule):
                 f.write(repr(time.time()))
             if MODE == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if MODE == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # stopped, not failed: no collective of the others fails
             raise ValueError("boom")
         return self.layer(batch).sum()
 
@@ -70,7 +72,10 @@ if __name__ == "__main__":
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=6, logger=SlowToFinish(".") if os.environ.get("SLOW_FINISH") else False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        strategy=HybridStrategy(start_method=os.environ["START"], timeout=timedelta(seconds=60)),
+        strategy=HybridStrategy(
+            start_method=os.environ["START"], timeout=timedelta(seconds=60),
+            heartbeat_timeout=float(os.environ.get("HEARTBEAT", 60)),
+        ),
     )
     trainer.fit(Model(), torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4))
     if trainer.global_rank == 1 and os.environ.get("RANK_1_WORKS_AFTER_FIT"):
@@ -174,6 +179,15 @@ def test_script_launcher_worker_raises(tmp_path):
     run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="1", FAIL_MODE="raise")
     _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) failed: ValueError: boom")
     assert run.stderr.count("Traceback") == 1
+
+
+def test_a_stopped_rank_is_named_and_the_job_ended_by_the_heartbeat(tmp_path):
+    # SIGSTOP: rank 1 fails nothing, rank 0 would wait in its collective for the 60 s timeout; the heartbeat (3 s)
+    # names rank 1 and ends the job, whose stopped child dies with its parent.
+    run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="1", FAIL_MODE="stop", HEARTBEAT="3")
+    assert run.returncode != 0
+    assert "rank 1 of 2 (pp 0, dp 1, tp 0) stopped responding: no heartbeat for" in run.stderr, run.stderr[-3000:]
+    assert run.exit_after_failure_s < 10, f"ended {run.exit_after_failure_s:.1f} s after the stop"
 
 
 def test_script_launcher_every_rank_raises_the_same_error(tmp_path):

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
+from lightning_mgpu._compat.c10d import default_store
 from lightning_mgpu._compat.lightning import (
     IS_INTERACTIVE,
     StrategyHooks,
@@ -40,8 +41,10 @@ from lightning_mgpu._compat.lightning import (
 from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner, DeepSpeedStates
 from lightning_mgpu.checkpoint.plain import restore_plain
 from lightning_mgpu.launch import (
+    Heartbeat,
     HybridMultiProcessingLauncher,
     HybridSubprocessScriptLauncher,
+    coordinates,
     every_rank_failed,
     handle_rank_failure,
     restore_sigterm,
@@ -158,6 +161,10 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         start_method: ``"auto"`` (default: ``"popen"``, a subprocess per device, from scripts; ``"fork"`` from
             notebooks and interactive Python), ``"popen"``, ``"fork"``, ``"spawn"`` or ``"forkserver"``. Under
             torchrun or SLURM the launcher's processes are used.
+        heartbeat_timeout: Seconds without a heartbeat after which a rank is taken for lost (default ``60``;
+            ``None``: no heartbeat). Each rank's thread beats through the process group's store and watches the
+            next rank; a rank stopped without failing (SIGSTOP, a frozen node) is then named and the job ended
+            within this time instead of the collective ``timeout``, so that torchrun can restart it.
         accelerator: Lightning's accelerator (set by the Trainer).
         parallel_devices: Lightning's devices of this node (set by the Trainer).
         cluster_environment: Lightning's cluster environment (set by the Trainer: torchrun, SLURM, ...).
@@ -215,6 +222,7 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         process_group_backend: str | None = None,
         timeout: timedelta | int | float | None = default_pg_timeout,
         start_method: StartMethod = "auto",
+        heartbeat_timeout: float | None = 60.0,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -260,7 +268,8 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             find_unused_parameters=find_unused_parameters,
         )
         check_options(self.options, zero_stage, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
-        self._launch_options = LaunchOptions(process_group_backend, timeout, start_method)
+        self._launch_options = LaunchOptions(process_group_backend, timeout, start_method, heartbeat_timeout)
+        self._heartbeat: Heartbeat | None = None
         self._process_group_backend = process_group_backend
         self._timeout = cast(timedelta | None, self._launch_options.timeout)  # LaunchOptions made it a timedelta
         self._start_method = start_method
@@ -433,6 +442,11 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         self._dp_group = self._device_mesh[DP_AXIS].get_group()  # looked up once: slicing a mesh is not free
         # Logged values average over every rank that computed part of them: dp, and cp's sequence shards.
         self._reduce_group = gradient_mesh(self._device_mesh).get_group()
+        beat = self._launch_options.heartbeat_timeout
+        if beat is not None and self.world_size > 1:
+            shape = self.layout.mesh_shape
+            describe = functools.partial(coordinates, mesh_shape=shape)
+            self._heartbeat = Heartbeat(default_store(), self.global_rank, self.world_size, beat, describe).start()
         # A user's `configure_model` may read `self.device_mesh`, as with Lightning's ModelParallelStrategy.
         if self.lightning_module is not None:
             set_device_mesh(self.lightning_module, self._device_mesh)
@@ -606,6 +620,9 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
             self.precision_plugin.teardown()
             self.accelerator.teardown()
         finally:
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+                self._heartbeat = None
             restore_sigterm()  # a failure's SIGTERM handler (launch/failures.py) does not outlive the fit
 
     def _restore_user_objects(self) -> None:
