@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import free_port
-from tests.helpers.processes import REPO, clean_env
+from tests.helpers.processes import REPO, clean_env, processes_with
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the job's processes in /proc")
 
@@ -66,15 +66,7 @@ def _records(directory: Path) -> dict[int, list[dict]]:
 
 
 def _processes(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"{MARKER}={marker}".encode() in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
+    return processes_with(MARKER, marker)
 
 
 def _kill(marker: str) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from lightning_mgpu.launch.failures import FailureRecord, coordinates, format_report, is_secondary
 from tests.helpers.distributed import free_port
-from tests.helpers.processes import LAUNCH_VARIABLES
+from tests.helpers.processes import LAUNCH_VARIABLES, processes_with
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"),
@@ -114,15 +114,7 @@ class Run:
 
 def _job_processes(marker: str) -> list[int]:
     """Processes whose environment carries the marker: the job's, however they were started."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if f"{MARKER}={marker}".encode() in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
+    return processes_with(MARKER, marker)
 
 
 def _run(tmp_path: Path, command: list[str], kill_main_at_failure: bool = False, **env: str) -> Run:

@@ -34,6 +34,19 @@ LAUNCH_VARIABLES = (
 )
 
 
+def processes_with(variable: str, value: str) -> list[int]:
+    """Processes (but this one) whose environment has ``variable=value``: a job's, however they were started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if f"{variable}={value}".encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without launch variables (and no SLURM job), a free ``MASTER_PORT``, plus
     ``extra``."""
