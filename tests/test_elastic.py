@@ -1,12 +1,13 @@
 """Elastic restart (``examples/elastic/``): a node lost mid-epoch does not end the run.
 
 Two simulated nodes of 2 processes under torchrun's elastic agent (``--nnodes=1:2 --max-restarts=3``, c10d
-rendezvous on localhost) train the demo GPT at dp 4 with ``global_batch_size=16`` (4 samples per rank),
-checkpointing every 4 steps. One rank of node B stalls in step 6 (the others wait for it in that step's
-collectives) and the test then SIGKILLs every process of node B: a node gone. Node A's ranks fail, its agent
-restarts them on the one node left (dp 2, accumulation 2), they resume from ``last.ckpt`` (step 4), and the run
-finishes its 12 steps. Every optimizer step is then compared with one uninterrupted process taking batches of 16:
-the same samples (ids of the rows) and the same loss (1e-5 relative); no process of the job is left.
+rendezvous on localhost) train the demo GPT at dp 4 with ZeRO-1 (or pp 2 x dp 2) with ``global_batch_size=16``
+(4 samples per data-parallel rank), checkpointing every 4 steps. One rank of node B stalls in step 6 (the others
+wait for it in that step's collectives) and the test then SIGKILLs every process of node B: a node gone. Node A's
+ranks fail, its agent restarts them on the one node left (dp 2, or pp 2 x dp 1; accumulation 2), they resume from
+``last.ckpt`` (step 4), and the run finishes its 12 steps. Every optimizer step is then compared with one
+uninterrupted process taking batches of 16: the same samples (ids of the rows) and the same loss (1e-5 relative);
+no process of the job is left.
 """
 
 from __future__ import annotations
@@ -77,7 +78,14 @@ def _kill(marker: str) -> None:
             pass
 
 
-def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_and_losses(tmp_path):
+@pytest.mark.parametrize(
+    ("layout", "dp_before", "dp_after"),
+    [([], 4, 2), (["--pp", "2"], 2, 1)],
+    ids=["dp4-zero1-to-dp2", "pp2-dp2-to-pp2-dp1"],
+)
+def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_and_losses(
+    tmp_path, layout, dp_before, dp_after
+):
     common = ["--accelerator", "cpu", "--max-steps", str(STEPS), "--global-batch-size", "16", "--timeout", "60"]
     # The reference: one process, batches of 16.
     reference_dir = tmp_path / "reference"
@@ -105,7 +113,7 @@ def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_an
             f"--rdzv-conf=is_host={str(is_host).lower()},keep_alive_interval=1,keep_alive_max_attempt=3,"
             "last_call_timeout=5,join_timeout=120"
         ]
-        command += ["train.py", *common, "--batch-size", "4", "--every-n-steps", str(EVERY)]
+        command += ["train.py", *common, *layout, "--batch-size", "4", "--every-n-steps", str(EVERY)]
         command += ["--record-dir", str(records), "--checkpoint-dir", str(tmp_path / "checkpoints")]
         env = clean_env(**{MARKER: f"{job}-{node}"}, FLAG_DIR=str(tmp_path))
         del env["MASTER_PORT"]  # the rendezvous endpoint says where the nodes meet
@@ -141,7 +149,10 @@ def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_an
         batch = steps[step]
         world = {r["world"] for r in batch}
         assert world == ({4} if step < resumed_from else {2}), (step, world)
-        assert len(batch) == 4  # 4 ranks x 1 micro-batch, or 2 ranks x 2
+        # One record per data-parallel rank and micro-batch: 16 samples in batches of 4 on every world.
+        assert len(batch) == 4, (step, len(batch))
+        ranks = {r["rank"] for r in batch}
+        assert len(ranks) == (dp_before if step < resumed_from else dp_after), (step, ranks)
         ids = sorted(i for r in batch for i in r["ids"])
         assert ids == sorted(reference[step][0]["ids"]), f"step {step}: other samples than the reference's"
         loss = sum(r["loss"] for r in batch) / len(batch)

@@ -48,15 +48,24 @@ class MicroBatchRecord(L.Callback):
     def __init__(self, directory: str) -> None:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.path = Path(directory) / f"rank{os.environ.get('RANK', '0')}-attempt{attempt}.jsonl"
+        self.enabled = True
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        # One rank per data-parallel replica records: its tensor/pipeline peers see the same samples.
+        mesh = trainer.strategy.device_mesh  # type: ignore[attr-defined]
+        place = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+        self.enabled = all(index == 0 for axis, index in place.items() if not axis.startswith("dp"))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.enabled:
+            return
         x = batch[0]
         ids = [hashlib.sha1(row.cpu().numpy().tobytes()).hexdigest()[:12] for row in x]
         # The step this micro-batch belongs to: the optimizer has taken `global_step` steps before it finishes.
         stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
         step = trainer.global_step - 1 if stepped else trainer.global_step
         loss = float(outputs["loss"]) * trainer.accumulate_grad_batches  # Lightning hands it divided by those
-        line = {"step": step, "ids": ids, "loss": loss, "world": trainer.world_size}
+        line = {"step": step, "ids": ids, "loss": loss, "world": trainer.world_size, "rank": trainer.global_rank}
         with self.path.open("a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -81,6 +90,8 @@ def main(argv: list[str] | None = None, extra_callbacks: tuple[L.Callback, ...] 
     parser.add_argument("--batch-size", type=int, default=4, help="samples per data-parallel rank and micro-batch")
     parser.add_argument("--every-n-steps", type=int, default=50, help="checkpoint interval in optimizer steps")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (kept fixed across restarts)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (kept fixed across restarts)")
+    parser.add_argument("--zero-stage", type=int, default=1)
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument("--record-dir", default=None)
     parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
@@ -99,7 +110,11 @@ def main(argv: list[str] | None = None, extra_callbacks: tuple[L.Callback, ...] 
         devices=per_node,
         num_nodes=num_nodes,
         strategy=HybridStrategy(
-            tensor_parallel_size=args.tp, global_batch_size=args.global_batch_size, timeout=args.timeout
+            tensor_parallel_size=args.tp,
+            pipeline_parallel_size=args.pp,
+            zero_stage=args.zero_stage,
+            global_batch_size=args.global_batch_size,
+            timeout=args.timeout,
         ),
         max_steps=args.max_steps,
         callbacks=callbacks,
