@@ -33,134 +33,184 @@ STEPS, EVERY, STALL_AT = 12, 4, 6
 MARKER = "LIGHTNING_MGPU_ELASTIC_NODE"
 TIMEOUT = 300
 
-# The example's script, with a stall on node B: the test kills the node while the job waits for it.
+# The example's script, with a stall: local rank 0 of node STALL_NODE waits in step 6 while the world has
+# STALL_WORLD ranks (the others wait for it in that step's collectives), until the test has lost or added a node.
 SCRIPT = f"""
 import os, sys, time
 import lightning as L
 sys.path.insert(0, {str(REPO / "examples" / "elastic")!r})
 from train import main
 
-class StallOnNodeB(L.Callback):
+class Stall(L.Callback):
     def on_train_batch_end(self, trainer, *args):
-        if os.environ["{MARKER}"].endswith("B") and trainer.global_step == {STALL_AT} and trainer.global_rank == 2:
+        here = os.environ["{MARKER}"].endswith(os.environ["STALL_NODE"]) and os.environ["LOCAL_RANK"] == "0"
+        if here and trainer.global_step == {STALL_AT} and trainer.world_size == int(os.environ["STALL_WORLD"]):
             open(os.path.join(os.environ["FLAG_DIR"], "stalled"), "w").close()
             time.sleep(600)
 
-main(extra_callbacks=(StallOnNodeB(),))
+main(extra_callbacks=(Stall(),))
 """
 
 
 def _records(directory: Path) -> dict[int, list[dict]]:
-    """Per optimizer step, the micro-batches of the latest attempt that ran it (a restart repeats the steps after
-    its checkpoint)."""
-    by_attempt: dict[int, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for path in directory.glob("rank*-attempt*.jsonl"):
-        attempt = int(path.stem.split("attempt")[1])
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            record["attempt"] = attempt
-            by_attempt[attempt][record["step"]].append(record)
+    """Per optimizer step, the micro-batches of the latest restart that ran it (a restart repeats the steps after
+    its checkpoint). A file per process; the processes of one restart start within seconds of each other, restarts
+    tens of seconds apart."""
+    runs = []
+    for path in directory.glob("rank*.jsonl"):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        if records:
+            runs.append((min(r["time"] for r in records), records))
+    restarts: list[tuple[float, dict[int, list[dict]]]] = []
+    for start, records in sorted(runs, key=lambda run: run[0]):
+        if not restarts or start - restarts[-1][0] > 5:
+            restarts.append((start, defaultdict(list)))
+        for record in records:
+            restarts[-1][1][record["step"]].append(record)
     steps: dict[int, list[dict]] = {}
-    for attempt in sorted(by_attempt):
-        steps.update(by_attempt[attempt])
+    for _, by_step in restarts:
+        steps.update(by_step)
     return steps
 
 
-def _processes(marker: str) -> list[int]:
-    return processes_with(MARKER, marker)
-
-
 def _kill(marker: str) -> None:
-    for pid in _processes(marker):
+    for pid in processes_with(MARKER, marker):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
 
-@pytest.mark.parametrize(
-    ("layout", "dp_before", "dp_after"),
-    [([], 4, 2), (["--pp", "2"], 2, 1)],
-    ids=["dp4-zero1-to-dp2", "pp2-dp2-to-pp2-dp1"],
-)
-def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_and_losses(
-    tmp_path, layout, dp_before, dp_after
-):
-    common = ["--accelerator", "cpu", "--max-steps", str(STEPS), "--global-batch-size", "16", "--timeout", "60"]
-    # The reference: one process, batches of 16.
-    reference_dir = tmp_path / "reference"
-    reference_dir.mkdir()
-    subprocess.run(
-        [sys.executable, str(REPO / "examples" / "elastic" / "train.py"), *common, "--batch-size", "16"]
-        + ["--every-n-steps", "100", "--record-dir", str(reference_dir), "--checkpoint-dir", str(tmp_path / "rc")],
-        env=clean_env(),
-        check=True,
-        timeout=TIMEOUT,
-        capture_output=True,
-    )
-    reference = _records(reference_dir)
+COMMON = ["--accelerator", "cpu", "--max-steps", str(STEPS), "--global-batch-size", "16", "--timeout", "60"]
 
-    (tmp_path / "train.py").write_text(SCRIPT)
-    records = tmp_path / "records"
-    records.mkdir()
-    job = f"job-{os.getpid()}-{time.time_ns()}"
-    port = free_port()
 
-    def start(node: str, is_host: bool) -> subprocess.Popen:
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, list[dict]]:
+    """One process, batches of 16 (the same for every test here)."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    directory = tmp_path / "records"
+    directory.mkdir()
+    command = [sys.executable, str(REPO / "examples" / "elastic" / "train.py"), *COMMON, "--batch-size", "16"]
+    command += ["--every-n-steps", "100", "--record-dir", str(directory), "--checkpoint-dir", str(tmp_path / "ck")]
+    subprocess.run(command, env=clean_env(), check=True, timeout=TIMEOUT, capture_output=True)
+    return _records(directory)
+
+
+class _Job:
+    """Simulated nodes of one torchrun elastic job (c10d rendezvous on localhost, node A hosting it)."""
+
+    def __init__(self, tmp_path: Path, arguments: list[str], stall_node: str, stall_world: int) -> None:
+        self.tmp_path, self.arguments = tmp_path, arguments
+        self.stall = {"STALL_NODE": stall_node, "STALL_WORLD": str(stall_world)}
+        self.job = f"job-{os.getpid()}-{time.time_ns()}"
+        self.port = free_port()
+        self.nodes: dict[str, subprocess.Popen] = {}
+        (tmp_path / "train.py").write_text(SCRIPT)
+
+    def start(self, node: str) -> None:
+        host = node == "A"
         command = [TORCHRUN, "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3", "--rdzv-backend=c10d"]
-        command += [f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--monitor-interval=0.5"]
+        command += [f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.job}", "--monitor-interval=0.5"]
         command += [
-            f"--rdzv-conf=is_host={str(is_host).lower()},keep_alive_interval=1,keep_alive_max_attempt=3,"
+            f"--rdzv-conf=is_host={str(host).lower()},keep_alive_interval=1,keep_alive_max_attempt=3,"
             "last_call_timeout=5,join_timeout=120"
         ]
-        command += ["train.py", *common, *layout, "--batch-size", "4", "--every-n-steps", str(EVERY)]
-        command += ["--record-dir", str(records), "--checkpoint-dir", str(tmp_path / "checkpoints")]
-        env = clean_env(**{MARKER: f"{job}-{node}"}, FLAG_DIR=str(tmp_path))
+        command += ["train.py", *self.arguments]
+        env = clean_env(**{MARKER: f"{self.job}-{node}"}, FLAG_DIR=str(self.tmp_path), **self.stall)
         del env["MASTER_PORT"]  # the rendezvous endpoint says where the nodes meet
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as examples/elastic/torchrun.sh: a fresh store per round
-        log = open(tmp_path / f"node{node}.log", "w")
-        return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log = open(self.tmp_path / f"node{node}.log", "w")
+        self.nodes[node] = subprocess.Popen(command, cwd=self.tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    node_a = start("A", True)
-    time.sleep(1)  # node A hosts the rendezvous store; B joins within its last call (both in the first round)
-    node_b = start("B", False)
-    try:
+    def wait_for_the_stall(self) -> float:
         deadline = time.monotonic() + TIMEOUT
-        while not (tmp_path / "stalled").exists():
-            assert time.monotonic() < deadline, (tmp_path / "nodeA.log").read_text()[-5000:]
-            assert node_a.poll() is None, (tmp_path / "nodeA.log").read_text()[-5000:]
+        while not (self.tmp_path / "stalled").exists():
+            assert time.monotonic() < deadline, self.log("A")
+            assert self.nodes["A"].poll() is None, self.log("A")
             time.sleep(0.2)
-        killed_at = time.time()
-        _kill(f"{job}-B")
-        node_a.wait(timeout=TIMEOUT)
-    finally:
-        _kill(f"{job}-A")
-        _kill(f"{job}-B")
-        node_b.wait(timeout=30)
-    log = (tmp_path / "nodeA.log").read_text()
-    assert node_a.returncode == 0, log[-6000:]
+        return time.time()
 
+    def kill(self, node: str) -> None:
+        _kill(f"{self.job}-{node}")
+
+    def log(self, node: str) -> str:
+        return (self.tmp_path / f"node{node}.log").read_text()[-6000:]
+
+    def finish(self) -> None:
+        """Wait for the nodes still running; then no process of the job may be left."""
+        try:
+            for process in self.nodes.values():
+                process.wait(timeout=TIMEOUT)
+        finally:
+            for node in ("A", "B"):
+                self.kill(node)
+        for node in ("A", "B"):
+            assert not processes_with(MARKER, f"{self.job}-{node}"), "processes of the job were left running"
+
+
+def _assert_like_one_process(records: Path, reference: dict, worlds: tuple[int, int], dps: tuple[int, int]) -> float:
+    """Every step's samples and loss are the reference's; steps before the restart ran on ``worlds[0]`` ranks with
+    ``dps[0]`` data-parallel ranks, the others on ``worlds[1]`` / ``dps[1]``. Returns when the first step after the
+    restart was recorded."""
     steps = _records(records)
     assert sorted(steps) == sorted(reference) == list(range(STEPS))
-    resumed_from = min(s for s, batch in steps.items() if batch[0]["attempt"] > 0)
+    resumed_from = min(s for s, batch in steps.items() if batch[0]["world"] == worlds[1])
     assert resumed_from == STALL_AT // EVERY * EVERY, resumed_from  # the last complete checkpoint
-    first_after = min(r["attempt"] for r in steps[resumed_from])
     for step in range(STEPS):
         batch = steps[step]
-        world = {r["world"] for r in batch}
-        assert world == ({4} if step < resumed_from else {2}), (step, world)
+        after = step >= resumed_from
+        assert {r["world"] for r in batch} == {worlds[after]}, step
         # One record per data-parallel rank and micro-batch: 16 samples in batches of 4 on every world.
-        assert len(batch) == 4, (step, len(batch))
-        ranks = {r["rank"] for r in batch}
-        assert len(ranks) == (dp_before if step < resumed_from else dp_after), (step, ranks)
+        assert len(batch) == 4 and len({r["rank"] for r in batch}) == dps[after], (step, batch)
         ids = sorted(i for r in batch for i in r["ids"])
         assert ids == sorted(reference[step][0]["ids"]), f"step {step}: other samples than the reference's"
         loss = sum(r["loss"] for r in batch) / len(batch)
         assert loss == pytest.approx(reference[step][0]["loss"], rel=1e-5), step
-    # The time from the fault (node B gone) to the first step after the restart.
-    first_record = min(p.stat().st_mtime for p in records.glob(f"rank*-attempt{first_after}.jsonl"))
-    print(f"\nnode B killed; the job's first step on the node left came {first_record - killed_at:.1f} s later")
-    assert not _processes(f"{job}-A") and not _processes(f"{job}-B"), "processes of the job were left running"
+    return min(r["time"] for r in steps[resumed_from])
+
+
+def _arguments(tmp_path: Path, layout: list[str]) -> list[str]:
+    records = tmp_path / "records"
+    records.mkdir()
+    job = [*COMMON, *layout, "--batch-size", "4", "--every-n-steps", str(EVERY), "--record-dir", str(records)]
+    return [*job, "--checkpoint-dir", str(tmp_path / "checkpoints")]
+
+
+@pytest.mark.parametrize(
+    ("layout", "dps"),
+    [([], (4, 2)), (["--pp", "2"], (2, 1))],
+    ids=["dp4-zero1-to-dp2", "pp2-dp2-to-pp2-dp1"],
+)
+def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_and_losses(
+    tmp_path, reference, layout, dps
+):
+    arguments = _arguments(tmp_path, layout)
+    job = _Job(tmp_path, arguments, stall_node="B", stall_world=4)
+    job.start("A")
+    time.sleep(1)  # node A hosts the rendezvous store; B joins within its last call (both in the first round)
+    job.start("B")
+    killed_at = job.wait_for_the_stall()
+    job.kill("B")
+    job.nodes.pop("B").wait(timeout=30)
+    job.finish()
+    assert job.nodes["A"].returncode == 0, job.log("A")
+    first_step = _assert_like_one_process(tmp_path / "records", reference, worlds=(4, 2), dps=dps)
+    print(f"\nnode B killed; the job's first step on the node left came {first_step - killed_at:.1f} s later")
+
+
+def test_a_node_joining_a_running_job_resumes_it_on_both_with_the_same_samples_and_losses(tmp_path, reference):
+    """The other direction: node A trains alone (dp 2, accumulation 2); node B joins while A waits in step 6;
+    torchrun restarts A's ranks with B's (dp 4), from the step-4 checkpoint."""
+    arguments = _arguments(tmp_path, [])
+    job = _Job(tmp_path, arguments, stall_node="A", stall_world=2)
+    job.start("A")
+    joined_at = job.wait_for_the_stall()
+    job.start("B")
+    job.finish()
+    for node in "AB":
+        assert job.nodes[node].returncode == 0, job.log(node)
+    first_step = _assert_like_one_process(tmp_path / "records", reference, worlds=(2, 4), dps=(2, 4))
+    print(f"\nnode B joined; the job's first step on both nodes came {first_step - joined_at:.1f} s later")
 
 
 def test_restarts_that_would_share_torchruns_store_are_warned_about(monkeypatch):

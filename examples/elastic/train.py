@@ -12,7 +12,7 @@ elastic is all in this script's Trainer:
 
 Started by ``torchrun.sh`` (torchrun's elastic agent: ``--nnodes=MIN:MAX --max-restarts=K``) or ``slurm.sbatch``
 (``--requeue``) next to this file. ``--record-dir DIR`` writes each rank's micro-batches (step, sample ids, loss)
-to ``DIR/rank<R>-attempt<A>.jsonl`` (the test suite compares them with one uninterrupted process).
+to ``DIR/rank<R>-pid<P>.jsonl`` (the test suite compares them with one uninterrupted process).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,8 @@ class MicroBatchRecord(L.Callback):
     """Appends each micro-batch's optimizer step, sample ids and loss to this rank's file of this attempt."""
 
     def __init__(self, directory: str) -> None:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.path = Path(directory) / f"rank{os.environ.get('RANK', '0')}-attempt{attempt}.jsonl"
+        # A run per process: a node joining restarts the others without counting a restart.
+        self.path = Path(directory) / f"rank{os.environ.get('RANK', '0')}-pid{os.getpid()}.jsonl"
         self.enabled = True
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
@@ -66,6 +67,7 @@ class MicroBatchRecord(L.Callback):
         step = trainer.global_step - 1 if stepped else trainer.global_step
         loss = float(outputs["loss"]) * trainer.accumulate_grad_batches  # Lightning hands it divided by those
         line = {"step": step, "ids": ids, "loss": loss, "world": trainer.world_size, "rank": trainer.global_rank}
+        line["time"] = time.time()
         with self.path.open("a") as f:
             f.write(json.dumps(line) + "\n")
 
