@@ -229,27 +229,43 @@ def handle_rank_failure(
         return
     if not isinstance(exception, Exception) or isinstance(exception, RankFailedError) or world_size == 1:
         return  # SystemExit, the fork launcher's report reaching its parent, or no other rank
+    launched = os.environ.get(FAILURE_DIR_ENV)
+    directory = launched or _external_failure_dir()
+    record, written = record_failure(exception, rank, directory)
+    external = report_from_main is None and not (launched and written)
+    if report_from_main is not None:
+        _install_excepthook(exception, lambda: report_from_main(not record.secondary))
+    elif not external:
+        _install_excepthook(exception, lambda: None)  # the launcher prints the report with our traceback
+    else:
+        # torchrun/SLURM: this rank says what it knows now (below). At exit would be too late: torchrun stops the
+        # survivors as soon as one rank has exited, and once Lightning's teardown has put back the default SIGTERM
+        # action (the moments before the exception reaches the top), that ends a rank without a word.
+        where = directory if written else None
+        _install_excepthook(exception, _once(lambda: _print_own_failure(record, world_size, mesh_shape, where)))
     if threading.current_thread() is threading.main_thread():
-        # A launcher's SIGTERM now ends this rank (after its lines): Lightning's handler would run a collective with
-        # the failed rank. The strategy's teardown puts the replaced handler back (`restore_sigterm`).
+        # A launcher's SIGTERM now prints what is pending and ends this rank: Lightning's handler would run a
+        # collective with the failed rank. Installed once the lines to print are known (a SIGTERM in between would
+        # end the rank silently). The strategy's teardown puts the replaced handler back (`restore_sigterm`).
         global _sigterm_before
         current = signal.getsignal(signal.SIGTERM)
         if current is not _say_then_end:
             _sigterm_before = current
         signal.signal(signal.SIGTERM, _say_then_end)
-    launched = os.environ.get(FAILURE_DIR_ENV)
-    directory = launched or _external_failure_dir()
-    record, written = record_failure(exception, rank, directory)
-    if report_from_main is not None:
-        _install_excepthook(exception, lambda: report_from_main(not record.secondary))
-    elif launched and written:
-        _install_excepthook(exception, lambda: None)  # the launcher prints the report with our traceback
-    else:
-        # torchrun/SLURM: this rank says now what it knows. At exit would be too late: torchrun stops the survivors
-        # as soon as one rank has exited, and once Lightning's teardown has put back the default SIGTERM action
-        # (the moments before the exception reaches the top), that ends a rank without a word.
-        _print_own_failure(record, world_size, mesh_shape, directory if written else None)
-        _install_excepthook(exception, lambda: None)  # printed: Python's own printing of it would repeat it
+    if external and _hook_target is not None:
+        _hook_target[2]()  # printed once: a SIGTERM meanwhile or the excepthook at exit then print nothing more
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            action()
+
+    return run
 
 
 def restore_sigterm() -> None:
