@@ -2,8 +2,8 @@
 
 It owns Lightning's hooks and hands every piece of parallel work to ``layout``, ``parallel/`` and ``checkpoint``:
 the layout's checks and planned choice (``layout_choice``), the module made parallel and its optimizers wired
-(``setup``), where a step runs (``step``); the checkpoint and collective hooks are mixed in from
-``checkpoint_hooks`` and ``collectives``.
+(``setup``); the step, checkpoint and collective hooks are mixed in from ``step``, ``checkpoint_hooks`` and
+``collectives``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
@@ -54,8 +53,7 @@ from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, gradie
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.context import ContextParallel
-from lightning_mgpu.parallel.data import OptimizerStateSharding, finish_backward, reduce_metrics_over, set_gradient_sync
-from lightning_mgpu.parallel.local_step import fused_on_cpu
+from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
@@ -65,7 +63,7 @@ from lightning_mgpu.strategy.batch import keep_global_batch
 from lightning_mgpu.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_mgpu.strategy.collectives import DataParallelCollectives
 from lightning_mgpu.strategy.layout_choice import agreed_plan, check_options, check_sizes, check_trainer_layout
-from lightning_mgpu.strategy.step import run_step, step_context
+from lightning_mgpu.strategy.step import StepHooks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -74,7 +72,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
+class HybridStrategy(StrategyHooks, StepHooks, CheckpointHooks, DataParallelCollectives):
     """Data, tensor, pipeline, context and expert parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
 
     The sizes multiply to ``devices x num_nodes``: ``world = pp x dp x cp x tp``, tensor parallelism innermost (one
@@ -510,10 +508,6 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
-    @property
-    def _data_parallel_roots(self) -> list[nn.Module]:
-        return module_setup.data_parallel_roots(self._pipeline, self.model)
-
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         reset_optimizers_and_schedulers(self)
@@ -537,76 +531,6 @@ class HybridStrategy(StrategyHooks, CheckpointHooks, DataParallelCollectives):
         empty_init_context = torch.device("meta") if empty_init else nullcontext()
         with empty_init_context, self.precision_plugin.tensor_init_context():
             yield
-
-    # ------------------------------------------------------------------------------------------------------ steps
-    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        context = self._tensor_parallel_context(method_name)
-        parallel = (self.model, self._pipeline, self._context)
-        return run_step(*parallel, self.lightning_module, context, method_name, args, kwargs)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._plan is not None:
-            self._plan.step_clock.tick()
-        with self.precision_plugin.train_step_context():
-            return self._step("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._step("predict_step", *args, **kwargs)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipeline is not None:
-            # The schedule already ran backward inside `training_step`; callbacks still get on_after_backward.
-            assert self.lightning_module is not None
-            return Precision.post_backward(self.precision_plugin, closure_loss, self.lightning_module)
-        if self._deepspeed is not None:
-            assert self.lightning_module is not None
-            return self._deepspeed.backward(closure_loss, self.lightning_module, self.precision_plugin)
-        with self._tensor_parallel_context():
-            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        finish_backward(self._data_parallel_roots)  # DDP: parameters left without a gradient, before the step
-        return loss
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self._deepspeed is not None:
-            assert self.lightning_module is not None
-            return self._deepspeed.optimizer_step(optimizer, closure, self.lightning_module)
-        # Adam/AdamW on plain CPU tensors step with torch's fused kernel where the user chose neither foreach nor fused.
-        with fused_on_cpu(optimizer):
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-    def _tensor_parallel_context(self, method_name: str = "training_step") -> Any:
-        return step_context(self.layout, self.options, method_name)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
-        for root in self._data_parallel_roots:
-            set_gradient_sync(root, False)
-        if self._pipeline is not None:
-            self._pipeline.sync_gradients = False
-        try:
-            yield
-        finally:
-            for root in self._data_parallel_roots:
-                set_gradient_sync(root, True)
-            if self._pipeline is not None:
-                self._pipeline.sync_gradients = True
 
     @override
     def teardown(self) -> None:

@@ -1,18 +1,120 @@
 """Where a step of the user's module runs: through the data-parallel root's ``__call__``, or through the pipeline
-schedule, inside the tensor-parallel context the step needs."""
+schedule, inside the tensor-parallel context the step needs; and the strategy's step hooks (``StepHooks``: the four
+steps, backward, the optimizer step and gradient accumulation) that call it."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import Any
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from torch import Tensor, nn
+from typing_extensions import override
 
+from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.context import ContextParallel
+from lightning_mgpu.parallel.data import finish_backward, set_gradient_sync
+from lightning_mgpu.parallel.local_step import fused_on_cpu
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
+from lightning_mgpu.strategy.setup import data_parallel_roots
+
+if TYPE_CHECKING:
+    from lightning_mgpu.planner.auto import StrategyPlan
+
+
+class StepHooks(ParallelStrategy):
+    """Mixed into ``HybridStrategy``, which sets the step runner (``model``), the pipeline engine, context
+    parallelism, the DeepSpeed runner and the planner's plan."""
+
+    _pipeline: PipelineEngine | None
+    _context: ContextParallel | None
+    _deepspeed: DeepSpeedEngineRunner | None
+    _plan: StrategyPlan | None
+    options: ParallelOptions
+
+    if TYPE_CHECKING:
+
+        @property
+        def layout(self) -> ParallelLayout: ...
+
+    @property
+    def _data_parallel_roots(self) -> list[nn.Module]:
+        """The modules data parallelism wrapped: the step runner, or this rank's pipeline stages."""
+        return data_parallel_roots(self._pipeline, self.model)
+
+    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        context = self._tensor_parallel_context(method_name)
+        parallel = (self.model, self._pipeline, self._context)
+        return run_step(*parallel, self.lightning_module, context, method_name, args, kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._plan is not None:
+            self._plan.step_clock.tick()
+        with self.precision_plugin.train_step_context():
+            return self._step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step("predict_step", *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None:
+            # The schedule already ran backward inside `training_step`; callbacks still get on_after_backward.
+            assert self.lightning_module is not None
+            return Precision.post_backward(self.precision_plugin, closure_loss, self.lightning_module)
+        if self._deepspeed is not None:
+            assert self.lightning_module is not None
+            return self._deepspeed.backward(closure_loss, self.lightning_module, self.precision_plugin)
+        with self._tensor_parallel_context():
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        finish_backward(self._data_parallel_roots)  # DDP: parameters left without a gradient, before the step
+        return loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._deepspeed is not None:
+            assert self.lightning_module is not None
+            return self._deepspeed.optimizer_step(optimizer, closure, self.lightning_module)
+        # Adam/AdamW on plain CPU tensors step with torch's fused kernel where the user chose neither foreach nor fused.
+        with fused_on_cpu(optimizer):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _tensor_parallel_context(self, method_name: str = "training_step") -> AbstractContextManager:
+        return step_context(self.layout, self.options, method_name)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
+        for root in self._data_parallel_roots:
+            set_gradient_sync(root, False)
+        if self._pipeline is not None:
+            self._pipeline.sync_gradients = False
+        try:
+            yield
+        finally:
+            for root in self._data_parallel_roots:
+                set_gradient_sync(root, True)
+            if self._pipeline is not None:
+                self._pipeline.sync_gradients = True
 
 
 def step_context(layout: ParallelLayout, options: ParallelOptions, method_name: str) -> AbstractContextManager:
