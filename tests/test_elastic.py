@@ -2,7 +2,7 @@
 
 Two simulated nodes of 2 processes under torchrun's elastic agent (``--nnodes=1:2 --max-restarts=3``, c10d
 rendezvous on localhost) train the demo GPT at dp 4 with ZeRO-1 (or pp 2 x dp 2) with ``global_batch_size=16``
-(4 samples per data-parallel rank), checkpointing every 4 steps. One rank of node B stalls in step 6 (the others
+(4 samples per data-parallel rank), checkpointing every 4 steps; the joining test keeps tp 2 while dp grows. One rank of node B stalls in step 6 (the others
 wait for it in that step's collectives) and the test then SIGKILLs every process of node B: a node gone. Node A's
 ranks fail, its agent restarts them on the one node left (dp 2, or pp 2 x dp 1; accumulation 2), they resume from
 ``last.ckpt`` (step 4), and the run finishes its 12 steps. Every optimizer step is then compared with one
@@ -199,9 +199,10 @@ def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_an
 
 
 def test_a_node_joining_a_running_job_resumes_it_on_both_with_the_same_samples_and_losses(tmp_path, reference):
-    """The other direction: node A trains alone (dp 2, accumulation 2); node B joins while A waits in step 6;
-    torchrun restarts A's ranks with B's (dp 4), from the step-4 checkpoint."""
-    arguments = _arguments(tmp_path, [])
+    """The other direction, with tensor parallelism kept while dp grows: node A trains alone (tp 2 x dp 1,
+    accumulation 4); node B joins while A waits in step 6; torchrun restarts A's ranks with B's (tp 2 x dp 2,
+    accumulation 2), from the step-4 checkpoint (the tensor-parallel shards loaded on the new mesh)."""
+    arguments = _arguments(tmp_path, ["--tp", "2"])
     job = _Job(tmp_path, arguments, stall_node="A", stall_world=2)
     job.start("A")
     joined_at = job.wait_for_the_stall()
@@ -209,7 +210,7 @@ def test_a_node_joining_a_running_job_resumes_it_on_both_with_the_same_samples_a
     job.finish()
     for node in "AB":
         assert job.nodes[node].returncode == 0, job.log(node)
-    first_step = _assert_like_one_process(tmp_path / "records", reference, worlds=(2, 4), dps=(2, 4))
+    first_step = _assert_like_one_process(tmp_path / "records", reference, worlds=(2, 4), dps=(1, 2))
     print(f"\nnode B joined; the job's first step on both nodes came {first_step - joined_at:.1f} s later")
 
 
