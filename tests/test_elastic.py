@@ -2,12 +2,13 @@
 
 Two simulated nodes of 2 processes under torchrun's elastic agent (``--nnodes=1:2 --max-restarts=3``, c10d
 rendezvous on localhost) train the demo GPT at dp 4 with ZeRO-1 (or pp 2 x dp 2) with ``global_batch_size=16``
-(4 samples per data-parallel rank), checkpointing every 4 steps; the joining test keeps tp 2 while dp grows. One rank of node B stalls in step 6 (the others
-wait for it in that step's collectives) and the test then SIGKILLs every process of node B: a node gone. Node A's
-ranks fail, its agent restarts them on the one node left (dp 2, or pp 2 x dp 1; accumulation 2), they resume from
-``last.ckpt`` (step 4), and the run finishes its 12 steps. Every optimizer step is then compared with one
-uninterrupted process taking batches of 16: the same samples (ids of the rows) and the same loss (1e-5 relative);
-no process of the job is left.
+(4 samples per data-parallel rank), checkpointing every 4 steps. One rank of node B stalls in step 6 (the others
+wait for it in that step's collectives) and the test then SIGKILLs every process of node B (a node gone) or
+SIGSTOPs them (a node frozen: the heartbeat finds it). Node A's ranks fail, its agent restarts them on the one node
+left (dp 2, or pp 2 x dp 1; accumulation 2), they resume from ``last.ckpt`` (step 4), and the run finishes its 12
+steps. The other direction keeps tp 2 while a joining node doubles dp. Every optimizer step is then compared with
+one uninterrupted process taking batches of 16: the same samples (ids of the rows) and the same loss (1e-5
+relative); no process of the job is left.
 """
 
 from __future__ import annotations
@@ -73,10 +74,10 @@ def _records(directory: Path) -> dict[int, list[dict]]:
     return steps
 
 
-def _kill(marker: str) -> None:
+def _signal(marker: str, number: int) -> None:
     for pid in processes_with(MARKER, marker):
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, number)
         except ProcessLookupError:
             pass
 
@@ -130,20 +131,24 @@ class _Job:
             time.sleep(0.2)
         return time.time()
 
-    def kill(self, node: str) -> None:
-        _kill(f"{self.job}-{node}")
+    def signal(self, node: str, number: int = signal.SIGKILL) -> None:
+        """Every process of ``node`` (its agent and workers): SIGKILL a node gone, SIGSTOP a node frozen."""
+        _signal(f"{self.job}-{node}", number)
 
     def log(self, node: str) -> str:
         return (self.tmp_path / f"node{node}.log").read_text()[-6000:]
 
-    def finish(self) -> None:
-        """Wait for the nodes still running; then no process of the job may be left."""
+    def finish(self, still_frozen: tuple[str, ...] = ()) -> None:
+        """Wait for the nodes still running (a frozen node is then killed); no process of the job may be left."""
         try:
-            for process in self.nodes.values():
-                process.wait(timeout=TIMEOUT)
+            for node, process in self.nodes.items():
+                if node not in still_frozen:
+                    process.wait(timeout=TIMEOUT)
         finally:
             for node in ("A", "B"):
-                self.kill(node)
+                self.signal(node)
+            for node in still_frozen:
+                self.nodes[node].wait(timeout=30)
         for node in ("A", "B"):
             assert not processes_with(MARKER, f"{self.job}-{node}"), "processes of the job were left running"
 
@@ -177,25 +182,31 @@ def _arguments(tmp_path: Path, layout: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("layout", "dps"),
-    [([], (4, 2)), (["--pp", "2"], (2, 1))],
-    ids=["dp4-zero1-to-dp2", "pp2-dp2-to-pp2-dp1"],
+    ("layout", "dps", "loss"),
+    [([], (4, 2), signal.SIGKILL), (["--pp", "2", "--heartbeat-timeout", "5"], (2, 1), signal.SIGSTOP)],
+    ids=["dp4-zero1-to-dp2-killed", "pp2-dp2-to-pp2-dp1-frozen"],
 )
 def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_and_losses(
-    tmp_path, reference, layout, dps
+    tmp_path, reference, layout, dps, loss
 ):
+    """Node B killed (its processes gone: the peers' collectives fail at once) or frozen (SIGSTOP: its processes
+    stay, silent; the heartbeat names the silent rank and ends the job, torchrun's rendezvous drops B's agent)."""
     arguments = _arguments(tmp_path, layout)
     job = _Job(tmp_path, arguments, stall_node="B", stall_world=4)
     job.start("A")
     time.sleep(1)  # node A hosts the rendezvous store; B joins within its last call (both in the first round)
     job.start("B")
-    killed_at = job.wait_for_the_stall()
-    job.kill("B")
-    job.nodes.pop("B").wait(timeout=30)
-    job.finish()
+    lost_at = job.wait_for_the_stall()
+    job.signal("B", loss)
+    if loss == signal.SIGKILL:
+        job.nodes.pop("B").wait(timeout=30)
+    job.finish(still_frozen=("B",) if loss == signal.SIGSTOP else ())
     assert job.nodes["A"].returncode == 0, job.log("A")
     first_step = _assert_like_one_process(tmp_path / "records", reference, worlds=(4, 2), dps=dps)
-    print(f"\nnode B killed; the job's first step on the node left came {first_step - killed_at:.1f} s later")
+    how = "killed" if loss == signal.SIGKILL else "frozen"
+    print(f"\nnode B {how}; the job's first step on the node left came {first_step - lost_at:.1f} s later")
+    if loss == signal.SIGSTOP:
+        assert "stopped responding" in job.log("A"), job.log("A")
 
 
 def test_a_node_joining_a_running_job_resumes_it_on_both_with_the_same_samples_and_losses(tmp_path, reference):

@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None, extra_callbacks: tuple[L.Callback, ...] 
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument("--record-dir", default=None)
     parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
+    parser.add_argument(
+        "--heartbeat-timeout", type=float, default=60.0, help="seconds of silence after which a rank is taken for lost"
+    )
     args = parser.parse_args(argv)
 
     L.seed_everything(SEED, verbose=False)
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None, extra_callbacks: tuple[L.Callback, ...] 
             zero_stage=args.zero_stage,
             global_batch_size=args.global_batch_size,
             timeout=args.timeout,
+            heartbeat_timeout=args.heartbeat_timeout,
         ),
         max_steps=args.max_steps,
         callbacks=callbacks,
