@@ -9,6 +9,8 @@ For one run, ``ContextParallel`` installs (every patch in the run's ``PatchLog``
 - position ids that follow the global positions: an ``nn.Embedding`` called with ``arange(T_local) + c`` (learned
   positions: nanoGPT's ``wpe``, GPT-2, OPT) gets this rank's global positions ``+ c``, as do Hugging Face
   ``*RotaryEmbedding`` modules called with such ``position_ids``;
+- a right-padding ``attention_mask`` in a dict batch made all ones (exact under causal attention when the padding's
+  labels are -100, which is checked);
 - Hugging Face causal LMs called with ``labels``: the labels are shifted on the whole sequence, then split
   (``shift_labels``), as ``accelerate``'s context parallelism does: shifting a shard would pair a chunk's last token
   with the first token of another chunk.
@@ -20,6 +22,7 @@ logs the loss of the whole sequence. Gradients average over ``dp x cp`` (the dat
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -53,6 +56,7 @@ class ContextParallel:
         self._local_len = 0
         self._positions: Tensor | None = None
         self._globals: dict[int, Tensor] = {}  # id(shard) -> the whole tensor it was cut from, for this step
+        self._windows = _sliding_windows(module)
         self._sdpa = F.scaled_dot_product_attention
         self._cross_entropy = F.cross_entropy
         patches.set_attribute(F, "scaled_dot_product_attention", self._attention)
@@ -81,9 +85,18 @@ class ContextParallel:
                 f" them to a multiple of {2 * self.cp}, or choose a context_parallel_size whose double divides"
                 f" {seq_len}."
             )
+        for config, window in self._windows:
+            if seq_len > window:
+                raise NotImplementedError(
+                    f"context_parallel_size={self.cp}: {config} attends through a sliding window of {window} tokens,"
+                    f" shorter than the batch's {seq_len}; each rank's shard would build its window on local"
+                    f" positions. Sequences up to {window} tokens are split exactly (the window covers them), or use"
+                    " context_parallel_size=1 for longer ones."
+                )
         self._local_len = seq_len // self.cp
         self._positions = None
         batch_size = _batch_size(batch)
+        batch = _causal_in_place_of_right_padding(batch, batch_size, seq_len, self.cp)
 
         def cut(tensor: Tensor) -> Tensor:
             if tensor.ndim < 2 or tensor.shape[0] != batch_size or tensor.shape[1] != seq_len:
@@ -143,10 +156,10 @@ class ContextParallel:
         if attn_mask is not None:
             raise NotImplementedError(
                 f"context_parallel_size={self.cp}: scaled_dot_product_attention got an explicit attn_mask"
-                f" {tuple(attn_mask.shape)} (a padding or sliding-window mask, built on this rank's shard), which"
-                " cannot be split exactly. Causal language models need none: pad on the right and mark the padding"
-                " in the labels with the ignore index (-100), without an attention_mask; or use"
-                " context_parallel_size=1."
+                f" {tuple(attn_mask.shape)} (a sliding-window, document or other custom mask, built on this rank's"
+                " shard), which cannot be split exactly. Causal masks (`is_causal`) and right padding (a batch's"
+                " `attention_mask` with the padding's `labels` at -100) are split exactly; sliding-window models"
+                " (Mistral, Gemma 2-3, ...) need context_parallel_size=1."
             )
         if dropout_p > 0:
             raise NotImplementedError(
@@ -237,7 +250,18 @@ class ContextParallel:
 
 
 def check_module(module: nn.Module) -> None:
-    """Before training: rotary tables the model slices by the local length itself cannot follow global positions."""
+    """Before training: attention other than SDPA (Hugging Face's ``attn_implementation``), and rotary tables the
+    model slices by the local length itself, which cannot follow global positions."""
+    for name, config in _hf_configs(module):
+        implementation = getattr(config, "_attn_implementation", None)  # transformers' documented way to read it
+        if implementation not in (None, "sdpa"):
+            raise NotImplementedError(
+                f"Context parallelism splits `torch.nn.functional.scaled_dot_product_attention` exactly, but"
+                f" {type(config).__name__} of `{name or 'the module'}` uses attn_implementation="
+                f"{implementation!r}, which would attend within each rank's shard only. Build the model with"
+                " attn_implementation='sdpa' (the default where the model supports it), or use"
+                " context_parallel_size=1."
+            )
     for name, submodule in module.named_modules():
         if type(submodule).__name__.endswith("RotaryEmbedding"):
             continue
@@ -250,6 +274,62 @@ def check_module(module: nn.Module) -> None:
                     " shard. Models that take positions as `position_ids` (Hugging Face) or learned position"
                     " embeddings (nanoGPT, GPT-2) are supported; use context_parallel_size=1 for this one."
                 )
+
+
+def _causal_in_place_of_right_padding(batch: Any, batch_size: int, seq_len: int, cp: int) -> Any:
+    """A batch's right-padding ``attention_mask`` (Hugging Face's dict batches) made all ones.
+
+    Under a causal mask, the tokens before the padding never see it: their outputs are the same with or without
+    the padding mask. Only the padding's own outputs differ, and they are not trained when their ``labels`` are the
+    ignore index (-100), which is required. Without the mask, the model's attention is plain causal SDPA, which is
+    split exactly; a mask built from the padding on one shard could not be."""
+    if not isinstance(batch, Mapping) or not isinstance(batch.get("attention_mask"), Tensor):
+        return batch
+    mask = batch["attention_mask"]
+    if mask.shape != (batch_size, seq_len):
+        return batch
+    kept = mask.bool()
+    if bool((kept[:, 1:] & ~kept[:, :-1]).any()):
+        raise NotImplementedError(
+            f"context_parallel_size={cp}: the batch's `attention_mask` has padding before tokens (left padding, or"
+            " packed documents), which cannot be split over the sequence exactly. Pad on the right (a tokenizer's"
+            " padding_side='right'), or use context_parallel_size=1."
+        )
+    labels = batch.get("labels")
+    if not kept.all() and (
+        not isinstance(labels, Tensor) or labels.shape != mask.shape or bool((labels[~kept] != -100).any())
+    ):
+        raise NotImplementedError(
+            f"context_parallel_size={cp}: the batch's `attention_mask` pads on the right, which is split exactly"
+            " when the padding is not trained: give the batch `labels` with the ignore index (-100) wherever"
+            " `attention_mask` is 0 (Hugging Face's DataCollatorForLanguageModeling and DataCollatorWithPadding"
+            " with label padding do), or use context_parallel_size=1."
+        )
+    return {**batch, "attention_mask": torch.ones_like(mask)}
+
+
+def _hf_configs(module: nn.Module) -> list[tuple[str, Any]]:
+    """Every Hugging Face ``PretrainedConfig`` held by a submodule (``model.config``), once each."""
+    found: dict[int, tuple[str, Any]] = {}
+    for name, submodule in module.named_modules():
+        config = getattr(submodule, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation") and id(config) not in found:
+            found[id(config)] = (name, config)
+    return list(found.values())
+
+
+def _sliding_windows(module: nn.Module) -> list[tuple[str, int]]:
+    """Sliding-window attention a Hugging Face config turns on (Mistral, Gemma 2-3, Qwen 2 with
+    ``use_sliding_window``): ``(config class, window)``."""
+    windows = []
+    for _, config in _hf_configs(module):
+        window = getattr(config, "sliding_window", None)
+        if not isinstance(window, int) or getattr(config, "use_sliding_window", True) is False:
+            continue
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is None or "sliding_attention" in layer_types:
+            windows.append((type(config).__name__, window))
+    return windows
 
 
 def _parameters(module: nn.Module) -> set[str]:

@@ -53,12 +53,50 @@ class HFCausalLMWithLabels(pm.HFCausalLM):
         return self._log_loss(self.model(input_ids=x, labels=y).loss)
 
 
+class _Rows(torch.utils.data.Dataset):
+    """Rows of named tensors: a tokenizer's and collator's dict batches."""
+
+    def __init__(self, **columns: torch.Tensor) -> None:
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {name: column[index] for name, column in self.columns.items()}
+
+
+class RightPaddedDicts(RandomTokenDataModule):
+    """Hugging Face's dict batches padded on the right: ``input_ids`` with the pad token (0) after each sample's
+    last 0-12 tokens, ``attention_mask`` 0 there and ``labels`` the ids with -100 there (what a tokenizer with
+    padding_side='right' and DataCollatorForLanguageModeling give)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        x, _ = self.train_data.tensors
+        pad = torch.randint(0, 13, (len(x),), generator=torch.Generator().manual_seed(7))
+        mask = (torch.arange(x.shape[1]) < x.shape[1] - pad[:, None]).long()
+        ids = torch.where(mask.bool(), x, 0)
+        self.train_data = _Rows(input_ids=ids, attention_mask=mask, labels=torch.where(mask.bool(), x, -100))
+
+
+class HFCausalLMOnDicts(pm.HFCausalLM):
+    """The usual Hugging Face step on a collator's dict batch: ``self.model(**batch).loss``."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._log_loss(self.model(**batch).loss)
+
+
 def _tokens(batch: int, seq_len: int = 32) -> Any:
     return functools.partial(RandomTokenDataModule, vocab_size=pm.VOCAB, seq_len=seq_len, batch_size=batch)
 
 
 def _padded(batch: int, ignore_index: int) -> Any:
     return functools.partial(PaddedTokens, ignore_index, vocab_size=pm.VOCAB, seq_len=32, batch_size=batch)
+
+
+def _right_padded(batch: int) -> Any:
+    return functools.partial(RightPaddedDicts, vocab_size=pm.VOCAB, seq_len=32, batch_size=batch)
 
 
 NANOGPT = functools.partial(NanoGPTModule, n_layer=2)
@@ -74,6 +112,9 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any], int, dict[str, Any]]] = {
     "Llama cp 2 alltoall": (LLAMA, _tokens, {"context_parallel_size": 2, "context_parallel_mode": "alltoall"}, 2, {}),
     "Llama, labels, padded, cp 2": (LLAMA_LABELS, functools.partial(_padded, ignore_index=-100),
                                     {"context_parallel_size": 2}, 2, {}),
+    "Llama, dict batch, right-padded attention_mask, cp 2": (functools.partial(HFCausalLMOnDicts, "llama",
+                                                                              dropout=0.0),
+                                                            _right_padded, {"context_parallel_size": 2}, 2, {}),
     "nanoGPT, padded, cp 2": (NANOGPT, functools.partial(_padded, ignore_index=-1), {"context_parallel_size": 2}, 2,
                               {}),
     "nanoGPT cp 4 ring": (NANOGPT, _tokens, {"context_parallel_size": 4}, 4, {}),
@@ -158,6 +199,22 @@ def test_a_context_parallel_checkpoint_resumes_on_one_process(tmp_path):
     _assert_same_states(tmp_path / "step3.ckpt", resaved / "resaved.ckpt")
 
 
+def test_a_one_process_checkpoint_resumes_under_context_parallelism(tmp_path):
+    """The other direction: saved at step 3 of 6 on one process, resumed under cp 2 (ring)."""
+    from tests.test_checkpoint import CROSS_LAYOUT_RTOL, SaveAt, _assert_same_states, _losses_match
+
+    saved, _ = fit(LLAMA, _tokens(GLOBAL_BATCH), {}, 1, STEPS, callbacks_factory=lambda: [SaveAt(tmp_path, (3,))])
+    resaved = tmp_path / "cp"
+    resaved.mkdir()
+    resumed, _ = fit(
+        LLAMA, _tokens(GLOBAL_BATCH), {"context_parallel_size": 2}, 2, STEPS,
+        callbacks_factory=lambda: [SaveAt(resaved, resave=True)],
+        fit_kwargs={"ckpt_path": str(tmp_path / "step3.ckpt")},
+    )  # fmt: skip
+    _losses_match(saved.losses, resumed.losses, 3, CROSS_LAYOUT_RTOL)
+    _assert_same_states(tmp_path / "step3.ckpt", resaved / "resaved.ckpt")
+
+
 class HandWrittenAttention(L.LightningModule):
     """Attention as softmax(q k^T) v written out: nothing context parallelism can see to split."""
 
@@ -178,7 +235,51 @@ class HandWrittenAttention(L.LightningModule):
         return torch.optim.AdamW(self.parameters())
 
 
+class LeftPaddedDicts(RightPaddedDicts):
+    """The padding before the tokens (padding_side='left'), labels -100 there."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        columns = self.train_data.columns
+        self.train_data = _Rows(**{name: column.flip(1) for name, column in columns.items()})
+
+
+class PaddingTrained(RightPaddedDicts):
+    """Right padding whose labels are the pad token, not -100: the padding's outputs would be trained."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        columns = self.train_data.columns
+        self.train_data = _Rows(**{**columns, "labels": columns["input_ids"]})
+
+
+class WindowedMistral(HFCausalLMOnDicts):
+    """Hugging Face Mistral (sliding-window attention) with a window of 16 tokens, shorter than the batch's 32."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import AutoModelForCausalLM
+
+        config = pm.hf_config("mistral", 0.0)
+        config.sliding_window = 16
+        self.model = AutoModelForCausalLM.from_config(config)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+def _dicts(kind: type) -> Any:
+    return functools.partial(kind, vocab_size=pm.VOCAB, seq_len=32, batch_size=4)
+
+
+LLAMA_DICTS = functools.partial(HFCausalLMOnDicts, "llama", dropout=0.0)
 REFUSED = {
+    "left padding": (LLAMA_DICTS, _dicts(LeftPaddedDicts), {"context_parallel_size": 2},
+                     r"`attention_mask` has padding before tokens.*padding_side='right'"),
+    "padding trained": (LLAMA_DICTS, _dicts(PaddingTrained), {"context_parallel_size": 2},
+                        r"give the batch `labels` with the ignore index \(-100\) wherever `attention_mask` is 0"),
+    "sliding window": (WindowedMistral, _dicts(RightPaddedDicts), {"context_parallel_size": 2},
+                       r"MistralConfig attends through a sliding window of 16 tokens, shorter than the batch's 32"),
     "hand-written attention": (HandWrittenAttention, _tokens(4), {"context_parallel_size": 2},
                                r"called no `torch.nn.functional.scaled_dot_product_attention`"),
     "sequence not divisible": (NANOGPT, functools.partial(_tokens(4), seq_len=30), {"context_parallel_size": 2},
@@ -204,6 +305,19 @@ def test_what_context_parallelism_cannot_make_exact_is_refused_in_the_first_step
     import re
 
     assert re.search(REFUSED[case][3], _refused[case], re.DOTALL), _refused[case][-2000:]
+
+
+def test_attention_other_than_sdpa_is_refused_before_training():
+    """Hugging Face models built with eager (Gemma 2's default), FlexAttention or flash-attention kernels: each rank
+    would attend within its own shard. Refused when the strategy sets up, naming the implementation."""
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(NotImplementedError, match=r"Gemma2Config of `model` uses attn_implementation='eager'"):
+        check_module(pm.HFCausalLM("gemma2", dropout=0.0))
+    flex = AutoModelForCausalLM.from_config(pm.hf_config("llama", 0.0), attn_implementation="flex_attention")
+    with pytest.raises(NotImplementedError, match=r"attn_implementation='flex_attention'.*attn_implementation='sdpa'"):
+        check_module(flex)
+    check_module(WindowedMistral())  # SDPA with a window: split exactly for sequences the window covers
 
 
 def test_rotary_tables_sliced_by_the_local_length_are_refused_before_training():
@@ -270,9 +384,9 @@ class ContextTraffic(L.Callback):
             setattr(owner, name, original)
 
 
-@pytest.mark.parametrize("mode", ["ring", "alltoall"])
-def test_context_parallel_traffic_is_the_analytic_volume(mode):
-    """nanoGPT (2 blocks, 32 tokens, width 32) at cp 2: the ring sends each block's K/V (cp-1) hops forward,
+@pytest.mark.parametrize(("mode", "cp"), [("ring", 2), ("alltoall", 2), ("ring", 4)])
+def test_context_parallel_traffic_is_the_analytic_volume(mode, cp):
+    """nanoGPT (2 blocks, 32 tokens, width 32) at cp 2 and 4: the ring sends each block's K/V (cp-1) hops forward,
     (cp-1) hops again backward with their fp32 gradients cp hops; the all-to-all exchanges (cp-1)/cp of q, k, v and
     the output forward and their gradients backward: ``planner.cost.context_parallel_bytes``, per block and step.
     The ring's sends and the all-to-all's forward calls are counted where they are issued; the all-to-all's
@@ -280,13 +394,18 @@ def test_context_parallel_traffic_is_the_analytic_volume(mode):
     from lightning_mgpu.planner.cost import Layout, Training, context_parallel_bytes
     from lightning_mgpu.planner.model_spec import ModelSpec
 
-    strategy = {"context_parallel_size": 2, "context_parallel_mode": mode}
+    strategy = {"context_parallel_size": cp, "context_parallel_mode": mode}
     probes = lambda: [ContextTraffic(), CollectiveCounter()]
-    outcome = fit_each({"counted": Run(NANOGPT, _tokens(GLOBAL_BATCH), strategy, 3, {}, probes)}, 2)
+    outcome = fit_each({"counted": Run(NANOGPT, _tokens(GLOBAL_BATCH), strategy, 3, {}, probes)}, cp)
     _, extras = result(outcome["counted"])
     spec = ModelSpec(layers=2, hidden=32, heads=4, vocab=pm.VOCAB, seq_len=32)
-    layout = Layout(cp=2, cp_mode=mode, microbatch_size=GLOBAL_BATCH)
+    layout = Layout(cp=cp, cp_mode=mode, microbatch_size=GLOBAL_BATCH)
     per_block = context_parallel_bytes(spec, Training(GLOBAL_BATCH, precision="32-true"), layout)
+    # By hand, per block and rank: the ring sends K and V ((B, T/cp, C) fp32 each) cp-1 hops forward; backward
+    # sends them cp-1 hops again and their gradients cp hops (home).
+    kv = 2 * GLOBAL_BATCH * (32 // cp) * 32 * 4
+    if mode == "ring":
+        assert per_block == {"forward": (cp - 1) * kv, "backward": (2 * cp - 1) * kv}, per_block
     for extra in extras:
         if mode == "ring":
             expected = spec.layers * (per_block["forward"] + per_block["backward"])
