@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from dataclasses import replace
@@ -533,4 +534,6 @@ def test_context_parallelism_divides_activations_and_wins_for_long_sequences(cap
         == 0
     )
     out = capsys.readouterr().out
-    assert " cp " in out.splitlines()[4] and "cp=" in out  # the table's cp column and the winner named with it
+    assert " cp " in out.splitlines()[4]  # the table's cp column
+    winner = re.search(r"^Why: (.*?) wins", out, re.MULTILINE)
+    assert winner and int(re.search(r"\bcp=(\d+)", winner.group(1)).group(1)) > 1, out  # the winner splits sequences
