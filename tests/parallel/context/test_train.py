@@ -118,6 +118,8 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any], int, dict[str, Any]]] = {
     "nanoGPT, padded, cp 2": (NANOGPT, functools.partial(_padded, ignore_index=-1), {"context_parallel_size": 2}, 2,
                               {}),
     "nanoGPT cp 4 ring": (NANOGPT, _tokens, {"context_parallel_size": 4}, 4, {}),
+    "nanoGPT dp 2 x cp 2 ZeRO-0": (NANOGPT, _tokens, {"context_parallel_size": 2}, 4, {}),
+    "nanoGPT dp 2 x cp 2 ZeRO-2": (NANOGPT, _tokens, {"context_parallel_size": 2, "zero_stage": 2}, 4, {}),
     "nanoGPT dp 2 x cp 2 ZeRO-3": (NANOGPT, _tokens, {"context_parallel_size": 2, "zero_stage": 3}, 4, {}),
     "Llama dp 2 x cp 2 ZeRO-1 alltoall": (LLAMA, _tokens, {"context_parallel_size": 2, "zero_stage": 1,
                                                           "context_parallel_mode": "alltoall"}, 4, {}),
