@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -49,8 +52,8 @@ def check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None
         for attribute in ("num_attention_heads", "num_key_value_heads"):
             value = _config_value(attention, attribute)
             if isinstance(value, int) and not isinstance(value, bool):
-                sizes[f"{name}: config.{attribute} = {{}}"] = value
-    problems = sorted({text.format(size) for text, size in sizes.items() if size % tp})
+                sizes[f"the model's config.{attribute} = {value}"] = value  # once, not per module holding it
+    problems = _by_block_glob(text.format(size) for text, size in sizes.items() if size % tp)
     if problems:
         common = math.gcd(*sizes.values())
         valid = [d for d in range(2, common + 1) if common % d == 0]
@@ -59,6 +62,13 @@ def check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None
             f" Valid tensor_parallel_size values for this model and plan: {valid or 'none above 1'}"
             " (the divisors of the heads, key/value heads, hidden and vocabulary sizes it shards)."
         )
+
+
+def _by_block_glob(problems: Iterable[str]) -> list[str]:
+    """One entry per problem of every block (``layers.*.self_attn: ... (80 blocks)``), not one per layer: an
+    80-layer model's message names the size once."""
+    counts = Counter(re.sub(r"\.\d+(?=[.:])", ".*", problem) for problem in problems)
+    return [problem + (f" ({count} blocks)" if count > 1 else "") for problem, count in sorted(counts.items())]
 
 
 _QUERY_HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
