@@ -126,6 +126,9 @@ class HybridPrecision(Precision):
                 " (or `pip install torchao`)."
             )
         self.fp8_emulate = fp8_emulate
+        # Set by the strategy for ZeRO-3 (FSDP2): float8 weights all-gathered in float8 (half of bf16's bytes), their
+        # scales precomputed after each optimizer step in one all-reduce (torchao's FSDP2 float8 recipe).
+        self.float8_all_gather = False
         self._scaler_kwargs = {"init_scale": float(init_scale), "growth_interval": int(growth_interval)}
         self.scaler: JobGradScaler | None = None
         self._device_type = ""
@@ -229,7 +232,7 @@ class HybridPrecision(Precision):
             return module.to(dtype=self.true_dtype)
         if self.precision == "fp8-mixed":
             self._check_device()
-            convert_to_float8(module, emulate=self.fp8_emulate, device_type=self.device_type)
+            convert_to_float8(module, self.fp8_emulate, self.device_type, all_gather=self.float8_all_gather)
         return module
 
     @override
@@ -278,7 +281,10 @@ class HybridPrecision(Precision):
         self, optimizer: Optimizable, model: Any, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         if self.scaler is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            if self.float8_all_gather and isinstance(model, nn.Module):
+                precompute_float8_scales(model)  # the next forward's all-gathers use them
+            return output
         if isinstance(optimizer, LBFGS):
             raise MisconfigurationException("16-mixed (loss scaling) and the LBFGS optimizer are not compatible.")
         closure_result = closure()
@@ -375,11 +381,12 @@ class JobGradScaler(ScalerHooks):
         return found
 
 
-def convert_to_float8(module: nn.Module, emulate: bool, device_type: str) -> int:
+def convert_to_float8(module: nn.Module, emulate: bool, device_type: str, all_gather: bool = False) -> int:
     """Swap ``nn.Linear`` layers whose dimensions are multiples of 16 for torchao's ``Float8Linear``, in place.
 
     Parameter names and state-dict keys are unchanged. Returns the number of layers converted. On CUDA, devices
-    below compute capability 8.9 have no float8 matmuls: an error says so unless ``emulate``.
+    below compute capability 8.9 have no float8 matmuls: an error says so unless ``emulate``. ``all_gather``: the
+    weights, once FSDP2 shards them (ZeRO-3), are all-gathered in float8 (``enable_fsdp_float8_all_gather``).
     """
     if device_type == "cuda" and not emulate:
         capability = torch.cuda.get_device_capability()
@@ -407,7 +414,8 @@ def convert_to_float8(module: nn.Module, emulate: bool, device_type: str) -> int
         )
 
     before = sum(is_float8_linear(m) for m in module.modules())
-    convert_to_float8_training(module, module_filter_fn=eligible, config=Float8LinearConfig(emulate=emulate))
+    config = Float8LinearConfig(emulate=emulate, enable_fsdp_float8_all_gather=all_gather)
+    convert_to_float8_training(module, module_filter_fn=eligible, config=config)
     converted = sum(is_float8_linear(m) for m in module.modules()) - before
     if converted == 0:
         rank_zero_warn(
@@ -415,6 +423,13 @@ def convert_to_float8(module: nn.Module, emulate: bool, device_type: str) -> int
             " bf16-mixed."
         )
     return converted
+
+
+def precompute_float8_scales(module: nn.Module) -> None:
+    """The float8 scales of every FSDP2-sharded float8 weight of ``module``, in one all-reduce of their amaxes."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(module)
 
 
 def _dtype(name: str, value: str | torch.dtype | None) -> torch.dtype | None:

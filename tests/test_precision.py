@@ -332,6 +332,12 @@ class _ReductionDtypes(L.Callback):
             setattr(dist, name, recording)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        # torchao's FSDP2 float8 weights: sharded as WeightWithDynamicFloat8CastTensor, all-gathered in float8.
+        self.results["float8_all_gather_weights"] = sum(
+            type(getattr(m.weight, "_local_tensor", None)).__name__ == "WeightWithDynamicFloat8CastTensor"
+            for m in pl_module.modules()
+            if type(m).__name__ == "Float8Linear"
+        )
         dtypes = self.results["forward_weight_dtypes"] = set()
         linear = next(m for m in pl_module.modules() if isinstance(m, torch.nn.Linear))
         linear.register_forward_pre_hook(lambda module, args: dtypes.add(str(module.weight.dtype)))
@@ -343,8 +349,9 @@ class _ReductionDtypes(L.Callback):
         (dict(precision="32-true", reduce_dtype="bf16"), {"zero_stage": 1}, "32-true"),
         (dict(precision="bf16-mixed", param_dtype="bf16", reduce_dtype="fp32"), {"zero_stage": 3}, "bf16-mixed"),
         (dict(precision="fp8-mixed", fp8_emulate=True), {"zero_stage": 2}, "32-true"),
+        (dict(precision="fp8-mixed", fp8_emulate=True), {"zero_stage": 3}, "32-true"),
     ],
-    ids=["reduce-bf16-zero1", "param-bf16-zero3", "fp8-emulated-zero2"],
+    ids=["reduce-bf16-zero1", "param-bf16-zero3", "fp8-emulated-zero2", "fp8-emulated-zero3-float8-all-gather"],
 )
 def test_fsdp_policies_and_fp8_train_close_to_the_reference(plugin, layout, compare_to):
     if plugin["precision"] == "fp8-mixed":
@@ -367,6 +374,9 @@ def test_fsdp_policies_and_fp8_train_close_to_the_reference(plugin, layout, comp
     if plugin["precision"] == "fp8-mixed":
         assert extras[0]["float8_layers"] == 15  # every Linear of the 2-layer Llama (q, k, v, o, 3 MLP; head)
         assert result.losses != expected.losses
+        # ZeRO-3 all-gathers the float8 weights in float8 (their scales precomputed after each step); ZeRO-2 keeps
+        # whole weights, nothing to gather.
+        assert extras[0]["float8_all_gather_weights"] == (15 if layout["zero_stage"] == 3 else 0), extras[0]
 
 
 def test_true_half_precision_trains_in_half():

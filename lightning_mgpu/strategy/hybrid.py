@@ -476,6 +476,8 @@ class HybridStrategy(StrategyHooks, StepHooks, CheckpointHooks, DataParallelColl
         assert self.lightning_module is not None
         self.accelerator.setup(trainer)
         materialize_distributed_module(self.model, self.root_device)
+        fully_sharded = self.layout.zero_stage == 3 and self._deepspeed is None
+        self.precision_plugin.float8_all_gather = fully_sharded and self.precision_plugin.precision == "fp8-mixed"
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._runner is not None and self._runner.module is self.lightning_module:
