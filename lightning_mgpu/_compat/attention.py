@@ -5,6 +5,10 @@ key/value blocks and needs each block's log-sum-exp, and its backward needs the 
 output and log-sum-exp. On CPU those are the aten operators behind SDPA's flash path,
 ``_scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (torch's own context parallelism uses the
 CUDA counterparts). Both accept fewer key/value heads than query heads (grouped-query attention).
+
+``attn_implementation``: a Hugging Face config's ``_attn_implementation`` (``"sdpa"``, ``"eager"``,
+``"flex_attention"``, ...), the attribute transformers' own documentation reads to tell which attention a model
+runs; transformers has no public accessor.
 """
 
 from __future__ import annotations
@@ -41,3 +45,9 @@ def cpu_attention_backward(
     """Gradients of query, key and value for one key/value block, given the *merged* ``out`` and ``logsumexp``."""
     backward = _operator("_scaled_dot_product_flash_attention_for_cpu_backward")
     return backward(grad_out, query, key, value, out, logsumexp, 0.0, is_causal, scale=scale)
+
+
+def attn_implementation(config: object) -> str | None:
+    """The attention a Hugging Face config selects; None for an object that is not such a config."""
+    value = getattr(config, "_attn_implementation", None)
+    return value if isinstance(value, str) else None

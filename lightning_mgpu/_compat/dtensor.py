@@ -10,6 +10,12 @@
   private ``_backward_cls`` on every subclass). The public ``DTensor.to_local()`` returns a view made inside a
   custom Function, which autograd forbids modifying in place; this hands out the same local tensor as a fresh
   autograd output (no copy), its gradient flowing back in the DTensor's own layout.
+- ``forget_meshes``: ``torch._C._clear_DTensor_sharding_propagator_cache`` (the C++ dispatch cache),
+  ``DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear`` and
+  ``torch.distributed.tensor._redistribute.clear_redistribute_planner_cache``. DTensor caches its sharding
+  decisions by mesh shape and ranks, not by mesh object: a process that builds a second mesh of the same shape
+  (the rehearsal's step pass) is otherwise handed output specs holding the first mesh, and its collectives run on
+  the first mesh's process groups. No public way.
 - ``unflatten_mesh``: ``DeviceMesh._unflatten``, splitting one named mesh dimension into several. The public
   alternative, building a new mesh with ``init_device_mesh``, creates new process groups for every axis.
 """
@@ -110,3 +116,10 @@ def flatten_mesh(mesh: Any, dim_names: tuple[str, ...], name: str) -> Any:
     if flatten is None:
         raise AttributeError(changed("DeviceMesh._flatten", "torch", "the method is gone"))
     return flatten(name)
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions and redistribution plans (see the module docstring)."""
+    internal("torch._C", "_clear_DTensor_sharding_propagator_cache")()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    internal("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache")()

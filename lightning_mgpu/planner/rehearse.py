@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.planner.rehearse_step import Collectives, count_step_collectives, describe_collectives
 
 
 class RehearsalError(RuntimeError):
@@ -45,6 +46,10 @@ class RankReport:
     optimizer_bytes: int
     layers: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # One training step's collectives by axis and kind ({"tp": {"all_reduce": {"calls": 18, "bytes": ...}}}); None
+    # with the reason in ``collectives_note`` where not counted (see ``rehearse_step``).
+    collectives: Collectives | None = None
+    collectives_note: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         entry = asdict(self)
@@ -86,17 +91,21 @@ def rehearse(
     ranks: list[int] | None = None,
     workers: int | None = None,
     timeout: float = 1800.0,
+    step_batch: tuple[int, int, int] | None = None,
 ) -> list[RankReport]:
     """Play ``ranks`` (default: :func:`positions`) of a job of ``layout.world_size`` processes in ``workers`` forked
     processes (default: the CPU cores, at most 4). ``build`` makes the LightningModule (called on the meta device in
-    each worker, once per rank). Raises :class:`RehearsalError` with the first failing rank's error."""
+    each worker, once per rank). ``step_batch`` ``(sequences, tokens, vocabulary)``: also count the collectives of
+    one training step on such a batch of token ids (``rehearse_step``). Raises :class:`RehearsalError` with the
+    first failing rank's error."""
     ranks = positions(layout, options.expert_parallel_size) if ranks is None else ranks
     workers = max(1, min(workers or min(os.cpu_count() or 1, 4), len(ranks)))
     shares = [ranks[i::workers] for i in range(workers)]
     context: Any = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     queue = context.Queue()
     processes = [
-        context.Process(target=_worker, args=(build, layout, options, share, queue), daemon=True) for share in shares
+        context.Process(target=_worker, args=(build, layout, options, share, queue, step_batch), daemon=True)
+        for share in shares
     ]
     for process in processes:
         process.start()
@@ -127,13 +136,18 @@ def rehearse(
 
 
 def _worker(
-    build: Callable[[], nn.Module], layout: ParallelLayout, options: ParallelOptions, ranks: list[int], queue: Any
+    build: Callable[[], nn.Module],
+    layout: ParallelLayout,
+    options: ParallelOptions,
+    ranks: list[int],
+    queue: Any,
+    step_batch: tuple[int, int, int] | None,
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     for rank in ranks:
         try:
-            queue.put(("report", rehearse_rank(build, layout, options, rank)))
+            queue.put(("report", rehearse_rank(build, layout, options, rank, step_batch)))
         except BaseException as error:  # noqa: BLE001 - every failure goes back to the parent, named
             message = f"{type(error).__name__}: {error}"
             if not isinstance(error, (ValueError, NotImplementedError)):
@@ -143,9 +157,14 @@ def _worker(
 
 
 def rehearse_rank(
-    build: Callable[[], nn.Module], layout: ParallelLayout, options: ParallelOptions, rank: int
+    build: Callable[[], nn.Module],
+    layout: ParallelLayout,
+    options: ParallelOptions,
+    rank: int,
+    step_batch: tuple[int, int, int] | None = None,
 ) -> RankReport:
-    """One rank of the job, in this process: fake process group, module on meta, the library's setup path."""
+    """One rank of the job, in this process: fake process group, module on meta, the library's setup path (and,
+    given ``step_batch``, one training step's collectives)."""
     import torch.distributed as dist
     from lightning.pytorch.plugins.precision import Precision
 
@@ -158,10 +177,7 @@ def rehearse_rank(
     dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=fake_store())
     try:
         with torch.device("meta"):
-            module = build()
-            configure = getattr(module, "configure_model", None)
-            if callable(configure):
-                configure()
+            module = configured(build)
         blocks = _block_names(module)
         mesh = layout.build_mesh("cpu", options.data_parallel_shard_size)
         precision = HybridPrecision.from_lightning(Precision(), "cpu")
@@ -169,7 +185,7 @@ def rehearse_rank(
         runner, pipeline, _ = parallelize_for_run(
             module, layout, mesh, options, precision, torch.device("meta"), patches
         )
-        optimizers = _optimizers(module)
+        optimizers = optimizers_of(module)
         roots = data_parallel_roots(pipeline, runner)
         wire_optimizers(optimizers, module, layout, mesh, pipeline, roots, precision, patches, None)
         parameters = _unique(module.parameters())
@@ -178,20 +194,33 @@ def rehearse_rank(
                 parameter.grad = torch.zeros_like(parameter)
         for optimizer in optimizers:
             optimizer.step()
-        return RankReport(
+        report = RankReport(
             rank=rank,
             coordinate=coordinate(layout, rank),
             parameter_bytes=sum(_local_bytes(p) for p in parameters),
             gradient_bytes=sum(_local_bytes(p) for p in parameters if p.requires_grad),
             optimizer_bytes=sum(_state_bytes(optimizer) for optimizer in optimizers),
             layers=[name for name, block in _named_blocks(module, blocks) if any(True for _ in block.parameters())],
-            seconds=time.perf_counter() - start,
         )
+        patches.undo()  # as the strategy's teardown: torch's functions that context parallelism patched, back
+        if step_batch is not None:
+            report.collectives, report.collectives_note = count_step_collectives(build, layout, options, step_batch)
+        report.seconds = time.perf_counter() - start
+        return report
     finally:
         dist.destroy_process_group()
 
 
-def _optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
+def configured(build: Callable[[], nn.Module]) -> nn.Module:
+    """The module as the Trainer would set it up: built, then its ``configure_model`` hook called."""
+    module = build()
+    configure = getattr(module, "configure_model", None)
+    if callable(configure):
+        configure()
+    return module
+
+
+def optimizers_of(module: nn.Module) -> list[torch.optim.Optimizer]:
     """The module's ``configure_optimizers`` answer as a list of optimizers (schedulers and dicts unpacked)."""
     configure = getattr(module, "configure_optimizers", None)
     found = configure() if callable(configure) else None
@@ -319,6 +348,14 @@ def format_rehearsal(rows: list[dict], describe: str, seconds: float) -> str:
             f"{row['rank']:>5} {coordinate}  {row['parameter_bytes'] / gib:>10.3f} {row['gradient_bytes'] / gib:>9.3f}"
             f" {row['optimizer_bytes'] / gib:>9.3f}  {difference:<22} {blocks}"
         )
+    stepped = [row for row in rows if row.get("collectives") is not None or row.get("collectives_note")]
+    if stepped:
+        lines += ["", "collectives of one training step, by mesh axis (calls, bytes of their largest buffers):"]
+        for row in stepped:
+            coordinate = ", ".join(f"{axis} {row[axis]}" for axis in axes)
+            counted = row["collectives"]
+            said = describe_collectives(counted) if counted is not None else row["collectives_note"]
+            lines.append(f"{row['rank']:>5} ({coordinate}): {said}")
     return "\n".join(lines)
 
 
@@ -353,7 +390,9 @@ def run_rehearsal(args: Any, model: Any, cluster: Any, training: Any, fixed: dic
     start = time.perf_counter()
     try:
         _check_like_the_strategy(layout, options)
-        reports = rehearse(_Builder(cls, kwargs), layout, options)
+        micro = max(1, training.global_batch // layout.data_parallel_size)  # one step's sequences per rank
+        step_batch = (micro, model.seq_len, model.vocab)
+        reports = rehearse(_Builder(cls, kwargs), layout, options, step_batch=step_batch)
     except (ValueError, NotImplementedError, RehearsalError) as error:
         raise SystemExit(f"lightning-mgpu plan --rehearse: {layout.describe()} would fail: {error}") from None
     seconds = time.perf_counter() - start

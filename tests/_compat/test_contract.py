@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_mgpu import _compat
-from lightning_mgpu._compat import amp, c10d, data, dcp, dtensor, fsdp, tensors
+from lightning_mgpu._compat import amp, attention, c10d, data, dcp, dtensor, fake, fsdp, tensors
 from lightning_mgpu._compat import lightning as lc
 from tests.helpers.distributed import run_distributed
 
@@ -239,6 +239,33 @@ def test_tensor_helpers():
     )
 
 
+def test_fake_tensors_and_a_dispatch_mode_seeing_their_operators():
+    seen = []
+
+    class Seen(fake.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with fake.FakeTensorMode():
+        weight = torch.empty(1 << 20, 1 << 12)  # 16 GiB: only its shape exists
+        with Seen():
+            out = weight.sum(0)
+    _expect(out.shape == (1 << 12,) and type(out).__name__ == "FakeTensor", "FakeTensorMode", "torch", str(out))
+    _expect(any(name.startswith("aten.sum") for name in seen), "TorchDispatchMode", "torch", str(seen))
+
+
+def test_attention_implementation_of_a_hugging_face_config():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig()
+    config._attn_implementation = "eager"
+    _expect(
+        attention.attn_implementation(config) == "eager", "PretrainedConfig._attn_implementation", "transformers", ""
+    )
+    _expect(attention.attn_implementation(object()) is None, "attn_implementation", "transformers", "a plain object")
+
+
 def test_dataloader_with_another_sampler():
     loader = torch.utils.data.DataLoader(list(range(6)), batch_size=2)
     clone = data.with_sampler(loader, "batch_sampler", [[4, 5], [0, 1]])
@@ -318,6 +345,13 @@ def _distributed_contract() -> dict:
         torch.equal(local.detach(), torch.full((2,), 3.0)),
         torch.equal(leaf.grad, torch.full((2,), 2.0)),
     )
+    first = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    _ = distribute_tensor(torch.ones(4), first, [Shard(0)]) * 2  # cached with `first`
+    second = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    on_second = distribute_tensor(torch.ones(4), second, [Shard(0)])
+    stale = (on_second * 2).device_mesh is first  # why the shim exists: the cached spec holds the first mesh
+    dtensor.forget_meshes()
+    out["forget"] = (stale, (on_second * 2).device_mesh is second)
     out["lightning"] = (
         lc.sync_ddp_if_available(torch.ones(1), None, reduce_op="sum").item(),
         lc.all_gather_ddp_if_available(torch.ones(1)).shape,
@@ -373,6 +407,7 @@ def test_distributed_shims_in_a_process_group():
         "torch",
         f"(add, compare_set absent, compare_set present, check): {out['store']}",
     )
+    _expect(all(out["forget"]), "DTensor sharding caches", "torch", f"(stale before, fresh after): {out['forget']}")
     _expect(
         all(out["owned"]),
         "_functional_collectives.all_reduce/DTensor._spec/_local_tensor",

@@ -32,6 +32,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_mgpu._compat.attention import attn_implementation
 from lightning_mgpu.parallel.context.attention import alltoall_attention, ring_attention
 from lightning_mgpu.parallel.context.order import local_positions, shard_sequence
 from lightning_mgpu.patches import PatchLog
@@ -61,11 +62,15 @@ class ContextParallel:
         self._cross_entropy = F.cross_entropy
         patches.set_attribute(F, "scaled_dot_product_attention", self._attention)
         patches.set_attribute(F, "cross_entropy", self._token_mean_cross_entropy)
+        # Prepended: the positions are made global before tensor parallelism's input hooks wrap them as DTensors.
         for submodule in module.modules():
             if isinstance(submodule, nn.Embedding):
-                patches.hook(submodule.register_forward_pre_hook(self._global_embedding_positions))
+                hook = submodule.register_forward_pre_hook(self._global_embedding_positions, prepend=True)
+                patches.hook(hook)
             elif type(submodule).__name__.endswith("RotaryEmbedding"):
-                patches.hook(submodule.register_forward_pre_hook(self._global_rotary_positions, with_kwargs=True))
+                rotary = self._global_rotary_positions
+                hook = submodule.register_forward_pre_hook(rotary, with_kwargs=True, prepend=True)
+                patches.hook(hook)
             if callable(getattr(submodule, "loss_function", None)) and "labels" in _parameters(submodule):
                 patches.hook(submodule.register_forward_pre_hook(self._shifted_labels, with_kwargs=True))
 
@@ -253,7 +258,7 @@ def check_module(module: nn.Module) -> None:
     """Before training: attention other than SDPA (Hugging Face's ``attn_implementation``), and rotary tables the
     model slices by the local length itself, which cannot follow global positions."""
     for name, config in _hf_configs(module):
-        implementation = getattr(config, "_attn_implementation", None)  # transformers' documented way to read it
+        implementation = attn_implementation(config)
         if implementation not in (None, "sdpa"):
             raise NotImplementedError(
                 f"Context parallelism splits `torch.nn.functional.scaled_dot_product_attention` exactly, but"
@@ -313,7 +318,7 @@ def _hf_configs(module: nn.Module) -> list[tuple[str, Any]]:
     found: dict[int, tuple[str, Any]] = {}
     for name, submodule in module.named_modules():
         config = getattr(submodule, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation") and id(config) not in found:
+        if callable(getattr(config, "to_diff_dict", None)) and id(config) not in found:  # a PretrainedConfig
             found[id(config)] = (name, config)
     return list(found.values())
 

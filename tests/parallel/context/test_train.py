@@ -125,6 +125,7 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any], int, dict[str, Any]]] = {
                                                           "context_parallel_mode": "alltoall"}, 4, {}),
     "nanoGPT tp 2 x cp 2, sequence parallel": (NANOGPT, _tokens, {"context_parallel_size": 2, "tensor_parallel_size": 2,
                                                                 "sequence_parallel": True}, 4, {}),
+    "Llama tp 2 x cp 2": (LLAMA, _tokens, {"context_parallel_size": 2, "tensor_parallel_size": 2}, 4, {}),
     "nanoGPT pp 2 x cp 2 1F1B": (NANOGPT, _tokens, {"context_parallel_size": 2, "pipeline_parallel_size": 2}, 4, {}),
     "Llama cp 2, activation checkpointing": (LLAMA, _tokens, {"context_parallel_size": 2,
                                                              "activation_checkpointing": True}, 2, {}),

@@ -1,0 +1,180 @@
+"""One training step of a rehearsed rank, to count the collectives it issues on each mesh axis.
+
+The rank's LightningModule is built again under torch's ``FakeTensorMode`` (tensors with shapes and no data: a
+step runs through FSDP2, DTensor and DDP without memory or arithmetic), set up by the library's own path, then one
+``training_step`` on a batch of token ids ``(input_ids, next ids)`` runs forward, backward and the optimizer step
+under a dispatch mode that records every collective (eager ``c10d`` ops and the functional ones DTensor issues) with
+the process group it ran on. The fake process group returns at once.
+
+Pipeline stages are not stepped: the schedule's first step exchanges tensor shapes with the neighbouring stages'
+real processes. Nor is a step a model cannot take on data-free tensors (a branch on values): its note says why, and
+the rank's bytes stand.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_mgpu._compat.fake import FakeTensorMode, TorchDispatchMode
+from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.options import ParallelOptions
+
+# Per axis and collective kind: how many calls one step issues, and the bytes of their largest buffers.
+Collectives = dict[str, dict[str, dict[str, int]]]
+
+_NOT_COUNTED_WITH_PIPELINE = (
+    "not counted: a pipeline stage's first step exchanges tensor shapes with its neighbours' real processes"
+)
+
+
+def count_step_collectives(
+    build: Callable[[], nn.Module],
+    layout: ParallelLayout,
+    options: ParallelOptions,
+    batch_shape: tuple[int, int, int],
+) -> tuple[Collectives | None, str]:
+    """``(collectives per axis, note)`` for one training step of this process's rank (its fake process group is
+    initialized). ``batch_shape``: ``(sequences, tokens, vocabulary)`` of this rank's micro-batch."""
+    if layout.pipeline_parallel_size > 1:
+        return None, _NOT_COUNTED_WITH_PIPELINE
+    try:
+        return _step(build, layout, options, batch_shape), ""
+    except Exception as error:  # noqa: BLE001 - a step on data-free tensors may fail where the real one would not
+        return None, f"not counted: one step on fake tensors failed ({type(error).__name__}: {error})"[:400]
+
+
+def _step(
+    build: Callable[[], nn.Module],
+    layout: ParallelLayout,
+    options: ParallelOptions,
+    batch_shape: tuple[int, int, int],
+) -> Collectives:
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_mgpu._compat.dtensor import forget_meshes
+    from lightning_mgpu.monitor.timing import mesh_axes
+    from lightning_mgpu.parallel.data import finish_backward
+    from lightning_mgpu.patches import PatchLog
+    from lightning_mgpu.planner.rehearse import configured, optimizers_of
+    from lightning_mgpu.precision import HybridPrecision
+    from lightning_mgpu.strategy.setup import data_parallel_roots, parallelize_for_run, wire_optimizers
+    from lightning_mgpu.strategy.step import run_step, step_context
+
+    forget_meshes()  # the bytes pass's mesh has this one's shape: its cached specs would name its groups
+    mesh = layout.build_mesh("cpu", options.data_parallel_shard_size)  # real tensors: the mesh reads its ranks
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    sequences, tokens, vocabulary = batch_shape
+    with fake:  # the parameters and the batch: shapes only; everything else runs as in the real job
+        module = configured(build)
+        ids = torch.randint(0, vocabulary, (sequences, tokens))
+    precision = HybridPrecision.from_lightning(Precision(), "cpu")
+    patches = PatchLog()
+    device = torch.device("cpu")
+    runner, pipeline, context = parallelize_for_run(module, layout, mesh, options, precision, device, patches)
+    optimizers = optimizers_of(module)
+    roots = data_parallel_roots(pipeline, runner)
+    wire_optimizers(optimizers, module, layout, mesh, pipeline, roots, precision, patches, None)
+    for root in roots:
+        _reduce_buckets_eagerly(root, layout, mesh)
+    recorder = _CollectiveRecorder(mesh_axes(mesh))
+    with recorder, _undone(patches):
+        loss = run_step(
+            runner, None, context, module, step_context(layout, options, "training_step"), "training_step",
+            ((ids, ids), 0), {},
+        )  # fmt: skip
+        loss = loss["loss"] if isinstance(loss, dict) else loss
+        with step_context(layout, options, "training_step"):
+            loss.backward()
+        finish_backward(roots)
+        for optimizer in optimizers:
+            optimizer.step()
+    return recorder.counted()
+
+
+@contextmanager
+def _undone(patches: Any) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+def _reduce_buckets_eagerly(root: nn.Module, layout: ParallelLayout, mesh: Any) -> None:
+    """DDP's built-in all-reduce reads its result from the work's future, which the fake process group leaves
+    empty: a root without a communication hook of its own gets one issuing the same all-reduce per bucket."""
+    from lightning_mgpu.layout import DP_AXIS
+
+    register = getattr(root, "register_comm_hook", None)
+    if register is None or getattr(root, "_lightning_mgpu_owner_reduce", None) is not None:
+        return  # FSDP2, or ZeRO-1's owner reduce (its futures are collected, not read)
+    group = mesh[DP_AXIS].get_group()
+
+    def all_reduce(state, bucket):  # type: ignore[no-untyped-def]  # untyped: DDP checks the hook's annotations
+        dist.all_reduce(bucket.buffer(), group=group)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    register(None, all_reduce)
+
+
+class _CollectiveRecorder(TorchDispatchMode):
+    """Every ``c10d``/``_c10d_functional`` op dispatched (not their waits), by mesh axis and kind."""
+
+    def __init__(self, axes: dict[str, str]) -> None:
+        super().__init__()
+        self.axes = axes
+        self.calls: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        namespace, _, rest = str(func).partition(".")
+        kind = rest.split(".")[0].strip("_")
+        if namespace in ("c10d", "_c10d_functional") and not kind.startswith(("wait", "wrap")):
+            entry = self.calls[self._axis(args)][kind]
+            entry[0] += 1
+            entry[1] += max((t.numel() * t.element_size() for t in _tensors(args)), default=0)
+        return func(*args, **(kwargs or {}))
+
+    def _axis(self, args: tuple) -> str:
+        for arg in args:
+            if isinstance(arg, str) and arg in self.axes:
+                return self.axes[arg]
+            if isinstance(arg, torch.ScriptObject):
+                try:
+                    name = dist.ProcessGroup.unbox(arg).group_name
+                except (RuntimeError, TypeError):
+                    continue
+                return self.axes.get(name, name)
+        return "?"
+
+    def counted(self) -> Collectives:
+        return {
+            axis: {kind: {"calls": calls, "bytes": size} for kind, (calls, size) in sorted(kinds.items())}
+            for axis, kinds in sorted(self.calls.items())
+        }
+
+
+def _tensors(args: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            found.append(arg)
+        elif isinstance(arg, (list, tuple)):
+            found += _tensors(arg)
+    return found
+
+
+def describe_collectives(collectives: Collectives) -> str:
+    """``tp all_reduce 18 (2.1 MiB), dp allgather_base 9 (...)``."""
+    parts = []
+    for axis, kinds in collectives.items():
+        for kind, entry in kinds.items():
+            parts.append(f"{axis} {kind} {entry['calls']} ({entry['bytes'] / 2**20:.1f} MiB)")
+    return ", ".join(parts) or "none"
