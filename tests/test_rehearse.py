@@ -28,6 +28,7 @@ from lightning_mgpu.planner.rehearse import (
     predicted_bytes,
     rehearse,
 )
+from lightning_mgpu.planner.rehearse_step import StepBatch
 from tests.helpers.batched import Run, fit_each, result
 from tests.helpers.modules import RandomTokenDataModule
 
@@ -211,3 +212,38 @@ def test_a_mixtral_8x7b_shape_with_expert_parallelism_at_64_ranks():
     experts = sum(p.numel() * 4 for n, p in whole.named_parameters() if ".experts." in n and ".layers.0." in n)
     expected = 16 * experts * (1 / 2 - 1 / 8)
     assert without.parameter_bytes - first_stage[0].parameter_bytes == pytest.approx(expected, rel=1e-3)
+
+
+def _stepped(layout: ParallelLayout, options: ParallelOptions | None = None) -> list:
+    build = functools.partial(LlamaLM, **_SMALL)
+    return rehearse(build, layout, options or ParallelOptions(), step_batch=StepBatch(2, 64, _SMALL["vocab_size"]))
+
+
+def test_one_rehearsed_step_counts_the_collectives_of_each_axis():
+    """One training step per rank under FakeTensorMode: the collectives per mesh axis are the analytic ones.
+
+    - tp (Megatron): per block, an all-reduce after attention and after the MLP forward and one for each of their
+      inputs' gradients backward; plus the vocabulary-parallel embedding's forward all-reduce and the head input's
+      gradient;
+    - ZeRO-3 (FSDP2, a unit per block and one for the rest): every unit gathered forward, the blocks again backward,
+      each unit's gradients reduce-scattered once: the scattered bytes are this tp rank's fp32 parameters (its
+      ZeRO shard x dp);
+    - DDP (ZeRO-0): the buckets' all-reduces carry every fp32 gradient once (and a few scalars: the first step's
+      unused-parameter decision);
+    - pipeline stages: not stepped, said so.
+    """
+    layers = _SMALL["num_hidden_layers"]
+    (sharded, _) = _stepped(ParallelLayout(2, 2, 1, 3))
+    counted = sharded.collectives
+    assert counted is not None, sharded.collectives_note
+    assert counted["tp"]["all_reduce"]["calls"] == 4 * layers + 2, counted
+    assert counted["dp"]["allgather_base"]["calls"] == 2 * layers + 1, counted
+    assert counted["dp"]["reduce_scatter_base"]["calls"] == layers + 1, counted
+    assert counted["dp"]["reduce_scatter_base"]["bytes"] == 2 * sharded.parameter_bytes, counted
+
+    (replicated,) = _stepped(ParallelLayout(8, 1, 1, 0))
+    buckets = replicated.collectives["dp"]["allreduce"]  # type: ignore[index]
+    assert 0 <= buckets["bytes"] - replicated.parameter_bytes < 1024, (buckets, replicated.parameter_bytes)
+
+    staged = _stepped(ParallelLayout(2, 1, 2, 1))
+    assert all(r.collectives is None and "pipeline stage" in r.collectives_note for r in staged), staged

@@ -28,7 +28,7 @@ from torch import nn
 
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.planner.rehearse_step import Collectives, count_step_collectives, describe_collectives
+from lightning_mgpu.planner.rehearse_step import Collectives, StepBatch, count_step_collectives, describe_collectives
 
 
 class RehearsalError(RuntimeError):
@@ -91,12 +91,12 @@ def rehearse(
     ranks: list[int] | None = None,
     workers: int | None = None,
     timeout: float = 1800.0,
-    step_batch: tuple[int, int, int] | None = None,
+    step_batch: StepBatch | None = None,
 ) -> list[RankReport]:
     """Play ``ranks`` (default: :func:`positions`) of a job of ``layout.world_size`` processes in ``workers`` forked
     processes (default: the CPU cores, at most 4). ``build`` makes the LightningModule (called on the meta device in
-    each worker, once per rank). ``step_batch`` ``(sequences, tokens, vocabulary)``: also count the collectives of
-    one training step on such a batch of token ids (``rehearse_step``). Raises :class:`RehearsalError` with the
+    each worker, once per rank). ``step_batch``: also count the collectives of one training step on such a batch of
+    token ids (``rehearse_step``). Raises :class:`RehearsalError` with the
     first failing rank's error."""
     ranks = positions(layout, options.expert_parallel_size) if ranks is None else ranks
     workers = max(1, min(workers or min(os.cpu_count() or 1, 4), len(ranks)))
@@ -141,7 +141,7 @@ def _worker(
     options: ParallelOptions,
     ranks: list[int],
     queue: Any,
-    step_batch: tuple[int, int, int] | None,
+    step_batch: StepBatch | None,
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -161,7 +161,7 @@ def rehearse_rank(
     layout: ParallelLayout,
     options: ParallelOptions,
     rank: int,
-    step_batch: tuple[int, int, int] | None = None,
+    step_batch: StepBatch | None = None,
 ) -> RankReport:
     """One rank of the job, in this process: fake process group, module on meta, the library's setup path (and,
     given ``step_batch``, one training step's collectives)."""
@@ -391,7 +391,9 @@ def run_rehearsal(args: Any, model: Any, cluster: Any, training: Any, fixed: dic
     try:
         _check_like_the_strategy(layout, options)
         micro = max(1, training.global_batch // layout.data_parallel_size)  # one step's sequences per rank
-        step_batch = (micro, model.seq_len, model.vocab)
+        # Activations in the planned precision's dtype (fp8 and fp16 runs move 16-bit activations as bf16 does).
+        precision = training.precision if training.precision in ("32-true", "bf16-mixed", "bf16-true") else "bf16-mixed"
+        step_batch = StepBatch(micro, model.seq_len, model.vocab, precision)
         reports = rehearse(_Builder(cls, kwargs), layout, options, step_batch=step_batch)
     except (ValueError, NotImplementedError, RehearsalError) as error:
         raise SystemExit(f"lightning-mgpu plan --rehearse: {layout.describe()} would fail: {error}") from None

@@ -13,9 +13,11 @@ the rank's bytes stand.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +31,18 @@ from lightning_mgpu.options import ParallelOptions
 # Per axis and collective kind: how many calls one step issues, and the bytes of their largest buffers.
 Collectives = dict[str, dict[str, dict[str, int]]]
 
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The micro-batch one rank's step takes: ``sequences`` x ``tokens`` ids below ``vocabulary``, at
+    ``precision`` (a mixed precision's autocast sets the activations' dtype, and with it the bytes moved)."""
+
+    sequences: int
+    tokens: int
+    vocabulary: int
+    precision: str = "32-true"
+
+
 _NOT_COUNTED_WITH_PIPELINE = (
     "not counted: a pipeline stage's first step exchanges tensor shapes with its neighbours' real processes"
 )
@@ -38,14 +52,14 @@ def count_step_collectives(
     build: Callable[[], nn.Module],
     layout: ParallelLayout,
     options: ParallelOptions,
-    batch_shape: tuple[int, int, int],
+    batch: StepBatch,
 ) -> tuple[Collectives | None, str]:
-    """``(collectives per axis, note)`` for one training step of this process's rank (its fake process group is
-    initialized). ``batch_shape``: ``(sequences, tokens, vocabulary)`` of this rank's micro-batch."""
+    """``(collectives per axis, note)`` for one training step of this process's rank on ``batch`` (its fake
+    process group is initialized)."""
     if layout.pipeline_parallel_size > 1:
         return None, _NOT_COUNTED_WITH_PIPELINE
     try:
-        return _step(build, layout, options, batch_shape), ""
+        return _step(build, layout, options, batch), ""
     except Exception as error:  # noqa: BLE001 - a step on data-free tensors may fail where the real one would not
         return None, f"not counted: one step on fake tensors failed ({type(error).__name__}: {error})"[:400]
 
@@ -54,9 +68,8 @@ def _step(
     build: Callable[[], nn.Module],
     layout: ParallelLayout,
     options: ParallelOptions,
-    batch_shape: tuple[int, int, int],
+    batch: StepBatch,
 ) -> Collectives:
-    from lightning.pytorch.plugins.precision import Precision
 
     from lightning_mgpu._compat.dtensor import forget_meshes
     from lightning_mgpu.monitor.timing import mesh_axes
@@ -70,11 +83,10 @@ def _step(
     forget_meshes()  # the bytes pass's mesh has this one's shape: its cached specs would name its groups
     mesh = layout.build_mesh("cpu", options.data_parallel_shard_size)  # real tensors: the mesh reads its ranks
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    sequences, tokens, vocabulary = batch_shape
     with fake:  # the parameters and the batch: shapes only; everything else runs as in the real job
         module = configured(build)
-        ids = torch.randint(0, vocabulary, (sequences, tokens))
-    precision = HybridPrecision.from_lightning(Precision(), "cpu")
+        ids = torch.randint(0, batch.vocabulary, (batch.sequences, batch.tokens))
+    precision = HybridPrecision(batch.precision, "cpu")
     patches = PatchLog()
     device = torch.device("cpu")
     runner, pipeline, context = parallelize_for_run(module, layout, mesh, options, precision, device, patches)
@@ -84,11 +96,13 @@ def _step(
     for root in roots:
         _reduce_buckets_eagerly(root, layout, mesh)
     recorder = _CollectiveRecorder(mesh_axes(mesh))
-    with recorder, _undone(patches):
-        loss = run_step(
-            runner, None, context, module, step_context(layout, options, "training_step"), "training_step",
-            ((ids, ids), 0), {},
-        )  # fmt: skip
+    with recorder, _undone(patches), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the bytes pass showed the module's warnings; `self.log` has no Trainer here
+        with precision.train_step_context():
+            loss = run_step(
+                runner, None, context, module, step_context(layout, options, "training_step"), "training_step",
+                ((ids, ids), 0), {},
+            )  # fmt: skip
         loss = loss["loss"] if isinstance(loss, dict) else loss
         with step_context(layout, options, "training_step"):
             loss.backward()
