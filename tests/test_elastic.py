@@ -1,11 +1,11 @@
 """Elastic restart (``examples/elastic/``): a node lost mid-epoch does not end the run.
 
 Two simulated nodes of 2 processes under torchrun's elastic agent (``--nnodes=1:2 --max-restarts=3``, c10d
-rendezvous on localhost) train the demo GPT at dp 4 with ZeRO-1 (or pp 2 x dp 2) with ``global_batch_size=16``
-(4 samples per data-parallel rank), checkpointing every 4 steps. One rank of node B stalls in step 6 (the others
+rendezvous on localhost) train the demo GPT at dp 4 with ZeRO-1 (or tp 2 x dp 2, pp 2 x dp 2) with
+``global_batch_size=16`` (4 samples per data-parallel rank), checkpointing every 4 steps. One rank of node B stalls in step 6 (the others
 wait for it in that step's collectives) and the test then SIGKILLs every process of node B (a node gone) or
 SIGSTOPs them (a node frozen: the heartbeat finds it). Node A's ranks fail, its agent restarts them on the one node
-left (dp 2, or pp 2 x dp 1; accumulation 2), they resume from ``last.ckpt`` (step 4), and the run finishes its 12
+left (dp 2, tp 2 x dp 1 or pp 2 x dp 1; accumulation 2), they resume from ``last.ckpt`` (step 4), and the run finishes its 12
 steps. The other direction keeps tp 2 while a joining node doubles dp. Every optimizer step is then compared with
 one uninterrupted process taking batches of 16: the same samples (ids of the rows) and the same loss (1e-5
 relative); no process of the job is left.
@@ -183,8 +183,12 @@ def _arguments(tmp_path: Path, layout: list[str]) -> list[str]:
 
 @pytest.mark.parametrize(
     ("layout", "dps", "loss"),
-    [([], (4, 2), signal.SIGKILL), (["--pp", "2", "--heartbeat-timeout", "5"], (2, 1), signal.SIGSTOP)],
-    ids=["dp4-zero1-to-dp2-killed", "pp2-dp2-to-pp2-dp1-frozen"],
+    [
+        ([], (4, 2), signal.SIGKILL),
+        (["--tp", "2"], (2, 1), signal.SIGKILL),
+        (["--pp", "2", "--heartbeat-timeout", "5"], (2, 1), signal.SIGSTOP),
+    ],
+    ids=["dp4-zero1-to-dp2-killed", "tp2-dp2-to-tp2-dp1-killed", "pp2-dp2-to-pp2-dp1-frozen"],
 )
 def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_and_losses(
     tmp_path, reference, layout, dps, loss

@@ -28,7 +28,14 @@ from torch import nn
 
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.planner.rehearse_step import Collectives, StepBatch, count_step_collectives, describe_collectives
+from lightning_mgpu.planner.rehearse_step import (
+    Collectives,
+    StepBatch,
+    configured,
+    count_step_collectives,
+    describe_collectives,
+    optimizers_of,
+)
 
 
 class RehearsalError(RuntimeError):
@@ -209,31 +216,6 @@ def rehearse_rank(
         return report
     finally:
         dist.destroy_process_group()
-
-
-def configured(build: Callable[[], nn.Module]) -> nn.Module:
-    """The module as the Trainer would set it up: built, then its ``configure_model`` hook called."""
-    module = build()
-    configure = getattr(module, "configure_model", None)
-    if callable(configure):
-        configure()
-    return module
-
-
-def optimizers_of(module: nn.Module) -> list[torch.optim.Optimizer]:
-    """The module's ``configure_optimizers`` answer as a list of optimizers (schedulers and dicts unpacked)."""
-    configure = getattr(module, "configure_optimizers", None)
-    found = configure() if callable(configure) else None
-    items = found if isinstance(found, (list, tuple)) else [found]
-    optimizers = []
-    for item in items:
-        if isinstance(item, dict):
-            item = item.get("optimizer")
-        if isinstance(item, (list, tuple)):
-            optimizers += [o for o in item if isinstance(o, torch.optim.Optimizer)]
-        elif isinstance(item, torch.optim.Optimizer):
-            optimizers.append(item)
-    return optimizers
 
 
 def _unique(parameters: Any) -> list[nn.Parameter]:

@@ -6,7 +6,8 @@ step runs through FSDP2, DTensor and DDP without memory or arithmetic), set up b
 under a dispatch mode that records every collective (eager ``c10d`` ops and the functional ones DTensor issues) with
 the process group it ran on. The fake process group returns at once.
 
-Pipeline stages are not stepped: the schedule's first step exchanges tensor shapes with the neighbouring stages'
+``configured`` and ``optimizers_of`` build the module and its optimizers as the Trainer would, for this pass and the
+bytes pass (``rehearse``). Pipeline stages are not stepped: the schedule's first step exchanges tensor shapes with the neighbouring stages'
 real processes. Nor is a step a model cannot take on data-free tensors (a branch on values): its note says why, and
 the rank's bytes stand.
 """
@@ -75,7 +76,6 @@ def _step(
     from lightning_mgpu.monitor.timing import mesh_axes
     from lightning_mgpu.parallel.data import finish_backward
     from lightning_mgpu.patches import PatchLog
-    from lightning_mgpu.planner.rehearse import configured, optimizers_of
     from lightning_mgpu.precision import HybridPrecision
     from lightning_mgpu.strategy.setup import data_parallel_roots, parallelize_for_run, wire_optimizers
     from lightning_mgpu.strategy.step import run_step, step_context
@@ -110,6 +110,31 @@ def _step(
         for optimizer in optimizers:
             optimizer.step()
     return recorder.counted()
+
+
+def configured(build: Callable[[], nn.Module]) -> nn.Module:
+    """The module as the Trainer would set it up: built, then its ``configure_model`` hook called."""
+    module = build()
+    configure = getattr(module, "configure_model", None)
+    if callable(configure):
+        configure()
+    return module
+
+
+def optimizers_of(module: nn.Module) -> list[torch.optim.Optimizer]:
+    """The module's ``configure_optimizers`` answer as a list of optimizers (schedulers and dicts unpacked)."""
+    configure = getattr(module, "configure_optimizers", None)
+    found = configure() if callable(configure) else None
+    items = found if isinstance(found, (list, tuple)) else [found]
+    optimizers = []
+    for item in items:
+        if isinstance(item, dict):
+            item = item.get("optimizer")
+        if isinstance(item, (list, tuple)):
+            optimizers += [o for o in item if isinstance(o, torch.optim.Optimizer)]
+        elif isinstance(item, torch.optim.Optimizer):
+            optimizers.append(item)
+    return optimizers
 
 
 @contextmanager
