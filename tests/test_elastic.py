@@ -2,13 +2,13 @@
 
 Two simulated nodes of 2 processes under torchrun's elastic agent (``--nnodes=1:2 --max-restarts=3``, c10d
 rendezvous on localhost) train the demo GPT at dp 4 with ZeRO-1 (or tp 2 x dp 2, pp 2 x dp 2) with
-``global_batch_size=16`` (4 samples per data-parallel rank), checkpointing every 4 steps. One rank of node B stalls in step 6 (the others
-wait for it in that step's collectives) and the test then SIGKILLs every process of node B (a node gone) or
-SIGSTOPs them (a node frozen: the heartbeat finds it). Node A's ranks fail, its agent restarts them on the one node
-left (dp 2, tp 2 x dp 1 or pp 2 x dp 1; accumulation 2), they resume from ``last.ckpt`` (step 4), and the run finishes its 12
-steps. The other direction keeps tp 2 while a joining node doubles dp. Every optimizer step is then compared with
-one uninterrupted process taking batches of 16: the same samples (ids of the rows) and the same loss (1e-5
-relative); no process of the job is left.
+``global_batch_size=16`` (4 samples per data-parallel rank), checkpointing every 4 steps. One rank of node B stalls
+in step 6 (the others wait for it in that step's collectives) and the test then SIGKILLs every process of node B (a
+node gone) or SIGSTOPs them (a node frozen: the heartbeat finds it). Node A's ranks fail, its agent restarts them
+on the one node left (dp 2, tp 2 x dp 1 or pp 2 x dp 1; accumulation 2), they resume from ``last.ckpt`` (step 4),
+and the run finishes its 12 steps. The other direction keeps tp 2 while a joining node doubles dp. Every optimizer
+step is then compared with one uninterrupted process taking batches of 16: the same samples (ids of the rows) and
+the same loss (1e-5 relative); no process of the job is left.
 """
 
 from __future__ import annotations

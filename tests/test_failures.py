@@ -155,7 +155,8 @@ def _assert_reported(run: Run, first_line: str, traceback_once: bool = True) -> 
     assert run.returncode != 0
     assert run.exit_after_failure_s < MAX_EXIT_S, f"ended {run.exit_after_failure_s:.1f} s after the failure"
     assert report and first_line in report[0], f"expected {first_line!r} first in:\n{context}"
-    # No survivor's gloo traceback; the failing rank's traceback once (when it raised).
+    # No survivor's gloo traceback (Lightning's SIGTERM notifier broadcasting inside the signal handler printed one
+    # when torchrun's SIGTERM met a dead rank: `quiet_sigterm_notifier`); the failing rank's traceback once.
     assert "Connection reset by peer" not in run.stderr and "Connection closed by peer" not in run.stderr, context
     assert run.stderr.count('raise ValueError("boom")') == (1 if traceback_once else 0), context
 

@@ -19,6 +19,8 @@ equivalent for most of them:
 - Trainer internals: ``LightningModule._trainer`` (``.trainer`` raises when detached), the fit loop's data source
   and data fetcher, the fetcher's profiler hooks (``_start_profiler``/``_stop_profiler``: where a batch waits for
   data), and ``trainer.call``'s hook dispatchers.
+- Signal internals (``quiet_sigterm_notifier``): the trainer's ``_signal_connector`` and the ``_HandlersCompose``
+  it registers for SIGTERM; its ``_sigterm_notifier_fn`` runs a ``dist.broadcast`` inside the signal handler.
 - Logging internals (``RepeatedLog``): the trainer's result collection (``trainer._results``: ``update_metrics``,
   ``_extract_batch_size``), the logger connector's ``should_reset_tensors``/``_current_fx`` and the module's
   ``_current_fx_name``, to repeat a ``self.log`` call without rebuilding what the first call registered.
@@ -246,3 +248,42 @@ def _attribute(owner: Any, name: str, where: str) -> Any:
     if name not in vars(owner) and not hasattr(type(owner), name):
         raise AttributeError(changed(f"{where}.{name}", "lightning", "the attribute is gone"))
     return getattr(owner, name)
+
+
+def quiet_sigterm_notifier(trainer: Any) -> Callable[[], None] | None:
+    """Lightning's SIGTERM notifier of this run without its broadcast; returns the undo (None: nothing to change).
+
+    Lightning's notifier broadcasts from rank 0 inside the signal handler so that every rank learns of a SIGTERM.
+    Where every rank is signalled at once (torchrun, SLURM) that is not needed, and where a rank has died (torchrun
+    signals the others because one failed) the broadcast meets the dead rank: gloo's error is raised from inside
+    the handler, wherever the rank was, and the rank may end without saying why. The replacement does the rest of
+    what the notifier does: the launcher's children killed, ``received_sigterm`` set (the loop then stops).
+    """
+    import signal
+    import threading
+
+    connector = _attribute(trainer, "_signal_connector", "Trainer")
+    composed = signal.getsignal(signal.SIGTERM)
+    handlers = getattr(composed, "signal_handlers", None)
+    notifier = _attribute(type(connector), "_sigterm_notifier_fn", "_SignalConnector")
+    if not isinstance(handlers, list) or threading.current_thread() is not threading.main_thread():
+        return None
+    found = [i for i, h in enumerate(handlers) if getattr(h, "__func__", None) is notifier]
+    if not found:
+        return None
+
+    def notify(signum: int, frame: Any) -> None:
+        if not connector.received_sigterm:
+            launcher = trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)
+        connector.received_sigterm = True
+
+    original = handlers[found[0]]
+    handlers[found[0]] = notify
+
+    def undo() -> None:
+        if notify in handlers:
+            handlers[handlers.index(notify)] = original
+
+    return undo

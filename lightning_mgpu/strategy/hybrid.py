@@ -34,6 +34,7 @@ from lightning_mgpu._compat.lightning import (
     layer_sync,
     materialize_distributed_module,
     optimizers_to_device,
+    quiet_sigterm_notifier,
     reset_optimizers_and_schedulers,
     set_device_mesh,
 )
@@ -457,10 +458,15 @@ class HybridStrategy(StrategyHooks, StepHooks, CheckpointHooks, DataParallelColl
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
         if self.options.global_batch_size is not None:
-            assert self.lightning_module is not None
-            trainer = self.lightning_module.trainer
             keep_global_batch(trainer, self.options.global_batch_size, self.layout.data_parallel_size)
+        assert self.cluster_environment is not None
+        if self.world_size > 1 and self.cluster_environment.creates_processes_externally:
+            undo = quiet_sigterm_notifier(trainer)  # torchrun/SLURM signal every rank: no broadcast in the handler
+            if undo is not None:
+                self._patches.add(undo)
 
     @override
     def on_train_end(self) -> None:

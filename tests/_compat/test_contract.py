@@ -437,6 +437,31 @@ class _Tiny(L.LightningModule):
         return torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=2)
 
 
+def test_sigterm_notifier_without_its_broadcast():
+    import signal
+
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    connector = trainer._signal_connector
+    before = signal.getsignal(signal.SIGTERM)
+    connector.register_signal_handlers()
+    try:
+        handlers = signal.getsignal(signal.SIGTERM).signal_handlers
+        undo = lc.quiet_sigterm_notifier(trainer)
+        _expect(undo is not None, "_SignalConnector._sigterm_notifier_fn", "lightning", "not among the handlers")
+        replaced = [h for h in handlers if getattr(h, "__func__", None) is type(connector)._sigterm_notifier_fn]
+        _expect(not replaced, "_HandlersCompose.signal_handlers", "lightning", "the notifier is still called")
+        handlers[0](signal.SIGTERM, None)  # no process group: what is left of the notifier runs alone
+        _expect(connector.received_sigterm, "_SignalConnector.received_sigterm", "lightning", "not set")
+        undo()
+        restored = [h for h in handlers if getattr(h, "__func__", None) is type(connector)._sigterm_notifier_fn]
+        _expect(len(restored) == 1, "_HandlersCompose.signal_handlers", "lightning", "not put back")
+    finally:
+        connector.teardown()
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_lightning_internals(tmp_path):
     for cls, hooks in (
         (lc.SubprocessScriptLauncher, ("_call_children_scripts",)),
