@@ -112,11 +112,6 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     except ValueError as error:
         raise SystemExit(f"lightning-mgpu plan: error: {error}") from None
-    if "ep" in fixed and not args.rehearse:
-        raise SystemExit(
-            "lightning-mgpu plan: error: --fix ep= is read by --rehearse only (the cost model has no expert"
-            " parallelism yet); add --rehearse, or remove ep."
-        )
     if args.rehearse:
         return run_rehearsal(args, model, cluster, training, fixed)
     efficiency = Efficiency()

@@ -74,6 +74,12 @@ class Layout:
     dp_shard: int | None = None  # HSDP: ZeRO shards over groups of this many dp ranks (None: all of dp)
     cp: int = 1  # context parallelism: each sequence split over this many ranks
     cp_mode: str = "ring"
+    ep: int = 1  # expert parallelism: the routed experts split over groups of this many dp ranks
+
+    @property
+    def expert_replicas(self) -> int:
+        """The dp ranks holding the same experts under expert parallelism (``dp / ep``)."""
+        return self.dp // self.ep
 
     @property
     def gpus(self) -> int:
@@ -101,6 +107,8 @@ class Layout:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}"]
         if self.cp > 1:
             parts.insert(3, f"cp={self.cp}" + ("" if self.cp_mode == "ring" else f"({self.cp_mode})"))
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         if self.shard != self.gradient_ranks:
             parts.append(f"hsdp={self.shard}")
         if self.pp > 1:
@@ -178,18 +186,30 @@ def bubble_fraction(layout: Layout) -> float:
     return pipeline.bubble_fraction(layout.pp, layout.num_microbatches, layout.stages_per_rank)
 
 
-def local_params(model: ModelSpec, layout: Layout) -> dict[str, float]:
-    """Parameters one GPU holds before ZeRO, per pipeline stage kind (``first``/``last``, or ``only`` at pp=1).
+def block_params(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """One block's parameters on one GPU before ZeRO: ``(dense, routed experts)``.
 
-    Tensor parallelism shards the blocks' matmul weights; norms and row-wise biases stay whole. The token
-    embedding and the head are sharded over the vocabulary with sequence parallelism (as this library's plans do;
-    without it they stay replicated), or always where the model's own plan does (``ModelSpec.vocab_parallel``:
-    Hugging Face models with an untied head).
+    Tensor parallelism shards the matmul weights (norms, routers and row-wise biases stay whole). Routed experts
+    are split by expert over ``ep`` (whole on every tensor-parallel rank: the tensor plan leaves them out), or, at
+    ``ep`` 1, by tensor parallelism as the rest.
+    """
+    t = layout.tp
+    dense = model.params_per_layer - model.expert_params
+    split = min(model.dense_matmul_params_per_layer, dense)
+    return split / t + (dense - split), model.expert_params / (layout.ep if layout.ep > 1 else t)
+
+
+def stage_params(model: ModelSpec, layout: Layout) -> dict[str, tuple[float, float]]:
+    """Parameters one GPU holds before ZeRO, ``(dense, routed experts)``, per pipeline stage kind: ``only`` at
+    pp=1; ``first``, ``last`` and (pp > 2) ``middle`` with a pipeline.
+
+    The token embedding and the head are sharded over the vocabulary with sequence parallelism (as this library's
+    plans do; without it they stay replicated), or always where the model's own plan does
+    (``ModelSpec.vocab_parallel``: Hugging Face models with an untied head).
     """
     t = layout.tp
     vocab_t = t if layout.sequence_parallel or model.vocab_parallel else 1
-    matmul = min(model.matmul_params_per_layer, model.params_per_layer)
-    block = matmul / t + (model.params_per_layer - matmul)
+    dense, experts = block_params(model, layout)
     token = model.vocab * model.hidden
     first = min(token, model.first_stage_params) / vocab_t + max(0, model.first_stage_params - token)
     if model.tied_embeddings:  # the head is the embedding: a second copy only on a separate last stage
@@ -197,24 +217,72 @@ def local_params(model: ModelSpec, layout: Layout) -> dict[str, float]:
     else:
         head, copy = min(token, model.last_stage_params), 0
     last = (head + copy) / vocab_t + (model.last_stage_params - head)
-    layers = math.ceil(model.layers / layout.pp)
     if layout.pp == 1:
-        return {"only": model.layers * block + first + last}
-    return {"first": layers * block + first, "last": layers * block + last}
+        return {"only": (model.layers * dense + first + last, model.layers * experts)}
+    layers = math.ceil(model.layers / layout.pp)
+    stages = {"first": (layers * dense + first, layers * experts), "last": (layers * dense + last, layers * experts)}
+    if layout.pp > 2:
+        stages["middle"] = (layers * dense, layers * experts)
+    return stages
+
+
+def local_params(model: ModelSpec, layout: Layout) -> dict[str, float]:
+    """Parameters one GPU holds before ZeRO, per pipeline stage kind (see :func:`stage_params`)."""
+    return {stage: dense + experts for stage, (dense, experts) in stage_params(model, layout).items()}
+
+
+STATE_KINDS = ("parameter_bytes", "gradient_bytes", "optimizer_bytes")
+
+
+def state_bytes(model: ModelSpec, training: Training, layout: Layout) -> dict[str, dict[str, float]]:
+    """Parameter, gradient and optimizer-state bytes on the fullest GPU, per pipeline stage kind, after ZeRO.
+
+    ZeRO-1 shards optimizer states, ZeRO-2 (FSDP2 here) and 3 parameters and gradients too, over ``layout.shard``
+    ranks. Routed experts under expert parallelism are sharded over their ``dp / ep`` replicas at every stage
+    (their own FSDP2 wrap), except at ZeRO 0-1 under a pipeline, where they are replicated.
+    """
+    p_bytes, g_bytes, o_bytes, _ = PRECISIONS[training.precision]
+    zero, shard = layout.zero_stage, layout.shard
+    if layout.ep > 1:
+        expert_ranks = 1 if layout.pp > 1 and zero <= 1 else layout.expert_replicas
+        expert_states = expert_optimizer = _expert_share(model, layout, expert_ranks)
+    else:
+        expert_states = _expert_share(model, layout, shard) if zero >= 2 else 1.0
+        expert_optimizer = expert_states if zero >= 2 else 1 / shard if zero == 1 else 1.0
+    result = {}
+    for stage, (dense, experts) in stage_params(model, layout).items():
+        sharded = dense / (shard if zero >= 2 else 1) + experts * expert_states
+        result[stage] = {
+            "parameter_bytes": sharded * p_bytes,
+            "gradient_bytes": sharded * g_bytes,
+            "optimizer_bytes": (dense / (shard if zero >= 1 else 1) + experts * expert_optimizer) * o_bytes,
+        }
+    return result
+
+
+def _expert_share(model: ModelSpec, layout: Layout, ranks: int) -> float:
+    """The share of a GPU's routed-expert weights that the fullest of ``ranks`` FSDP2 shards holds. FSDP2 splits a
+    weight's first dimension in chunks of ``ceil(rows / ranks)``; a fused ``[experts, ...]`` weight is split by
+    whole experts, so 1 expert over 4 replicas stays whole on the first (and the others hold none)."""
+    if ranks <= 1:
+        return 1.0
+    if not model.fused_experts or not model.experts:
+        return 1 / ranks
+    rows = max(1, model.experts // layout.ep)
+    return math.ceil(rows / ranks) / rows
 
 
 def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout) -> dict[str, float]:
     """Bytes per GPU on the fullest pipeline stage (the first or the last), by kind."""
-    p_bytes, g_bytes, o_bytes, a_bytes = PRECISIONS[training.precision]
+    p_bytes, g_bytes, _, a_bytes = PRECISIONS[training.precision]
     t, d, z = layout.tp, layout.shard, layout.zero_stage  # ZeRO divides by the ranks it shards over
     layers = math.ceil(model.layers / layout.pp)
     s, b, h = model.seq_len // layout.cp, layout.microbatch_size, model.hidden
     per_layer = activation_bytes_per_layer(model, training, layout, layout.checkpointing)
     worst: dict[str, float] = {}
+    states = state_bytes(model, training, layout)
     for stage, local in local_params(model, layout).items():
-        params = local * p_bytes / (d if z >= 2 else 1)  # ZeRO-2 here is FSDP2: parameters sharded between steps
-        grads = local * g_bytes / (d if z >= 2 else 1)
-        optimizer = local * o_bytes / (d if z >= 1 else 1)
+        params, grads, optimizer = (states[stage][kind] for kind in STATE_KINDS)
         inflight = in_flight(layout) if stage != "last" else 1.0
         activations = per_layer * layers * inflight
         if stage in ("first", "only"):
@@ -281,14 +349,16 @@ def step_time(
     zero3 = zero3_root = 0.0
     collective = eff.latency_s + eff.shard_collective_s  # one FSDP2 all-gather or reduce-scatter, data aside
     if layout.zero_stage == 3 and d > 1:
-        block_bytes = model.params_per_layer / t
+        block_bytes = sum(block_params(model, layout))
         zero3 = (2 * block_bytes * p_bytes + block_bytes * g_bytes) * (k - 1) / k / (shard_bw * GB * eff.comm)
         zero3 += 3 * collective  # two gathers and one reduce-scatter per block
         zero3 += _ring(r, block_bytes * g_bytes / k, replica_bw, eff) + (collective if r > 1 else 0.0)
         zero3 = max(zero3 - eff.dp_overlap * block_compute, (1 - eff.dp_overlap) * zero3)
         zero3_root = 3 * collective * (1 - eff.dp_overlap)  # the root's wrap: embedding, head, final norm
     block_cp = context_parallel_time(model, cluster, training, layout, eff, block_compute)
-    stage = layers * (block_compute + block_tp + block_cp + zero3) + head + zero3_root  # the last stage: runs the head
+    block_ep = expert_parallel_time(model, cluster, training, layout, eff)
+    # The last stage: it runs the head.
+    stage = layers * (block_compute + block_tp + block_cp + block_ep + zero3) + head + zero3_root
     p2p = 0.0
     if p > 1:
         pp_bw = _bandwidth(t * d, p, cluster)
@@ -331,6 +401,7 @@ def step_time(
         "compute": compute_only,
         "tensor_parallel": m * layers * block_tp,
         "context_parallel": m * layers * block_cp,
+        "expert_parallel": m * layers * block_ep,
         "zero3_gather": m * (layers * zero3 + zero3_root),
         "pipeline_p2p": (m + (p - 1) / v) * p2p,
         "bubble": pipeline - m * per_microbatch,
@@ -340,6 +411,28 @@ def step_time(
     }
     # Processes beyond the cores share them (CPU): every part of the step, collectives included, runs that much slower.
     return {kind: seconds * cluster.contention for kind, seconds in times.items()}
+
+
+def expert_parallel_bytes(model: ModelSpec, training: Training, layout: Layout) -> float:
+    """Bytes one rank sends per MoE block and microbatch for expert parallelism: each of its tokens' routed copies
+    (``experts_per_token``) goes to the rank holding the expert and back, forward and backward (four all-to-alls),
+    ``(ep - 1) / ep`` of them off the rank (balanced routing)."""
+    if layout.ep == 1 or not model.expert_params:
+        return 0.0
+    tokens = model.seq_len // layout.cp * layout.microbatch_size
+    copies = tokens * (model.experts_per_token or 1) * model.hidden * PRECISIONS[training.precision][3]
+    return 4 * copies * (layout.ep - 1) / layout.ep
+
+
+def expert_parallel_time(
+    model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout, eff: Efficiency
+) -> float:
+    """Seconds of one MoE block's all-to-alls (one microbatch), not hidden: the experts wait for their tokens.
+    An ``ep`` group is ``ep`` consecutive data-parallel ranks, ``tp`` ranks apart."""
+    sent = expert_parallel_bytes(model, training, layout)
+    if not sent:
+        return 0.0
+    return sent / (_bandwidth(layout.tp, layout.ep, cluster) * GB * eff.comm) + 4 * eff.latency_s
 
 
 def context_parallel_bytes(

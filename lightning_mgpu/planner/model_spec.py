@@ -21,6 +21,8 @@ class ModelSpec:
     Parameter counts default to the usual formulas; :func:`spec_from_module` fills them from a real module.
     ``block_params`` counts one block; ``embed_params`` what lives on the first pipeline stage besides blocks;
     ``head_params`` what lives on the last (final norm and an untied head; a tied head is the embedding).
+    Mixture-of-experts blocks: ``expert_params`` counts one block's routed experts (all ``experts`` of them, inside
+    ``block_params``), of which ``experts_per_token`` run per token.
     """
 
     layers: int
@@ -39,6 +41,10 @@ class ModelSpec:
     # The library's tensor plan shards the token embedding and the head over the vocabulary even without sequence
     # parallelism: Hugging Face models' own plans do (an untied head); this library's plans only with it.
     vocab_parallel: bool = False
+    experts: int = 0
+    experts_per_token: int | None = None
+    expert_params: int = 0
+    fused_experts: bool = False  # one [experts, ...] weight per projection (Hugging Face), not a list of modules
     name: str = "model"
     notes: tuple[str, ...] = field(default=(), compare=False)
 
@@ -65,10 +71,24 @@ class ModelSpec:
         return self.num_kv_heads * (self.hidden // self.heads)
 
     @property
-    def matmul_params_per_layer(self) -> int:
-        """Weights that take part in a matrix multiply (q, k, v, o and the MLP); norms and biases left out."""
+    def attention_params_per_layer(self) -> int:
         h = self.hidden
-        return 2 * h * h + 2 * h * self.kv_dim + (3 if self.gated_mlp else 2) * h * self.ffn
+        return 2 * h * h + 2 * h * self.kv_dim
+
+    @property
+    def dense_matmul_params_per_layer(self) -> int:
+        """The weights tensor parallelism splits outside the routed experts: q, k, v, o, and a dense block's MLP."""
+        mlp = 0 if self.expert_params else (3 if self.gated_mlp else 2) * self.hidden * self.ffn
+        return self.attention_params_per_layer + mlp
+
+    @property
+    def matmul_params_per_layer(self) -> int:
+        """Weights one token multiplies with (q, k, v, o and the MLP, or the experts it is routed to); norms, biases
+        and routers left out."""
+        if self.expert_params and self.experts:
+            one_expert = self.expert_params / self.experts
+            return self.attention_params_per_layer + round((self.experts_per_token or 1) * one_expert)
+        return self.dense_matmul_params_per_layer
 
     @property
     def params_per_layer(self) -> int:
@@ -118,6 +138,7 @@ _FIELDS = {
     "ffn_hidden": ("intermediate_size", "ffn_hidden_size", "intermediate_dim", "n_inner"),
     "vocab": ("vocab_size", "padded_vocab_size", "n_vocab"),
     "seq_len": ("max_position_embeddings", "block_size", "n_positions", "max_seq_len", "seq_len"),
+    "experts_per_token": ("num_experts_per_tok", "moe_top_k", "top_k", "n_activated_experts"),
 }
 
 
@@ -183,6 +204,7 @@ def spec_from_module(module: nn.Module, seq_len: int | None = None, **overrides:
         flags = " ".join(f"--{k.replace('_', '-')} N" for k in missing)
         raise ValueError(f"Could not read {', '.join(missing)} from {type(module).__name__}: pass {flags}.")
     block_params = sum(p.numel() for p in block_at(blocks, 0).parameters())
+    values |= _routed_experts(blocks, len(blocks))
     in_blocks = {id(p) for p in blocks.parameters()}
     embed_ids = {id(p) for m in embeddings for p in m.parameters()}
     seen: set[int] = set()
@@ -210,6 +232,24 @@ def spec_from_module(module: nn.Module, seq_len: int | None = None, **overrides:
         notes=notes,
         **values,
     )
+
+
+def _routed_experts(blocks: nn.Module, layers: int) -> dict[str, Any]:
+    """``experts`` and ``expert_params`` (one block's routed experts, averaged over the blocks: some models keep
+    dense blocks between MoE ones), as the expert-parallel split finds them; nothing for a dense model."""
+    from lightning_mgpu.parallel.experts import find_expert_lists, find_experts
+
+    fused = list(find_experts(blocks).values())
+    lists = [experts for _, experts in find_expert_lists(blocks).values()]
+    if not fused and not lists:
+        return {}
+    counts = [int(getattr(m, "num_experts", 0)) for m in fused] + [len(experts) for experts in lists]
+    params = {id(p): p.numel() for m in [*fused, *lists] for p in m.parameters()}
+    return {
+        "experts": max(counts),
+        "expert_params": round(sum(params.values()) / layers),
+        "fused_experts": bool(fused),
+    }
 
 
 def spec_from_path(path: str, init_args: str | None = None, **overrides: Any) -> ModelSpec:

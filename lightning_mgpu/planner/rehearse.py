@@ -14,7 +14,7 @@ ones) and optimizer states, and the blocks its pipeline stage holds.
 
 from __future__ import annotations
 
-import math
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -28,6 +28,9 @@ from torch import nn
 
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.planner.cluster import ClusterSpec
+from lightning_mgpu.planner.cost import STATE_KINDS, Layout, Training, state_bytes
+from lightning_mgpu.planner.model_spec import ModelSpec, build_on_meta, load_class
 from lightning_mgpu.planner.rehearse_step import (
     Collectives,
     StepBatch,
@@ -152,6 +155,11 @@ def _worker(
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    # A pipeline cut copies the modules of other stages, meshes included; on the fake group the copy cannot look up
+    # the process groups by name, and torch warns (for torch.compile's sake) once per mesh and rank.
+    logging.getLogger("torch.distributed.device_mesh").addFilter(
+        lambda record: "pickling/unpickling of the DeviceMesh" not in record.getMessage()
+    )
     for rank in ranks:
         try:
             queue.put(("report", rehearse_rank(build, layout, options, rank, step_batch)))
@@ -265,27 +273,10 @@ def _named_blocks(module: nn.Module, names: list[str]) -> list[tuple[str, nn.Mod
 
 
 # ------------------------------------------------------------------------------------------ beside the planner
-def predicted_bytes(model: Any, training: Any, layout: Any) -> dict[str, dict[str, float]]:
+def predicted_bytes(model: ModelSpec, training: Training, layout: Layout) -> dict[str, dict[str, float]]:
     """The planner's parameter, gradient and optimizer bytes per rank for each kind of pipeline stage (``only``
-    without a pipeline; ``first``, ``middle``, ``last`` with one), from the cost model's own formulas."""
-    from lightning_mgpu.planner.cost import PRECISIONS, local_params
-
-    p_bytes, g_bytes, o_bytes, _ = PRECISIONS[training.precision]
-    shard, zero = layout.shard, layout.zero_stage
-    t = layout.tp
-    matmul = min(model.matmul_params_per_layer, model.params_per_layer)
-    block = matmul / t + (model.params_per_layer - matmul)
-    stages = dict(local_params(model, layout))
-    if layout.pp > 2:
-        stages["middle"] = math.ceil(model.layers / layout.pp) * block
-    return {
-        kind: {
-            "parameter_bytes": local * p_bytes / (shard if zero >= 2 else 1),
-            "gradient_bytes": local * g_bytes / (shard if zero >= 2 else 1),
-            "optimizer_bytes": local * o_bytes / (shard if zero >= 1 else 1),
-        }
-        for kind, local in stages.items()
-    }
+    without a pipeline; ``first``, ``middle``, ``last`` with one): the cost model's own formulas."""
+    return state_bytes(model, training, layout)
 
 
 def stage_kind(pp_coordinate: int, pp: int) -> str:
@@ -294,18 +285,16 @@ def stage_kind(pp_coordinate: int, pp: int) -> str:
     return "first" if pp_coordinate == 0 else "last" if pp_coordinate == pp - 1 else "middle"
 
 
-KINDS = ("parameter_bytes", "gradient_bytes", "optimizer_bytes")
-
-
 def beside_the_planner(reports: list[RankReport], predicted: dict[str, dict[str, float]], pp: int) -> list[dict]:
     """Each rank's report as a dict, with the planner's prediction for its stage and the relative difference."""
     rows = []
     for report in reports:
         row = report.as_dict()
         expected = predicted[stage_kind(report.coordinate.get("pp", 0), pp)]
-        row["predicted"] = {kind: expected[kind] for kind in KINDS}
+        row["predicted"] = {kind: expected[kind] for kind in STATE_KINDS}
         row["difference"] = {
-            kind: (getattr(report, kind) - expected[kind]) / expected[kind] if expected[kind] else 0.0 for kind in KINDS
+            kind: (getattr(report, kind) - expected[kind]) / expected[kind] if expected[kind] else 0.0
+            for kind in STATE_KINDS
         }
         rows.append(row)
     return rows
@@ -323,7 +312,7 @@ def format_rehearsal(rows: list[dict], describe: str, seconds: float) -> str:
     ]
     for row in rows:
         coordinate = " ".join(f"{row[axis]:>3}" for axis in axes)
-        difference = "/".join(f"{row['difference'][kind]:+.1%}" for kind in KINDS)
+        difference = "/".join(f"{row['difference'][kind]:+.1%}" for kind in STATE_KINDS)
         layers = row["layers"]
         blocks = f"{layers[0]} .. {layers[-1]} ({len(layers)})" if layers else "-"
         lines.append(
@@ -333,6 +322,10 @@ def format_rehearsal(rows: list[dict], describe: str, seconds: float) -> str:
     stepped = [row for row in rows if row.get("collectives") is not None or row.get("collectives_note")]
     if stepped:
         lines += ["", "collectives of one training step, by mesh axis (calls, bytes of their largest buffers):"]
+        notes = {row["collectives_note"] for row in stepped if row["collectives"] is None}
+        if len(notes) == 1 and all(row["collectives"] is None for row in stepped):
+            lines.append(f"  every rank: {notes.pop()}")  # one reason, said once
+            return "\n".join(lines)
         for row in stepped:
             coordinate = ", ".join(f"{axis} {row[axis]}" for axis in axes)
             counted = row["collectives"]
@@ -342,12 +335,11 @@ def format_rehearsal(rows: list[dict], describe: str, seconds: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- command
-def run_rehearsal(args: Any, model: Any, cluster: Any, training: Any, fixed: dict[str, object]) -> int:
+def run_rehearsal(
+    args: Any, model: ModelSpec, cluster: ClusterSpec, training: Training, fixed: dict[str, object]
+) -> int:
     """``lightning-mgpu plan --module ... --fix tp=,pp=,zero= --rehearse [--json]`` (see ``planner/command.py``)."""
     import json
-
-    from lightning_mgpu.planner.cost import Layout
-    from lightning_mgpu.planner.model_spec import build_on_meta, load_class
 
     if not args.module:
         raise SystemExit("lightning-mgpu plan: error: --rehearse plays the real module: give --module pkg.mod:Class.")
@@ -381,7 +373,7 @@ def run_rehearsal(args: Any, model: Any, cluster: Any, training: Any, fixed: dic
         raise SystemExit(f"lightning-mgpu plan --rehearse: {layout.describe()} would fail: {error}") from None
     seconds = time.perf_counter() - start
     planner_layout = Layout(
-        tp=sizes["tp"], pp=sizes["pp"], dp=layout.data_parallel_size, zero_stage=zero, cp=sizes["cp"],
+        tp=sizes["tp"], pp=sizes["pp"], dp=layout.data_parallel_size, zero_stage=zero, cp=sizes["cp"], ep=sizes["ep"],
         sequence_parallel=options.sequence_parallel, dp_shard=options.data_parallel_shard_size,
     )  # fmt: skip
     rows = beside_the_planner(reports, predicted_bytes(model, training, planner_layout), sizes["pp"])

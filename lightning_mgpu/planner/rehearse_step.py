@@ -49,6 +49,10 @@ _NOT_COUNTED_WITH_PIPELINE = (
 )
 
 
+# FakeTensorMode's errors for an output whose shape depends on values (torch._subclasses.fake_tensor), by name.
+_DATA_DEPENDENT = ("DynamicOutputShapeException", "DataDependentOutputException")
+
+
 def count_step_collectives(
     build: Callable[[], nn.Module],
     layout: ParallelLayout,
@@ -62,6 +66,11 @@ def count_step_collectives(
     try:
         return _step(build, layout, options, batch), ""
     except Exception as error:  # noqa: BLE001 - a step on data-free tensors may fail where the real one would not
+        if type(error).__name__ in _DATA_DEPENDENT:
+            return None, (
+                f"not counted: {error} makes a shape from the data (expert routing's token counts, ...), which a step"
+                " on fake tensors cannot run"
+            )
         return None, f"not counted: one step on fake tensors failed ({type(error).__name__}: {error})"[:400]
 
 

@@ -27,7 +27,7 @@ _FIX_KEYS = {
     "dp_shard": int,
     "cp": int,
     "cp_mode": str,
-    "ep": int,  # read by --rehearse (the cost model has no expert parallelism)
+    "ep": int,
 }
 _ALIASES = {
     "zero": "zero_stage",
@@ -82,7 +82,7 @@ def parse_fix(text: str | None) -> dict[str, object]:
 
 
 def _structural_problem(
-    model: ModelSpec, cluster: ClusterSpec, training: Training, tp: int, pp: int, dp: int, cp: int = 1
+    model: ModelSpec, cluster: ClusterSpec, training: Training, tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1
 ) -> str | None:
     if model.heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
         return f"tp={tp} does not divide the {model.heads} attention heads ({model.num_kv_heads} key/value heads)"
@@ -92,6 +92,25 @@ def _structural_problem(
         return f"pp={pp} exceeds the {model.layers} layers"
     if training.global_batch % dp:
         return f"dp={dp} does not divide the global batch {training.global_batch}"
+    return _expert_problem(model, dp, ep, cp)
+
+
+def _fixed_ep(fixed: dict[str, object]) -> int:
+    """Expert parallelism is planned where it is asked for (``--fix ep=``), never searched."""
+    ep = fixed.get("ep", 1)
+    return ep if isinstance(ep, int) else 1
+
+
+def _expert_problem(model: ModelSpec, dp: int, ep: int, cp: int) -> str | None:
+    """What the library refuses about expert parallelism (``parallel.experts.check_expert_layout``, cp's checks)."""
+    if ep == 1:
+        return None
+    if not model.experts:
+        return f"ep={ep}: {model.name} has no routed experts to split"
+    if dp % ep or model.experts % ep:
+        return f"ep={ep} must divide dp={dp} and the {model.experts} experts"
+    if cp > 1:
+        return f"ep={ep} runs without context parallelism (cp={cp})"
     return None
 
 
@@ -117,9 +136,9 @@ def candidates(
                 dp = n // (tp * pp * cp)
                 if "dp" in fixed and dp != fixed["dp"]:
                     continue
-                problem = _structural_problem(model, cluster, training, tp, pp, dp, cp)
+                problem = _structural_problem(model, cluster, training, tp, pp, dp, cp, _fixed_ep(fixed))
                 if problem:
-                    if fixed.keys() & {"tp", "pp", "dp", "cp"}:
+                    if fixed.keys() & {"tp", "pp", "dp", "cp", "ep"}:
                         yield problem
                     continue
                 for layout in _variants(model, training, tp, pp, dp, fixed, cluster.gpus_per_node):
@@ -134,7 +153,7 @@ def _context_sizes(model: ModelSpec, gpus: int, fixed: dict[str, object]) -> lis
     GPUs (activation memory falls by cp, the ring's traffic hides behind attention)."""
     if "cp" in fixed:
         return [int(fixed["cp"])]  # type: ignore[call-overload]
-    if model.seq_len < LONG_SEQUENCE:
+    if model.seq_len < LONG_SEQUENCE or _fixed_ep(fixed) > 1:
         return [1]
     return [cp for cp in (1, 2, 4, 8, 16) if gpus % cp == 0]
 
@@ -151,6 +170,11 @@ def _variants(
     mbs_fixed = fixed.get("microbatch_size")
     if isinstance(mbs_fixed, int) and per_rank % mbs_fixed:
         yield f"mbs={mbs_fixed} does not divide the {per_rank} sequences per data-parallel rank at dp={dp}"
+        return
+    ep = _fixed_ep(fixed)
+    sequence_parallel = bool(fixed.get("sequence_parallel", tp > 1 and ep == 1))
+    if sequence_parallel and ep > 1:
+        yield f"ep={ep} runs without sequence parallelism (sp=1): the library refuses the two together"
         return
     for mbs in divisors(per_rank):
         if mbs > 64 or fixed.get("microbatch_size", mbs) != mbs:
@@ -182,14 +206,17 @@ def _variants(
                             microbatch_size=mbs,
                             num_microbatches=m,
                             checkpointing=ckpt,
-                            sequence_parallel=bool(fixed.get("sequence_parallel", tp > 1)),
+                            sequence_parallel=sequence_parallel,
                             dp_shard=shard,
+                            ep=ep,
                         )
 
 
 def _shard_sizes(dp: int, tp: int, zero: int, gpus_per_node: int, fixed: dict[str, object]) -> list[int | None]:
     """ZeRO over all of dp (None) and, where dp leaves a node at ZeRO 2-3, hybrid sharding inside each node (HSDP:
     the shard groups' collectives on the node's links, only the shards' all-reduce across nodes)."""
+    if _fixed_ep(fixed) > 1:
+        return [None]  # expert parallelism already splits dp in two (the library refuses HSDP beside it)
     if "dp_shard" in fixed:
         shard = int(fixed["dp_shard"])  # type: ignore[call-overload]
         return [None if shard == dp else shard] if dp % shard == 0 and zero >= 1 else []
