@@ -8,6 +8,7 @@ is itself ``(dp_replicate, dp_shard)``, shard groups of consecutive ranks inside
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -239,6 +240,15 @@ def _check_zero_stage(zero_stage: object, allow_auto: bool = False) -> None:
 def divisors(n: int) -> list[int]:
     """The positive divisors of ``n``, ascending (the sizes an axis of ``n`` ranks can take)."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def degree_splits(world_size: int, context_parallel_size: int = 1) -> Iterator[tuple[int, int, int]]:
+    """Every ``(dp, tp, pp)`` with ``dp * tp * pp * cp == world_size``, tp ascending, then pp: the one enumeration
+    that ``"auto"`` sizes, the planner's search and the measured sweep (``lightning-mgpu bench``) share."""
+    rest = world_size // context_parallel_size
+    for tp in divisors(rest):
+        for pp in divisors(rest // tp):
+            yield rest // (tp * pp), tp, pp
 
 
 def minimum_world_size(*sizes: Size) -> int:

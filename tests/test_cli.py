@@ -43,7 +43,7 @@ def test_the_readme_demo_command_as_written():
 
 
 def test_demo_epochs_cover_max_steps():
-    from lightning_mgpu.cli import _epochs_for
+    from lightning_mgpu.cli.demo import epochs_for as _epochs_for
 
     assert _epochs_for(80, 689, 16) == 2  # 44 steps an epoch, the last batch ragged
     assert _epochs_for(44, 689, 16) == 1

@@ -2,8 +2,8 @@
 
 ``model_spec`` describes the model (from flags or a real module on the meta device), ``cluster`` the machines and
 the achieved fractions of their peaks, ``cost`` the memory and time model, ``search`` the enumeration and ranking,
-``command`` the ``lightning-mgpu plan`` command, ``calibrate`` its ``--calibrate`` measurements, ``auto`` the
-entry point for ``"auto"`` sizes (``choose_layout``).
+``calibrate`` the ``--calibrate`` measurements, ``rehearse`` the ``--rehearse`` runs, ``auto`` the entry point for
+``"auto"`` sizes (``choose_layout``). The ``lightning-mgpu plan`` command line is ``lightning_mgpu.cli.plan``.
 """
 
 from lightning_mgpu.planner.auto import choose_layout, local_cluster

@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from lightning_mgpu.gpus import gpu_named
-from lightning_mgpu.layout import ParallelLayout, Size, divisors
+from lightning_mgpu.layout import ParallelLayout, Size, degree_splits
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency, preset
 from lightning_mgpu.planner.cost import PRECISIONS, Estimate, Training, estimate
@@ -148,19 +148,17 @@ def layout_candidates(
     )
     requested = {"dp": data_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
     found = [first]
-    for tp in divisors(world_size // cp):
-        for pp in divisors(world_size // cp // tp):
-            dp = world_size // (tp * pp * cp)
-            if any(value != "auto" and value != size for value, size in zip(requested.values(), (dp, tp, pp))):
+    for dp, tp, pp in degree_splits(world_size, cp):
+        if any(value != "auto" and value != size for value, size in zip(requested.values(), (dp, tp, pp))):
+            continue
+        fixed = (0 if zero_stage == "auto" else zero_stage,)
+        stages = (0, 1, 2, 3) if zero_stage == "auto" and dp * cp > 1 else fixed
+        for zero in stages:
+            if zero >= 2 and pp > 1 and zero_stage == "auto":
                 continue
-            fixed = (0 if zero_stage == "auto" else zero_stage,)
-            stages = (0, 1, 2, 3) if zero_stage == "auto" and dp * cp > 1 else fixed
-            for zero in stages:
-                if zero >= 2 and pp > 1 and zero_stage == "auto":
-                    continue
-                layout = ParallelLayout(dp, tp, pp, zero, cp)
-                if layout not in found:
-                    found.append(layout)
+            layout = ParallelLayout(dp, tp, pp, zero, cp)
+            if layout not in found:
+                found.append(layout)
     return found
 
 

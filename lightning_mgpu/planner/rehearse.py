@@ -338,7 +338,7 @@ def format_rehearsal(rows: list[dict], describe: str, seconds: float) -> str:
 def run_rehearsal(
     args: Any, model: ModelSpec, cluster: ClusterSpec, training: Training, fixed: dict[str, object]
 ) -> int:
-    """``lightning-mgpu plan --module ... --fix tp=,pp=,zero= --rehearse [--json]`` (see ``planner/command.py``)."""
+    """``lightning-mgpu plan --module ... --fix tp=,pp=,zero= --rehearse [--json]`` (see ``cli/plan.py``)."""
     import json
 
     if not args.module:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from lightning_mgpu.layout import divisors
+from lightning_mgpu.layout import degree_splits, divisors
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
 from lightning_mgpu.planner.cost import CHECKPOINTING, SCHEDULES, Estimate, Layout, Training, estimate, stages_per_rank
 from lightning_mgpu.planner.model_spec import ModelSpec
@@ -127,22 +127,16 @@ def candidates(
         yield f"{fixed_text} does not match the {n} GPUs: the product must divide {n} (and equal it with dp fixed)"
         return
     for cp in _context_sizes(model, n, fixed):
-        for tp in divisors(n // cp):
-            if "tp" in fixed and tp != fixed["tp"]:
+        for dp, tp, pp in degree_splits(n, cp):
+            if any(axis in fixed and fixed[axis] != size for axis, size in (("tp", tp), ("pp", pp), ("dp", dp))):
                 continue
-            for pp in divisors(n // cp // tp):
-                if "pp" in fixed and pp != fixed["pp"]:
-                    continue
-                dp = n // (tp * pp * cp)
-                if "dp" in fixed and dp != fixed["dp"]:
-                    continue
-                problem = _structural_problem(model, cluster, training, tp, pp, dp, cp, _fixed_ep(fixed))
-                if problem:
-                    if fixed.keys() & {"tp", "pp", "dp", "cp", "ep"}:
-                        yield problem
-                    continue
-                for layout in _variants(model, training, tp, pp, dp, fixed, cluster.gpus_per_node):
-                    yield layout if isinstance(layout, str) or cp == 1 else _with_context(layout, cp, fixed)
+            problem = _structural_problem(model, cluster, training, tp, pp, dp, cp, _fixed_ep(fixed))
+            if problem:
+                if fixed.keys() & {"tp", "pp", "dp", "cp", "ep"}:
+                    yield problem
+                continue
+            for layout in _variants(model, training, tp, pp, dp, fixed, cluster.gpus_per_node):
+                yield layout if isinstance(layout, str) or cp == 1 else _with_context(layout, cp, fixed)
 
 
 LONG_SEQUENCE = 8192  # below this many tokens the search does not split sequences unless asked (--fix cp=)

@@ -21,10 +21,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from lightning_mgpu.layout import degree_splits
+
 _SHARE_COLUMNS = ("compute", "comm", "bubble", "data_wait", "optimizer", "other")
 
 
-def add_bench(subparsers: argparse._SubParsersAction) -> None:
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
         help="measure every valid layout of a model on this machine and rank them by throughput",
@@ -155,13 +157,12 @@ def _shapes(module_cls: type, module_args: dict[str, Any]) -> dict[str, int]:
 
 
 def _layouts(n: int, shapes: dict[str, int]) -> list[tuple[int, int, int]]:
-    layouts = []
-    for tp in (d for d in range(1, n + 1) if n % d == 0):
-        for pp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0):
-            if (shapes.get("heads") and shapes["heads"] % tp) or (shapes.get("layers") and pp > shapes["layers"]):
-                continue
-            layouts.append((n // (tp * pp), tp, pp))
-    return layouts
+    """``(dp, tp, pp)`` of ``n`` devices that the model's heads and layers allow (all of them for an unread model)."""
+    return [
+        (dp, tp, pp)
+        for dp, tp, pp in degree_splits(n)
+        if not (shapes.get("heads") and shapes["heads"] % tp) and not (shapes.get("layers") and pp > shapes["layers"])
+    ]
 
 
 def _measure(

@@ -1,13 +1,12 @@
-"""The ``lightning-mgpu`` command."""
+"""``lightning-mgpu demo``: the README's first command, a small GPT on the bundled sonnets over several processes."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 import warnings
 
 
-def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo",
         help="train a small GPT on bundled Shakespeare sonnets with several CPU processes",
@@ -76,7 +75,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     datamodule = TextDataModule(batch_size=args.batch_size // layout.data_parallel_size, block_size=args.block_size)
     datamodule.setup("fit")
     # With max_steps alone Lightning sets max_epochs=-1, which its progress bar prints as "Epoch 1/-2".
-    trainer.fit_loop.max_epochs = _epochs_for(args.max_steps, len(datamodule.train_dataset or ()), args.batch_size)
+    trainer.fit_loop.max_epochs = epochs_for(args.max_steps, len(datamodule.train_dataset or ()), args.batch_size)
     model = GPTLightningModule(
         vocab_size=datamodule.vocab_size,
         block_size=args.block_size,
@@ -103,117 +102,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _epochs_for(max_steps: int, samples: int, global_batch_size: int) -> int:
+def epochs_for(max_steps: int, samples: int, global_batch_size: int) -> int:
     """Epochs that ``max_steps`` optimizer steps start (a ragged last batch counts as a step)."""
     steps_per_epoch = max(1, -(-samples // global_batch_size))
     return max(1, -(-max_steps // steps_per_epoch))
-
-
-def _add_checkpoint_commands(subparsers: argparse._SubParsersAction) -> None:
-    consolidate = subparsers.add_parser(
-        "consolidate",
-        help="write a sharded checkpoint as one file (torch or safetensors), in one process",
-        description="Write a sharded HybridStrategy checkpoint (a DCP directory, any layout) as one file with the"
-        " plain module's keys: a Lightning checkpoint loadable with `LightningModule.load_from_checkpoint` and"
-        " `torch.load(weights_only=True)`, or safetensors weights (Hugging Face names for a Hugging Face model).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    consolidate.add_argument("checkpoint", metavar="CKPT_DIR", help="the sharded checkpoint directory")
-    consolidate.add_argument("out", metavar="OUT", help="the file to write")
-    consolidate.add_argument("--format", choices=("torch", "safetensors"), default="torch", dest="out_format")
-    consolidate.add_argument(
-        "--weights-only",
-        action="store_true",
-        help="torch format: keep the weights and hyperparameters only (no optimizer, loops)",
-    )
-    consolidate.add_argument(
-        "--prefix",
-        default="auto",
-        help="safetensors: key prefix to strip; 'auto' = the LightningModule attribute holding"
-        " the Hugging Face model (or 'model.' when every key has it), 'none' = keep keys",
-    )
-    consolidate.add_argument(
-        "--trust",
-        action="store_true",
-        help="unpickle arbitrary objects in the checkpoint's metadata (weights_only=False)",
-    )
-    consolidate.set_defaults(run=_run_consolidate)
-
-    inspect = subparsers.add_parser(
-        "inspect",
-        help="print a checkpoint's layout, step and tensor shapes",
-        description="Print the layout a checkpoint was saved with, its epoch and step, and its tensors' shapes.",
-    )
-    inspect.add_argument("checkpoint", metavar="CKPT", help="a sharded checkpoint directory or a full file")
-    inspect.add_argument("--optimizer", action="store_true", help="list the optimizer state tensors too")
-    inspect.add_argument(
-        "--trust",
-        action="store_true",
-        help="unpickle arbitrary objects in the checkpoint's metadata (weights_only=False)",
-    )
-    inspect.set_defaults(run=_run_inspect)
-
-
-def _run_consolidate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from lightning_mgpu.checkpoint import write_consolidated
-
-    print(
-        write_consolidated(
-            Path(args.checkpoint),
-            Path(args.out),
-            args.out_format,
-            args.weights_only,
-            args.prefix,
-            load_weights_only=False if args.trust else True,
-        )
-    )
-    return 0
-
-
-def _run_inspect(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from lightning_mgpu.checkpoint import describe
-
-    print(describe(Path(args.checkpoint), args.optimizer, load_weights_only=False if args.trust else True))
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``lightning-mgpu`` command line (the docs' command reference is rendered from it)."""
-    from lightning_mgpu import __version__
-    from lightning_mgpu.planner.command import add_plan_parser
-    from lightning_mgpu.sweep import add_bench
-
-    parser = argparse.ArgumentParser(
-        prog="lightning-mgpu",
-        description="Tensor, pipeline, context and data parallelism with ZeRO for PyTorch Lightning.",
-    )
-    parser.add_argument("--version", action="version", version=f"lightning-mgpu {__version__}")
-    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    _add_demo(subparsers)
-    _add_checkpoint_commands(subparsers)
-    add_plan_parser(subparsers)
-    add_bench(subparsers)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not hasattr(args, "run"):
-        parser.print_help()
-        return 0
-    from lightning_mgpu.checkpoint import CheckpointError
-
-    try:
-        return args.run(args)
-    except (CheckpointError, FileNotFoundError) as error:  # a damaged or missing checkpoint: the message says it all
-        print(f"lightning-mgpu: error: {error}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
