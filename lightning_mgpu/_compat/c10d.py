@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mgpu._compat import changed
 
@@ -49,7 +50,7 @@ def all_to_all(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return exchanged.wait() if isinstance(exchanged, funcol.AsyncCollectiveTensor) else exchanged
 
 
-def all_reduce(tensor: torch.Tensor, op: str, mesh: Any) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: str, mesh: DeviceMesh) -> torch.Tensor:
     """``tensor`` reduced with ``op`` (``"sum"``, ...) over ``mesh`` (a 1-D DeviceMesh or a group), waited on."""
     funcol = functional_collectives()
     reduced = funcol.all_reduce(tensor, op, mesh)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies import Strategy
 
 from lightning_mgpu._compat import changed, internal
 
@@ -121,12 +122,12 @@ IS_INTERACTIVE: bool = internal("lightning.fabric.utilities.imports", "_IS_INTER
 
 
 # --------------------------------------------------------------------------------------------- strategy internals
-def layer_sync(strategy: Any) -> Any:
+def layer_sync(strategy: Strategy) -> Any:
     """The ``LayerSync`` plugin the Trainer gave the strategy (``sync_batchnorm=True``), or None."""
     return _attribute(strategy, "_layer_sync", "Strategy")
 
 
-def reset_optimizers_and_schedulers(strategy: Any) -> None:
+def reset_optimizers_and_schedulers(strategy: Strategy) -> None:
     strategy._reset_optimizers_and_schedulers()
 
 

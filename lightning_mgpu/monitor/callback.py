@@ -10,11 +10,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import fit_data_fetcher
-from lightning_mgpu.layout import PP_AXIS, TP_AXIS
+from lightning_mgpu.layout import PP_AXIS, TP_AXIS, ParallelLayout
 from lightning_mgpu.monitor import measures
 from lightning_mgpu.monitor import report as reporting
 from lightning_mgpu.monitor.timing import (
@@ -297,7 +299,7 @@ class ScalingMonitor(Callback):
         }
 
 
-def _expert_tokens(counter: ExpertTokenCounts | None, mesh: Any) -> dict[str, list[int]]:
+def _expert_tokens(counter: ExpertTokenCounts | None, mesh: DeviceMesh | None) -> dict[str, list[int]]:
     """This rank's per-expert token counts per MoE layer; empty on tensor-parallel peers (they see the same tokens)."""
     tp_peer = mesh is not None and TP_AXIS in (mesh.mesh_dim_names or ()) and mesh[TP_AXIS].get_local_rank() > 0
     if counter is None or tp_peer:
@@ -309,14 +311,14 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _layout(strategy: Any) -> Any | None:
+def _layout(strategy: Strategy) -> ParallelLayout | None:
     try:
         return getattr(strategy, "layout", None)
     except RuntimeError:  # HybridStrategy whose planner has not chosen yet
         return None
 
 
-def _device_mesh(strategy: Any) -> Any | None:
+def _device_mesh(strategy: Strategy) -> DeviceMesh | None:
     try:
         return getattr(strategy, "device_mesh", None)
     except RuntimeError:  # HybridStrategy before its processes start
@@ -331,7 +333,7 @@ def _replicas(trainer: pl.Trainer) -> int:
         return 1
 
 
-def _pipeline_info(strategy: Any) -> dict[str, Any] | None:
+def _pipeline_info(strategy: Strategy) -> dict[str, Any] | None:
     engine = getattr(strategy, "pipeline", None)
     if engine is None:
         return None

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mgpu._compat.c10d import functional_collectives, group_name, pipelining_p2p
 from lightning_mgpu._compat.lightning import fetcher_profiler_hooks, set_fetcher_profiler_hooks
@@ -390,7 +391,7 @@ def _nothing() -> None:
     pass
 
 
-def mesh_axes(mesh: Any) -> dict[str, str]:
+def mesh_axes(mesh: DeviceMesh | None) -> dict[str, str]:
     """Process group name -> short axis name (``tp``, ``pp``, ``dp``, ...) for every split dimension of ``mesh``."""
     axes: dict[str, str] = {}
     if mesh is None or not mesh.mesh_dim_names:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mgpu._compat.fake import FakeTensorMode, TorchDispatchMode
 from lightning_mgpu.layout import ParallelLayout
@@ -154,7 +155,7 @@ def _undone(patches: Any) -> Iterator[None]:
         patches.undo()
 
 
-def _reduce_buckets_eagerly(root: nn.Module, layout: ParallelLayout, mesh: Any) -> None:
+def _reduce_buckets_eagerly(root: nn.Module, layout: ParallelLayout, mesh: DeviceMesh) -> None:
     """DDP's built-in all-reduce reads its result from the work's future, which the fake process group leaves
     empty: a root without a communication hook of its own gets one issuing the same all-reduce per bucket."""
     from lightning_mgpu.layout import DP_AXIS

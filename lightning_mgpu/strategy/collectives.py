@@ -14,6 +14,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import all_gather_ddp_if_available, sync_ddp_if_available
@@ -23,7 +24,7 @@ class DataParallelCollectives(ParallelStrategy):
     """Mixed into ``HybridStrategy``: its mesh (``_device_mesh``) and data-parallel group (``_dp_group``) are set
     in ``setup_environment``."""
 
-    _device_mesh: Any | None
+    _device_mesh: DeviceMesh | None
     _dp_group: Any
     _reduce_group: Any  # dp, or dp x cp: the ranks that computed parts of a logged value
 

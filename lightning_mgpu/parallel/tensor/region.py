@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
@@ -115,7 +116,7 @@ def _is_plain(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0
 
 
-def _replicated(tensor: torch.Tensor, mesh: Any) -> DTensor:
+def _replicated(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     return DTensor.from_local(tensor, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
