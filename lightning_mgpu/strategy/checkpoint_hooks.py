@@ -39,6 +39,16 @@ class CheckpointHooks(ParallelStrategy):
         @property
         def device_mesh(self) -> DeviceMesh: ...
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:  # the checkpointer loads into the sharded module
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # the states go through `checkpoint.Checkpointer.save`

@@ -2,8 +2,8 @@
 
 It owns Lightning's hooks and hands every piece of parallel work to ``layout``, ``parallel/`` and ``checkpoint``:
 the layout's checks and planned choice (``layout_choice``), the module made parallel and its optimizers wired
-(``setup``); the step, checkpoint and collective hooks are mixed in from ``step``, ``checkpoint_hooks`` and
-``collectives``.
+(``setup``); the layout and mesh properties, the step, checkpoint and collective hooks are mixed in from
+``layout_hooks``, ``step``, ``checkpoint_hooks`` and ``collectives``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
@@ -31,7 +30,6 @@ from lightning_mgpu._compat.lightning import (
     StrategyHooks,
     default_process_group_backend,
     init_dist_connection,
-    layer_sync,
     materialize_distributed_module,
     optimizers_to_device,
     quiet_sigterm_notifier,
@@ -63,7 +61,8 @@ from lightning_mgpu.strategy import setup as module_setup
 from lightning_mgpu.strategy.batch import keep_global_batch
 from lightning_mgpu.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_mgpu.strategy.collectives import DataParallelCollectives
-from lightning_mgpu.strategy.layout_choice import agreed_plan, check_options, check_sizes, check_trainer_layout
+from lightning_mgpu.strategy.layout_choice import agreed_plan, check_options
+from lightning_mgpu.strategy.layout_hooks import LayoutHooks
 from lightning_mgpu.strategy.step import StepHooks
 
 if TYPE_CHECKING:
@@ -73,7 +72,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class HybridStrategy(StrategyHooks, StepHooks, CheckpointHooks, DataParallelCollectives):
+class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, DataParallelCollectives):
     """Data, tensor, pipeline, context and expert parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
 
     The sizes multiply to ``devices x num_nodes``: ``world = pp x dp x cp x tp``, tensor parallelism innermost (one
@@ -292,91 +291,6 @@ class HybridStrategy(StrategyHooks, StepHooks, CheckpointHooks, DataParallelColl
         self._snapshot: ModuleSnapshot | None = None
         self._failed = False
         self._interrupted = False  # an exception ended the run (a step may have stopped inside a forward)
-
-    # ----------------------------------------------------------------------------------------------- layout / mesh
-    @property
-    def layout(self) -> ParallelLayout:
-        """The resolved sizes and ZeRO stage (``"auto"`` filled in), known once the Trainer is built."""
-        if self._layout is None:
-            raise RuntimeError(
-                "The layout is known once the Trainer has been created with this strategy, or, where the planner"
-                " chooses among 'auto' layouts, once the processes have been set up (`setup_environment`)."
-            )
-        return self._layout
-
-    @property
-    def pipeline(self) -> PipelineEngine | None:
-        """This rank's pipeline engine (schedule, stages, microbatches) in a run; None without pipelining."""
-        return self._pipeline
-
-    @property
-    def context_parallel(self) -> ContextParallel | None:
-        """This run's context parallelism (batch splitting, attention calls); None without it."""
-        return self._context
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The named device mesh of the run (``(pp, dp, tp)``, with ``cp`` or ``dp_replicate``/``dp_shard``)."""
-        if self._device_mesh is None:
-            raise RuntimeError("The device mesh exists only after the processes have been initialized.")
-        return self._device_mesh
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank of one tensor/pipeline group reads the same samples: shard data by data-parallel rank only.
-        dp_mesh = self.device_mesh[DP_AXIS]
-        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
-
-    @property
-    def is_distributed(self) -> bool:  # Lightning reads it to install a DistributedSampler
-        return True
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
-    def set_world_ranks(self) -> None:  # called by the Trainer when the strategy has it (ParallelStrategy has not)
-        # Called when the Trainer is built, before processes start: the earliest point the world size is known.
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        if self.num_processes:
-            world = self.num_nodes * self.num_processes
-            choices = planner_auto.layout_candidates(world, *self._requested_sizes, self._context_parallel_size)
-            check = functools.partial(check_sizes, self.options, self.precision_plugin, self._requested_sizes)
-            self._layout_choices = planner_auto.valid_layouts(choices, check)
-            self._layout = self._layout_choices[0] if len(self._layout_choices) == 1 else None
-            self._check_layout(self._layout)
-
-    def _check_layout(self, layout: ParallelLayout | None) -> None:
-        assert self.parallel_devices is not None
-        self._launch_options.check_device(self.parallel_devices[0].type)
-        sync_batchnorm = layer_sync(self) is not None  # set from Trainer(sync_batchnorm=True) just before this call
-        check_trainer_layout(
-            layout, self.options, self.precision_plugin, sync_batchnorm, self.num_processes, self.num_nodes
-        )
 
     @property
     @override
