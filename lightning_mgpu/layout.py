@@ -133,6 +133,19 @@ class ParallelLayout:
     def world_size(self) -> int:
         return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size * self.cp
 
+    # The sizes by their mesh axes' names, as the planner and the docs write layouts (``tp=8 pp=4``).
+    @property
+    def dp(self) -> int:
+        return self.data_parallel_size
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_parallel_size
+
     @property
     def cp(self) -> int:
         return self.context_parallel_size

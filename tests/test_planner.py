@@ -100,7 +100,7 @@ def test_activation_memory_is_korthikanti(sp):
     s, b, h, a, t = 2048, 2, 4096, 32, 8
     model = ModelSpec(layers=4, hidden=h, heads=a, vocab=1000, seq_len=s)
     eager = Training(global_batch=8, precision="bf16-mixed", flash_attention=False)
-    layout = Layout(tp=t, microbatch_size=b, sequence_parallel=sp)
+    layout = Layout.of(tp=t, microbatch_size=b, sequence_parallel=sp)
     got = {c: activation_bytes_per_layer(model, eager, layout, c) for c in ("none", "selective", "full")}
     if sp:
         assert got["none"] == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
@@ -110,7 +110,7 @@ def test_activation_memory_is_korthikanti(sp):
         assert got["none"] == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
         assert got["selective"] == pytest.approx(s * b * h * (10 + 24 / t))
         assert got["full"] == pytest.approx(2 * s * b * h)
-    one = activation_bytes_per_layer(model, eager, Layout(microbatch_size=b), "none")
+    one = activation_bytes_per_layer(model, eager, Layout.of(microbatch_size=b), "none")
     assert one == pytest.approx(s * b * h * (34 + 5 * a * s / h))
 
 
@@ -121,21 +121,22 @@ def test_memory_by_zero_stage_and_schedule():
     cluster, training = preset("h100-sxm", gpus=8), Training(global_batch=64)
     n = model.total_params
     for zero, (p, g, o) in {0: (4, 4, 8), 1: (4, 4, 8 / 4), 2: (1, 1, 2), 3: (1, 1, 2)}.items():
-        mem = memory(model, cluster, training, Layout(dp=4, tp=2, zero_stage=zero, sequence_parallel=True))
+        mem = memory(model, cluster, training, Layout.of(dp=4, tp=2, zero_stage=zero, sequence_parallel=True))
         expected = (p * n / 2, g * n / 2, o * n / 2)  # norms stay whole under tp: 0.1% of the parameters
         assert (mem["params"], mem["grads"], mem["optimizer"]) == pytest.approx(expected, rel=2e-3)
     # Without sequence parallelism this library's plans keep the embedding and the head whole.
     whole = 2 * model.vocab * model.hidden
-    mem = memory(model, cluster, training, Layout(dp=4, tp=2))
+    mem = memory(model, cluster, training, Layout.of(dp=4, tp=2))
     assert mem["params"] == pytest.approx(4 * ((n - whole) / 2 + whole), rel=2e-3)
     base = dict(pp=4, dp=2, microbatch_size=1, num_microbatches=16)
     small_vocab = ModelSpec(layers=8, hidden=1024, heads=16, vocab=1000, seq_len=1024)  # the first stage is fullest
     act = {
-        s: memory(small_vocab, cluster, training, Layout(schedule=s, **base))["activations"] for s in ("GPipe", "1F1B")
+        s: memory(small_vocab, cluster, training, Layout.of(schedule=s, **base))["activations"]
+        for s in ("GPipe", "1F1B")
     }
     assert act["GPipe"] / act["1F1B"] == pytest.approx(16 / 4, rel=0.01)
-    assert bubble_fraction(Layout(schedule="1F1B", **base)) == pytest.approx(3 / 19)
-    assert bubble_fraction(Layout(schedule="Interleaved1F1B", **base)) == pytest.approx(1.5 / 17.5)
+    assert bubble_fraction(Layout.of(schedule="1F1B", **base)) == pytest.approx(3 / 19)
+    assert bubble_fraction(Layout.of(schedule="Interleaved1F1B", **base)) == pytest.approx(1.5 / 17.5)
     assert set(SCHEDULES) <= set(PIPELINE_SCHEDULES)  # the planner's schedules are names the runtime runs
 
 
@@ -413,7 +414,7 @@ def test_calibration_shares_cores_between_processes():
     assert eff_one.gemm == 1.0 and eff_one.memory_passes == 0.0 and eff_one.layer_overhead_s == 1e-3
     # Every part of a step runs ``contention`` times slower: the same layout at 4 processes takes twice as long.
     model = ModelSpec(layers=2, hidden=64, heads=4, vocab=100, seq_len=32)
-    training, layout = Training(global_batch=8, precision="32-true"), Layout(tp=2, dp=1, pp=1)
+    training, layout = Training(global_batch=8, precision="32-true"), Layout.of(tp=2, dp=1, pp=1)
     base = estimate(model, one, training, layout, eff_one).time
     slow = estimate(model, replace(one, gpus=4, gpus_per_node=4), training, layout, eff_one).time
     assert slow["step"] == pytest.approx(2 * base["step"])
@@ -473,15 +474,15 @@ def test_hybrid_sharding_divides_memory_by_the_shard_group_and_keeps_gathers_on_
     model = ModelSpec(layers=32, hidden=4096, heads=32, vocab=32000, seq_len=4096)
     cluster, training = preset("h100-sxm", gpus=32), Training(global_batch=64)
     n = model.total_params
-    full = memory(model, cluster, training, Layout(dp=32, zero_stage=3))
-    hybrid = memory(model, cluster, training, Layout(dp=32, zero_stage=3, dp_shard=8))
+    full = memory(model, cluster, training, Layout.of(dp=32, zero_stage=3))
+    hybrid = memory(model, cluster, training, Layout.of(dp=32, zero_stage=3, dp_shard=8))
     assert hybrid["optimizer"] == pytest.approx(8 * n / 8, rel=1e-3) and full["optimizer"] == pytest.approx(8 * n / 32)
     assert hybrid["params"] == pytest.approx(4 * full["params"], rel=1e-6)
     eff = Efficiency()
-    over_nodes = step_time(model, cluster, training, Layout(dp=32, zero_stage=3, num_microbatches=2), eff)
-    in_node = step_time(model, cluster, training, Layout(dp=32, zero_stage=3, num_microbatches=2, dp_shard=8), eff)
+    over_nodes = step_time(model, cluster, training, Layout.of(dp=32, zero_stage=3, num_microbatches=2), eff)
+    in_node = step_time(model, cluster, training, Layout.of(dp=32, zero_stage=3, num_microbatches=2, dp_shard=8), eff)
     assert in_node["zero3_gather"] < over_nodes["zero3_gather"]
-    assert Layout(dp=32, zero_stage=3, dp_shard=8).describe().endswith("hsdp=8 mbs=1x1 ckpt=none")
+    assert Layout.of(dp=32, zero_stage=3, dp_shard=8).describe().endswith("hsdp=8 mbs=1x1 ckpt=none")
     plan = search(model, cluster, training, eff, fixed=parse_fix("zero=3,hsdp=8,tp=1,pp=1"), scaling=False)
     assert plan.ranked and all(e.layout.shard == 8 and e.layout.replicas == 4 for e in plan.ranked)
     offered = search(model, cluster, training, eff, fixed=parse_fix("zero=3,tp=1,pp=1"), scaling=False)
@@ -499,8 +500,8 @@ def test_context_parallelism_divides_activations_and_wins_for_long_sequences(cap
     (its ring traffic hides behind attention, where tensor parallelism's all-reduces do not)."""
     model = ModelSpec(layers=32, hidden=4096, heads=32, vocab=32000, seq_len=131072, gated_mlp=True, ffn_hidden=11008)
     cluster, training = preset("h100-sxm", gpus=8), Training(global_batch=8)
-    one = memory(model, cluster, training, Layout(dp=8, zero_stage=3, checkpointing="full"))
-    four = memory(model, cluster, training, Layout(dp=2, cp=4, zero_stage=3, checkpointing="full"))
+    one = memory(model, cluster, training, Layout.of(dp=8, zero_stage=3, checkpointing="full"))
+    four = memory(model, cluster, training, Layout.of(dp=2, cp=4, zero_stage=3, checkpointing="full"))
     assert four["activations"] == pytest.approx(one["activations"] / 4, rel=1e-6)
     assert four["optimizer"] == pytest.approx(one["optimizer"], rel=1e-6)  # ZeRO shards over dp x cp = 8 either way
     only_dp = search(model, cluster, training, fixed=parse_fix("tp=1,pp=1"), scaling=False)

@@ -63,7 +63,7 @@ def test_a_70b_llama_at_256_ranks_holds_its_fp32_size_over_the_pipeline_and_tens
     assert total == pytest.approx(_fp32_bytes(LLAMA_70B), rel=5e-3)
     assert [len(by_rank[rank].layers) for rank in _stage_ranks(layout)] == [10] * 8
     model = spec_from_module(build_on_meta(LlamaLM))
-    planned = Layout(tp=8, pp=8, dp=4, zero_stage=1)
+    planned = Layout.of(tp=8, pp=8, dp=4, zero_stage=1)
     rows = beside_the_planner(reports, predicted_bytes(model, Training(1024), planned), 8)
     for row in rows:
         assert abs(row["difference"]["parameter_bytes"]) < 0.02, row
@@ -78,7 +78,7 @@ def test_rehearsed_bytes_equal_the_planners_at_64_ranks(zero_stage):
     layout = ParallelLayout(4, 4, 4, zero_stage)
     reports = rehearse(functools.partial(LlamaLM, **LLAMA_7B), layout, ParallelOptions(), ranks=_stage_ranks(layout))
     model = spec_from_module(build_on_meta(LlamaLM, LLAMA_7B))
-    planned = Layout(tp=4, pp=4, dp=4, zero_stage=zero_stage)
+    planned = Layout.of(tp=4, pp=4, dp=4, zero_stage=zero_stage)
     rows = beside_the_planner(reports, predicted_bytes(model, Training(1024), planned), 4)
     for row in rows:
         assert abs(row["difference"]["parameter_bytes"]) < 0.02, row
@@ -99,7 +99,7 @@ def test_a_405b_shape_at_1024_ranks_with_16_stages():
     assert sum(layers) < 126 and all(7 <= n <= 9 for n in layers), layers
     model = spec_from_module(build_on_meta(LlamaLM, LLAMA_405B))
     rows = beside_the_planner(
-        reports, predicted_bytes(model, Training(1024), Layout(tp=8, pp=16, dp=8, zero_stage=1)), 16
+        reports, predicted_bytes(model, Training(1024), Layout.of(tp=8, pp=16, dp=8, zero_stage=1)), 16
     )
     assert abs(rows[1]["difference"]["parameter_bytes"]) < 0.02, rows[1]
 
@@ -213,7 +213,7 @@ def test_rehearsed_expert_parallel_bytes_equal_the_planners_at_64_ranks(pp, zero
     reports = rehearse(functools.partial(MixtralLM, **MIXTRAL_8X7B), layout, options, ranks=_stage_ranks(layout))
     model = spec_from_module(build_on_meta(MixtralLM, MIXTRAL_8X7B))
     assert (model.experts, model.experts_per_token, model.fused_experts) == (8, 2, True)
-    planned = Layout(tp=2, pp=pp, dp=layout.data_parallel_size, zero_stage=zero_stage, ep=ep)
+    planned = Layout.of(tp=2, pp=pp, dp=layout.data_parallel_size, zero_stage=zero_stage, ep=ep)
     rows = beside_the_planner(reports, predicted_bytes(model, Training(1024), planned), pp)
     for row in rows:
         assert abs(row["difference"]["parameter_bytes"]) < 0.02, row

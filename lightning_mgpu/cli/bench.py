@@ -263,7 +263,7 @@ def _add_predictions(args: argparse.Namespace, results: list[dict[str, Any]]) ->
                 reserved_gb=0.0,
                 name=args.accelerator,
             )
-            layout = Layout(
+            layout = Layout.of(
                 tp=tp,
                 pp=pp,
                 dp=dp,

@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel import pipeline
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
 from lightning_mgpu.planner.model_spec import ModelSpec
@@ -59,36 +60,27 @@ class Training:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One way to run the job: degrees, ZeRO stage, schedule, microbatching and checkpointing."""
+class Layout(ParallelLayout):
+    """A :class:`~lightning_mgpu.ParallelLayout` with what the planner chooses besides the sizes: pipeline schedule,
+    microbatching, activation checkpointing, sequence parallelism, HSDP groups, the context-parallel mode and expert
+    parallelism. Written by mesh-axis names: ``Layout.of(tp=8, pp=4, dp=2, zero_stage=1)``."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    zero_stage: int = 0
     schedule: str = "none"
     microbatch_size: int = 1
     num_microbatches: int = 1
     checkpointing: str = "none"
     sequence_parallel: bool = False
     dp_shard: int | None = None  # HSDP: ZeRO shards over groups of this many dp ranks (None: all of dp)
-    cp: int = 1  # context parallelism: each sequence split over this many ranks
     cp_mode: str = "ring"
     ep: int = 1  # expert parallelism: the routed experts split over groups of this many dp ranks
 
-    @property
-    def expert_replicas(self) -> int:
-        """The dp ranks holding the same experts under expert parallelism (``dp / ep``)."""
-        return self.dp // self.ep
+    @classmethod
+    def of(cls, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero_stage: int = 0, **choices: Any) -> Layout:
+        return cls(dp, tp, pp, zero_stage, cp, **choices)
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
-
-    @property
-    def gradient_ranks(self) -> int:
-        """Ranks holding the same weights, whose gradients average: ``dp x cp``."""
-        return self.dp * self.cp
+        return self.world_size
 
     @property
     def shard(self) -> int:
@@ -98,6 +90,11 @@ class Layout:
     @property
     def replicas(self) -> int:
         return self.gradient_ranks // self.shard
+
+    @property
+    def expert_replicas(self) -> int:
+        """The dp ranks holding the same experts under expert parallelism (``dp / ep``)."""
+        return self.dp // self.ep
 
     @property
     def stages_per_rank(self) -> int:
@@ -116,6 +113,15 @@ class Layout:
         parts += [f"mbs={self.microbatch_size}x{self.num_microbatches}", f"ckpt={self.checkpointing}"]
         return " ".join(parts)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The planner's JSON form: sizes by mesh-axis name, then the choices."""
+        sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero_stage": self.zero_stage, "cp": self.cp}
+        return sizes | {name: getattr(self, name) for name in _CHOICES}
+
+
+_CHOICES: tuple[str, ...] = ("schedule", "microbatch_size", "num_microbatches", "checkpointing", "sequence_parallel")
+_CHOICES += ("dp_shard", "cp_mode", "ep")
+
 
 @dataclass
 class Estimate:
@@ -131,7 +137,7 @@ class Estimate:
     scaling_efficiency: float = float("nan")
 
     def as_dict(self) -> dict[str, Any]:
-        result = asdict(self)
+        result = asdict(self) | {"layout": self.layout.as_dict()}
         if result["scaling_efficiency"] != result["scaling_efficiency"]:  # NaN (not computed) is not JSON
             result["scaling_efficiency"] = None
         return result

@@ -372,7 +372,7 @@ def run_rehearsal(
     except (ValueError, NotImplementedError, RehearsalError) as error:
         raise SystemExit(f"lightning-mgpu plan --rehearse: {layout.describe()} would fail: {error}") from None
     seconds = time.perf_counter() - start
-    planner_layout = Layout(
+    planner_layout = Layout.of(
         tp=sizes["tp"], pp=sizes["pp"], dp=layout.data_parallel_size, zero_stage=zero, cp=sizes["cp"], ep=sizes["ep"],
         sequence_parallel=options.sequence_parallel, dp_shard=options.data_parallel_shard_size,
     )  # fmt: skip

@@ -154,7 +154,7 @@ def _context_sizes(model: ModelSpec, gpus: int, fixed: dict[str, object]) -> lis
 
 def _with_context(layout: Layout, cp: int, fixed: dict[str, object]) -> Layout:
     mode = str(fixed.get("cp_mode", "ring"))
-    return replace(layout, cp=cp, cp_mode=mode, dp_shard=None)
+    return replace(layout, context_parallel_size=cp, cp_mode=mode, dp_shard=None)
 
 
 def _variants(
@@ -191,7 +191,7 @@ def _variants(
                     if ckpt == "selective" and training.flash_attention and "checkpointing" not in fixed:
                         continue  # flash attention keeps no scores: selective recomputation would change nothing
                     for shard in _shard_sizes(dp, tp, zero, gpus_per_node, fixed):
-                        yield Layout(
+                        yield Layout.of(
                             tp=tp,
                             pp=pp,
                             dp=dp,
@@ -349,7 +349,7 @@ def layout_from_options(
     m = (num_microbatches or stages) if pp > 1 else 1
     names = {False: "none", True: "full", "full": "full", "selective": "selective"}
     ckpt = names.get(activation_checkpointing, "full")  # module classes: full
-    return Layout(
+    return Layout.of(
         tp=tp,
         pp=pp,
         dp=dp,

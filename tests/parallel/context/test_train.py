@@ -402,7 +402,7 @@ def test_context_parallel_traffic_is_the_analytic_volume(mode, cp):
     outcome = fit_each({"counted": Run(NANOGPT, _tokens(GLOBAL_BATCH), strategy, 3, {}, probes)}, cp)
     _, extras = result(outcome["counted"])
     spec = ModelSpec(layers=2, hidden=32, heads=4, vocab=pm.VOCAB, seq_len=32)
-    layout = Layout(cp=cp, cp_mode=mode, microbatch_size=GLOBAL_BATCH)
+    layout = Layout.of(cp=cp, cp_mode=mode, microbatch_size=GLOBAL_BATCH)
     per_block = context_parallel_bytes(spec, Training(GLOBAL_BATCH, precision="32-true"), layout)
     # By hand, per block and rank: the ring sends K and V ((B, T/cp, C) fp32 each) cp-1 hops forward; backward
     # sends them cp-1 hops again and their gradients cp hops (home).
