@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from lightning_mgpu.layout import degree_splits
+from lightning_mgpu.layout import ParallelLayout, degree_splits
 
 _SHARE_COLUMNS = ("compute", "comm", "bubble", "data_wait", "optimizer", "other")
 
@@ -87,14 +87,12 @@ def run_bench(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     results = []
     for n in counts:
-        for dp, tp, pp in _layouts(n, shapes):
-            name = f"dp{dp}_tp{tp}_pp{pp}"
+        for layout in _layouts(n, shapes, args.zero_stage):
+            name = f"dp{layout.dp}_tp{layout.tp}_pp{layout.pp}"
             print(f"bench: {name} on {n} device{'s' if n > 1 else ''} ...", flush=True)
-            run = {"devices": n, "dp": dp, "tp": tp, "pp": pp, "name": name}
+            run = {"devices": n, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "name": name}
             try:
-                report = _measure(
-                    args, module_cls, module_args, datamodule_cls, datamodule_args, dp, tp, pp, out / name
-                )
+                report = _measure(args, module_cls, module_args, datamodule_cls, datamodule_args, layout, out / name)
                 run.update(_summary(report))
             except Exception as error:  # one layout failing (memory, a model constraint) does not stop the sweep
                 first_line = (str(error).strip().splitlines() or [""])[0][:200]
@@ -156,10 +154,11 @@ def _shapes(module_cls: type, module_args: dict[str, Any]) -> dict[str, int]:
         return {}
 
 
-def _layouts(n: int, shapes: dict[str, int]) -> list[tuple[int, int, int]]:
-    """``(dp, tp, pp)`` of ``n`` devices that the model's heads and layers allow (all of them for an unread model)."""
+def _layouts(n: int, shapes: dict[str, int], zero_stage: int) -> list[ParallelLayout]:
+    """The layouts of ``n`` devices that the model's heads and layers allow (all of them for an unread model), at
+    ``zero_stage`` where there is data parallelism."""
     return [
-        (dp, tp, pp)
+        ParallelLayout(dp, tp, pp, zero_stage if dp > 1 else 0)
         for dp, tp, pp in degree_splits(n)
         if not (shapes.get("heads") and shapes["heads"] % tp) and not (shapes.get("layers") and pp > shapes["layers"])
     ]
@@ -171,9 +170,7 @@ def _measure(
     module_args: dict[str, Any],
     datamodule_cls: type | None,
     datamodule_args: dict[str, Any],
-    dp: int,
-    tp: int,
-    pp: int,
+    layout: ParallelLayout,
     out: Path,
 ) -> dict[str, Any]:
     import lightning as L
@@ -182,17 +179,17 @@ def _measure(
 
     L.seed_everything(1234, verbose=False)
     strategy = HybridStrategy(
-        data_parallel_size=dp,
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        zero_stage=args.zero_stage if dp > 1 else 0,
+        data_parallel_size=layout.dp,
+        tensor_parallel_size=layout.tp,
+        pipeline_parallel_size=layout.pp,
+        zero_stage=layout.zero_stage,
         pipeline_schedule=args.pipeline_schedule,
         start_method="fork",
     )
     monitor = ScalingMonitor(warmup_steps=args.warmup_steps, dirpath=out, verbose=False)
     trainer = L.Trainer(
         accelerator=args.accelerator,
-        devices=dp * tp * pp,
+        devices=layout.world_size,
         strategy=strategy,
         precision=args.precision,
         max_steps=args.steps,
