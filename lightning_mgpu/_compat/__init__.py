@@ -13,6 +13,7 @@ internal fails at import with :class:`InternalChanged`, naming it and the instal
 - ``tensors.py``: pytree, dispatch modes, fake tensors, version counters, module-slot swaps and restores, hooks.
 - ``lightning.py``: Lightning's launchers, distributed helpers, precision utilities and trainer internals.
 - ``pipelining.py``: torch.distributed.pipelining internals of the pipeline runtime (its own contract test).
+- ``deepspeed.py``: DeepSpeed's ZeRO-1/2 fragment mappings and optimizer-state linking (the DeepSpeed backend).
 - ``versions.py``: the import-time guard refusing framework releases the shims were not checked on.
 """
 

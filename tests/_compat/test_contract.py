@@ -593,3 +593,29 @@ def test_lightning_hands_the_strategy_a_plugin_that_names_its_precision():
         "lightning",
         "no warning",
     )
+
+
+def test_deepspeed_fragment_mappings_and_state_linking():
+    """The DeepSpeed internals behind ``_compat.deepspeed`` exist; the shim reads and relinks through them (the
+    DeepSpeed backend's checkpoint tests exercise them on a real engine)."""
+    pytest.importorskip("deepspeed")
+    from lightning_mgpu._compat import deepspeed as ds
+
+    ds.check()
+    param = torch.nn.Parameter(torch.zeros(2))
+    assert not ds.has_fragment_mapping(param) and ds.fragment_mapping(param) is None
+    param._hp_mapping = None  # what DeepSpeed sets on a parameter outside this rank's partition
+    assert ds.has_fragment_mapping(param) and ds.fragment_mapping(param) is None
+
+    class Linking:
+        _hp_optimizer_states_linked = True
+        calls = 0
+
+        def _lazy_init_hp_params_optimizer_state(self) -> None:
+            self.calls += 1
+            assert self._hp_optimizer_states_linked is False  # DeepSpeed links only when the flag says not yet
+
+    zero = Linking()
+    ds.relink_optimizer_states(zero)
+    ds.relink_optimizer_states(None)
+    assert zero.calls == 1

@@ -26,9 +26,6 @@ PACKAGE = Path(lightning_mgpu.__file__).parent
 # Private names of other libraries (not the frameworks this check is about), read where they are the only way.
 OTHER_LIBRARIES = {
     "_tp_plan": "transformers: a PreTrainedModel class's tensor-parallel plan",
-    "_hp_mapping": "deepspeed: a parameter's ZeRO fragment mapping",
-    "_hp_optimizer_states_linked": "deepspeed: ZeRO-1/2 optimizer-state linking flag",
-    "_lazy_init_hp_params_optimizer_state": "deepspeed: ZeRO-1/2 optimizer-state linking",
 }
 # Names Python's own machinery puts on classes (abc, typing), not private APIs of the frameworks.
 # Set on a subclass by the language or a framework metaclass, not by the subclass's code: ``_backward_cls`` is what

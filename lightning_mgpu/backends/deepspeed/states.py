@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.optim import Optimizer
 
+from lightning_mgpu._compat.deepspeed import fragment_mapping, has_fragment_mapping, relink_optimizer_states
 from lightning_mgpu.checkpoint import states
 from lightning_mgpu.checkpoint.flat_fragments import FlatFragment, FragmentLoadPlanner
 from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, STATE_PREFIX, CheckpointError
@@ -46,7 +47,7 @@ def _partitioned(param: nn.Parameter) -> bool:
 
     Under ZeRO-1/2 a parameter outside this rank's partition has ``_hp_mapping = None``: it is still DeepSpeed's,
     and every rank joins the collectives that gather it."""
-    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+    return hasattr(param, "ds_id") or has_fragment_mapping(param)
 
 
 def _full_param(param: nn.Parameter) -> torch.Tensor:
@@ -85,7 +86,7 @@ def _local_fragment(param: Any, zero: Any, key: str | None = None) -> FlatFragme
         start = dist.get_rank(param.ds_process_group) * size
         owned = max(0, min(size, math.prod(shape) - start))
         return FlatFragment(shape, data.reshape(-1)[:owned], start)
-    mapping = param._hp_mapping  # ZeRO-1/2, bf16: the fragment of this rank's partition, if any
+    mapping = fragment_mapping(param)  # ZeRO-1/2, bf16: the fragment of this rank's partition, if any
     if mapping is None:
         return FlatFragment(shape, torch.empty(0), 0)
     data = mapping.hp_fragment if key is None else mapping.get_optim_state_fragment(key)
@@ -336,9 +337,8 @@ class DeepSpeedStates:
                     for key, value in example.items()
                 }
                 created = True
-        if created and zero is not None and hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
-            zero._hp_optimizer_states_linked = False  # ZeRO-1/2 and bf16: point each parameter at its fragments
-            zero._lazy_init_hp_params_optimizer_state()
+        if created:
+            relink_optimizer_states(zero)  # ZeRO-1/2 and bf16: point each parameter at its fragments
 
     # --------------------------------------------------------------------------------------------------- helpers
     def _fqns(self, model: nn.Module) -> dict[nn.Parameter, str]:
@@ -361,7 +361,7 @@ def _piecewise(param: Any) -> bool:
     into the module, then into the rank's fp32 master fragment)."""
     if hasattr(param, "ds_id"):
         return True
-    return hasattr(param, "_hp_mapping") and param.requires_grad and param.dtype == torch.float32
+    return has_fragment_mapping(param) and param.requires_grad and param.dtype == torch.float32
 
 
 def _piece(param: Any, zero: Any, name: str | None) -> tuple[Any, Any]:
@@ -385,7 +385,7 @@ def _piece(param: Any, zero: Any, name: str | None) -> tuple[Any, Any]:
             finish = lambda: safe_set_local_optimizer_state(param, buffer, name)
         return FlatFragment(shape, buffer[:owned], start), finish
     if name is None:
-        mapping = param._hp_mapping
+        mapping = fragment_mapping(param)
         return param.data, (mapping.update_hp if mapping is not None else lambda: None)
     return _local_fragment(param, zero, name), lambda: None
 
@@ -419,10 +419,7 @@ def _relink_optimizer_states(engine: Any) -> None:
     group (deepspeed 0.19.8, ``stage_1_and_2._optimizer_step``): the other groups' states do not exist yet, so their
     parameters' fragments stay without ``exp_avg`` and ``safe_get_full_optimizer_state`` fails on one rank (the
     others then wait in its all-reduce). Linking again is local and cheap (views)."""
-    zero = getattr(engine, "optimizer", None)
-    if zero is not None and hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
-        zero._hp_optimizer_states_linked = False
-        zero._lazy_init_hp_params_optimizer_state()
+    relink_optimizer_states(getattr(engine, "optimizer", None))
 
 
 def _refresh_zero3_partitions(engine: Any) -> None:
