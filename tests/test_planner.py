@@ -31,9 +31,10 @@ from lightning_mgpu.planner.cost import (
     bubble_fraction,
     memory,
     paper_flops_per_step,
+    step_time,
 )
 from lightning_mgpu.planner.model_spec import spec_from_module
-from lightning_mgpu.planner.search import layout_from_options, parse_fix, reference_tokens_per_gpu
+from lightning_mgpu.planner.search import candidates, layout_from_options, parse_fix, reference_tokens_per_gpu
 
 # Narayanan et al. (2021), Table 1: (params, hidden, heads, layers, GPUs, batch, tp, pp, published TFLOP/s per GPU).
 TABLE_1 = [
@@ -538,3 +539,56 @@ def test_context_parallelism_divides_activations_and_wins_for_long_sequences(cap
     assert " cp " in out.splitlines()[4]  # the table's cp column
     winner = re.search(r"^Why: (.*?) wins", out, re.MULTILINE)
     assert winner and int(re.search(r"\bcp=(\d+)", winner.group(1)).group(1)) > 1, out  # the winner splits sequences
+
+
+@pytest.fixture(scope="module")
+def mixtral() -> ModelSpec:
+    """Mixtral-8x7B's shapes read from Hugging Face's module on the meta device."""
+    from examples.rehearse.mixtral import MixtralLM
+
+    return spec_from_module(build_on_meta(MixtralLM), seq_len=4096)
+
+
+def test_a_moe_model_counts_the_experts_a_token_is_routed_to(mixtral):
+    """FLOPs per token: attention and the 2 routed experts of 8, not all 8; under expert parallelism the experts run
+    whole on every tensor-parallel rank (the tensor plan leaves them out), so a tp rank does more of them."""
+    one_expert = mixtral.expert_params / 8
+    assert (mixtral.experts, mixtral.experts_per_token, mixtral.fused_experts, mixtral.gated_mlp) == (8, 2, True, True)
+    assert mixtral.expert_ffn == 14336
+    assert mixtral.matmul_params_per_layer == mixtral.attention_params_per_layer + 2 * one_expert
+    assert mixtral.routed_flops_per_token() == 2 * 2 * one_expert
+    cluster = preset("h100-sxm", gpus=64, hbm_gbps=1e12)  # memory traffic out of the way: compute is FLOPs
+    training, eff = Training(global_batch=64), Efficiency()
+    base = dict(tp=2, dp=32, zero_stage=1, num_microbatches=2)
+    times = {ep: step_time(mixtral, cluster, training, Layout.of(ep=ep, **base), eff)["compute"] for ep in (1, 8)}
+    tokens, peak = 4096, cluster.peak_tflops * 1e12 * eff.gemm
+    # 2 microbatches x 32 layers x 3 passes, the experts' share tp 2 no longer splits
+    extra = 2 * 32 * 3 * mixtral.routed_flops_per_token() * tokens * (1 - 1 / 2) / peak
+    assert times[8] - times[1] == pytest.approx(extra, rel=1e-6)
+
+
+def test_expert_parallel_memory_and_what_the_planner_refuses_beside_it(mixtral):
+    """Under ep a ZeRO-3 block gathers 1/ep of the experts instead of 1/tp of them; ZeRO 0-2 keep the gathered
+    experts from forward to backward. ep is checked as the library checks it: a divisor of dp and of the experts,
+    without cp, sequence parallelism or HSDP, and positive."""
+    cluster, training = preset("h100-sxm", gpus=64), Training(global_batch=64)
+    zero3 = {ep: memory(mixtral, cluster, training, Layout.of(dp=64, zero_stage=3, ep=ep)) for ep in (1, 8)}
+    assert zero3[8]["temporary"] < zero3[1]["temporary"] / 4
+    # ep 2: 4 experts per rank over 32 replicas, FSDP2 chunks of 1 expert: the first replica owns 1 of its 4.
+    zero1 = memory(mixtral, cluster, training, Layout.of(dp=64, zero_stage=1, ep=2))
+    gathered = 32 * mixtral.expert_params / 2 * 4 * (1 - 1 / 4)  # layers x experts per rank x fp32 x the rest
+    assert zero1["temporary"] >= gathered
+    # ep 8: 1 expert per rank over 8 replicas stays whole on the first (the fullest), nothing more to gather.
+    one = memory(mixtral, cluster, training, Layout.of(dp=64, zero_stage=1, ep=8))
+    assert one["temporary"] < gathered / 10
+    fixed = lambda text: [c for c in candidates(mixtral, cluster, training, parse_fix(text)) if isinstance(c, str)]
+    assert "ep=3 must divide dp=64 and the 8 experts" in fixed("tp=1,pp=1,ep=3")
+    assert "ep=8 runs without context parallelism (cp=2)" in fixed("tp=1,pp=1,cp=2,ep=8")
+    assert any("without sequence parallelism" in c for c in fixed("tp=2,pp=1,ep=8,sp=1"))
+    assert any("without hybrid sharding (hsdp=8)" in c for c in fixed("tp=1,pp=1,ep=8,hsdp=8,zero=3"))
+    with pytest.raises(ValueError, match=r"--fix ep=0: the expert-parallel size must be a positive integer"):
+        parse_fix("ep=0")
+    roomy = preset("h100-sxm", gpus=64, memory_gb=1000)  # one whole expert per layer on the first replica: 90 GB
+    best = search(mixtral, roomy, training, fixed=parse_fix("tp=2,pp=1,ep=8")).best
+    assert best is not None and best.layout.ep == 8 and not best.layout.sequence_parallel
+    assert best.time["expert_parallel"] > 0

@@ -43,7 +43,3 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, FileNotFoundError) as error:  # a damaged or missing checkpoint: the message says it all
         print(f"lightning-mgpu: error: {error}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

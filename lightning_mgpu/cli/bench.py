@@ -11,6 +11,7 @@ batch per data-parallel rank is fixed (``--batch-size``), so more data-parallel 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import logging
@@ -18,6 +19,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--steps", type=int, default=5, help="training steps per layout, warm-up included")
     bench.add_argument("--warmup-steps", type=int, default=2, help="steps not measured at the start of each run")
-    bench.add_argument("--zero-stage", type=int, default=0)
+    bench.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     bench.add_argument("--pipeline-schedule", default="1F1B")
     bench.add_argument("--precision", default="32-true")
     bench.add_argument("--out", default="bench_results", help="directory for bench.json, bench.png and each run")
@@ -82,22 +84,9 @@ def run_bench(args: argparse.Namespace) -> int:
     shapes = _shapes(module_cls, module_args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     started = time.perf_counter()
-    results = []
-    for n in counts:
-        for layout in _layouts(n, shapes, args.zero_stage):
-            name = f"dp{layout.dp}_tp{layout.tp}_pp{layout.pp}"
-            print(f"bench: {name} on {n} device{'s' if n > 1 else ''} ...", flush=True)
-            run = {"devices": n, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "name": name}
-            try:
-                report = _measure(args, module_cls, module_args, datamodule_cls, datamodule_args, layout, out / name)
-                run.update(_summary(report))
-            except Exception as error:  # one layout failing (memory, a model constraint) does not stop the sweep
-                first_line = (str(error).strip().splitlines() or [""])[0][:200]
-                run["error"] = f"{type(error).__name__}: {first_line}"
-            results.append(run)
+    with _quiet_lightning():
+        results = _sweep(args, counts, shapes, module_cls, module_args, datamodule_cls, datamodule_args, out)
     _add_predictions(args, results)
     scaling = _scaling(results)
     print(format_results(results, scaling))
@@ -114,6 +103,48 @@ def run_bench(args: argparse.Namespace) -> int:
         + (f" and {plot}" if plot else "")
     )
     return 0 if any("tokens_per_s" in r for r in results) else 1
+
+
+@contextlib.contextmanager
+def _quiet_lightning() -> Iterator[None]:
+    """Lightning's info lines off during the sweep (one fit per layout), back as they were after it."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _sweep(
+    args: argparse.Namespace,
+    counts: list[int],
+    shapes: dict[str, int],
+    module_cls: type,
+    module_args: dict[str, Any],
+    datamodule_cls: type | None,
+    datamodule_args: dict[str, Any],
+    out: Path,
+) -> list[dict[str, Any]]:
+    """Every layout of every device count, trained and measured in turn."""
+    results = []
+    for n in counts:
+        for layout in _layouts(n, shapes, args.zero_stage):
+            name = f"dp{layout.dp}_tp{layout.tp}_pp{layout.pp}"
+            print(f"bench: {name} on {n} device{'s' if n > 1 else ''} ...", flush=True)
+            run: dict[str, Any] = {"devices": n, "name": name, "zero_stage": layout.zero_stage}
+            run |= {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
+            try:
+                report = _measure(args, module_cls, module_args, datamodule_cls, datamodule_args, layout, out / name)
+                run.update(_summary(report))
+            except Exception as error:  # one layout failing (memory, a model constraint) does not stop the sweep
+                first_line = (str(error).strip().splitlines() or [""])[0][:200]
+                run["error"] = f"{type(error).__name__}: {first_line}"
+            results.append(run)
+    return results
 
 
 # ------------------------------------------------------------------------------------------------ the sweep
@@ -264,7 +295,7 @@ def _add_predictions(args: argparse.Namespace, results: list[dict[str, Any]]) ->
                 tp=tp,
                 pp=pp,
                 dp=dp,
-                zero_stage=args.zero_stage if dp > 1 else 0,
+                zero_stage=run["zero_stage"],
                 schedule=args.pipeline_schedule if pp > 1 else "none",
                 microbatch_size=max(1, args.batch_size // pp),
                 num_microbatches=pp if pp > 1 else 1,

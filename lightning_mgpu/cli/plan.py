@@ -50,7 +50,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     out.add_argument(
         "--fix",
         default=None,
-        help="evaluate given choices only, e.g. tp=8,pp=64 (keys: tp pp dp cp cp_mode zero hsdp schedule mbs ckpt sp)",
+        help="evaluate given choices only, e.g. tp=8,pp=64"
+        " (keys: tp pp dp cp cp_mode ep zero hsdp schedule mbs ckpt sp)",
     )
     out.add_argument(
         "--rehearse",

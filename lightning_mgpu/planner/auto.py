@@ -216,7 +216,8 @@ def plan_strategy_layout(
     for candidate in candidates:
         tp, pp, dp = (candidate.tensor_parallel_size, candidate.pipeline_parallel_size, candidate.data_parallel_size)
         training = Training(global_batch=per_replica * dp, precision=precision)
-        problem = _structural_problem(spec, cluster, training, tp, pp, dp)
+        cp, ep = candidate.context_parallel_size, options.expert_parallel_size
+        problem = _structural_problem(spec, cluster, training, tp, pp, dp, cp, ep)
         if problem:
             problems.append(f"{candidate.describe()}: {problem}")
             continue
@@ -230,8 +231,9 @@ def plan_strategy_layout(
             options.num_microbatches,
             options.activation_checkpointing,
             options.sequence_parallel,
-            candidate.context_parallel_size,
+            cp,
             options.context_parallel_mode,
+            ep,
         )
         result = estimate(spec, cluster, training, layout, efficiency)
         if result.fits:

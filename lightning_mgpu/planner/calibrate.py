@@ -124,6 +124,10 @@ def _probe(model: ModelSpec, module: nn.Module | None) -> _Probe:
         ffn_hidden=model.ffn // shrink,
         gated_mlp=False,
         block_params=None,
+        experts=0,  # the probe is one dense block
+        experts_per_token=None,
+        expert_params=0,
+        fused_experts=False,
     )
     layer = nn.TransformerEncoderLayer(narrow.hidden, narrow.heads, narrow.ffn, batch_first=True, dropout=0.0)
     per_token = narrow.forward_flops_per_token()[0] - 4.0 * (narrow.seq_len - seq) * narrow.hidden

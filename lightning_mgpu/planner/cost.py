@@ -16,7 +16,7 @@ and processes that outnumber the cores (with other jobs' load) slow every part d
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from lightning_mgpu.layout import ParallelLayout
@@ -75,8 +75,15 @@ class Layout(ParallelLayout):
     ep: int = 1  # expert parallelism: the routed experts split over groups of this many dp ranks
 
     @classmethod
-    def of(cls, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero_stage: int = 0, **choices: Any) -> Layout:
-        return cls(dp, tp, pp, zero_stage, cp, **choices)
+    def of(cls, *, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero_stage: int = 0, **choices: Any) -> Layout:
+        return cls(
+            data_parallel_size=dp,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            zero_stage=zero_stage,
+            context_parallel_size=cp,
+            **choices,
+        )
 
     @property
     def gpus(self) -> int:
@@ -116,11 +123,8 @@ class Layout(ParallelLayout):
     def as_dict(self) -> dict[str, Any]:
         """The planner's JSON form: sizes by mesh-axis name, then the choices."""
         sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero_stage": self.zero_stage, "cp": self.cp}
-        return sizes | {name: getattr(self, name) for name in _CHOICES}
-
-
-_CHOICES: tuple[str, ...] = ("schedule", "microbatch_size", "num_microbatches", "checkpointing", "sequence_parallel")
-_CHOICES += ("dp_shard", "cp_mode", "ep")
+        chosen = [f for f in fields(self) if f.name not in {base.name for base in fields(ParallelLayout)}]
+        return sizes | {f.name: getattr(self, f.name) for f in chosen}
 
 
 @dataclass
@@ -169,11 +173,14 @@ def activation_bytes_per_layer(model: ModelSpec, training: Training, layout: Lay
     if checkpointing == "full":
         return scale * 2 * s * b * h / (t if sp else 1)
     replicated = 10 * s * b * h  # norm inputs, the q/k/v and MLP inputs, two dropout masks
-    mlp = (8 if model.gated_mlp else 4) * s * b * model.ffn
-    split = (4 * h + 4 * model.kv_dim) * s * b + mlp  # q, k, v, attention output, MLP inner activations
+    # MLP inner activations; in a MoE block, those of each token's routed experts, whole on every tensor-parallel
+    # rank under expert parallelism (the tensor plan leaves the experts out).
+    mlp = (8 if model.gated_mlp else 4) * s * b * model.expert_ffn * (model.experts_per_token or 1)
+    whole = mlp if layout.ep > 1 and model.expert_params else 0.0
+    split = (4 * h + 4 * model.kv_dim) * s * b + mlp - whole  # q, k, v, attention output (and the MLP)
     eager = not training.flash_attention and checkpointing != "selective"
     scores = 5 * model.heads * s * s * b * layout.cp if eager else 0.0  # local queries x all keys
-    return scale * (replicated / (t if sp else 1) + (split + scores) / t)
+    return scale * (replicated / (t if sp else 1) + (split + scores) / t + whole)
 
 
 def in_flight(layout: Layout) -> float:
@@ -305,7 +312,10 @@ def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: L
         if z == 2 and d > 1:  # FSDP2 keeps the stage's parameters gathered from forward to backward
             temporary += local * p_bytes * (1 - 1 / d)
         if z == 3 and d > 1:  # one block gathered, the next prefetched, and one block's unsharded gradients
-            temporary += model.params_per_layer / t * (2 * p_bytes + g_bytes)
+            temporary += sum(block_params(model, layout)) * (2 * p_bytes + g_bytes)
+        if layout.ep > 1 and z <= 2 and not (layout.pp > 1 and z <= 1):  # experts gathered from forward to backward
+            experts = stage_params(model, layout)[stage][1]
+            temporary += experts * p_bytes * (1 - _expert_share(model, layout, layout.expert_replicas))
         if z <= 1 and layout.gradient_ranks > 1:
             temporary += 2 * DP_BUCKET_BYTES
         step_temp = local * 4 / (d if z >= 1 else 1)  # foreach Adam's intermediate of the local states
@@ -336,7 +346,9 @@ def step_time(
     peak = cluster.peak_tflops * 1e12 * eff.gemm
     hbm = cluster.hbm_gbps * GB
     # One block, one microbatch, on one GPU of the tensor-parallel group.
-    flops = passes * block_flops * tokens / t
+    # Routed experts under expert parallelism run whole on every tensor-parallel rank.
+    whole = model.routed_flops_per_token() if layout.ep > 1 else 0.0
+    flops = passes * ((block_flops - whole) / t + whole) * tokens
     if ckpt == "selective" and not training.flash_attention:
         flops += 4.0 * s * h * tokens / t  # the attention scores, recomputed
     moved = activation_bytes_per_layer(model, training, layout, "none") * eff.memory_passes * passes

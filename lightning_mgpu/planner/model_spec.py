@@ -21,8 +21,9 @@ class ModelSpec:
     Parameter counts default to the usual formulas; :func:`spec_from_module` fills them from a real module.
     ``block_params`` counts one block; ``embed_params`` what lives on the first pipeline stage besides blocks;
     ``head_params`` what lives on the last (final norm and an untied head; a tied head is the embedding).
-    Mixture-of-experts blocks: ``expert_params`` counts one block's routed experts (all ``experts`` of them, inside
-    ``block_params``), of which ``experts_per_token`` run per token.
+    Mixture-of-experts blocks: ``expert_params`` counts one block's routed experts (all ``experts`` of them, part of
+    ``block_params``; both are means over the blocks, as some models keep dense blocks between MoE ones), of which
+    ``experts_per_token`` run per token.
     """
 
     layers: int
@@ -71,6 +72,19 @@ class ModelSpec:
         return self.num_kv_heads * (self.hidden // self.heads)
 
     @property
+    def expert_ffn(self) -> int:
+        """One routed expert's MLP width (the MLP width for a dense model)."""
+        if not (self.expert_params and self.experts):
+            return self.ffn
+        return max(1, round(self.expert_params / self.experts / (3 if self.gated_mlp else 2) / self.hidden))
+
+    def routed_flops_per_token(self) -> float:
+        """Forward FLOPs per token of one block's routed experts (the experts it is sent to); 0 for a dense model."""
+        if not (self.expert_params and self.experts):
+            return 0.0
+        return 2.0 * (self.experts_per_token or 1) * self.expert_params / self.experts
+
+    @property
     def attention_params_per_layer(self) -> int:
         h = self.hidden
         return 2 * h * h + 2 * h * self.kv_dim
@@ -92,7 +106,9 @@ class ModelSpec:
 
     @property
     def params_per_layer(self) -> int:
-        return self.block_params if self.block_params is not None else self.matmul_params_per_layer + 4 * self.hidden
+        if self.block_params is not None:
+            return self.block_params
+        return self.dense_matmul_params_per_layer + self.expert_params + 4 * self.hidden
 
     @property
     def first_stage_params(self) -> int:
@@ -198,13 +214,15 @@ def spec_from_module(module: nn.Module, seq_len: int | None = None, **overrides:
         values["vocab"] = max(m.num_embeddings for m in embeddings)
     if seq_len is not None:
         values["seq_len"] = seq_len
+    values |= _routed_experts(blocks, len(blocks))
     values.update({k: v for k, v in overrides.items() if v is not None})
     missing = [k for k in ("hidden", "heads", "vocab", "seq_len") if k not in values]
     if missing:
         flags = " ".join(f"--{k.replace('_', '-')} N" for k in missing)
         raise ValueError(f"Could not read {', '.join(missing)} from {type(module).__name__}: pass {flags}.")
     block_params = sum(p.numel() for p in block_at(blocks, 0).parameters())
-    values |= _routed_experts(blocks, len(blocks))
+    if values.get("expert_params"):  # MoE: dense and MoE blocks may alternate, so the mean block
+        block_params = round(sum(p.numel() for p in blocks.parameters()) / len(blocks))
     in_blocks = {id(p) for p in blocks.parameters()}
     embed_ids = {id(p) for m in embeddings for p in m.parameters()}
     seen: set[int] = set()
@@ -218,7 +236,8 @@ def spec_from_module(module: nn.Module, seq_len: int | None = None, **overrides:
         else:
             last += param.numel()
     tied = bool(tied_parameters(module))  # a tied head's copy on the last stage is added per layout (cost.py)
-    gated = any(hasattr(m, name) for m in block_at(blocks, 0).modules() for name in ("gate_proj", "w3", "fc_1"))
+    gated_names = ("gate_proj", "gate_up_proj", "w3", "fc_1")
+    gated = any(hasattr(m, name) for m in block_at(blocks, 0).modules() for name in gated_names)
     notes = (f"blocks: {container_name} ({len(blocks)} x {block_params:,} params)",)
     hugging_face = any(getattr(getattr(m, "config", None), "base_model_tp_plan", None) for m in module.modules())
     return ModelSpec(
@@ -243,7 +262,8 @@ def _routed_experts(blocks: nn.Module, layers: int) -> dict[str, Any]:
     lists = [experts for _, experts in find_expert_lists(blocks).values()]
     if not fused and not lists:
         return {}
-    counts = [int(getattr(m, "num_experts", 0)) for m in fused] + [len(experts) for experts in lists]
+    counts = [m.get_parameter("gate_up_proj").shape[0] for m in fused]  # the global count, also once split
+    counts += [len(experts) for experts in lists]
     params = {id(p): p.numel() for m in [*fused, *lists] for p in m.parameters()}
     return {
         "experts": max(counts),

@@ -76,6 +76,8 @@ def parse_fix(text: str | None) -> dict[str, object]:
         raise ValueError(f"--fix zero={fixed['zero_stage']}: ZeRO stages are 0, 1, 2, 3.")
     if "cp_mode" in fixed and fixed["cp_mode"] not in ("ring", "alltoall"):
         raise ValueError(f"--fix cp_mode={fixed['cp_mode']}: choose ring or alltoall.")
+    if "ep" in fixed and int(fixed["ep"]) < 1:  # type: ignore[call-overload]
+        raise ValueError(f"--fix ep={fixed['ep']}: the expert-parallel size must be a positive integer.")
     if "dp_shard" in fixed and int(fixed["dp_shard"]) < 1:  # type: ignore[call-overload]
         raise ValueError(f"--fix hsdp={fixed['dp_shard']}: the shard group size must be a positive integer.")
     return fixed
@@ -167,8 +169,9 @@ def _variants(
         return
     ep = _fixed_ep(fixed)
     sequence_parallel = bool(fixed.get("sequence_parallel", tp > 1 and ep == 1))
-    if sequence_parallel and ep > 1:
-        yield f"ep={ep} runs without sequence parallelism (sp=1): the library refuses the two together"
+    if ep > 1 and (sequence_parallel or "dp_shard" in fixed):
+        beside = "sequence parallelism (sp=1)" if sequence_parallel else f"hybrid sharding (hsdp={fixed['dp_shard']})"
+        yield f"ep={ep} runs without {beside}: the library refuses the two together"
         return
     for mbs in divisors(per_rank):
         if mbs > 64 or fixed.get("microbatch_size", mbs) != mbs:
@@ -187,6 +190,10 @@ def _variants(
                     continue  # sharded parameters under a pipeline regather per microbatch: not worth ranking
                 for ckpt in CHECKPOINTING:
                     if fixed.get("checkpointing", ckpt) != ckpt:
+                        continue
+                    if ckpt != "none" and ep > 1 and not model.fused_experts:
+                        if "checkpointing" in fixed:  # a block with a list of experts runs twice under ep
+                            yield f"ckpt={ckpt}: blocks with a list of experts are not checkpointed under ep={ep}"
                         continue
                     if ckpt == "selective" and training.flash_attention and "checkpointing" not in fixed:
                         continue  # flash attention keeps no scores: selective recomputation would change nothing
@@ -210,7 +217,7 @@ def _shard_sizes(dp: int, tp: int, zero: int, gpus_per_node: int, fixed: dict[st
     """ZeRO over all of dp (None) and, where dp leaves a node at ZeRO 2-3, hybrid sharding inside each node (HSDP:
     the shard groups' collectives on the node's links, only the shards' all-reduce across nodes)."""
     if _fixed_ep(fixed) > 1:
-        return [None]  # expert parallelism already splits dp in two (the library refuses HSDP beside it)
+        return [None]  # expert parallelism already splits dp in two (HSDP beside it is refused in _variants)
     if "dp_shard" in fixed:
         shard = int(fixed["dp_shard"])  # type: ignore[call-overload]
         return [None if shard == dp else shard] if dp % shard == 0 and zero >= 1 else []
@@ -339,6 +346,7 @@ def layout_from_options(
     sequence_parallel: bool = False,
     context_parallel_size: int = 1,
     context_parallel_mode: str = "ring",
+    expert_parallel_size: int = 1,
 ) -> Layout:
     """The planner's :class:`Layout` for ``HybridStrategy`` arguments (its defaults: as many microbatches as stages)."""
     tp, pp, cp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
@@ -361,4 +369,5 @@ def layout_from_options(
         sequence_parallel=sequence_parallel and tp > 1,
         cp=cp,
         cp_mode=context_parallel_mode,
+        ep=expert_parallel_size,
     )

@@ -4,6 +4,7 @@ scaling of the best one per device count and writes its files."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -38,6 +39,7 @@ def test_bad_input_is_refused_before_any_run(flags, message, tmp_path):
 
 
 def test_a_two_device_sweep_ranks_every_layout_and_reports_scaling(tmp_path, capsys):
+    levels = {name: logging.getLogger(name).level for name in ("lightning.pytorch", "lightning.fabric")}
     code = main(
         [
             "bench",
@@ -56,6 +58,8 @@ def test_a_two_device_sweep_ranks_every_layout_and_reports_scaling(tmp_path, cap
     )
     out = capsys.readouterr().out
     assert code == 0, out
+    # Lightning's info lines were silenced for the sweep only (a test after it in this process reads them).
+    assert {name: logging.getLogger(name).level for name in levels} == levels
     saved = json.loads((tmp_path / "bench.json").read_text())
     names = {(r["devices"], r["name"]) for r in saved["runs"]}
     assert names == {(1, "dp1_tp1_pp1"), (2, "dp2_tp1_pp1"), (2, "dp1_tp2_pp1"), (2, "dp1_tp1_pp2")}
