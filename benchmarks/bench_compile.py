@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import demo_gpt, harness
+from benchmarks import demo_gpt
+from benchmarks.probes import make_step_probe
+from benchmarks.report import table
+from benchmarks.run import fit, load_average, run_interleaved, start_rank
+from benchmarks.stats import summarize
 
 CONFIGS: dict[str, bool] = {"eager": False, "compiled": True}
 
@@ -27,11 +27,11 @@ def fit_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     from lightning_mgpu import HybridStrategy
     from lightning_mgpu.demo import GPTLightningModule
 
-    harness.start_rank(args["verbose"])
+    start_rank(args["verbose"])
     module = GPTLightningModule(**demo_gpt.gpt_kwargs(args))
-    probe = harness.make_step_probe(verbose=args["verbose"])
+    probe = make_step_probe(verbose=args["verbose"])
     strategy = HybridStrategy(zero_stage=args["zero_stage"], compile=CONFIGS[name], timeout=timedelta(seconds=600))
-    return harness.fit(
+    return fit(
         probe, module, demo_gpt.demo_data(args), devices=args["devices"], strategy=strategy, max_steps=args["steps"]
     )
 
@@ -44,20 +44,20 @@ def main(argv: list[str] | None = None) -> None:
     args = demo_gpt.parse_run_args(parser, argv)
     demo_gpt.preload()
     jobs = {name: (fit_job, args["devices"], (name, args)) for name in CONFIGS}
-    runs = harness.run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"])
-    results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}
+    runs = run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"])
+    results = {name: summarize(done, args["warmup"]) for name, done in runs.items()}
     base = results["eager"]
     print(
         f"\ndemo GPT n_layer={args['n_layer']} n_embd={args['n_embd']} block={args['block_size']}, batch"
         f" {args['batch_size']}/rank, {args['devices']} ranks, zero_stage={args['zero_stage']};"
-        f" load {harness.load_average()}"
+        f" load {load_average()}"
     )
     columns = {
         "step/eager": lambda n, r: f"x{r['median'] / base['median']:.2f}",
         "cpu/eager": lambda n, r: f"x{r['cpu'] / base['cpu']:.2f}",
         "    loss": lambda n, r: f"{r['loss']:.4f}",
     }
-    harness.table(results, columns)
+    table(results, columns)
 
 
 if __name__ == "__main__":

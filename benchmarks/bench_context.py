@@ -12,22 +12,21 @@ starts (the activations autograd keeps, parameters excluded), the largest rank's
   at the first length), per cp (expected ~cp times longer);
 - the step time (median wall, slowest rank) beside it, for the record only: on 2 CPU cores, 4 processes share them.
 
-Run ``python benchmarks/bench_context.py --help`` for the flags.
+Run ``python -m benchmarks.bench_context --help`` (from the repository root) for the flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import demo_gpt, harness
+from benchmarks import demo_gpt
 from benchmarks.bench_memory import ActivationProbe
-from benchmarks.harness import MB
+from benchmarks.probes import make_step_probe
+from benchmarks.report import MB
+from benchmarks.run import fit, load_average, run_interleaved, start_rank
+from benchmarks.stats import summarize
 
 
 def fit_job(cp: int, seq_len: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -36,13 +35,13 @@ def fit_job(cp: int, seq_len: int, args: dict[str, Any]) -> dict[str, Any]:
     from lightning_mgpu import HybridStrategy
     from lightning_mgpu.demo import GPTLightningModule
 
-    harness.start_rank(args["verbose"])
+    start_rank(args["verbose"])
     sizes = {**args, "block_size": seq_len}
     module = GPTLightningModule(**demo_gpt.gpt_kwargs(sizes))
     steps = args["steps"]
-    probe = harness.make_step_probe(probes={steps: lambda trainer: ActivationProbe(module)}, verbose=args["verbose"])
+    probe = make_step_probe(probes={steps: lambda trainer: ActivationProbe(module)}, verbose=args["verbose"])
     strategy = HybridStrategy(context_parallel_size=cp, timeout=timedelta(seconds=300))
-    result = harness.fit(probe, module, demo_gpt.demo_data(sizes), devices=cp, strategy=strategy, max_steps=steps + 1)
+    result = fit(probe, module, demo_gpt.demo_data(sizes), devices=cp, strategy=strategy, max_steps=steps + 1)
     return {**result, "activations": result["probes"][steps]}
 
 
@@ -59,12 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     lengths = [int(seq) for seq in args["seq_lens"].split(",")]
     demo_gpt.preload()
     jobs = {f"cp={cp} seq={seq}": (fit_job, cp, (cp, seq, args)) for cp in sizes for seq in lengths}
-    runs = harness.run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"])
+    runs = run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"])
     held = {name: max(rank["activations"]["held"] for rank in done[0]) for name, done in runs.items()}
-    steps = {name: harness.summarize(done, args["warmup"])["median"] for name, done in runs.items()}
+    steps = {name: summarize(done, args["warmup"])["median"] for name, done in runs.items()}
     print(
         f"\ndemo GPT n_layer={args['n_layer']} n_embd={args['n_embd']} n_head={args['n_head']}, batch"
-        f" {args['batch_size']} per data-parallel rank; load {harness.load_average()}"
+        f" {args['batch_size']} per data-parallel rank; load {load_average()}"
     )
     print(f"{'seq':>6} " + " ".join(f"{'cp=' + str(cp) + ' MiB':>12} {'x cp=1':>7}" for cp in sizes))
     for seq in lengths:

@@ -18,10 +18,10 @@ configuration runs once per repeat, odd repeats in reverse order (ABBA), so that
 hits both members of a compared pair alike; each ratio is the median over repeats of the per-repeat ratio of
 median step times (warm-up steps dropped), for wall time (slowest rank) and process CPU time (mean of ranks) --
 on a loaded machine the CPU-time ratio is the steadier one. Step time runs from ``on_train_batch_start`` to
-``on_train_batch_end`` (``benchmarks/harness.py``). Memory per rank right after backward is read with
-``deepspeed_engine.memory_per_rank`` for both DeepSpeed runs and the harness's probe for the torch backend, and
+``on_train_batch_end`` (``benchmarks/probes.py``). Memory per rank right after backward is read with
+``deepspeed_engine.memory_per_rank`` for both DeepSpeed runs and the shared step probe for the torch backend, and
 printed in bytes per parameter beside the ZeRO formulas. The ZeRO settings in which our engines' configs and
-Lightning's differ are printed last (``dsN``: none). ``python benchmarks/bench_deepspeed.py [--stages 1,2,3]
+Lightning's differ are printed last (``dsN``: none). ``python -m benchmarks.bench_deepspeed [--stages 1,2,3]
 [--repeats 4] [--profile DIR]`` (``--profile``: rank 0's timed steps under cProfile, one ``.prof`` per configuration,
 timed in the main thread's CPU time, which a shared machine's load does not stretch).
 """
@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import demo_gpt, harness
+from benchmarks import demo_gpt
+from benchmarks.probes import make_step_probe
+from benchmarks.report import memory_columns, ratio_table, table
+from benchmarks.run import fit, load_average, run_interleaved, start_rank
+from benchmarks.stats import summarize
 
 TARGET = 1.05  # our DeepSpeed backend's step time over Lightning's DeepSpeedStrategy
 
@@ -129,12 +130,12 @@ def _step_profiler(name: str, args: dict[str, Any]) -> Any:
 def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     from lightning_mgpu.demo import GPTLightningModule
 
-    harness.start_rank(args["verbose"])
-    probe = harness.make_step_probe(args["mem_step"], verbose=args["verbose"])
+    start_rank(args["verbose"])
+    probe = make_step_probe(args["mem_step"], verbose=args["verbose"])
     memory = _memory_probe(args["mem_step"])
     callbacks = [probe, memory] + ([_step_profiler(name, args)] if args["profile"] else [])
     module = GPTLightningModule(**demo_gpt.gpt_kwargs(args))
-    result = harness.fit(
+    result = fit(
         probe,
         module,
         demo_gpt.demo_data(args),
@@ -145,7 +146,7 @@ def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     )
     if memory.memory is not None:
         result["memory"] = memory.memory
-    elif result.get("memory"):  # the torch backend: the harness's probe (local shards, their grads, states)
+    elif result.get("memory"):  # the torch backend: the step probe's (local shards, their grads, states)
         result["memory"]["numel"] = sum(p.numel() for p in module.parameters())
     return {**result, "zero_config": memory.zero_config}
 
@@ -172,12 +173,11 @@ def _held_per_param(name: str, r: dict[str, Any]) -> str:
 
 def _config_differences(runs: dict[str, list], ours: str, theirs: str) -> str:
     """The ZeRO settings in which the engine configs of two configurations differ (the rest is equal)."""
-    configs = [runs[name][0][0].get("zero_config") if name in runs else None for name in (ours, theirs)]
-    if None in configs:
+    mine, peer = (runs[name][0][0].get("zero_config") if name in runs else None for name in (ours, theirs))
+    if mine is None or peer is None:
         return "?"
-    ours, theirs = configs
-    keys = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
-    return ", ".join(f"{k}: {ours.get(k, 'default')} vs {theirs.get(k, 'default')}" for k in keys) or "none"
+    keys = sorted(k for k in set(mine) | set(peer) if mine.get(k) != peer.get(k))
+    return ", ".join(f"{k}: {mine.get(k, 'default')} vs {peer.get(k, 'default')}" for k in keys) or "none"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -191,25 +191,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     demo_gpt.preload("deepspeed")
     stages = [int(s) for s in args["stages"].split(",")]
     names = [f"{kind}{stage}" for stage in stages for kind in KINDS]
-    load_before = harness.load_average()
+    load_before = load_average()
     jobs = {name: (job, args["devices"], (name, args)) for name in names}
-    runs = harness.run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"], abba=True)
-    results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}
+    runs = run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"], abba=True)
+    results = {name: summarize(done, args["warmup"]) for name, done in runs.items()}
     print(
         f"\nGPT n_layer={args['n_layer']} n_embd={args['n_embd']}; dp={args['devices']} x batch {args['batch_size']},"
         f" gloo; {args['repeats']} ABBA-interleaved repeats x {args['steps'] - args['warmup']} timed steps;"
-        f" {os.cpu_count()} cores, load average {load_before} before, {harness.load_average()} after"
+        f" {os.cpu_count()} cores, load average {load_before} before, {load_average()} after"
     )
-    pairs = [(f"ds{s}", f"lightning-ds{s}", TARGET) for s in stages]
+    pairs: list[tuple[str, str, float | None]] = [(f"ds{s}", f"lightning-ds{s}", TARGET) for s in stages]
     pairs += [(f"{kind}{s}", f"ds{s}", None) for s in stages for kind in ("ds-dd", "torch")]
-    rows = harness.ratio_table(results, pairs)
+    rows = ratio_table(results, pairs)
     columns = {
         "B/param": _held_per_param,
         "formula": lambda n, r: f"{_expected_bytes_per_param(n, args['devices']):.2f}",
     }
-    harness.table(
+    table(
         results,
-        {**harness.memory_columns(3), **columns, "   loss": lambda n, r: f"{r['loss']:.4f}"},
+        {**memory_columns(3), **columns, "   loss": lambda n, r: f"{r['loss']:.4f}"},
         title=f"\nmemory per rank after backward (step {args['mem_step']}), fp32 AdamW; B/param: vs formula",
     )
     print("\nZeRO settings that differ from Lightning's DeepSpeedStrategy's (DeepSpeed's defaults where unset):")

@@ -8,31 +8,31 @@
 ==========  =====================================================================================================
 
 A Hugging Face Mixtral built from a small config (random weights) fits random tokens with the same per-rank batch
-in 4 forked gloo processes; steps are timed by the harness's probe (interleaved repeats). The all-to-all bytes are
+in 4 forked gloo processes; steps are timed by the shared step probe (interleaved repeats). The all-to-all bytes are
 counted in one extra, untimed step: every ``all_to_all_single`` the rank issues (forward and backward), the bytes it
 sends to *other* ranks (its own slice stays in place), split into token traffic (hidden states) and the routing
 counts. The analytic token traffic assumes uniform routing: each rank sends
 ``tokens x top_k x hidden x 4 bytes x (ep-1)/ep`` per MoE layer and direction, twice forward (dispatch, combine) and
 twice backward.
 
-    python benchmarks/bench_experts.py [--repeats 2] [--steps 6]
+    python -m benchmarks.bench_experts [--repeats 2] [--steps 6]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import demo_gpt, harness
-from benchmarks.harness import MB, SEED
+from benchmarks import demo_gpt
+from benchmarks.probes import make_step_probe
+from benchmarks.report import MB, ratio_table, table
+from benchmarks.run import SEED, fit, load_average, quiet_fds, run_interleaved, start_rank
+from benchmarks.stats import summarize
+from tests.helpers.probes import local_bytes
 
 DEVICES = 4
 CONFIGS = {"ep1": 1, "ep2": 2, "ep4": 4}
-MODEL = dict(
+MODEL: dict[str, Any] = dict(  # MixtralConfig's keyword arguments
     vocab_size=256,
     hidden_size=128,
     intermediate_size=256,
@@ -100,7 +100,7 @@ class AllToAllBytes:
         split = expert_parameters(self.module) or {
             p for m in find_experts(self.module).values() for p in m.parameters()
         }
-        self.result["expert_params"] = sum(harness.local_bytes(p) // p.element_size() for p in split)
+        self.result["expert_params"] = sum(local_bytes(p) // p.element_size() for p in split)
         self._original = original = dist.all_to_all_single
 
         def counted(
@@ -130,11 +130,11 @@ class AllToAllBytes:
 def job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     from lightning_mgpu import HybridStrategy
 
-    harness.start_rank(args["verbose"])
+    start_rank(args["verbose"])
     counter = {args["steps"]: lambda trainer: AllToAllBytes(trainer.lightning_module)}  # the last step, untimed
-    probe = harness.make_step_probe(probes=counter, verbose=args["verbose"])
+    probe = make_step_probe(probes=counter, verbose=args["verbose"])
     strategy = HybridStrategy(data_parallel_size=DEVICES, expert_parallel_size=CONFIGS[name])
-    result = harness.fit(probe, _module(), _data(args), devices=DEVICES, strategy=strategy, max_steps=args["steps"] + 1)
+    result = fit(probe, _module(), _data(args), devices=DEVICES, strategy=strategy, max_steps=args["steps"] + 1)
     return {**result, "a2a": result["probes"][args["steps"]]}
 
 
@@ -150,14 +150,14 @@ def main() -> None:
     print(
         f"Mixtral {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, {MODEL['num_local_experts']}"
         f" experts top-{MODEL['num_experts_per_tok']}; {DEVICES} ranks x {args['batch_size']} x {args['seq_len']}"
-        f" tokens; load {harness.load_average()}"
+        f" tokens; load {load_average()}"
     )
-    with harness.quiet_fds(not args["verbose"]):  # torchao (pulled in by transformers) prints load failures
+    with quiet_fds(not args["verbose"]):  # torchao (pulled in by transformers) prints load failures
         demo_gpt.preload("transformers.models.mixtral.modeling_mixtral")
     jobs = {name: (job, DEVICES, (name, args)) for name in CONFIGS}
-    runs = harness.run_interleaved(jobs, args["repeats"], report=lambda n, o: f"{o[0]['a2a']}")
-    results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}
-    harness.ratio_table(
+    runs = run_interleaved(jobs, args["repeats"], report=lambda n, o: f"{o[0]['a2a']}")
+    results = {name: summarize(done, args["warmup"]) for name, done in runs.items()}
+    ratio_table(
         results,
         [(name, "ep1", None) for name in CONFIGS if name != "ep1"],
         title="step time against ep1 (same world, batch and model)",
@@ -172,7 +172,7 @@ def main() -> None:
         "a2a counts B": lambda n, r: f"{busiest[n]['counts']}",
         "a2a calls": lambda n, r: f"{busiest[n]['calls']}",
     }
-    harness.table(results, columns, title="\nall-to-all of one untimed step, the busiest rank")
+    table(results, columns, title="\nall-to-all of one untimed step, the busiest rank")
 
 
 if __name__ == "__main__":

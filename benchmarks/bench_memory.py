@@ -14,7 +14,7 @@ name              ``activation_checkpointing=``
 
 Measured per rank (the notes printed under the table say the same):
 
-- step time (``benchmarks/harness.py``'s probe): wall time ``on_train_batch_start`` -> ``on_train_batch_end``, per
+- step time (``benchmarks/probes.py``'s step probe): wall time ``on_train_batch_start`` -> ``on_train_batch_end``, per
   step the slowest rank, median over the steps after ``--warmup`` and the ``--repeats`` interleaved runs; and the
   process CPU time of the same span (mean of the ranks; less sensitive to other jobs);
 - on one extra, untimed step (tensor tracking slows it down): the bytes of tensors created in forward that are still
@@ -23,21 +23,23 @@ Measured per rank (the notes printed under the table say the same):
   ``lightning_mgpu.parallel.activation``); and the process's peak resident memory over that step (Linux ``VmHWM``
   after resetting it through ``/proc/self/clear_refs``).
 
-Run ``python benchmarks/bench_memory.py --help`` for the flags.
+Run ``python -m benchmarks.bench_memory --help`` (from the repository root) for the flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import demo_gpt
+from benchmarks.probes import make_step_probe
+from benchmarks.report import MB, table
+from benchmarks.run import fit, load_average, run_interleaved, start_rank
+from benchmarks.stats import summarize
 
-from benchmarks import demo_gpt, harness
-from benchmarks.harness import MB
+if TYPE_CHECKING:
+    from lightning_mgpu.parallel.activation import ActivationMemory
 
 CONFIGS: dict[str, Any] = {"off": False, "full": "full", "selective": "selective"}
 
@@ -55,7 +57,9 @@ class ActivationProbe:
     peak bytes of tensors made during forward + backward, and the process's peak RSS over them (``VmHWM``)."""
 
     def __init__(self, module: Any) -> None:
-        self.module, self.result, self._tracker = module, {}, None
+        self.module = module
+        self.result: dict[str, Any] = {}
+        self._tracker: ActivationMemory | None = None
 
     def __enter__(self) -> ActivationProbe:
         from lightning_mgpu.parallel.activation import ActivationMemory
@@ -76,6 +80,7 @@ class ActivationProbe:
     @phase.setter
     def phase(self, name: str) -> None:
         if name == "backward":
+            assert self._tracker is not None  # told the phase inside the step only
             self.result["held"] = self._tracker.held_bytes(exclude=list(self.module.parameters()))
         else:
             self.__exit__()
@@ -94,14 +99,14 @@ def fit_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     from lightning_mgpu import HybridStrategy
     from lightning_mgpu.demo import GPTLightningModule
 
-    harness.start_rank(args["verbose"])
+    start_rank(args["verbose"])
     module = GPTLightningModule(**demo_gpt.gpt_kwargs(args))
     steps = args["steps"]  # then one more, measured for memory and not timed
-    probe = harness.make_step_probe(probes={steps: lambda trainer: ActivationProbe(module)}, verbose=args["verbose"])
+    probe = make_step_probe(probes={steps: lambda trainer: ActivationProbe(module)}, verbose=args["verbose"])
     strategy = HybridStrategy(
         zero_stage=args["zero_stage"], activation_checkpointing=CONFIGS[name], timeout=timedelta(seconds=120)
     )
-    result = harness.fit(
+    result = fit(
         probe,
         module,
         demo_gpt.demo_data(args),
@@ -120,7 +125,7 @@ def _memory(runs: list[list[dict[str, Any]]], key: str) -> float | None:
 
 
 def print_report(runs: dict[str, list], args: dict[str, Any]) -> None:
-    results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}
+    results = {name: summarize(done, args["warmup"]) for name, done in runs.items()}
     for name, r in results.items():
         r.update({key: _memory(runs[name], key) for key in ("held", "peak", "rss")})
     base = results.get("off", {})
@@ -129,7 +134,7 @@ def print_report(runs: dict[str, list], args: dict[str, Any]) -> None:
     print(
         f"\ndemo GPT n_layer={args['n_layer']} n_embd={args['n_embd']} n_head={args['n_head']} block="
         f"{args['block_size']}, batch {args['batch_size']}/rank, {args['devices']} ranks, zero_stage="
-        f"{args['zero_stage']}, precision={args['precision']}; load {harness.load_average()}"
+        f"{args['zero_stage']}, precision={args['precision']}; load {load_average()}"
     )
     columns = {
         "step/off": ratio("median"),
@@ -141,7 +146,7 @@ def print_report(runs: dict[str, list], args: dict[str, Any]) -> None:
         "RSS MiB": mib("rss"),
         "    loss": lambda n, r: f"{r['loss']:.4f}",
     }
-    harness.table(results, columns)
+    table(results, columns)
     print(NOTES)
 
 
@@ -167,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     names = demo_gpt.select(parser, args["only"], CONFIGS)
     demo_gpt.preload()
     jobs = {name: (fit_job, args["devices"], (name, args)) for name in names}
-    print_report(harness.run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"]), args)
+    print_report(run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"]), args)
 
 
 if __name__ == "__main__":

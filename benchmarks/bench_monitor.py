@@ -7,26 +7,27 @@
    ``all_reduce`` and a functional-collective ``all_reduce`` + wait, patched and active vs plain, median of
    alternating rounds). Divided by the step's process CPU time (median, rank 0). Stable on a loaded machine: it
    counts work, not the waits of a preempted process.
-2. *Side by side*: the same fits with and without the monitor, interleaved (``benchmarks/harness.py``'s table:
+2. *Side by side*: the same fits with and without the monitor, interleaved (``report.ratio_table``:
    median of per-repeat ratios of the slowest rank's median time from one step's start to the next, every hook
    included, and of process CPU time). On a shared 2-core
    machine its spread is far wider than 3%; it is printed to show the order of magnitude, not to judge the target.
 
-    .venv/bin/python benchmarks/bench_monitor.py [--repeats 2] [--steps 20]
+    .venv/bin/python -m benchmarks.bench_monitor [--repeats 2] [--steps 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import demo_gpt, harness
+from benchmarks import demo_gpt
+from benchmarks.probes import make_step_probe
+from benchmarks.report import ratio_table
+from benchmarks.run import fit, load_average, run_interleaved, run_or_report, start_rank
+from benchmarks.stats import summarize
 
 LAYOUTS = {"dp2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2)}
 TARGET = 1.03
@@ -63,11 +64,16 @@ def wrapper_cost(calls: int = 1000, rounds: int = 9) -> dict[str, float]:
 
     from lightning_mgpu.monitor.timing import Clock, CollectiveTimer, StepRecorder
 
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    world = dist.group.WORLD
+    assert world is not None  # initialized above
+
     def dist_call() -> None:
         dist.all_reduce(tensor)
 
     def funcol_call() -> None:
-        funcol.all_reduce(tensor, "sum", dist.group.WORLD).wait()
+        funcol.all_reduce(tensor, "sum", world).wait()
 
     def cpu_per_call(fn: Any) -> float:  # CPU time of this thread: the wrapper's work, not a preempted wait
         start = time.thread_time()
@@ -75,8 +81,6 @@ def wrapper_cost(calls: int = 1000, rounds: int = 9) -> dict[str, float]:
             fn()
         return (time.thread_time() - start) / calls
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
     tensor = torch.ones(16)
     recorder = StepRecorder(Clock(torch.device("cpu")))
     timer = CollectiveTimer(recorder, {}, world_axis="dp")
@@ -102,13 +106,13 @@ def job(layout: str, monitored: bool, args: dict[str, Any]) -> dict[str, Any]:
     from lightning_mgpu.demo import GPTLightningModule
 
     dp, tp, pp = LAYOUTS[layout]
-    harness.start_rank(args["verbose"])
-    probe = harness.make_step_probe(verbose=args["verbose"])  # its 'iter' times: start to next start, all hooks in
+    start_rank(args["verbose"])
+    probe = make_step_probe(verbose=args["verbose"])  # its 'iter' times: start to next start, all hooks in
     out = Path(args["out"]) / layout
     monitor = _self_timed_monitor(every_n_steps=1, dirpath=out, verbose=False) if monitored else None
     strategy = HybridStrategy(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     module, callbacks = GPTLightningModule(**demo_gpt.gpt_kwargs(args)), [monitor, probe] if monitor else [probe]
-    result = harness.fit(
+    result = fit(
         probe,
         module,
         demo_gpt.demo_data(args),
@@ -153,19 +157,19 @@ def main() -> None:
     options = argparse.Namespace(**args)
     print(
         f"bench_monitor: demo GPT n_embd={options.n_embd} block={options.block_size} batch={options.batch_size},"
-        f" {options.steps} steps x {options.repeats} repeats; load average {harness.load_average()}"
+        f" {options.steps} steps x {options.repeats} repeats; load average {load_average()}"
     )
     jobs = {}
     for layout, (dp, tp, pp) in LAYOUTS.items():
         jobs[layout] = (job, dp * tp * pp, (layout, False, args))
         jobs[f"{layout}+mon"] = (job, dp * tp * pp, (layout, True, args))
-    costs = harness.run_or_report("wrapper cost", wrapper_cost, 1)
+    costs = run_or_report("wrapper cost", wrapper_cost, 1)
     cost = max(costs[0].values()) if costs else float("nan")
     print("timer wrapper cost per call (us):", {k: round(v * 1e6, 2) for k, v in (costs[0] if costs else {}).items()})
-    runs = harness.run_interleaved(jobs, options.repeats, options.timeout, options.verbose)
+    runs = run_interleaved(jobs, options.repeats, options.timeout, options.verbose)
     _counted_overhead(runs, cost, options.warmup)
-    results = {name: harness.summarize(outputs, options.warmup) for name, outputs in runs.items()}
-    harness.ratio_table(
+    results = {name: summarize(outputs, options.warmup) for name, outputs in runs.items()}
+    ratio_table(
         results,
         [(f"{layout}+mon", layout, TARGET) for layout in LAYOUTS],
         span="iter",

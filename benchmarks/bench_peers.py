@@ -24,7 +24,7 @@ configuration          what                                                     
 =====================  =======================================================================  ====================
 
 Every configuration fits the demo GPT on the same data with the same per-rank batch in ``--devices`` forked gloo
-processes; steps are timed by the harness's probe (``benchmarks/harness.py``: wall and CPU time of
+processes; steps are timed by the shared step probe (``benchmarks/probes.py``: wall and CPU time of
 ``on_train_batch_start`` -> ``on_train_batch_end``, the same span in the DeepSpeed loop), memory per rank is read
 right after backward, and the collectives of one extra, untimed step are counted from the profiler, with the
 bytes a rank sends (ring algorithms) beside the analytic minimum of ``analytic_comm``.
@@ -34,14 +34,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import by_hand, demo_gpt, harness
-from benchmarks.harness import MB
+from benchmarks import by_hand, demo_gpt
+from benchmarks.probes import make_step_probe, memory_per_rank, profiled_collectives
+from benchmarks.report import MB, fmt_comm, interval_table, memory_columns, ratio_table, table, thread_table
+from benchmarks.run import fit, load_average, quiet_fds, run_interleaved, start_rank
+from benchmarks.stats import summarize
+from benchmarks.timing import PROFILED_NOTE, LoopTimer, StepProfile
+from tests.helpers.probes import local_bytes
 
 PIPELINE_PAIR = ("pp-hand", "pp-1f1b")  # run --pipeline-repeats times
 PP = 2  # pipeline stages of `pp-hand`/`pp-1f1b`; the other processes are data-parallel replicas of the pipeline
@@ -113,21 +115,21 @@ def _strategy(kind: str, options: dict[str, Any], devices: int) -> Any:
     return HybridStrategy(data_parallel_size=devices, **options)
 
 
-def _step_profile(name: str, args: dict[str, Any]) -> harness.StepProfile:
+def _step_profile(name: str, args: dict[str, Any]) -> StepProfile:
     """With ``--profile DIR``: global rank 0's timed steps (warm-up and the probed last step left out) under
     cProfile, written to ``DIR/<configuration>.prof`` (the last repeat's) for ``pstats``; the same for every
     configuration, Trainer or plain loop."""
     path = Path(args["profile"]) / f"{name}.prof" if args["profile"] else None
-    return harness.StepProfile(path, range(args["warmup"], args["steps"]))
+    return StepProfile(path, range(args["warmup"], args["steps"]))
 
 
 def trainer_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     """One Trainer fit of configuration ``name`` in this rank."""
     kind, options, _, _ = CONFIGS[name]
-    harness.start_rank(args["verbose"])
-    probe = harness.make_step_probe(args["mem_step"], profile_step=args["steps"], verbose=args["verbose"])
+    start_rank(args["verbose"])
+    probe = make_step_probe(args["mem_step"], profile_step=args["steps"], verbose=args["verbose"])
     strategy = _strategy(kind, options, args["devices"])
-    return harness.fit(
+    return fit(
         probe,
         _module(kind, args),
         demo_gpt.demo_data(args),
@@ -144,8 +146,8 @@ def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    harness.start_rank(args["verbose"])
-    with harness.quiet_fds(not args["verbose"]):
+    start_rank(args["verbose"])
+    with quiet_fds(not args["verbose"]):
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     module = _module("deepspeed", args)
     optimizer = module.configure_optimizers()
@@ -156,12 +158,12 @@ def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    with harness.quiet_fds(not args["verbose"]):
+    with quiet_fds(not args["verbose"]):
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
     data = demo_gpt.demo_data(args)
     data.setup()
-    profile = harness.profiled_collectives(dist.get_world_size(), args["verbose"])
-    timer, memory, loss, cprofile = harness.LoopTimer(), None, torch.zeros(()), _step_profile(name, args)
+    profile = profiled_collectives(dist.get_world_size(), args["verbose"])
+    timer, memory, loss, cprofile = LoopTimer(), None, torch.zeros(()), _step_profile(name, args)
     for step, batch in zip(range(args["steps"] + 1), demo_gpt.lightning_order(data.train_dataset, args["batch_size"])):
         cprofile.start(step)
         with timer.step(probe=profile if step == args["steps"] else None):
@@ -182,7 +184,7 @@ def deepspeed_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
 def pipeline_by_hand_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     """The same 1F1B schedule by hand (``bench_pipeline.run_by_hand``) on the same layout, microbatches and per-rank
     batch, timed over the same span as the Trainer's and profiled the same way."""
-    harness.start_rank(args["verbose"])
+    start_rank(args["verbose"])
     import torch.distributed as dist
 
     from benchmarks.bench_pipeline import run_by_hand
@@ -196,13 +198,13 @@ def _deepspeed_memory(engine: Any, optimizer: Any) -> dict[str, int]:
     """DeepSpeed keeps fp32 gradients/partitions in its own flat buffers: count what the engine holds."""
     import torch
 
-    memory = harness.memory_per_rank(engine.module, [optimizer])
+    memory = memory_per_rank(engine.module, [optimizer])
     inner = getattr(engine, "optimizer", None)
     for attribute in ("averaged_gradients", "single_partition_of_fp32_groups"):
         value = getattr(inner, attribute, None)
         items = list(value.values()) if isinstance(value, dict) else value or []
         flat = [t for item in items for t in (item if isinstance(item, list) else [item])]
-        memory["grads"] += sum(harness.local_bytes(t) for t in flat if isinstance(t, torch.Tensor))
+        memory["grads"] += sum(local_bytes(t) for t in flat if isinstance(t, torch.Tensor))
     return memory
 
 
@@ -224,15 +226,15 @@ def _count_params(args: dict[str, Any]) -> tuple[int, int]:
 
 def print_report(runs: dict[str, list], args: dict[str, Any]) -> dict[str, Any]:
     dp, n_params, n_root = args["devices"], *_count_params(args)
-    results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}
+    results = {name: summarize(done, args["warmup"]) for name, done in runs.items()}
     print(
         f"\nGPT n_layer={args['n_layer']} n_embd={args['n_embd']} block={args['block_size']}: N={n_params:,}"
         f" ({4 * n_params / MB:.2f} MB fp32); dp={dp} x batch {args['batch_size']}, gloo; {args['repeats']} interleaved"
         f" repeats ({args['pipeline_repeats']} of the pipeline pair) x {args['steps'] - args['warmup']} timed steps;"
-        f" load {harness.load_average()}"
+        f" load {load_average()}"
     )
     if args["profile"]:
-        print(harness.PROFILED_NOTE)
+        print(PROFILED_NOTE)
     if dp > (os.cpu_count() or dp):
         print(
             f"{dp} processes share {os.cpu_count()} cores: each repeat's ratio swings by several percent (up to ~10%"
@@ -240,15 +242,15 @@ def print_report(runs: dict[str, list], args: dict[str, Any]) -> dict[str, Any]:
             " over several runs or raise --repeats."
         )
     pairs = [(name, peer, target) for name, (_, _, peer, target) in CONFIGS.items() if peer and name in results]
-    rows = harness.ratio_table(results, pairs)
-    harness.thread_table(results, pairs)
-    harness.interval_table(results, pairs)
+    rows = ratio_table(results, pairs)
+    thread_table(results, pairs)
+    interval_table(results, pairs)
     minimum = {name: analytic_comm(name, dp, n_params, n_root)[0] for name in results}
     mb = lambda value: f"{value / MB:.2f}" if value else "-"
     comm = {"MB/step": lambda n, r: mb(r["comm"] and r["comm"]["bytes"]), "minimum": lambda n, r: mb(minimum[n])}
-    harness.table(
+    table(
         results,
-        {**harness.memory_columns(), **comm, "collectives/step": lambda n, r: harness.fmt_comm(r["comm"])},
+        {**memory_columns(), **comm, "collectives/step": lambda n, r: fmt_comm(r["comm"])},
         title="\nper configuration: memory per rank, bytes sent per step",
         phases=True,
     )
@@ -288,9 +290,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     jobs = {name: (_job(name), args["devices"], (name, args)) for name in names}
     # ABBA: every other repeat runs in reverse, so a peer and its configuration alternate which runs first.
     pipeline = {name: args["pipeline_repeats"] for name in PIPELINE_PAIR if name in jobs}
-    runs = harness.run_interleaved(
-        jobs, args["repeats"], args["timeout"], args["verbose"], abba=True, repeats_of=pipeline
-    )
+    runs = run_interleaved(jobs, args["repeats"], args["timeout"], args["verbose"], abba=True, repeats_of=pipeline)
     return print_report(runs, args)
 
 

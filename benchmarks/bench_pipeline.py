@@ -20,15 +20,15 @@ name           what
                as HybridStrategy steps it on CPU (plain tensors at dp 1, DTensors' local shards at dp > 1)
 =============  ===================================================================================================
 
-The launching, timing and ratio table are the shared harness's (``benchmarks/harness.py``): each configuration runs
-in its own forked gloo processes, ``--repeats`` times, interleaved in ABBA order; a step is timed from
-``on_train_batch_start`` to ``on_train_batch_end`` under Lightning and over ``zero_grad`` + ``schedule.step`` + the
-loss's reporting + ``optimizer.step`` by hand (wall time: the slowest rank; CPU time: the ranks' mean process CPU
-time, which does not count waiting for a core and so is the steadier measure on a shared machine). The last losses
-of both are printed: they agree. A second table times from one step's start to the next (``iter``: adds
-Lightning's loop between steps), a third the CPU time of the least disturbed steps. ``--profile DIR`` runs every
-rank's timed steps under cProfile (main-thread CPU time) and writes ``DIR/<configuration>-rank<r>.prof`` for
-``pstats``: calls and times of ours and by hand side by side.
+The launching, timing and ratio table are the shared ones (``benchmarks/run.py``, ``timing.py``, ``report.py``):
+each configuration runs in its own forked gloo processes, ``--repeats`` times, interleaved in ABBA order; a step is
+timed from ``on_train_batch_start`` to ``on_train_batch_end`` under Lightning and over ``zero_grad`` +
+``schedule.step`` + the loss's reporting + ``optimizer.step`` by hand (wall time: the slowest rank; CPU time: the
+ranks' mean process CPU time, which does not count waiting for a core and so is the steadier measure on a shared
+machine). The last losses of both are printed: they agree. A second table times from one step's start to the next
+(``iter``: adds Lightning's loop between steps), a third the CPU time of the least disturbed steps.
+``--profile DIR`` runs every rank's timed steps under cProfile (main-thread CPU time) and writes
+``DIR/<configuration>-rank<r>.prof`` for ``pstats``: calls and times of ours and by hand side by side.
 """
 
 from __future__ import annotations
@@ -37,17 +37,22 @@ import argparse
 import os
 import re
 import statistics
-import sys
 from pathlib import Path
-from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from benchmarks import demo_gpt, harness
+from benchmarks import demo_gpt
+from benchmarks.probes import make_step_probe
+from benchmarks.report import interval_table, ratio_table, thread_table
+from benchmarks.run import fit, load_average, run_interleaved, start_rank
+from benchmarks.stats import summarize
+from benchmarks.timing import PROFILED_NOTE, LoopTimer, StepProfile
 from lightning_mgpu.parallel.pipeline import PIPELINE_SCHEDULES as SCHEDULES
+
+if TYPE_CHECKING:
+    from lightning_mgpu.demo import GPT
 
 TARGET = 1.05
 
@@ -62,12 +67,12 @@ def parse_layout(text: str) -> tuple[int, int]:
 
 # ------------------------------------------------------------------------------------------------ in the ranks
 def lightning_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict[str, Any]:
-    """One ``Trainer.fit`` under ``HybridStrategy`` in this rank, timed by the harness's probe."""
+    """One ``Trainer.fit`` under ``HybridStrategy`` in this rank, timed by the shared step probe."""
     from lightning_mgpu import HybridStrategy
     from lightning_mgpu.demo import GPTLightningModule
 
-    harness.start_rank(args["verbose"])
-    probe = harness.make_step_probe(mem_step=args["steps"], verbose=args["verbose"])
+    start_rank(args["verbose"])
+    probe = make_step_probe(mem_step=args["steps"], verbose=args["verbose"])
     profile = _step_profile(f"{schedule} pp{pp}xdp{dp} lightning", args)
     strategy = HybridStrategy(
         pipeline_parallel_size=pp,
@@ -77,19 +82,19 @@ def lightning_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict
     )
     module, data = GPTLightningModule(**demo_gpt.gpt_kwargs(args)), demo_gpt.demo_data(args, args["batch_size"] // dp)
     callbacks = [probe, profile.callback()]
-    return harness.fit(probe, module, data, callbacks, devices=pp * dp, strategy=strategy, max_steps=args["steps"])
+    return fit(probe, module, data, callbacks, devices=pp * dp, strategy=strategy, max_steps=args["steps"])
 
 
-def _step_profile(name: str, args: dict[str, Any]) -> harness.StepProfile:
+def _step_profile(name: str, args: dict[str, Any]) -> StepProfile:
     """With ``--profile DIR``: every rank's timed steps (warm-up left out) under cProfile, written to
     ``DIR/<configuration>-rank<r>.prof`` (of the last repeat), to compare the calls with ``pstats``."""
     path = Path(args["profile"]) / f"{name.replace(' ', '-')}.prof" if args.get("profile") else None
-    return harness.StepProfile(path, range(args["warmup"], args["steps"]), ranks=None)
+    return StepProfile(path, range(args["warmup"], args["steps"]), ranks=None)
 
 
 def hand_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict[str, Any]:
-    """The same schedule by hand in this rank (see the module docstring), timed by the harness's ``LoopTimer``."""
-    harness.start_rank(args["verbose"])
+    """The same schedule by hand in this rank (see the module docstring), timed by the shared ``LoopTimer``."""
+    start_rank(args["verbose"])
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -99,21 +104,21 @@ def hand_job(schedule: str, pp: int, dp: int, args: dict[str, Any]) -> dict[str,
 class HandStage(nn.Module):
     """One stage of the demo GPT built the torchtitan way: this stage's layers kept, the others dropped (None)."""
 
-    def __init__(self, gpt: nn.Module, blocks: range, first: bool, last: bool) -> None:
+    def __init__(self, gpt: GPT, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
         t = gpt.transformer
-        self.wte = t.wte if first else None
-        self.wpe = t.wpe if first else None
+        self.wte: nn.Module | None = t.wte if first else None
+        self.wpe: nn.Module | None = t.wpe if first else None
         self.h = nn.ModuleDict({str(i): t.h[i] for i in blocks})
-        self.ln_f = t.ln_f if last else None
-        self.lm_head = gpt.lm_head if last else None
+        self.ln_f: nn.Module | None = t.ln_f if last else None
+        self.lm_head: nn.Module | None = gpt.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wte is not None:
+        if self.wte is not None and self.wpe is not None:  # the first stage holds both
             x = self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device))
         for block in self.h.values():
             x = block(x)
-        if self.lm_head is not None:
+        if self.lm_head is not None and self.ln_f is not None:  # the last stage holds both
             x = self.lm_head(self.ln_f(x))
         return x
 
@@ -125,7 +130,7 @@ def run_by_hand(
     dp: int,
     args: dict[str, Any],
     replica_batch: int | None = None,
-    profile: harness.StepProfile | None = None,
+    profile: StepProfile | None = None,
 ) -> dict[str, Any]:
     """Train ``args["steps"]`` steps with torch's ``schedule`` over hand-built stages; the ``LoopTimer`` result.
 
@@ -167,7 +172,8 @@ def run_by_hand(
     pipe = get_schedule_class(schedule)(
         stages[0] if len(stages) == 1 else stages, m, loss_fn=loss_fn, scale_grads=False
     )
-    demo.model = nn.ModuleList(modules)  # the demo's configure_optimizers (its groups) over this rank's stages
+    # The demo's model swapped for this rank's stages: its configure_optimizers (its groups) over them.
+    demo.add_module("model", nn.ModuleList(modules))
     optimizer = demo.configure_optimizers()
     # As HybridStrategy steps AdamW on CPU where the module left `foreach`/`fused` unset (``local_step.fused_on_cpu``:
     # plain tensors at dp 1, the local shards of DTensors through ``ShardLocalStep`` at dp > 1): one fused kernel per
@@ -182,7 +188,7 @@ def run_by_hand(
     # Looked up once, as a hand-written loop does (slicing the mesh costs ~0.1 ms per step).
     dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
     last_stage_rank = dist.get_global_rank(pp_group, stage_owner(schedule, num_stages - 1, pp, per_rank))
-    timer, loss = harness.LoopTimer(), float("nan")
+    timer, loss = LoopTimer(), float("nan")
     profile = profile or _step_profile(f"{schedule} pp{pp}xdp{dp} hand", args)
     for step, (x, y) in enumerate(loader):
         if step == args["steps"]:
@@ -238,23 +244,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             jobs[f"{name} hand"] = (hand_job, pp * dp, (schedule, pp, dp, args))
             jobs[f"{name} lightning"] = (lightning_job, pp * dp, (schedule, pp, dp, args))
             pairs.append((f"{name} lightning", f"{name} hand", TARGET))
-    load_before = harness.load_average()
-    runs = harness.run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose, abba=True)
-    results = {name: harness.summarize(done, ns.warmup) for name, done in runs.items()}
+    load_before = load_average()
+    runs = run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose, abba=True)
+    results = {name: summarize(done, ns.warmup) for name, done in runs.items()}
     print(
         f"\nGPT n_layer={ns.n_layer} n_embd={ns.n_embd} block={ns.block_size}, batch {ns.batch_size} per pipeline,"
         f" m={ns.microbatches or '2*pp'} microbatches; gloo, 1 thread per rank, {os.cpu_count()} cores;"
         f" {ns.repeats} interleaved repeats x {ns.steps - ns.warmup} timed steps; load {load_before} before,"
-        f" {harness.load_average()} after"
+        f" {load_average()} after"
     )
     if ns.profile:
-        print(harness.PROFILED_NOTE)
-    rows = harness.ratio_table(results, pairs)
+        print(PROFILED_NOTE)
+    rows = ratio_table(results, pairs)
     # From one step's start to the next: adds what either side does between steps (fetching the batch by hand;
     # Lightning's loop: its data fetcher, batch transfer hooks, logger connector, scheduler and validation checks).
-    harness.ratio_table(results, pairs, title="\nfrom one step's start to the next:", span="iter")
-    harness.thread_table(results, pairs)
-    harness.interval_table(results, pairs)
+    ratio_table(results, pairs, title="\nfrom one step's start to the next:", span="iter")
+    thread_table(results, pairs)
+    interval_table(results, pairs)
     _quiet_steps_table(runs, pairs, ns.warmup)
     print("\nlast step's loss (mean over dp), Lightning vs by hand:")
     for name, peer, _ in pairs:

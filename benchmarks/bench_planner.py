@@ -10,23 +10,17 @@ rank, median over the steps after ``--warmup``. Predicted: ``planner.estimate`` 
 tensor parallelism and FSDP2 add, gloo latency and bandwidth, the cores and other jobs' load), at each layout's own
 number of processes; "work" is the prediction before the slowdown of sharing the cores, to set beside CPU time.
 
-Run ``python benchmarks/bench_planner.py --help`` for the flags.
+Run ``python -m benchmarks.bench_planner --help`` (from the repository root) for the flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import torch  # noqa: F401  (imported before forking: each job's start is fast)
 
-import torch  # noqa: E402, F401  (imported before forking: each job's start is fast)
-
-from tests.test_planner import (  # noqa: E402
+from tests.test_planner import (
     MEASURED_BATCH,
     MEASURED_GPT,
     MEASURED_LAYOUTS,

@@ -1,7 +1,7 @@
 """Benchmark tensor parallelism: HybridStrategy against the same plan by hand and Lightning's ModelParallelStrategy.
 
 Each run trains the demo GPT (``lightning_mgpu.demo``, nanoGPT with a fused ``c_attn``) in its own ``--tp`` forked
-gloo processes with the same init, batches (Lightning's order) and plan, through ``benchmarks/harness.py``:
+gloo processes with the same init, batches (Lightning's order) and plan, through ``benchmarks/run.py``:
 
 ================  ==============================================================================================
 ``hybrid``        (a) ``Trainer`` + ``HybridStrategy(tensor_parallel_size=tp, data_parallel_size=1)``, auto plan
@@ -22,26 +22,26 @@ loss and sharding (placements and local shapes, read at ``--mem-step``) against 
 table and where (a) - (b) goes; the collectives of one untimed step (``collectives.comm_recorder``) per block,
 outside the blocks and in the optimizer step beside the Megatron-LM expectation (``analytic_comm``), cross-checked
 against the gloo work items the profiler saw, and (b)'s and (c)'s against (a)'s; ``--profile``: op counts of (a) and
-(b). ``python benchmarks/bench_tensor.py --help`` lists the flags.
+(b). ``python -m benchmarks.bench_tensor --help`` lists the flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections import Counter, defaultdict
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch import nn
 
-from benchmarks import by_hand, collectives, demo_gpt, harness
-from benchmarks.harness import MB, SEED
+from benchmarks import by_hand, collectives, demo_gpt
+from benchmarks.probes import make_step_probe, memory_per_rank, profiled_collectives, sharding
+from benchmarks.report import MB, ratio_table
+from benchmarks.run import SEED, fit, load_average, quiet_fds, run_interleaved, start_rank
+from benchmarks.stats import summarize
+from benchmarks.timing import LoopTimer
 
 MAIN = {
     "hybrid": "(a) HybridStrategy, tp_plan='auto'",
@@ -133,13 +133,13 @@ def _found_blocks(module: nn.Module) -> str | None:
 
 def fit_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     """One Trainer fit of run ``name`` in this rank: timed steps, then the profiled step, then the recorded one."""
-    harness.start_rank(args["verbose"])
+    start_rank(args["verbose"])
     steps = args["steps_for"][name]
     module, datamodule, dims = _module_and_data(name, args)
     recorder = {steps + 1: lambda trainer: collectives.comm_recorder(trainer.world_size)}
-    probe = harness.make_step_probe(args["mem_step"], steps, args["verbose"], probes=recorder, ops=args["profile"])
+    probe = make_step_probe(args["mem_step"], steps, args["verbose"], probes=recorder, ops=args["profile"])
     devices, strategy = 1 if name == "empty-single" else args["tp"], _strategy(name, args)
-    result = harness.fit(probe, module, datamodule, devices=devices, strategy=strategy, max_steps=steps + 2)
+    result = fit(probe, module, datamodule, devices=devices, strategy=strategy, max_steps=steps + 2)
     return {**result, "records": result["probes"].get(steps + 1), "blocks": _found_blocks(module), "dims": dims}
 
 
@@ -150,7 +150,7 @@ def loop_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
 
     from lightning_mgpu.demo import GPTLightningModule
 
-    harness.start_rank(args["verbose"])
+    start_rank(args["verbose"])
     dist.init_process_group("gloo", timeout=TIMEOUT)
     tp, steps, sp = args["tp"], args["steps_for"][name], args["sequence_parallel"] and name == "by-hand"
     module = _empty_module() if name == "empty-loop" else GPTLightningModule(**demo_gpt.gpt_kwargs(args))
@@ -160,9 +160,9 @@ def loop_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
     data = demo_gpt.demo_data(args)
     data.setup()
     batches = demo_gpt.lightning_order(data.train_dataset, args["batch_size"], replicas=1, rank=0)  # one dp replica
-    profiled = harness.profiled_collectives(tp, args["verbose"], args["profile"])
+    profiled = profiled_collectives(tp, args["verbose"], args["profile"])
     probes = {steps: profiled, steps + 1: collectives.comm_recorder(tp)}
-    timer, memory, layout, loss = harness.LoopTimer(), None, None, torch.tensor(float("nan"))
+    timer, memory, layout, loss = LoopTimer(), None, None, torch.tensor(float("nan"))
     for step, batch in zip(range(steps + 2), batches):
         with timer.step(probe=probes.get(step)):
             with by_hand.step_context(sp):
@@ -173,7 +173,7 @@ def loop_job(name: str, args: dict[str, Any]) -> dict[str, Any]:
                 loss.backward()
             timer.mark("optimizer")
             if step == args["mem_step"]:
-                memory, layout = harness.memory_per_rank(module, [optimizer]), harness.sharding(module)
+                memory, layout = memory_per_rank(module, [optimizer]), sharding(module)
             optimizer.step()
     result = {**timer.result(), "memory": memory, "sharding": layout, "comm": profiled.result, "dims": {}}
     return {**result, "records": probes[steps + 1].result, "blocks": _found_blocks(module), "loss": float(loss)}
@@ -206,7 +206,7 @@ def analytic_comm(model: str, d: dict[str, Any], tp: int, sp: bool, lp: bool = F
     X = 4 * b * s * h
     out: dict[tuple[str, str], Counter] = defaultdict(Counter)
 
-    def add(region: str, phase: str, kind: str, n: int, nbytes: float) -> None:
+    def add(region: str, phase: str, kind: str, n: int, nbytes: int) -> None:
         out[(region, phase)][kind] += n
         out[(region, phase)][kind + "B"] += n * nbytes
 
@@ -270,8 +270,8 @@ def print_timing(res: dict[str, dict[str, Any]], args: dict[str, Any]) -> None:
         if ref is not None and mine != ref:
             print(f"    first differences (a) vs this: {[(x, y) for x, y in zip(ref, mine) if x != y][:3]}")
     pairs = [(n, "by-hand", 1.05 if n == "hybrid" else None) for n in ("hybrid", "lightning-mp")]
-    harness.ratio_table(res, pairs, title="\nratios to (b), median over repeats [min-max]")
-    harness.ratio_table(res, pairs, span="iter")
+    ratio_table(res, pairs, title="\nratios to (b), median over repeats [min-max]")
+    ratio_table(res, pairs, span="iter")
     empties = [n for n in EMPTY if n in res]
     if empties:
         print(
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     demo_gpt.preload()
     if "llama" in names:
         try:
-            with harness.quiet_fds(not args["verbose"]):  # torchao (pulled in by transformers) prints load failures
+            with quiet_fds(not args["verbose"]):  # torchao (pulled in by transformers) prints load failures
                 demo_gpt.preload("transformers.models.llama.modeling_llama", "tests.helpers.modules")
         except ImportError:
             print("note: transformers is not importable: no Llama run")
@@ -433,26 +433,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     jobs = {
         n: (loop_job if n in LOOPS else fit_job, 1 if n == "empty-single" else args["tp"], (n, args)) for n in names
     }
-    runs = harness.run_interleaved(
+    runs = run_interleaved(
         {n: j for n, j in jobs.items() if n != "llama"}, args["repeats"], args["timeout"], args["verbose"]
     )
-    runs.update(
-        harness.run_interleaved({n: j for n, j in jobs.items() if n == "llama"}, 1, args["timeout"], args["verbose"])
-    )
-    res = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}
+    runs.update(run_interleaved({n: j for n, j in jobs.items() if n == "llama"}, 1, args["timeout"], args["verbose"]))
+    res = {name: summarize(done, args["warmup"]) for name, done in runs.items()}
     print(
         f"\nGPT n_layer={args['n_layer']} n_embd={args['n_embd']} n_head={args['n_head']} block_size="
         f"{args['block_size']}, batch {args['batch_size']}; tp={args['tp']}"
         f"{' + sequence parallel' if args['sequence_parallel'] else ''}"
         f"{' + loss parallel in (a)' if args['loss_parallel'] else ''} over {args['tp']} gloo processes, 1 thread"
-        f" each, torch {torch.__version__}, {os.cpu_count()} CPUs; load {harness.load_average()}"
+        f" each, torch {torch.__version__}, {os.cpu_count()} CPUs; load {load_average()}"
     )
     print_timing(res, args)
     print_comm(res, args)
-    ops = [(res.get(n, {}).get("comm") or {}).get("ops") for n in ("hybrid", "by-hand")]
-    if args["profile"] and all(ops):
+    ops_a, ops_b = [(res.get(n, {}).get("comm") or {}).get("ops") for n in ("hybrid", "by-hand")]
+    if args["profile"] and ops_a and ops_b:
         print("\ntorch.profiler, one untimed step on rank 0: ops whose count differs between (a) and (b)")
-        collectives.print_op_diff(ops[0], ops[1], ("(a)", "(b)"))
+        collectives.print_op_diff(ops_a, ops_b, ("(a)", "(b)"))
     print(NOTES)
     return res
 

@@ -13,24 +13,24 @@ shard instead, which only code written for shards survives. Both run here on the
 ==========  ======================================================================================================
 
 Each size (``--sizes tp x n_embd``) runs both configurations in ``tp`` forked gloo processes, interleaved over
-``--repeats`` (``benchmarks/harness.py``): step time (slowest rank, median after warm-up), CPU time, and the
+``--repeats`` (``benchmarks/run.py``): step time (slowest rank, median after warm-up), CPU time, and the
 collectives of one extra untimed step (profiler count).
 
-    python benchmarks/bench_tensor_regions.py                 # tp2 x n_embd 64, tp4 x n_embd 256
-    python benchmarks/bench_tensor_regions.py --sizes 4x512 --repeats 5
+    python -m benchmarks.bench_tensor_regions                 # tp2 x n_embd 64, tp4 x n_embd 256
+    python -m benchmarks.bench_tensor_regions --sizes 4x512 --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import demo_gpt, harness
+from benchmarks import demo_gpt
+from benchmarks.probes import make_step_probe
+from benchmarks.report import fmt_comm, ratio_table, table
+from benchmarks.run import fit, load_average, run_interleaved, start_rank
+from benchmarks.stats import summarize
 
 PATHS = ("global", "local")
 
@@ -38,12 +38,14 @@ PATHS = ("global", "local")
 def _local_plan(module: Any, tp_mesh: Any) -> None:
     """``tp_plan="auto"`` exactly, with no global-shape region: every projection hands its plain shard to the code
     (as for a Hugging Face model), and the attentions' head counts are localized for it (the demo GPT reads them)."""
+    from torch import nn
+
     from lightning_mgpu.parallel.tensor import apply as tensor  # an ablation: patches the private region choice
 
     regions = tensor._regions
 
-    def all_local(*args: Any) -> tuple[dict[str, str], dict[str, str]]:
-        global_shapes, local = regions(*args)
+    def all_local(module: nn.Module, matched: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+        global_shapes, local = regions(module, matched)
         return {}, {**global_shapes, **local}
 
     tensor._regions = all_local
@@ -61,14 +63,12 @@ def trainer_job(path: str, tp: int, n_embd: int, args: dict[str, Any]) -> dict[s
     from lightning_mgpu import HybridStrategy
     from lightning_mgpu.demo import GPTLightningModule
 
-    harness.start_rank(args["verbose"])
+    start_rank(args["verbose"])
     module = GPTLightningModule(**demo_gpt.gpt_kwargs({**args, "n_embd": n_embd}))
     plan = "auto" if path == "global" else _local_plan
-    probe = harness.make_step_probe(mem_step=1, profile_step=args["steps"], verbose=args["verbose"])
+    probe = make_step_probe(mem_step=1, profile_step=args["steps"], verbose=args["verbose"])
     strategy = HybridStrategy(tensor_parallel_size=tp, tp_plan=plan)
-    return harness.fit(
-        probe, module, demo_gpt.demo_data(args), devices=tp, strategy=strategy, max_steps=args["steps"] + 1
-    )
+    return fit(probe, module, demo_gpt.demo_data(args), devices=tp, strategy=strategy, max_steps=args["steps"] + 1)
 
 
 def _name(path: str, tp: int, n_embd: int) -> str:
@@ -76,19 +76,19 @@ def _name(path: str, tp: int, n_embd: int) -> str:
 
 
 def print_report(runs: dict[str, list], sizes: list[tuple[int, int]], args: dict[str, Any]) -> list[dict[str, Any]]:
-    results = {name: harness.summarize(done, args["warmup"]) for name, done in runs.items()}
+    results = {name: summarize(done, args["warmup"]) for name, done in runs.items()}
     print(
         f"\ndemo GPT n_layer={args['n_layer']} n_head={args['n_head']} block={args['block_size']} batch"
         f" {args['batch_size']}, gloo; {args['repeats']} interleaved repeats x {args['steps'] - args['warmup']}"
-        f" timed steps; load {harness.load_average()}"
+        f" timed steps; load {load_average()}"
     )
     pairs = [(_name("global", tp, e), _name("local", tp, e), None) for tp, e in sizes]
-    rows = harness.ratio_table(results, pairs)
+    rows = ratio_table(results, pairs)
     columns = {
         "final loss": lambda n, r: f"{r['loss']:.4f}",
-        "collectives/step": lambda n, r: harness.fmt_comm(r["comm"]),
+        "collectives/step": lambda n, r: fmt_comm(r["comm"]),
     }
-    harness.table(results, columns, title="\nper configuration")
+    table(results, columns, title="\nper configuration")
     print("\nstep ratio / cpu ratio: global-shape path / local path in the same repeat, median [min-max].")
     print("collectives: AR all-reduce, AG all-gather, RS reduce-scatter (the logging all-reduce of the loss included).")
     return rows
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     demo_gpt.preload()
 
     jobs = {_name(path, tp, e): (trainer_job, tp, (path, tp, e, args)) for tp, e in sizes for path in PATHS}
-    runs = harness.run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose)
+    runs = run_interleaved(jobs, ns.repeats, ns.timeout, ns.verbose)
     return print_report(runs, sizes, args)
 
 

@@ -1,12 +1,9 @@
-"""ZeRO stages 0-3 against their peers: ``bench_peers.py --only <the ZeRO configurations> [flags]``."""
+"""ZeRO stages 0-3 against their peers: ``python -m benchmarks.bench_peers --only <the ZeRO configurations> ...``."""
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_peers
 

@@ -6,12 +6,17 @@ plan for torch's ``parallelize_module`` (what ``tp_plan="auto"`` does, spelled o
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
-def parallelize_by_hand(gpt: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
+    from lightning_mgpu.demo import GPT
+
+
+def parallelize_by_hand(gpt: GPT, tp_mesh: Any, sequence_parallel: bool) -> None:
     """What ``tp_plan="auto"`` does to the demo GPT, written out for torch's ``parallelize_module``.
 
     The style objects come from ``lightning_mgpu.parallel.tensor.style``: identical to the auto plan's (fused
@@ -22,13 +27,11 @@ def parallelize_by_hand(gpt: nn.Module, tp_mesh: Any, sequence_parallel: bool) -
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_mgpu.parallel.tensor import style
-
     sp, tp = sequence_parallel, tp_mesh.size()
     for block in gpt.transformer.h:
         plan = {"attn.c_attn": "colwise_qkv", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
         plan.update({"ln_1": "sequence_parallel", "ln_2": "sequence_parallel"} if sp else {})
-        parallelize_module(block, tp_mesh, {fqn: style(name, sp) for fqn, name in plan.items()})
+        parallelize_module(block, tp_mesh, _styles(plan, sp))
         block.attn.n_head //= tp  # the attention's view(B, T, n_head, hs) must see this rank's heads
         block.attn.n_embd //= tp
     if sp:
@@ -37,7 +40,7 @@ def parallelize_by_hand(gpt: nn.Module, tp_mesh: Any, sequence_parallel: bool) -
             "transformer.ln_f": "sequence_parallel",
             "lm_head": "colwise_gather_output",
         }
-        parallelize_module(gpt, tp_mesh, {fqn: style(name, sp) for fqn, name in top.items()})
+        parallelize_module(gpt, tp_mesh, _styles(top, sp))
         # The residual stream is a DTensor: every other parameter (wpe) must be one too, replicated.
         for module in gpt.modules():
             for name, param in list(module.named_parameters(recurse=False)):
@@ -47,6 +50,14 @@ def parallelize_by_hand(gpt: nn.Module, tp_mesh: Any, sequence_parallel: bool) -
     arm_gradient_layout(gpt)
 
 
+def _styles(plan: dict[str, str], sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The torch styles of ``{fqn: style name}`` (none of these names is ``"replicate"``, the one without a style)."""
+    from lightning_mgpu.parallel.tensor import style
+
+    styles = {fqn: style(name, sequence_parallel) for fqn, name in plan.items()}
+    return {fqn: s for fqn, s in styles.items() if s is not None}
+
+
 def arm_gradient_layout(module: nn.Module) -> None:
     from torch.distributed.tensor import DTensor
 
@@ -54,7 +65,8 @@ def arm_gradient_layout(module: nn.Module) -> None:
 
     for param in module.parameters():
         if isinstance(param, DTensor) and param.requires_grad:
-            param._post_accumulate_grad_hooks = None  # once, also where module.to() kept a stale one
+            # once, also where module.to() kept a stale one (torch annotates the attribute as a dict; None is unset)
+            param._post_accumulate_grad_hooks = None  # type: ignore[assignment]
             param.register_post_accumulate_grad_hook(keep_grad_placement)
 
 
@@ -79,9 +91,11 @@ def by_hand_module(kwargs: dict[str, Any], sequence_parallel: bool = False, reho
         def configure_model(self) -> None:
             from torch.distributed.fsdp import fully_shard
 
-            if self.device_mesh["tensor_parallel"].size() > 1:
-                parallelize_by_hand(self.model, self.device_mesh["tensor_parallel"], sp)
-            dp_mesh = self.device_mesh["data_parallel"]
+            mesh = self.device_mesh
+            assert mesh is not None  # ModelParallelStrategy sets it before configure_model
+            if mesh["tensor_parallel"].size() > 1:
+                parallelize_by_hand(self.model, mesh["tensor_parallel"], sp)
+            dp_mesh = mesh["data_parallel"]
             if dp_mesh.size() > 1:
                 for block in self.model.transformer.h:
                     fully_shard(block, mesh=dp_mesh)

@@ -1,7 +1,7 @@
 """What a step issues, by phase and module: collectives grouped per block beside an analytic expectation, op counts.
 
 ``CommRecorder`` is torch's ``CommDebugMode`` that also keeps, for each collective of one step, its kind, the bytes
-of its tensors, its group's size, the phase of the step (told by the harness's probes: ``forward``, ``backward``,
+of its tensors, its group's size, the phase of the step (told by the step probes: ``forward``, ``backward``,
 ``optimizer``) and the module that issued it. ``regions`` groups those records per block (``<blocks>.<i>``), outside
 the blocks, in the optimizer step, and eager c10d calls (Lightning's ``self.log(..., sync_dist=True)``) apart;
 ``print_against`` prints them beside an expectation keyed ``(region, phase)``, ``!`` where counts or bytes differ;
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import MB
+from benchmarks.report import MB
 
 KB = 2**10
 KINDS = ("AR", "AG", "RS", "A2A", "BC")
@@ -37,7 +37,7 @@ Regions = dict[tuple[str, str], Counter]
 
 def comm_recorder(world: int) -> Any:
     """A ``CommDebugMode`` recording each collective (see the module docstring); ``.result``: the records."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
 
@@ -69,7 +69,7 @@ def comm_recorder(world: int) -> Any:
                         continue
             else:  # functional collectives end with the group's name
                 names = [arg for arg in args[1:] if isinstance(arg, str)]
-                group = _resolve_process_group(names[-1]).size() if names else None
+                group = _resolve_process_group(GroupName(names[-1])).size() if names else None
             kind = next((k for pattern, k in _KIND_OF if pattern in name), name)
             nbytes = sum(t.numel() * t.element_size() for t in _tensors(args[0] if args else None))
             if kind == "AG" and not eager:
@@ -163,14 +163,14 @@ def print_against(regs: Regions, expected: Regions, layers: int, world: int, lab
     """Measured per block, outside the blocks and in the optimizer step beside ``expected`` (keys ``("block",
     phase)`` for each block, ``("outside", phase)``, ``("optimizer", "opt")``), ``!`` where they differ; the total."""
     blocks = _blocks(regs)
-    first = min(blocks) if blocks else None
-    same = all(blk == blocks[first] for blk in blocks.values())
+    first = blocks[min(blocks)] if blocks else {}
+    same = all(blk == first for blk in blocks.values())
     print(f"  {'region':<22} {'phase':<5} {'measured':<58} {label:<50}")
     rows = [
         (
             f"each block (x{len(blocks)})" if same else "block 0",
             phase,
-            blocks[first].get(phase) if first is not None else None,
+            first.get(phase),
             expected.get(("block", phase)),
         )
         for phase in ("fwd", "bwd")
@@ -190,7 +190,7 @@ def print_against(regs: Regions, expected: Regions, layers: int, world: int, lab
         flag = " " if _comparable(m) == _comparable(e) else "!"
         print(f"{flag} {region:<22} {phase:<5} {fmt(m, world):<58} {fmt(e, world):<50}")
     for i in sorted(blocks)[1:] if not same else []:
-        if blocks[i] != blocks[first]:
+        if blocks[i] != first:
             print(f"    block {i} differs: " + "; ".join(f"{p} {fmt(c, world)}" for p, c in blocks[i].items()))
     log = regs.get(("logging", ""))
     if log:

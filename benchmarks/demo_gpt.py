@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from benchmarks.harness import SEED
+from benchmarks.run import SEED
 
 
 def add_run_args(
@@ -54,7 +54,9 @@ def lightning_order(dataset: Any, batch_size: int, replicas: int | None = None, 
     from torch.utils.data import DataLoader, DistributedSampler
 
     seed = int(os.getenv("PL_GLOBAL_SEED", 0))
-    sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=seed)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=seed
+    )
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 

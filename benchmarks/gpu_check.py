@@ -1,7 +1,7 @@
 """Check the GPU paths on one CUDA device in a few minutes, and write what was measured (JSON + Markdown).
 
-Run it first whenever a GPU is lent (`python benchmarks/gpu_check.py`, from a checkout with the README's install and
-the CUDA torch wheel). Parts, each reported as measured, failed (with the error) or "no CUDA device":
+Run it first whenever a GPU is lent (`python -m benchmarks.gpu_check`, from the root of a checkout with the README's
+install and the CUDA torch wheel). Parts, each reported as measured, failed (with the error) or "no CUDA device":
 
 a. HybridStrategy at devices=1 against Lightning's own single-device training of the same ~1B Llama (bf16-mixed):
    tokens/s ratio and peak memory.
@@ -24,8 +24,6 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 NO_CUDA = "no CUDA device"
 # ~1.1B parameters: Llama shapes (TinyLlama's), sequences of 2048 tokens.
@@ -55,7 +53,8 @@ class _Clock:
     """Tokens per second over the steps after ``warmup`` (CUDA-synchronized), and the peak memory."""
 
     def __init__(self, tokens_per_step: int, warmup: int) -> None:
-        self.tokens_per_step, self.warmup, self.times = tokens_per_step, warmup, []  # type: ignore[var-annotated]
+        self.tokens_per_step, self.warmup = tokens_per_step, warmup
+        self.times: list[float] = []
 
     def callback(self) -> Any:
         import lightning as L
@@ -82,8 +81,9 @@ def _run(strategy: Any, precision: str, args: argparse.Namespace, shapes: dict[s
     torch.cuda.reset_peak_memory_stats()
     clock = _Clock(args.batch * args.seq, args.warmup)
     trainer = L.Trainer(
-        accelerator="cuda", devices=1, strategy=strategy, precision=precision, max_steps=args.steps, logger=False,
+        accelerator="cuda", devices=1, strategy=strategy, max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock.callback()],
+        precision=precision,  # type: ignore[arg-type]  # Lightning's Literal leaves out HybridStrategy's "fp8-mixed"
     )  # fmt: skip
     trainer.fit(_module(shapes), _Tokens.loader(args.batch, args.seq, args.steps))
     result = {"tokens_per_s": clock.tokens_per_s(), "peak_gib": torch.cuda.max_memory_allocated() / 2**30}

@@ -13,7 +13,7 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (benchmarks/gpu_check.py runs these on a GPU)")
+    skip = pytest.mark.skip(reason="needs a CUDA device (python -m benchmarks.gpu_check runs these on a GPU)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)

@@ -1,5 +1,5 @@
-"""The GPU-only paths, on one CUDA device: skipped here (no CUDA in CI), run by ``benchmarks/gpu_check.py`` when a
-GPU is lent. Each compares against the same thing on CPU or against one process, as the CPU suite does."""
+"""The GPU-only paths, on one CUDA device: skipped here (no CUDA in CI), run by ``python -m benchmarks.gpu_check``
+when a GPU is lent. Each compares against the same thing on CPU or against one process, as the CPU suite does."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``benchmarks/gpu_check.py`` runs everywhere: on CPU every part says there is no CUDA device and it exits 0; the
-CUDA tests it runs on a GPU are collected here too."""
+"""``python -m benchmarks.gpu_check`` runs everywhere: on CPU every part says there is no CUDA device and it exits
+0; the CUDA tests it runs on a GPU are collected here too."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from tests.helpers.processes import REPO
 
 
 def test_gpu_check_on_cpu_reports_no_cuda_for_every_part_and_exits_0(tmp_path):
-    help_text = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--help"], cwd=REPO, capture_output=True,
+    help_text = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--help"], cwd=REPO, capture_output=True,
                                text=True, check=True).stdout  # fmt: skip
     assert "--out" in help_text
-    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(tmp_path)], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
