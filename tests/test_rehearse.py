@@ -205,9 +205,9 @@ def test_a_mixtral_8x7b_shape_with_expert_parallelism_at_64_ranks():
 def test_rehearsed_expert_parallel_bytes_equal_the_planners_at_64_ranks(pp, zero_stage, ep):
     """Mixtral-8x7B on 64 ranks at tp 2: each stage's first rank (replica 0, the fullest) within 2% of the planner for
     parameters and gradients, optimizer states on average over the stages. The planner follows the real wraps: the
-    experts split over ep, sharded over their dp / ep replicas by whole experts (FSDP2 splits a fused [experts, ...]
-    weight's first dimension: 1 expert over 4 replicas stays whole on the first), replicated at ZeRO 0-1 under a
-    pipeline; at ep 1 they are split by tensor parallelism and sharded with the rest."""
+    experts split over ep, sharded evenly over their dp / ep replicas (within each expert: a fused [experts, ...]
+    weight's first dimension would leave Mixtral's 1 expert per rank whole on one replica), replicated at ZeRO 0-1
+    under a pipeline; at ep 1 they are split by tensor parallelism and sharded with the rest, by whole experts."""
     layout = ParallelLayout(64 // (2 * pp), 2, pp, zero_stage)
     options = ParallelOptions(expert_parallel_size=ep)
     reports = rehearse(functools.partial(MixtralLM, **MIXTRAL_8X7B), layout, options, ranks=_stage_ranks(layout))

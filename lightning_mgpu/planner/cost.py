@@ -251,14 +251,15 @@ def state_bytes(model: ModelSpec, training: Training, layout: Layout) -> dict[st
     """Parameter, gradient and optimizer-state bytes on the fullest GPU, per pipeline stage kind, after ZeRO.
 
     ZeRO-1 shards optimizer states, ZeRO-2 (FSDP2 here) and 3 parameters and gradients too, over ``layout.shard``
-    ranks. Routed experts under expert parallelism are sharded over their ``dp / ep`` replicas at every stage
-    (their own FSDP2 wrap), except at ZeRO 0-1 under a pipeline, where they are replicated.
+    ranks. Routed experts under expert parallelism are sharded evenly over their ``dp / ep`` replicas at every
+    stage (their own FSDP2 wrap), except at ZeRO 0-1 under a pipeline, where they are replicated; without expert
+    parallelism they are sharded with the rest, a fused ``[experts, ...]`` weight by whole experts.
     """
     p_bytes, g_bytes, o_bytes, _ = PRECISIONS[training.precision]
     zero, shard = layout.zero_stage, layout.shard
-    if layout.ep > 1:
+    if layout.ep > 1:  # sharded evenly within the experts (parallel.experts: their second dimension)
         expert_ranks = 1 if layout.pp > 1 and zero <= 1 else layout.expert_replicas
-        expert_states = expert_optimizer = _expert_share(model, layout, expert_ranks)
+        expert_states = expert_optimizer = 1 / expert_ranks
     else:
         expert_states = _expert_share(model, layout, shard) if zero >= 2 else 1.0
         expert_optimizer = expert_states if zero >= 2 else 1 / shard if zero == 1 else 1.0
@@ -274,9 +275,9 @@ def state_bytes(model: ModelSpec, training: Training, layout: Layout) -> dict[st
 
 
 def _expert_share(model: ModelSpec, layout: Layout, ranks: int) -> float:
-    """The share of a GPU's routed-expert weights that the fullest of ``ranks`` FSDP2 shards holds. FSDP2 splits a
-    weight's first dimension in chunks of ``ceil(rows / ranks)``; a fused ``[experts, ...]`` weight is split by
-    whole experts, so 1 expert over 4 replicas stays whole on the first (and the others hold none)."""
+    """The share of a GPU's routed-expert weights that the fullest of ``ranks`` FSDP2 shards of the data-parallel
+    wrap holds. FSDP2 splits a weight's first dimension in chunks of ``ceil(rows / ranks)``: a fused ``[experts,
+    ...]`` weight by whole experts, so 8 experts over 32 ranks stay whole on the first 8 (the others hold none)."""
     if ranks <= 1:
         return 1.0
     if not model.fused_experts or not model.experts:
@@ -315,7 +316,7 @@ def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: L
             temporary += sum(block_params(model, layout)) * (2 * p_bytes + g_bytes)
         if layout.ep > 1 and z <= 2 and not (layout.pp > 1 and z <= 1):  # experts gathered from forward to backward
             experts = stage_params(model, layout)[stage][1]
-            temporary += experts * p_bytes * (1 - _expert_share(model, layout, layout.expert_replicas))
+            temporary += experts * p_bytes * (1 - 1 / layout.expert_replicas)
         if z <= 1 and layout.gradient_ranks > 1:
             temporary += 2 * DP_BUCKET_BYTES
         step_temp = local * 4 / (d if z >= 1 else 1)  # foreach Adam's intermediate of the local states

@@ -185,13 +185,24 @@ def apply_expert_parallel(
             replicate_with_fsdp(experts_module, mesh=ep_mesh[EXPERT_REPLICA_AXIS], **policies)
         else:
             fully_shard(
-                experts_module, mesh=ep_mesh[EXPERT_REPLICA_AXIS], reshard_after_forward=zero_stage == 3, **policies
+                experts_module,
+                mesh=ep_mesh[EXPERT_REPLICA_AXIS],
+                reshard_after_forward=zero_stage == 3,
+                shard_placement_fn=_within_experts,
+                **policies,
             )
             use_gloo_comms(experts_module)  # on gloo: an all-to-all reduce-scatter, a broadcast all-gather
         experts_module.set_gradient_divide_factor(float(dp))
         # A plain sum, then the division: gloo has no pre-multiplied sum (and the NCCL one is not zero-copy).
         experts_module.set_force_sum_reduction_for_comms(ep_mesh[EXPERT_REPLICA_AXIS].size() > 1)
     return ep_mesh
+
+
+def _within_experts(param: nn.Parameter) -> Shard | None:
+    """FSDP2 splits a weight's first dimension in chunks; a fused ``[experts, ...]`` weight would be split by whole
+    experts, and with fewer experts per rank than replicas (Mixtral's 8 over ep 8: one each) the first replica would
+    hold them all and the others none. Its second dimension splits evenly instead (a plain weight keeps the first)."""
+    return Shard(1) if param.dim() == 3 else None
 
 
 def _keep_local_experts(experts: Any, ep_mesh: DeviceMesh) -> None:  # a fused experts module (num_experts)
