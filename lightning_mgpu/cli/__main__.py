@@ -4,4 +4,5 @@ import sys
 
 from lightning_mgpu.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # imported, not run, by tools that import every module (the private-use scan)
+    sys.exit(main())
