@@ -26,13 +26,13 @@ from lightning_mgpu.planner import (
     search,
 )
 from lightning_mgpu.planner.cost import (
-    SCHEDULES,
     activation_bytes_per_layer,
     bubble_fraction,
     memory,
     paper_flops_per_step,
     step_time,
 )
+from lightning_mgpu.planner.job import SCHEDULES
 from lightning_mgpu.planner.model_spec import spec_from_module
 from lightning_mgpu.planner.search import candidates, layout_from_options, parse_fix, reference_tokens_per_gpu
 
@@ -457,7 +457,7 @@ def test_choose_layout_for_a_real_module_keeps_fixed_sizes():
     module = build_on_meta(GPTLightningModule, {"n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 32})
     cluster = local_cluster(world_size=4, devices_per_node=4)
     best = choose_layout(module, cluster, global_batch=8, precision="32-true", fixed={"tp": 2})
-    assert best.fits and best.layout.tp == 2 and best.layout.gpus == 4
+    assert best.fits and best.layout.tp == 2 and best.layout.world_size == 4
     assert 8 % best.layout.dp == 0 and 4 % best.layout.pp == 0
     tiny = ClusterSpec(
         gpus=4, gpus_per_node=4, memory_gb=1e-4, peak_tflops=1, intra_node_gbps=1, inter_node_gbps=1, reserved_gb=0

@@ -20,7 +20,7 @@ from examples.rehearse.mixtral import MixtralLM
 from lightning_mgpu.cli import main
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.planner.cost import Layout, Training
+from lightning_mgpu.planner.job import Layout, Training
 from lightning_mgpu.planner.model_spec import build_on_meta, spec_from_module
 from lightning_mgpu.planner.rehearse import (
     RehearsalError,

@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 from lightning_mgpu.planner.cluster import GB, PRESETS, ClusterSpec, Efficiency, preset
-from lightning_mgpu.planner.cost import PRECISIONS, Estimate, Training
+from lightning_mgpu.planner.cost import Estimate
+from lightning_mgpu.planner.job import PRECISIONS, Training
 from lightning_mgpu.planner.model_spec import ModelSpec, spec_from_path
 from lightning_mgpu.planner.rehearse import run_rehearsal
 from lightning_mgpu.planner.search import Plan, check_fit_hint, explain, parse_fix, search

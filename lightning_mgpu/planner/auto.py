@@ -22,7 +22,8 @@ from lightning_mgpu.gpus import gpu_named
 from lightning_mgpu.layout import ParallelLayout, Size, degree_splits
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency, preset
-from lightning_mgpu.planner.cost import PRECISIONS, Estimate, Training, estimate
+from lightning_mgpu.planner.cost import Estimate, estimate
+from lightning_mgpu.planner.job import PRECISIONS, Training
 from lightning_mgpu.planner.model_spec import spec_from_module
 from lightning_mgpu.planner.search import _structural_problem, explain, layout_from_options, search
 

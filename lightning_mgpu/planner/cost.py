@@ -16,115 +16,13 @@ and processes that outnumber the cores (with other jobs' load) slow every part d
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel import pipeline
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
+from lightning_mgpu.planner.job import DP_BUCKET_BYTES, PRECISIONS, Layout, Training
 from lightning_mgpu.planner.model_spec import ModelSpec
-
-# precision: (parameter, gradient, optimizer-state bytes per parameter (Adam: 2 states), activation bytes)
-PRECISIONS: dict[str, tuple[int, int, int, int]] = {
-    "32-true": (4, 4, 8, 4),
-    "bf16-mixed": (4, 4, 8, 2),
-    "16-mixed": (4, 4, 8, 2),
-    "bf16-true": (2, 2, 4, 2),
-    "16-true": (2, 2, 4, 2),
-}
-# The pipeline schedules the cost model has an activation-memory model for (`in_flight`), named as in the
-# runtime's one table of schedules (`parallel.pipeline`).
-SCHEDULES = (*pipeline.SINGLE_STAGE_SCHEDULES, "Interleaved1F1B")
-
-
-def stages_per_rank(schedule: str) -> int:
-    """Stages per rank of a modelled schedule (``"none"``: no pipeline), as the runtime places them by default."""
-    return 1 if schedule == "none" else pipeline.stages_per_rank(schedule, None)
-
-
-CHECKPOINTING = ("none", "selective", "full")
-DP_BUCKET_BYTES = 25 * 2**20  # one all-reduce bucket (DDP's default size); two are in flight
-
-
-@dataclass(frozen=True)
-class Training:
-    global_batch: int
-    precision: str = "bf16-mixed"
-    flash_attention: bool = True
-
-    def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}.")
-        if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
-            raise ValueError(f"--global-batch must be a positive number of sequences, got {self.global_batch!r}.")
-
-
-@dataclass(frozen=True)
-class Layout(ParallelLayout):
-    """A :class:`~lightning_mgpu.ParallelLayout` with what the planner chooses besides the sizes: pipeline schedule,
-    microbatching, activation checkpointing, sequence parallelism, HSDP groups, the context-parallel mode and expert
-    parallelism. Written by mesh-axis names: ``Layout.of(tp=8, pp=4, dp=2, zero_stage=1)``."""
-
-    schedule: str = "none"
-    microbatch_size: int = 1
-    num_microbatches: int = 1
-    checkpointing: str = "none"
-    sequence_parallel: bool = False
-    dp_shard: int | None = None  # HSDP: ZeRO shards over groups of this many dp ranks (None: all of dp)
-    cp_mode: str = "ring"
-    ep: int = 1  # expert parallelism: the routed experts split over groups of this many dp ranks
-
-    @classmethod
-    def of(cls, *, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero_stage: int = 0, **choices: Any) -> Layout:
-        return cls(
-            data_parallel_size=dp,
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            zero_stage=zero_stage,
-            context_parallel_size=cp,
-            **choices,
-        )
-
-    @property
-    def gpus(self) -> int:
-        return self.world_size
-
-    @property
-    def shard(self) -> int:
-        """The ranks ZeRO splits its states over: ``dp x cp``, or the hybrid-sharding group."""
-        return self.dp_shard or self.gradient_ranks
-
-    @property
-    def replicas(self) -> int:
-        return self.gradient_ranks // self.shard
-
-    @property
-    def expert_replicas(self) -> int:
-        """The dp ranks holding the same experts under expert parallelism (``dp / ep``)."""
-        return self.dp // self.ep
-
-    @property
-    def stages_per_rank(self) -> int:
-        return stages_per_rank(self.schedule)
-
-    def describe(self) -> str:
-        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}"]
-        if self.cp > 1:
-            parts.insert(3, f"cp={self.cp}" + ("" if self.cp_mode == "ring" else f"({self.cp_mode})"))
-        if self.ep > 1:
-            parts.append(f"ep={self.ep}")
-        if self.shard != self.gradient_ranks:
-            parts.append(f"hsdp={self.shard}")
-        if self.pp > 1:
-            parts.append(self.schedule)
-        parts += [f"mbs={self.microbatch_size}x{self.num_microbatches}", f"ckpt={self.checkpointing}"]
-        return " ".join(parts)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The planner's JSON form: sizes by mesh-axis name, then the choices."""
-        sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero_stage": self.zero_stage, "cp": self.cp}
-        chosen = [f for f in fields(self) if f.name not in {base.name for base in fields(ParallelLayout)}]
-        return sizes | {f.name: getattr(self, f.name) for f in chosen}
 
 
 @dataclass
@@ -556,8 +454,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, training: Training, layout:
         memory=mem,
         time=times,
         tokens_per_s=tokens / step,
-        tflops_per_gpu=run_flops / step / layout.gpus / 1e12,
-        mfu=model_flops / step / layout.gpus / (cluster.peak_tflops * 1e12),
+        tflops_per_gpu=run_flops / step / layout.world_size / 1e12,
+        mfu=model_flops / step / layout.world_size / (cluster.peak_tflops * 1e12),
         bubble=bubble_fraction(layout),
         fits=not problems,
         problems=problems,

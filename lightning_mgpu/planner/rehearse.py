@@ -29,7 +29,8 @@ from torch import nn
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.planner.cluster import ClusterSpec
-from lightning_mgpu.planner.cost import STATE_KINDS, Layout, Training, state_bytes
+from lightning_mgpu.planner.cost import STATE_KINDS, state_bytes
+from lightning_mgpu.planner.job import Layout, Training
 from lightning_mgpu.planner.model_spec import ModelSpec, build_on_meta, load_class
 from lightning_mgpu.planner.rehearse_step import (
     Collectives,

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, replace
 
 from lightning_mgpu.layout import degree_splits, divisors
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
-from lightning_mgpu.planner.cost import CHECKPOINTING, SCHEDULES, Estimate, Layout, Training, estimate, stages_per_rank
+from lightning_mgpu.planner.cost import Estimate, estimate
+from lightning_mgpu.planner.job import CHECKPOINTING, SCHEDULES, Layout, Training, stages_per_rank
 from lightning_mgpu.planner.model_spec import ModelSpec
 
 _FIX_KEYS = {
@@ -263,7 +264,7 @@ def search(
     if scaling and plan.ranked:
         reference = _one_node_reference(model, cluster, training, efficiency)
         for result in plan.ranked[:50]:
-            result.scaling_efficiency = result.tokens_per_s / result.layout.gpus / reference
+            result.scaling_efficiency = result.tokens_per_s / result.layout.world_size / reference
     return plan
 
 

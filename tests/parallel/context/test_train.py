@@ -394,7 +394,8 @@ def test_context_parallel_traffic_is_the_analytic_volume(mode, cp):
     the output forward and their gradients backward: ``planner.cost.context_parallel_bytes``, per block and step.
     The ring's sends and the all-to-all's forward calls are counted where they are issued; the all-to-all's
     backward (autograd's, from C++) by the profiler's record of every collective the step ran."""
-    from lightning_mgpu.planner.cost import Layout, Training, context_parallel_bytes
+    from lightning_mgpu.planner.cost import context_parallel_bytes
+    from lightning_mgpu.planner.job import Layout, Training
     from lightning_mgpu.planner.model_spec import ModelSpec
 
     strategy = {"context_parallel_size": cp, "context_parallel_mode": mode}
