@@ -16,6 +16,9 @@ import pytest
 
 from tests.helpers.processes import run
 
+pytestmark = pytest.mark.slow  # the slow tier: end to end: the nanoGPT example's command, as fresh processes
+
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path("examples") / "cli" / "train_nanogpt.py"
 CONFIG = Path("examples") / "cli" / "nanogpt_tp.yaml"

@@ -27,7 +27,10 @@ import pytest
 from tests.helpers.distributed import free_port
 from tests.helpers.processes import REPO, clean_env, processes_with
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the job's processes in /proc")
+pytestmark = [
+    pytest.mark.slow,  # the slow tier: end to end, torchrun's elastic agents restarting real processes
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the job's processes in /proc"),
+]
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 STEPS, EVERY, STALL_AT = 12, 4, 6

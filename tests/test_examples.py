@@ -34,6 +34,7 @@ def test_notebook_is_saved_without_outputs():
     assert all(not cell.outputs and cell.execution_count is None for cell in code_cells)
 
 
+@pytest.mark.slow  # the slow tier: end to end: the user's command as fresh processes
 def test_notebook_runs():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
@@ -101,6 +102,7 @@ def test_cli_config_resolves_the_strategy_class_path_and_registered_names():
         assert expected in saved, saved
 
 
+@pytest.mark.slow  # the slow tier: end to end: the user's command as fresh processes
 def test_cli_trains_with_the_yaml_config(tmp_path):
     result = _run_cli(root_dir=tmp_path)
     _assert_trained(result)
@@ -153,6 +155,7 @@ def test_cli_3d_and_llama_configs_resolve_their_layouts():
     assert cli.model.model.config.num_attention_heads == 4
 
 
+@pytest.mark.slow  # the slow tier: end to end: the user's command as fresh processes
 def test_cli_trains_3d_pipeline_data_tensor_parallel(tmp_path):
     # Eight processes: forked from the parent that has already imported torch (as in a notebook) instead of eight
     # fresh interpreters (~50 s on 2 cores); the script launcher is what the ZeRO-2 config above runs.
@@ -165,6 +168,7 @@ def test_cli_trains_3d_pipeline_data_tensor_parallel(tmp_path):
     _assert_trained(result, processes=8, max_steps=2)
 
 
+@pytest.mark.slow  # the slow tier: end to end: the user's command as fresh processes
 def test_cli_trains_a_hugging_face_llama_with_its_own_tp_plan(tmp_path):
     # Forked workers, as for the 3D config: the script launcher is run by the ZeRO-2 config's test, and a second
     # interpreter importing torch and transformers would only add start-up time.

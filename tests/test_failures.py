@@ -162,18 +162,21 @@ def _assert_reported(run: Run, first_line: str, traceback_once: bool = True) -> 
 
 
 # ------------------------------------------------------------------------------------- python train.py (popen)
+@pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes
 def test_script_launcher_worker_killed(tmp_path):
     run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="1", FAIL_MODE="kill")
     _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) was killed by SIGKILL", traceback_once=False)
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes
 def test_script_launcher_worker_raises(tmp_path):
     run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="1", FAIL_MODE="raise")
     _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) failed: ValueError: boom")
     assert run.stderr.count("Traceback") == 1
 
 
+@pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes
 def test_a_stopped_rank_is_named_and_the_job_ended_by_the_heartbeat(tmp_path):
     # SIGSTOP: rank 1 fails nothing, rank 0 would wait in its collective for the 60 s timeout; the heartbeat (3 s)
     # names rank 1 and ends the job, whose stopped child dies with its parent.
@@ -183,11 +186,13 @@ def test_a_stopped_rank_is_named_and_the_job_ended_by_the_heartbeat(tmp_path):
     assert run.exit_after_failure_s < 10, f"ended {run.exit_after_failure_s:.1f} s after the stop"
 
 
+@pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes
 def test_script_launcher_every_rank_raises_the_same_error(tmp_path):
     run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="all", FAIL_MODE="raise")
     _assert_reported(run, "all 2 ranks failed: ValueError: boom")
 
 
+@pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes
 def test_script_launcher_main_process_killed_leaves_no_orphan(tmp_path):
     # Rank 0 is the process the user started: its children die with it (no report is possible from a SIGKILL).
     run = _run(tmp_path, [sys.executable, "train.py"], START="popen", FAIL_RANK="0", FAIL_MODE="kill")
@@ -195,6 +200,7 @@ def test_script_launcher_main_process_killed_leaves_no_orphan(tmp_path):
     assert run.exit_after_failure_s < MAX_EXIT_S
 
 
+@pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes
 def test_script_launcher_lets_its_children_finish(tmp_path):
     # Children die with the main process, so it waits for them at exit: a rank's work after `fit` is not cut short.
     run = _run(
@@ -211,6 +217,7 @@ def test_script_launcher_lets_its_children_finish(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ fork launcher
+@pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes
 def test_fork_launcher_worker_raises(tmp_path):
     run = _run(tmp_path, [sys.executable, "train.py"], START="fork", FAIL_RANK="1", FAIL_MODE="raise")
     _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) failed: ValueError: boom")
@@ -218,12 +225,14 @@ def test_fork_launcher_worker_raises(tmp_path):
     assert "RankFailedError: lightning-mgpu: rank 1 of 2" in run.report_lines()[-1]
 
 
+@pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes
 def test_fork_launcher_worker_killed(tmp_path):
     run = _run(tmp_path, [sys.executable, "train.py"], START="fork", FAIL_RANK="1", FAIL_MODE="kill")
     _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) was killed by SIGKILL", traceback_once=False)
 
 
 # ------------------------------------------------------------------------------- torchrun, SLURM-style external
+@pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes
 def test_torchrun_worker_raises(tmp_path):
     command = [
         sys.executable,
@@ -246,6 +255,7 @@ def test_torchrun_worker_raises(tmp_path):
     assert "Connection reset by peer" not in run.stderr and "Connection closed by peer" not in run.stderr
 
 
+@pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes
 def test_torchrun_stops_a_rank_between_collectives(tmp_path):
     # torchrun's SIGTERM reaches rank 0 in its own Python code, before any collective of it could fail: Lightning
     # ends it with a SystemExit (SIGTERMException), which no excepthook sees; it still says why it stopped.
@@ -256,6 +266,7 @@ def test_torchrun_stops_a_rank_between_collectives(tmp_path):
     assert "lightning-mgpu: rank 0 of 2 (pp 0, dp 0, tp 0) stopped: rank 1 failed: ValueError: boom" in run.stderr
 
 
+@pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes
 def test_external_launch_worker_raises(tmp_path):
     """As under SLURM: every rank started from outside with the rendezvous variables, and no torchrun."""
     (tmp_path / "start_ranks.py").write_text(START_RANKS)

@@ -7,9 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.processes import REPO
 
 
+@pytest.mark.slow  # the slow tier: end to end: the GPU check's command, as a fresh process
 def test_gpu_check_on_cpu_reports_no_cuda_for_every_part_and_exits_0(tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--help"], cwd=REPO, capture_output=True,
                                text=True, check=True).stdout  # fmt: skip
@@ -22,6 +25,7 @@ def test_gpu_check_on_cpu_reports_no_cuda_for_every_part_and_exits_0(tmp_path):
     assert "no CUDA device" in (tmp_path / "gpu_check.md").read_text()
 
 
+@pytest.mark.slow  # the slow tier: collects the whole suite in a fresh process
 def test_at_least_five_cuda_tests_are_collected():
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
     done = subprocess.run(

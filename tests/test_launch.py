@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import os, sys
@@ -42,6 +44,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # the slow tier: end to end: a script forking its ranks, as a fresh process
 def test_forked_fit_reports_the_checkpoint_paths_in_the_main_process(tmp_path: Path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)

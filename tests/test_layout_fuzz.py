@@ -2,7 +2,7 @@
 
 Hypothesis draws layouts for worlds of 2 and 4 processes and a model from the test zoo, and each draw is compared
 with plain Lightning on one process (same seed, same global batches). CI runs a few draws from a fixed seed; a
-larger search runs with ``LMGPU_FUZZ_EXAMPLES=200 python -m pytest tests/test_layout_fuzz.py`` (random seeds;
+larger search runs with ``LMGPU_FUZZ_EXAMPLES=200 python -m pytest -m slow tests/test_layout_fuzz.py`` (random seeds;
 ``--hypothesis-seed=N`` replays one).
 """
 
@@ -95,6 +95,7 @@ def _check(model: str, strategy: dict, world: int, dp: int, precision: str) -> N
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+@pytest.mark.slow  # the slow tier: layouts drawn beyond the fixed ones each parallelism's tests train
 @given(layouts())
 def test_any_valid_layout_trains_like_one_process(drawn):
     model, strategy, world, dp, precision = drawn

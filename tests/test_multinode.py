@@ -20,6 +20,9 @@ from tests.helpers.distributed import free_port
 from tests.helpers.equivalence import LOSS_RTOL, fit
 from tests.helpers.processes import REPO, clean_env, run_together
 
+pytestmark = pytest.mark.slow  # the slow tier: end to end: simulated nodes and the SLURM script, as fresh processes
+
+
 MULTINODE = REPO / "examples" / "multinode"
 TORCHRUN = shutil.which("torchrun", path=str(Path(__import__("sys").executable).parent)) or shutil.which("torchrun")
 NODES, DEVICES, MAX_STEPS = 2, 2, 5

@@ -38,6 +38,7 @@ def test_workflow_notebooks_are_saved_executed_without_errors(name):
     assert not [o for cell in code_cells for o in cell.outputs if o.output_type == "error"], name
 
 
+@pytest.mark.slow  # the slow tier: end to end: the notebook executed in a fresh kernel
 def test_finetune_hf_notebook(tmp_path):
     """pp 2 x tp 2 with ZeRO-1 (dp 2), bf16-mixed -> consolidate --format safetensors -> from_pretrained -> generate."""
     nb, seconds = execute(EXAMPLES / "notebook_finetune_hf.ipynb", tmp_path)
@@ -52,6 +53,7 @@ def test_finetune_hf_notebook(tmp_path):
     assert len(generated.strip()) > len("Shall I compare thee") + 20, generated  # the generate cell wrote text
 
 
+@pytest.mark.slow  # the slow tier: end to end: the notebook executed in a fresh kernel
 def test_checkpoints_across_layouts_notebook(tmp_path):
     """tp 2 -> resume under dp 4 ZeRO-3: the losses continue the uninterrupted run's; inspect; consolidate."""
     nb, seconds = execute(EXAMPLES / "notebook_checkpoints_across_layouts.ipynb", tmp_path)
@@ -67,6 +69,7 @@ def test_checkpoints_across_layouts_notebook(tmp_path):
     assert "consolidated weights equal the weights returned to the notebook: True" in out
 
 
+@pytest.mark.slow  # the slow tier: end to end: the notebook executed in a fresh kernel
 def test_choosing_a_layout_notebook(tmp_path):
     """Six layouts measured on 4 processes, a plot, and the planner's table for 7B on 64 H100s."""
     nb, seconds = execute(EXAMPLES / "notebook_choosing_a_layout.ipynb", tmp_path)

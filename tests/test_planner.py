@@ -344,6 +344,7 @@ def measured_runs(calibrated):  # calibrated first: the runs then find the machi
     return runs
 
 
+@pytest.mark.slow  # the slow tier: measures training runs of several layouts
 def test_predicted_memory_matches_measured(measured_runs):
     """Parameters + gradients + optimizer states per rank (the fullest rank), predicted within 10%."""
     from lightning_mgpu.demo import GPTLightningModule, TextDataModule
@@ -366,6 +367,7 @@ def test_predicted_memory_matches_measured(measured_runs):
         assert predicted == pytest.approx(measured, rel=0.10), report
 
 
+@pytest.mark.slow  # the slow tier: measures training runs of several layouts
 def test_predicted_step_time_ranks_the_layouts_as_measured(calibrated, measured_runs):
     """The calibrated cost model orders the layouts' step times as measured (Spearman >= 0.8): the slowest rank's
     time per step, median over the steps after the warm-up, on 2 and 4 processes sharing this machine.

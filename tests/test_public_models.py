@@ -35,6 +35,10 @@ from tests.helpers.batched import Run, fit_each, references
 from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import RandomImageDataModule, RandomTokenDataModule
 
+# The slow tier: published model code (litgpt, torchtitan, timm, Hugging Face) across the basic layouts.
+pytestmark = pytest.mark.slow
+
+
 STEPS = 4
 GLOBAL_BATCH = 8
 WEIGHT_ATOL = 1e-4  # the bound: AdamW turns reduction-order noise on near-zero gradients into ~1e-5 steps

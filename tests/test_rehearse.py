@@ -49,6 +49,7 @@ def _stage_ranks(layout: ParallelLayout) -> list[int]:
     return [rank for rank in positions(layout) if rank % layout.tensor_parallel_size == 0]
 
 
+@pytest.mark.slow  # the slow tier: the rehearsal at scale (hundreds of simulated ranks, or the real 8-process job)
 def test_a_70b_llama_at_256_ranks_holds_its_fp32_size_over_the_pipeline_and_tensor_coordinates():
     """tp 8 x pp 8 x dp 4, ZeRO-1: 64 (pp, tp) coordinates to rehearse; every stage's tp rank 0 (and one other tp
     rank: the same bytes) played, their parameters x tp add up to the model's fp32 size within 0.5%; each rank
@@ -87,6 +88,7 @@ def test_rehearsed_bytes_equal_the_planners_at_64_ranks(zero_stage):
     assert optimizer == pytest.approx(1.0, abs=0.02)
 
 
+@pytest.mark.slow  # the slow tier: the rehearsal at scale (hundreds of simulated ranks, or the real 8-process job)
 def test_a_405b_shape_at_1024_ranks_with_16_stages():
     """126 layers over 16 stages, tp 8, dp 8, ZeRO-1: the first, a middle and the last stage played."""
     layout = ParallelLayout(8, 8, 16, 1)
@@ -150,6 +152,7 @@ class StateBytes(L.Callback):
         self.results["rank"] = trainer.global_rank
 
 
+@pytest.mark.slow  # the slow tier: the rehearsal at scale (hundreds of simulated ranks, or the real 8-process job)
 def test_a_rehearsal_reports_what_the_real_8_process_job_holds():
     """pp 2 x dp 2 x tp 2 at ZeRO-1 and ZeRO-3 on 8 CPU processes: each rank's parameter, gradient and optimizer
     bytes measured in the real job equal the rehearsal's for the same rank."""
@@ -180,6 +183,7 @@ def test_a_failing_rank_is_reported_with_its_coordinate():
 MIXTRAL_8X7B: dict[str, Any] = {}  # the class defaults: Mixtral-8x7B's shapes
 
 
+@pytest.mark.slow  # the slow tier: the rehearsal at scale (hundreds of simulated ranks, or the real 8-process job)
 def test_a_mixtral_8x7b_shape_with_expert_parallelism_at_64_ranks():
     """tp 2 x pp 2 x dp 16 with ep 8 at ZeRO-1: every expert-parallel position of the first stage is played (they
     hold different experts: another kind of replica). Each holds 1/8 of its stage's experts, where without expert

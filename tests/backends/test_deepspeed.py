@@ -214,6 +214,7 @@ def stage_results() -> dict[tuple[str, Any], RunResult]:
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.slow  # the slow tier: the optional DeepSpeed backend trained against one process
 def test_stages_train_like_one_process(model, references, stage_results):
     """Each stage like one process; after fit (teardown) the module holds the trained weights as plain tensors,
     with DeepSpeed's attributes, hooks and gathering parameter dicts gone, and the user's optimizer holds its
@@ -225,6 +226,7 @@ def test_stages_train_like_one_process(model, references, stage_results):
             raise AssertionError(f"{model} at DeepSpeed ZeRO-{stage}: {error}") from None
 
 
+@pytest.mark.slow  # the slow tier: the optional DeepSpeed backend trained against one process
 def test_zero_0_cpu_offload_and_lr_schedule_train_like_one_process(references, stage_results):
     """ZeRO-0; the user's optimizer with DeepSpeed's CPU offload (optimizer at ZeRO-2, optimizer and parameters at
     ZeRO-3: the offload sections pass through to the engine); a per-step LR schedule (ZeRO-2): like one process."""
@@ -236,6 +238,7 @@ def test_zero_0_cpu_offload_and_lr_schedule_train_like_one_process(references, s
             raise AssertionError(f"{model} at DeepSpeed {name}: {error}") from None
 
 
+@pytest.mark.slow  # the slow tier: the optional DeepSpeed backend trained against one process
 def test_bf16_mixed_accumulation_and_clipping_follow_the_trainer(references):
     """bf16-mixed (DeepSpeed bf16 with fp32 masters), every model at every stage, within 2e-2;
     accumulate_grad_batches and gradient_clip_val from the Trainer act exactly as on one process (fp32)."""
@@ -290,6 +293,7 @@ PADDING = 0.02  # DeepSpeed pads partitions to an alignment
 WHOLE_PARAMS = {(1, "grads"), (2, "grads")}
 
 
+@pytest.mark.slow  # the slow tier: the optional DeepSpeed backend trained against one process
 def test_memory_per_rank_follows_zero_formulas(capsys):
     """DeepSpeed's parameters, gradients and optimizer state per rank after backward follow the ZeRO formulas
     (K = 12, ``zero_bytes_per_param``); the torch backend's, measured in the same spawn, are printed beside."""
@@ -350,6 +354,7 @@ def _saving_at(step: int, path: str) -> Callable[[], list[L.Callback]]:
     return lambda: [_SaveAt(step, path)]
 
 
+@pytest.mark.slow  # the slow tier: the optional DeepSpeed backend trained against one process
 def test_checkpoints_cross_backends_and_resume_exactly(tmp_path, references, stage_results):
     """DeepSpeed ZeRO-2 -> torch ZeRO-3, torch ZeRO-1 -> DeepSpeed ZeRO-3 and DeepSpeed ZeRO-3 -> torch ZeRO-2
     continue the uninterrupted run; DeepSpeed -> DeepSpeed continues it exactly (the uninterrupted ZeRO-2 run is
@@ -423,6 +428,7 @@ class _LossScale(L.Callback):
         self.results["skipped"] = engine.skipped_steps
 
 
+@pytest.mark.slow  # the slow tier: the optional DeepSpeed backend trained against one process
 def test_fp16_resume_continues_the_loss_scaler(tmp_path):
     """16-mixed: DeepSpeed's dynamic loss scaler (scale, window and hysteresis counters, skipped steps) is saved
     and restored, so a resumed fp16 run skips and rescales exactly where the uninterrupted one did."""

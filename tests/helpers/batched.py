@@ -65,6 +65,8 @@ def fit_each(
 ) -> dict[str, tuple[RunResult, list[dict[str, Any]]] | str]:
     """Fit every run on ``devices`` forked ranks in one job: ``{name: (rank 0's result, every rank's extras)}``, or
     ``{name: traceback}`` for a run that raised."""
+    if not runs:  # a tier with no run of this world size
+        return {}
     per_rank = run_distributed(_fits_worker, devices, runs, devices, timeout=timeout)
     results: dict[str, Any] = {}
     for name in runs:

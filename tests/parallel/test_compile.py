@@ -15,6 +15,9 @@ from tests.helpers.equivalence import assert_same_training
 from tests.helpers.modules import RandomTokenDataModule
 from tests.helpers.nanogpt import NanoGPTModule
 
+pytestmark = pytest.mark.slow  # the slow tier: torch.compile's first compilations of every block
+
+
 STEPS = 10
 GLOBAL_BATCH = 8
 COMPILED_RTOL = 1e-4  # inductor fuses and reorders the blocks' float ops

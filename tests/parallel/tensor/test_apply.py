@@ -53,18 +53,43 @@ LAYOUTS = [  # (devices, dp, tp, zero_stage)
 ]
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize(
-    ("devices", "dp", "tp", "zero_stage"), LAYOUTS, ids=[f"dp{d}-tp{t}-z{z}" for _, d, t, z in LAYOUTS]
-)
-@pytest.mark.parametrize("model", ["llama", "gpt2", "nanogpt"])
-def test_tensor_parallel_trains_like_one_process(model, devices, dp, tp, zero_stage, sequence_parallel):
-    trained, _ = result(_trained()[_matrix_name(model, dp, tp, zero_stage, sequence_parallel)])
-    assert_same_training(_reference(model, tp), trained, weight_atol=TP_WEIGHT_ATOL)
-
-
 def _matrix_name(model, dp, tp, zero_stage, sequence_parallel):
     return f"{model}-dp{dp}-tp{tp}-z{zero_stage}{'-sp' if sequence_parallel else ''}"
+
+
+MATRIX = [  # every model under every layout, with and without sequence parallelism: 30 fits
+    (model, devices, dp, tp, zero_stage, sp)
+    for model in ("llama", "gpt2", "nanogpt")
+    for devices, dp, tp, zero_stage in LAYOUTS
+    for sp in (False, True)
+]
+# The quick tier trains every model and every layout at least once, with sequence parallelism at tp 2 and tp 4 (5
+# fits); the slow tier the rest.
+QUICK_MATRIX = {
+    "llama-dp2-tp2-z0",
+    "llama-dp2-tp2-z1-sp",
+    "gpt2-dp2-tp2-z3",
+    "nanogpt-dp1-tp2-z0",
+    "nanogpt-dp1-tp4-z0-sp",
+}
+SLOW_MATRIX = {_matrix_name(m, dp, tp, z, sp) for m, _, dp, tp, z, sp in MATRIX} - QUICK_MATRIX
+
+
+def _param(model, devices, dp, tp, zero_stage, sp):
+    name = _matrix_name(model, dp, tp, zero_stage, sp)
+    marks = [pytest.mark.slow] if name in SLOW_MATRIX else []
+    test_id = f"{model}-dp{dp}-tp{tp}-z{zero_stage}-{'tp+sp' if sp else 'tp'}"
+    return pytest.param(model, devices, dp, tp, zero_stage, sp, id=test_id, marks=marks)
+
+
+@pytest.mark.parametrize(
+    ("model", "devices", "dp", "tp", "zero_stage", "sequence_parallel"),
+    [_param(*case) for case in MATRIX],
+)
+def test_tensor_parallel_trains_like_one_process(model, devices, dp, tp, zero_stage, sequence_parallel):
+    name = _matrix_name(model, dp, tp, zero_stage, sequence_parallel)
+    trained, _ = result(_trained(slow=name in SLOW_MATRIX)[name])
+    assert_same_training(_reference(model, tp), trained, weight_atol=TP_WEIGHT_ATOL)
 
 
 def test_explicit_dict_plan_and_gradient_clipping():
@@ -562,18 +587,23 @@ def _references():
     return references(runs)
 
 
+def _trained_runs(slow: bool = False):
+    return _tier_runs(slow)
+
+
 @functools.cache
-def _trained_runs():
-    """Every layout's run, by world size."""
+def _tier_runs(slow: bool):
+    """Every layout's run of one tier, by world size."""
     by_devices: dict[int, dict[str, Run]] = {2: {}, 4: {}}
-    for model in ("llama", "gpt2", "nanogpt"):
-        for devices, dp, tp, zero_stage in LAYOUTS:
-            module, data = _models(tp)[model]
-            for sp in (False, True):
-                strategy = {"tensor_parallel_size": tp, "zero_stage": zero_stage, "sequence_parallel": sp}
-                by_devices[devices][_matrix_name(model, dp, tp, zero_stage, sp)] = Run(
-                    module, lambda d=data, b=GLOBAL_BATCH // dp: d(b), strategy
-                )
+    for model, devices, dp, tp, zero_stage, sp in MATRIX:
+        name = _matrix_name(model, dp, tp, zero_stage, sp)
+        if (name in SLOW_MATRIX) != slow:
+            continue
+        module, data = _models(tp)[model]
+        strategy = {"tensor_parallel_size": tp, "zero_stage": zero_stage, "sequence_parallel": sp}
+        by_devices[devices][name] = Run(module, lambda d=data, b=GLOBAL_BATCH // dp: d(b), strategy)
+    if slow:
+        return by_devices
     by_devices[4]["nanogpt-explicit-plan-clip"] = Run(
         _nanogpt,
         lambda: TextDataModule(batch_size=4, block_size=32),
@@ -593,6 +623,11 @@ def _trained_runs():
     return by_devices
 
 
-@functools.cache
-def _trained():
-    return {name: r for devices, runs in _trained_runs().items() for name, r in fit_each(runs, devices, 1800).items()}
+def _trained(slow: bool = False):
+    return _trained_tier(slow)
+
+
+@functools.cache  # keyed by the tier alone: _trained() and _trained(slow=False) are one job
+def _trained_tier(slow: bool):
+    runs_by_devices = _trained_runs(slow).items()
+    return {name: r for devices, runs in runs_by_devices for name, r in fit_each(runs, devices, 1800).items()}

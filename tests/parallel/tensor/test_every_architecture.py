@@ -30,6 +30,9 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.equivalence import LOSS_RTOL, RunResult, assert_same_training
 from tests.parallel.tensor.test_hf_styles import _declared_plans
 
+pytestmark = pytest.mark.slow  # the slow tier: every Hugging Face architecture with a plan, under tp 2
+
+
 transformers = pytest.importorskip("transformers")
 
 STEPS = 10

@@ -125,6 +125,7 @@ def _experts_sharded(extras: list[dict[str, Any]], ranks: int, parts: int) -> No
     assert all(global_ > 0 and local * parts == global_ for local, global_ in counts.values()), counts
 
 
+@pytest.mark.slow  # the slow tier: published model code: Hugging Face MoE models under their own tp plans
 @pytest.mark.parametrize("factory", [mixtral, qwen3_moe], ids=["mixtral", "qwen3_moe"])
 def test_moe_trains_under_tp2_with_its_own_plan_and_loads_into_one_process(factory, fits):
     plan = auto_plan(factory())
@@ -153,6 +154,7 @@ COMPOSED = [  # (name, strategy extras, devices, dp, parts of the expert weights
 ]
 
 
+@pytest.mark.slow  # the slow tier: published model code: Hugging Face MoE models under their own tp plans
 @pytest.mark.parametrize(("name", "extra", "devices", "dp", "parts"), COMPOSED, ids=[c[0] for c in COMPOSED])
 def test_mixtral_experts_compose_with_zero_and_sequence_parallel(fits, name, extra, devices, dp, parts):
     trained, extras = result(fits["trained"][f"mixtral-{name}"])
@@ -236,6 +238,7 @@ def longcat_flash() -> HFModule:
     )
 
 
+@pytest.mark.slow  # the slow tier: published model code: Hugging Face MoE models under their own tp plans
 def test_identity_experts_count_once_in_the_experts_sum(fits):
     """LongCat-Flash routes some tokens to zero-compute experts (``identity_expert``, 'moe_identity_expert') inside
     the experts module whose per-rank outputs are summed: each rank contributes 1/tp of them. Its MLA attention is

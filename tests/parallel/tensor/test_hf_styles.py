@@ -84,6 +84,7 @@ def test_every_registered_style_is_mapped_or_refused():
     assert set(MAPPED.values()) <= set(STYLE_NAMES)
 
 
+@pytest.mark.slow  # the slow tier: published model code: every Hugging Face architecture's plan
 def test_every_style_in_every_model_plan_is_mapped_or_refused():
     plans = _declared_plans()
     used = {style for group in plans.values() for plan in group for style in plan.values()}
@@ -322,6 +323,7 @@ def _model_on_meta(model_type: str):
     return wrapper
 
 
+@pytest.mark.slow  # the slow tier: published model code: every Hugging Face architecture's plan
 def test_auto_plan_of_every_architecture_maps_every_style_or_refuses_by_name():
     from lightning_mgpu.parallel.tensor.experts import expert_placements
     from lightning_mgpu.parallel.tensor.plan import _match
@@ -397,6 +399,7 @@ def _tp2(name):
     assert_same_training(reference, result(_trained()[name])[0], weight_atol=atol)
 
 
+@pytest.mark.slow  # the slow tier: published model code: Phi-3 trained under its own plan
 def test_phi3_trains_under_tp2_with_its_own_plan():
     plan = auto_plan(phi3())
     # The fused grouped-query q|k|v is gathered and sliced, as Hugging Face's plan says (no layout gives each rank
@@ -408,6 +411,7 @@ def test_phi3_trains_under_tp2_with_its_own_plan():
     _tp2("phi3-tp2")
 
 
+@pytest.mark.slow  # the slow tier: published model code: Qwen3 trained under its own plan
 def test_qwen3_per_head_norms_train_under_tp2():
     plan = auto_plan(qwen3())
     assert plan["model.model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
@@ -445,6 +449,7 @@ def deepseek_v2(**kw):
     )
 
 
+@pytest.mark.slow  # the slow tier: published model code: Hugging Face architectures trained under their own plans
 def test_a_refused_style_is_named_and_the_explicit_plan_trains_with_its_experts_sharded():
     """DeepSeek-V2: MLA ('mla_kv_a_proj') is refused; the plan offered keeps that attention whole and still shards
     the routed experts (tensor/experts.py), the shared experts and the dense MLP."""
@@ -541,6 +546,7 @@ TRAINED = {
 }
 
 
+@pytest.mark.slow  # the slow tier: published model code: Hugging Face architectures trained under their own plans
 @pytest.mark.parametrize("model_type", sorted(TRAINED))
 def test_architecture_trains_under_tp2_with_its_own_plan(model_type):
     assert model_type in SERVED
@@ -555,6 +561,7 @@ COMPOSED = [  # (name, model, strategy extras, devices, dp)
 ]
 
 
+@pytest.mark.slow  # the slow tier: published model code: Hugging Face architectures trained under their own plans
 @pytest.mark.parametrize(("name", "factory", "extra", "devices", "dp"), COMPOSED, ids=[c[0] for c in COMPOSED])
 def test_new_styles_compose_with_sequence_parallel_and_zero(name, factory, extra, devices, dp):
     _tp2(name)

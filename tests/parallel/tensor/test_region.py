@@ -79,9 +79,16 @@ CASES = [  # (name, module factory, devices, dp, strategy arguments)
 ]
 
 
-@pytest.mark.parametrize(("name", "factory", "devices", "dp", "strategy"), CASES, ids=[c[0] for c in CASES])
+# The quick tier: both published models, both attention paths, dp x tp with sequence parallelism, and a pipeline.
+QUICK_CASES = {"nanogpt-dp2-tp2-z1-sp", "nanogpt-without-flash-tp2", "nanogpt-pp2-tp2", "litgpt-tp2"}
+
+
+@pytest.mark.parametrize(
+    ("name", "factory", "devices", "dp", "strategy"),
+    [pytest.param(*case, id=case[0], marks=[] if case[0] in QUICK_CASES else [pytest.mark.slow]) for case in CASES],
+)
 def test_global_shape_code_trains_like_one_process(name, factory, devices, dp, strategy):
-    trained, _ = result(_trained()[name])
+    trained, _ = result(_trained(slow=name not in QUICK_CASES)[name])
     assert_same_training(result(_references()[_REFERENCE_OF[factory]]), trained, weight_atol=TP_WEIGHT_ATOL)
 
 
@@ -251,12 +258,19 @@ def _references():
     return references(runs)
 
 
-@functools.cache
-def _trained():
-    """Every layout's run: the runs of one world size one after the other in one job."""
+def _trained(slow: bool = False):
+    return _trained_tier(slow)
+
+
+@functools.cache  # keyed by the tier alone: _trained() and _trained(slow=False) are one job
+def _trained_tier(slow: bool):
+    """Every layout's run of one tier: the runs of one world size one after the other in one job."""
     by_devices: dict[int, dict[str, Run]] = {2: {}, 4: {}}
     for name, factory, devices, dp, strategy in CASES:
-        by_devices[devices][name] = Run(factory, lambda b=GLOBAL_BATCH // dp: _tokens(b), strategy)
+        if (name not in QUICK_CASES) == slow:
+            by_devices[devices][name] = Run(factory, lambda b=GLOBAL_BATCH // dp: _tokens(b), strategy)
+    if slow:
+        return {name: r for devices, runs in by_devices.items() for name, r in fit_each(runs, devices, 1200).items()}
     by_devices[2]["litgpt-gqa-kept-whole-tp2"] = Run(
         _LITGPT_GQA, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": _GQA_KEPT_WHOLE}
     )
