@@ -323,8 +323,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # Record which rank failed and why, for the one report printed when the job ends (launch/failures.py).
-        # The script launcher's main process prints it for all its ranks.
+        # Which rank failed and why, for the one report (launch/failures.py) the launcher's main process prints.
         mesh_shape = self._layout.mesh_shape if self._layout is not None else (1, self.world_size, 1)
         report = getattr(self._launcher, "report_failure", None)
         self._failed = self._interrupted = True  # teardown then runs no collective (the module is not gathered back)
