@@ -88,7 +88,7 @@ def _param(model, devices, dp, tp, zero_stage, sp):
 )
 def test_tensor_parallel_trains_like_one_process(model, devices, dp, tp, zero_stage, sequence_parallel):
     name = _matrix_name(model, dp, tp, zero_stage, sequence_parallel)
-    trained, _ = result(_trained(slow=name in SLOW_MATRIX)[name])
+    trained, _ = result((_slow_trained() if name in SLOW_MATRIX else _trained())[name])
     assert_same_training(_reference(model, tp), trained, weight_atol=TP_WEIGHT_ATOL)
 
 
@@ -587,23 +587,22 @@ def _references():
     return references(runs)
 
 
-def _trained_runs(slow: bool = False):
-    return _tier_runs(slow)
-
-
-@functools.cache
-def _tier_runs(slow: bool):
-    """Every layout's run of one tier, by world size."""
+def _matrix_runs(names: set[str]) -> dict[int, dict[str, Run]]:
+    """The matrix's runs named in ``names``, by world size."""
     by_devices: dict[int, dict[str, Run]] = {2: {}, 4: {}}
     for model, devices, dp, tp, zero_stage, sp in MATRIX:
         name = _matrix_name(model, dp, tp, zero_stage, sp)
-        if (name in SLOW_MATRIX) != slow:
-            continue
-        module, data = _models(tp)[model]
-        strategy = {"tensor_parallel_size": tp, "zero_stage": zero_stage, "sequence_parallel": sp}
-        by_devices[devices][name] = Run(module, lambda d=data, b=GLOBAL_BATCH // dp: d(b), strategy)
-    if slow:
-        return by_devices
+        if name in names:
+            module, data = _models(tp)[model]
+            strategy = {"tensor_parallel_size": tp, "zero_stage": zero_stage, "sequence_parallel": sp}
+            by_devices[devices][name] = Run(module, lambda d=data, b=GLOBAL_BATCH // dp: d(b), strategy)
+    return by_devices
+
+
+@functools.cache
+def _trained_runs():
+    """The quick tier's runs, by world size: its matrix cases and every other test's."""
+    by_devices = _matrix_runs(QUICK_MATRIX)
     by_devices[4]["nanogpt-explicit-plan-clip"] = Run(
         _nanogpt,
         lambda: TextDataModule(batch_size=4, block_size=32),
@@ -623,11 +622,13 @@ def _tier_runs(slow: bool):
     return by_devices
 
 
-def _trained(slow: bool = False):
-    return _trained_tier(slow)
+@functools.cache
+def _trained():
+    return {name: r for devices, runs in _trained_runs().items() for name, r in fit_each(runs, devices, 1800).items()}
 
 
-@functools.cache  # keyed by the tier alone: _trained() and _trained(slow=False) are one job
-def _trained_tier(slow: bool):
-    runs_by_devices = _trained_runs(slow).items()
-    return {name: r for devices, runs in runs_by_devices for name, r in fit_each(runs, devices, 1800).items()}
+@functools.cache
+def _slow_trained():
+    """The slow tier's matrix cases."""
+    by_devices = _matrix_runs(SLOW_MATRIX)
+    return {name: r for devices, runs in by_devices.items() for name, r in fit_each(runs, devices, 1800).items()}

@@ -88,7 +88,7 @@ QUICK_CASES = {"nanogpt-dp2-tp2-z1-sp", "nanogpt-without-flash-tp2", "nanogpt-pp
     [pytest.param(*case, id=case[0], marks=[] if case[0] in QUICK_CASES else [pytest.mark.slow]) for case in CASES],
 )
 def test_global_shape_code_trains_like_one_process(name, factory, devices, dp, strategy):
-    trained, _ = result(_trained(slow=name not in QUICK_CASES)[name])
+    trained, _ = result((_trained() if name in QUICK_CASES else _slow_trained())[name])
     assert_same_training(result(_references()[_REFERENCE_OF[factory]]), trained, weight_atol=TP_WEIGHT_ATOL)
 
 
@@ -258,19 +258,27 @@ def _references():
     return references(runs)
 
 
-def _trained(slow: bool = False):
-    return _trained_tier(slow)
-
-
-@functools.cache  # keyed by the tier alone: _trained() and _trained(slow=False) are one job
-def _trained_tier(slow: bool):
-    """Every layout's run of one tier: the runs of one world size one after the other in one job."""
+def _case_runs(names: set[str]) -> dict[int, dict[str, Run]]:
+    """The layouts' runs named in ``names``, by world size."""
     by_devices: dict[int, dict[str, Run]] = {2: {}, 4: {}}
     for name, factory, devices, dp, strategy in CASES:
-        if (name not in QUICK_CASES) == slow:
+        if name in names:
             by_devices[devices][name] = Run(factory, lambda b=GLOBAL_BATCH // dp: _tokens(b), strategy)
-    if slow:
-        return {name: r for devices, runs in by_devices.items() for name, r in fit_each(runs, devices, 1200).items()}
+    return by_devices
+
+
+@functools.cache
+def _slow_trained():
+    """The slow tier's layouts: the runs of one world size one after the other in one job."""
+    by_devices = _case_runs({case[0] for case in CASES} - QUICK_CASES)
+    return {name: r for devices, runs in by_devices.items() for name, r in fit_each(runs, devices, 1200).items()}
+
+
+@functools.cache
+def _trained():
+    """The quick tier's layouts and the kept-whole GQA run: the runs of one world size one after the other in one
+    job."""
+    by_devices = _case_runs(QUICK_CASES)
     by_devices[2]["litgpt-gqa-kept-whole-tp2"] = Run(
         _LITGPT_GQA, lambda: _tokens(GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": _GQA_KEPT_WHOLE}
     )
