@@ -2,13 +2,15 @@
 formulas, checkpoints cross to and from the torch backend, bad configs fail before training.
 
 Several fits share one spawn (each spawn pays DeepSpeed's import and engine set-up once). The first use of
-DeepSpeed on a machine compiles its CPU communication op (``deepspeed_shm_comm``, ~30 s, cached in
-``~/.cache/torch_extensions``); the session fixture below does it once, before any worker starts.
+DeepSpeed's engine on a machine compiles its CPU communication op (``deepspeed_shm_comm``, 30-130 s on 2 cores,
+cached in ``~/.cache/torch_extensions``); ``_run`` does it once in the test process before its first spawn, so the
+config checks (the quick tier, no engine) never pay it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import re
@@ -63,9 +65,9 @@ def _data(batch_size: int) -> Callable[[], L.LightningDataModule]:
     return lambda: RandomTokenDataModule(batch_size=batch_size)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def deepspeed_ops_compiled() -> None:
-    """Compile (first use on a machine, ~30 s) or load DeepSpeed's CPU comm op here, not in racing workers."""
+@functools.cache
+def _compile_deepspeed_ops() -> None:
+    """Compile (first use on a machine) or load DeepSpeed's CPU comm op here, not in racing ranks."""
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
@@ -110,6 +112,7 @@ def _allow_fp16_on_cpu() -> None:
 
 
 def _run(devices: int, runs: list[dict[str, Any]]) -> list[RunResult]:
+    _compile_deepspeed_ops()
     for run in runs:
         run["devices"] = devices
     outputs = run_distributed(_fits, devices, runs, timeout=600)

@@ -38,6 +38,7 @@ def test_bad_input_is_refused_before_any_run(flags, message, tmp_path):
     assert not (tmp_path / "bench.json").exists()
 
 
+@pytest.mark.slow  # the slow tier: a user's command end to end (a fit per layout of the sweep)
 def test_a_two_device_sweep_ranks_every_layout_and_reports_scaling(tmp_path, capsys):
     levels = {name: logging.getLogger(name).level for name in ("lightning.pytorch", "lightning.fabric")}
     code = main(

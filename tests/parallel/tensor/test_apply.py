@@ -41,7 +41,8 @@ def _models(tp: int) -> dict:
 
 
 def _reference(model: str, tp: int):
-    return result(_references()[f"{model}-tp{2 if tp == 2 else 4}"])
+    name = f"{model}-tp{tp}"
+    return result((_references() if name in _references() else _slow_references())[name])
 
 
 LAYOUTS = [  # (devices, dp, tp, zero_stage)
@@ -309,13 +310,21 @@ LOSS_PARALLEL = [  # (name, module, data, devices, dp, extra strategy arguments)
 ]
 
 
+# The slow tier: loss parallelism without sequence parallelism on two more models (the quick tier trains it on three).
+SLOW_LOSS_PARALLEL = {"nanogpt-tp2", "llama-hf-loss-tp2"}
+
+
 @pytest.mark.parametrize(
-    ("name", "module", "data", "devices", "dp", "extra"), LOSS_PARALLEL, ids=[case[0] for case in LOSS_PARALLEL]
+    ("name", "module", "data", "devices", "dp", "extra"),
+    [
+        pytest.param(*case, id=case[0], marks=[pytest.mark.slow] if case[0] in SLOW_LOSS_PARALLEL else [])
+        for case in LOSS_PARALLEL
+    ],
 )
 def test_loss_parallel_trains_like_one_process(name, module, data, devices, dp, extra):
     # nanoGPT: the same single-process run as the tests above
     reference = result(_references()["nanogpt-tp2" if module is _nanogpt else name])
-    trained, extras = result(_trained()[name])
+    trained, extras = result((_slow_trained() if name in SLOW_LOSS_PARALLEL else _trained())[name])
     assert_same_training(reference, trained, weight_atol=TP_WEIGHT_ATOL)
     last_stage = extras[-1]  # with pipelining the head lives on the last stage
     assert "Shard(dim=0)" in last_stage["head_placements"]  # sharded over the vocabulary
@@ -572,19 +581,31 @@ def _probe(name):
 
 
 # ------------------------------------------------------------------------------- the fits, one job per world size
+def _matrix_references(names: set[str]) -> dict[str, Run]:
+    """The one-process runs the matrix cases in ``names`` compare with."""
+    runs = {}
+    for model, _, dp, tp, zero_stage, sp in MATRIX:
+        if _matrix_name(model, dp, tp, zero_stage, sp) in names:
+            module, data = _models(tp)[model]
+            runs[f"{model}-tp{tp}"] = Run(module, lambda d=data: d(GLOBAL_BATCH))
+    return runs
+
+
 @functools.cache
 def _references():
-    """Every model's one-process run, in one job."""
-    runs = {
-        f"{model}-tp{tp}": Run(module, lambda d=data: d(GLOBAL_BATCH))
-        for tp in (2, 4)
-        for model, (module, data) in _models(tp).items()
-    }
+    """The quick tier's one-process runs, in one job."""
+    runs = _matrix_references(QUICK_MATRIX)
     runs["nanogpt-clip"] = Run(_nanogpt, lambda: TextDataModule(batch_size=8, block_size=32), trainer_kwargs=_CLIP)
     for name, module, data, _, _, _ in LOSS_PARALLEL:
         if module is not _nanogpt:
             runs[name] = Run(module, lambda d=data: d(GLOBAL_BATCH))
     return references(runs)
+
+
+@functools.cache
+def _slow_references():
+    """The slow matrix's one-process runs (those the quick tier also ran are not run again)."""
+    return references(_matrix_references(SLOW_MATRIX))
 
 
 def _matrix_runs(names: set[str]) -> dict[int, dict[str, Run]]:
@@ -612,14 +633,19 @@ def _trained_runs():
     by_devices[2]["nanogpt-hand-parallel-tp2"] = Run(
         _hand_parallel_gpt, lambda: TextDataModule(batch_size=8, block_size=32), {"tensor_parallel_size": 2}
     )
-    for name, module, data, devices, dp, extra in LOSS_PARALLEL:
-        by_devices[devices][name] = Run(
-            module,
-            lambda d=data, b=GLOBAL_BATCH // dp: d(b),
-            {"tensor_parallel_size": 2, "loss_parallel": True, **extra},
-            callbacks_factory=lambda: [_HeadLayout()],
-        )
+    _add_loss_parallel_runs(by_devices, {case[0] for case in LOSS_PARALLEL} - SLOW_LOSS_PARALLEL)
     return by_devices
+
+
+def _add_loss_parallel_runs(by_devices: dict[int, dict[str, Run]], names: set[str]) -> None:
+    for name, module, data, devices, dp, extra in LOSS_PARALLEL:
+        if name in names:
+            by_devices[devices][name] = Run(
+                module,
+                lambda d=data, b=GLOBAL_BATCH // dp: d(b),
+                {"tensor_parallel_size": 2, "loss_parallel": True, **extra},
+                callbacks_factory=lambda: [_HeadLayout()],
+            )
 
 
 @functools.cache
@@ -629,6 +655,7 @@ def _trained():
 
 @functools.cache
 def _slow_trained():
-    """The slow tier's matrix cases."""
+    """The slow tier's matrix and loss-parallel cases."""
     by_devices = _matrix_runs(SLOW_MATRIX)
+    _add_loss_parallel_runs(by_devices, SLOW_LOSS_PARALLEL)
     return {name: r for devices, runs in by_devices.items() for name, r in fit_each(runs, devices, 1800).items()}
