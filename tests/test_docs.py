@@ -96,7 +96,8 @@ def test_the_readme_is_short_starts_with_the_two_commands_and_its_links_resolve(
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
     commands = re.findall(r"^```bash\n(.*?)\n```", readme, re.MULTILINE | re.DOTALL)
-    # The demo command is what tests/cli/test_demo.py runs (after the install); the test command is what .ci/run runs.
+    # The demo command is what tests/cli/test_demo.py runs (after the install; slow tier); the test command is what
+    # .ci/run runs.
     assert commands[:2] == [
         "pip install torch==2.13.0 -e . && lightning-mgpu demo",
         'pip install torch==2.13.0 -e ".[dev]" && python -m pytest -q',

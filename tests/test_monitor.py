@@ -140,8 +140,13 @@ def _check_files(out: Path) -> None:
 
 @pytest.mark.parametrize(
     ("dp", "tp", "pp", "axes"),
-    [(2, 1, 1, {"dp"}), (1, 2, 1, {"tp"}), (1, 1, 2, {"pp"}), (2, 2, 2, {"dp", "tp", "pp"})],
-    ids=["dp2", "tp2", "pp2", "pp2xdp2xtp2"],
+    [
+        # The slow tier: each axis alone (the quick tier's 3D layout has all three in one run).
+        pytest.param(2, 1, 1, {"dp"}, id="dp2", marks=pytest.mark.slow),
+        pytest.param(1, 2, 1, {"tp"}, id="tp2", marks=pytest.mark.slow),
+        pytest.param(1, 1, 2, {"pp"}, id="pp2", marks=pytest.mark.slow),
+        pytest.param(2, 2, 2, {"dp", "tp", "pp"}, id="pp2xdp2xtp2"),
+    ],
 )
 def test_split_adds_up_on_every_layout(tmp_path, dp, tp, pp, axes):
     results = run_distributed(_layout_job, dp * tp * pp, dp, tp, pp, str(tmp_path))

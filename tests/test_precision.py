@@ -201,12 +201,12 @@ def test_fp8_refusals_are_clear(monkeypatch):
 @pytest.mark.parametrize(
     "layout",
     [
-        {"zero_stage": 0},
-        {"zero_stage": 3},
-        {"zero_stage": 3, "tensor_parallel_size": 2},  # rank 1 is rank 0's tensor-parallel peer
-        {"pipeline_parallel_size": 2},  # rank 1 holds the second stage
+        pytest.param({"zero_stage": 0}, id="dp2-zero0"),
+        # The slow tier: ZeRO-3's data-parallel peers alone (the quick tier has them beside the tp peer below).
+        pytest.param({"zero_stage": 3}, id="dp2-zero3", marks=pytest.mark.slow),
+        pytest.param({"zero_stage": 3, "tensor_parallel_size": 2}, id="dp2xtp2-zero3"),  # rank 1: rank 0's tp peer
+        pytest.param({"pipeline_parallel_size": 2}, id="pp2"),  # rank 1 holds the second stage
     ],
-    ids=["dp2-zero0", "dp2-zero3", "dp2xtp2-zero3", "pp2"],
 )
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(layout):
     world = 2 * layout.get("tensor_parallel_size", 1)

@@ -22,6 +22,7 @@ def test_help_lists_commands(capsys):
     assert "demo" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the slow tier: a user's command as a fresh process (8 ranks, 80 steps: ~90 s of 2 busy cores)
 def test_the_readme_demo_command_as_written():
     """`lightning-mgpu demo` with its defaults (8 processes, pp2 x dp2 x tp2, ZeRO-1, whole epochs with a ragged last
     batch): it must finish, and train."""
