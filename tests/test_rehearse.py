@@ -32,6 +32,7 @@ from lightning_mgpu.planner.rehearse import (
 from lightning_mgpu.planner.rehearse_step import StepBatch
 from tests.helpers.batched import Run, fit_each, result
 from tests.helpers.modules import RandomTokenDataModule
+from tests.helpers.tiers import case
 
 LLAMA_70B: dict[str, Any] = {}  # the class defaults: Llama-2-70B's shapes
 LLAMA_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -207,7 +208,7 @@ def _expert_case(pp: int, zero_stage: int, ep: int):
     """The quick tier: one case of each way the experts are held (replicated at ZeRO 0-1 under a pipeline, sharded
     over their dp / ep replicas, split by tp at ep 1); the slow tier the other stages and sizes."""
     quick = (pp, zero_stage, ep) in {(2, 1, 8), (1, 3, 8), (1, 3, 1)}
-    return pytest.param(pp, zero_stage, ep, marks=[] if quick else [pytest.mark.slow])
+    return case(pp, zero_stage, ep, slow=not quick)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from lightning_mgpu import HybridStrategy
 from lightning_mgpu.layout import CP_AXIS
 from lightning_mgpu.parallel.context import check_module
 from tests.helpers import public_models as pm
+from tests.helpers import tiers
 from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import RandomTokenDataModule
@@ -173,9 +174,7 @@ def _trained(devices: int, slow: bool) -> dict[str, Any]:
     return _outcomes[devices, slow]
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(case, marks=[pytest.mark.slow] if case in SLOW_CASES else []) for case in CASES]
-)
+@pytest.mark.parametrize("case", [tiers.case(name, slow=name in SLOW_CASES) for name in CASES])
 def test_context_parallel_trains_like_one_process(case):
     model, data, strategy, devices, trainer = CASES[case]
     (reference,) = references({case: Run(model, data(GLOBAL_BATCH), None, STEPS, trainer)}).values()

@@ -9,6 +9,7 @@ from lightning_mgpu.demo import GPTLightningModule, TextDataModule
 from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import CNNModule, LlamaModule, RandomImageDataModule, RandomTokenDataModule
 from tests.helpers.probes import CollectiveCounter, MemoryProbe
+from tests.helpers.tiers import case
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -64,9 +65,7 @@ def _matrix_case(model: str, dp: int, zero_stage: int):
     """The quick tier trains the GPT under every stage at both sizes (the memory and traffic tests read those fits)
     and the other models once, at dp 4 under ZeRO-3; the slow tier their other 14 layouts."""
     quick = model == "gpt" or (dp, zero_stage) == (4, 3)
-    return pytest.param(
-        model, dp, zero_stage, id=f"{model}-{dp}-{zero_stage}", marks=[] if quick else [pytest.mark.slow]
-    )
+    return case(model, dp, zero_stage, id=f"{model}-{dp}-{zero_stage}", slow=not quick)
 
 
 @pytest.mark.parametrize(

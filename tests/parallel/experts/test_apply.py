@@ -13,6 +13,7 @@ from lightning_mgpu import ScalingMonitor
 from lightning_mgpu.parallel.experts.apply import _FUSED, check_experts, find_experts
 from tests.helpers.equivalence import LOSS_RTOL, assert_same_training, fit
 from tests.helpers.modules import RandomTokenDataModule
+from tests.helpers.tiers import case
 from tests.parallel.tensor.test_experts import mixtral, mixtral_without_aux_loss, qwen3_moe
 from tests.parallel.tensor.test_hf_styles import GLOBAL_BATCH, STEPS, TP_WEIGHT_ATOL
 
@@ -325,7 +326,7 @@ SLOW_LAYOUTS = {"mixtral-ep2"}
 
 @pytest.mark.parametrize(
     ("name", "factory", "extra", "devices", "dp", "parts"),
-    [pytest.param(*c, id=c[0], marks=[pytest.mark.slow] if c[0] in SLOW_LAYOUTS else []) for c in LAYOUTS],
+    [case(*layout, id=layout[0], slow=layout[0] in SLOW_LAYOUTS) for layout in LAYOUTS],
 )
 def test_experts_split_over_ep_train_like_one_process(name, factory, extra, devices, dp, parts, one_process, tmp_path):
     """Losses (load-balancing loss included: one process's, not each data-parallel rank's own), first gradients and

@@ -9,6 +9,7 @@ from tests.helpers.equivalence import assert_same_training, fit
 from tests.helpers.modules import GPT2Module, RandomTokenDataModule
 from tests.helpers.nanogpt import NanoGPTModule
 from tests.helpers.probes import MetricRecorder
+from tests.helpers.tiers import case
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -94,7 +95,7 @@ def _layout_case(model: str, strategy: dict, devices: int, dp: int):
     split)."""
     slow = model == "gpt2" and "tensor_parallel_size" not in strategy
     test_id = f"{model}-" + "-".join(f"{k[0]}{v}" for k, v in strategy.items())
-    return pytest.param(model, strategy, devices, dp, id=test_id, marks=[pytest.mark.slow] if slow else [])
+    return case(model, strategy, devices, dp, id=test_id, slow=slow)
 
 
 @pytest.mark.parametrize(("model", "strategy", "devices", "dp"), [_layout_case(*layout) for layout in LAYOUTS])

@@ -17,6 +17,7 @@ from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.distributed import run_distributed, run_each, traceback_of
 from tests.helpers.equivalence import assert_same_training
 from tests.helpers.modules import GPT2Module, LlamaModule, RandomTokenDataModule
+from tests.helpers.tiers import case
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -77,10 +78,9 @@ SLOW_MATRIX = {_matrix_name(m, dp, tp, z, sp) for m, _, dp, tp, z, sp in MATRIX}
 
 
 def _param(model, devices, dp, tp, zero_stage, sp):
-    name = _matrix_name(model, dp, tp, zero_stage, sp)
-    marks = [pytest.mark.slow] if name in SLOW_MATRIX else []
     test_id = f"{model}-dp{dp}-tp{tp}-z{zero_stage}-{'tp+sp' if sp else 'tp'}"
-    return pytest.param(model, devices, dp, tp, zero_stage, sp, id=test_id, marks=marks)
+    slow = _matrix_name(model, dp, tp, zero_stage, sp) in SLOW_MATRIX
+    return case(model, devices, dp, tp, zero_stage, sp, id=test_id, slow=slow)
 
 
 @pytest.mark.parametrize(
@@ -317,8 +317,8 @@ SLOW_LOSS_PARALLEL = {"nanogpt-tp2", "llama-hf-loss-tp2"}
 @pytest.mark.parametrize(
     ("name", "module", "data", "devices", "dp", "extra"),
     [
-        pytest.param(*case, id=case[0], marks=[pytest.mark.slow] if case[0] in SLOW_LOSS_PARALLEL else [])
-        for case in LOSS_PARALLEL
+        case(*loss_parallel, id=loss_parallel[0], slow=loss_parallel[0] in SLOW_LOSS_PARALLEL)
+        for loss_parallel in LOSS_PARALLEL
     ],
 )
 def test_loss_parallel_trains_like_one_process(name, module, data, devices, dp, extra):

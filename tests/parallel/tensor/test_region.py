@@ -23,6 +23,7 @@ from tests.helpers.equivalence import assert_same_training
 from tests.helpers.litgpt import LitGPTModule
 from tests.helpers.modules import RandomTokenDataModule
 from tests.helpers.nanogpt import NanoGPTModule
+from tests.helpers.tiers import case
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -85,7 +86,7 @@ QUICK_CASES = {"nanogpt-dp2-tp2-z1-sp", "nanogpt-without-flash-tp2", "nanogpt-pp
 
 @pytest.mark.parametrize(
     ("name", "factory", "devices", "dp", "strategy"),
-    [pytest.param(*case, id=case[0], marks=[] if case[0] in QUICK_CASES else [pytest.mark.slow]) for case in CASES],
+    [case(*layout, id=layout[0], slow=layout[0] not in QUICK_CASES) for layout in CASES],
 )
 def test_global_shape_code_trains_like_one_process(name, factory, devices, dp, strategy):
     trained, _ = result((_trained() if name in QUICK_CASES else _slow_trained())[name])
