@@ -16,6 +16,8 @@
   decisions by mesh shape and ranks, not by mesh object: a process that builds a second mesh of the same shape
   (the rehearsal's step pass) is otherwise handed output specs holding the first mesh, and its collectives run on
   the first mesh's process groups. No public way.
+- ``local_box``: ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, where a rank's shard
+  starts in the whole tensor (reading a converted checkpoint entry into it). DTensor has no public accessor.
 - ``unflatten_mesh``: ``DeviceMesh._unflatten``, splitting one named mesh dimension into several. The public
   alternative, building a new mesh with ``init_device_mesh``, creates new process groups for every axis.
 """
@@ -123,3 +125,10 @@ def forget_meshes() -> None:
     internal("torch._C", "_clear_DTensor_sharding_propagator_cache")()
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     internal("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache")()
+
+
+def local_box(tensor: DTensor) -> tuple[int, ...]:
+    """Where this rank's shard of ``tensor`` starts in the whole tensor, per dimension."""
+    compute = internal("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
+    _, offsets = compute(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(offsets)

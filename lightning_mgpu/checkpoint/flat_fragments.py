@@ -98,6 +98,28 @@ class FlatFragment:
         return FlatFragment(self.shape, self.data.clone(), self.start)
 
 
+class BoxFragment:
+    """One N-d box of a checkpoint tensor of ``shape``, at ``offsets``, read straight into ``data`` (a view of a
+    rank's own tensor: a converted entry's piece, such as one expert's slice of a stacked expert weight)."""
+
+    def __init__(self, shape: tuple[int, ...], data: torch.Tensor, offsets: tuple[int, ...]) -> None:
+        self.shape = tuple(shape)
+        self.data = data
+        self.offsets = tuple(offsets)
+
+    def size(self) -> torch.Size:
+        return torch.Size(self.shape)
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.data.size())]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.data
+
+
+Fragment = FlatFragment | BoxFragment
+
+
 class FragmentSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, which also finds a :class:`FlatFragment`'s boxes by offset."""
 
@@ -109,9 +131,9 @@ class FragmentSavePlanner(DefaultSavePlanner):
 
 
 class FragmentLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, which also reads into a :class:`FlatFragment`'s boxes (views of the rank's own
-    data: a load writes straight into the partitions the fragment views). Its set-up replaces every value that is
-    not a tensor or a plain object by ``None``; fragments are kept aside and put back."""
+    """DCP's default load planner, which also reads into a :class:`FlatFragment`'s or :class:`BoxFragment`'s boxes
+    (views of the rank's own data: a load writes straight into the partitions the fragment views). Its set-up
+    replaces every value that is not a tensor or a plain object by ``None``; fragments are kept aside and put back."""
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
         kept = _take_fragments(state_dict, ())
@@ -122,17 +144,17 @@ class FragmentLoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         value = self.state_dict.get(index.fqn)
-        if isinstance(value, FlatFragment):
+        if isinstance(value, (FlatFragment, BoxFragment)):
             return value.__get_tensor_shard__(index)
         return super().lookup_tensor(index)
 
 
-def _take_fragments(value: Any, path: tuple[str, ...]) -> dict[tuple[str, ...], tuple[Any, Any, FlatFragment]]:
+def _take_fragments(value: Any, path: tuple[str, ...]) -> dict[tuple[str, ...], tuple[Any, Any, Fragment]]:
     """Every fragment in a nested state dict by its path, each replaced by ``None`` in its container."""
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     kept = {}
     for key, item in list(items):
-        if isinstance(item, FlatFragment):
+        if isinstance(item, (FlatFragment, BoxFragment)):
             kept[(*path, str(key))] = (value, key, item)
             value[key] = None
         else:

@@ -325,7 +325,7 @@ def _params_without_saved_state(
     for fqn, keys in by_param.items():
         absent = [k for k in keys if prefix + k not in available]
         if absent and len(absent) < len(keys):
-            raise CheckpointError(f"{where} is missing optimizer entries {_some(absent)}: the checkpoint is corrupt.")
+            raise CheckpointError(f"{where} is missing optimizer entries {some(absent)}: the checkpoint is corrupt.")
         if absent:
             without.add(fqn)
     if not without:
@@ -359,16 +359,16 @@ def check_model_fits(index: dict[str, Any], model_sd: dict[str, Any], strict: bo
     if missing:
         problems.append(
             f"it has no entry for {len(missing)} of the model's {len(held)} parameters and buffers:"
-            f" {_some(_by_block(missing, held))}"
+            f" {some(by_block(missing, held))}"
         )
     if unexpected:
         problems.append(
-            f"it has {len(unexpected)} entries the model does not have: {_some(_by_block(unexpected, list(saved)))}"
+            f"it has {len(unexpected)} entries the model does not have: {some(by_block(unexpected, list(saved)))}"
         )
     if missing or unexpected:
         problems[-1] += " (set `strict_loading = False` on the LightningModule to load only the entries both have)"
     if mismatched:
-        problems.append(f"shapes differ: {_some(mismatched, 4)}")
+        problems.append(f"shapes differ: {some(mismatched, 4)}")
     if problems:
         raise CheckpointError(f"{where} does not fit the model: {'; '.join(problems)}.")
 
@@ -381,7 +381,7 @@ def _union_over_ranks(report: dict[str, Any]) -> list[dict[str, Any]]:
     return gathered
 
 
-def _by_block(keys: list[str], among: list[str]) -> list[str]:
+def by_block(keys: list[str], among: list[str]) -> list[str]:
     """``model.layers.2.*`` when every entry of that numbered block (of ``among``) is listed; other keys as is."""
 
     def block(key: str) -> str:
@@ -401,7 +401,7 @@ def _by_block(keys: list[str], among: list[str]) -> list[str]:
     return shown
 
 
-def _some(keys: list[str], limit: int = 8) -> str:
+def some(keys: list[str], limit: int = 8) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -30,7 +31,6 @@ from lightning_mgpu._compat.lightning import (
     StrategyHooks,
     default_process_group_backend,
     init_dist_connection,
-    materialize_distributed_module,
     optimizers_to_device,
     quiet_sigterm_notifier,
     reset_optimizers_and_schedulers,
@@ -53,6 +53,7 @@ from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.context import ContextParallel
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over
+from lightning_mgpu.parallel.materialize import parameters_on_meta
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
@@ -64,6 +65,7 @@ from lightning_mgpu.strategy.collectives import DataParallelCollectives
 from lightning_mgpu.strategy.layout_choice import agreed_plan, check_options
 from lightning_mgpu.strategy.layout_hooks import LayoutHooks
 from lightning_mgpu.strategy.step import StepHooks
+from lightning_mgpu.strategy.weights import check_pretrained, fill_weights, plan_weights
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -168,10 +170,20 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         cluster_environment: Lightning's cluster environment (set by the Trainer: torchrun, SLURM, ...).
         checkpoint_io: Lightning's checkpoint IO plugin, used by ``checkpoint_format="full"``.
         precision_plugin: A :class:`~lightning_mgpu.HybridPrecision`; the Trainer's ``precision=`` sets it.
+        pretrained: Weights to start from (default ``None``): a Hugging Face model directory (``model.safetensors``
+            or shards with ``model.safetensors.index.json``), a consolidated torch/Lightning file, or a sharded
+            checkpoint of this strategy (weights only, any layout). Each rank reads only the slices it holds, after
+            parallelizing; with it set, ``configure_model`` and ``trainer.init_module()`` build the parameters on
+            the meta device, so the model is never whole on any rank. Names match through the module's prefix
+            (``self.model`` for a Hugging Face model) and the Hugging Face model's own conversions.
+        pretrained_strict: With ``pretrained``: refuse, naming them, model entries the checkpoint lacks and
+            checkpoint entries the model lacks (default ``True``). ``False`` loads what both have and initializes
+            the rest as one process would (a new head).
         restore_module_on_teardown: When ``fit``/``validate``/... ends, give the module back as plain torch on
-            every rank, holding the trained weights in full, with the optimizers pointing at its parameters
-            (default ``True``). ``False`` leaves it parallelized (sharded parameters, this rank's pipeline stages)
-            for models whose full weights do not fit on one device; save them with ``trainer.save_checkpoint``.
+            every rank, holding the trained weights in full, with the optimizers pointing at its parameters.
+            ``False`` leaves it parallelized (sharded parameters, this rank's pipeline stages) for models whose full
+            weights do not fit on one device; save them with ``trainer.save_checkpoint``. Default ``None``: ``True``
+            unless the parameters were built on the meta device (``pretrained``, ``init_module(empty_init=True)``).
 
     Example:
         ```python
@@ -226,7 +238,9 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
-        restore_module_on_teardown: bool = True,
+        pretrained: str | os.PathLike | None = None,
+        pretrained_strict: bool = True,
+        restore_module_on_teardown: bool | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -285,6 +299,9 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         state_access = DeepSpeedStates(self._deepspeed) if self._deepspeed is not None else None
         self._checkpointer = sharded_checkpoint.Checkpointer(checkpoint_format, async_checkpoint, state_access)
         self.num_nodes = 1
+        self._pretrained = check_pretrained(pretrained)
+        self._pretrained_strict = pretrained_strict
+        self._init_rng_state: torch.Tensor | None = None  # the random state parameters built on meta were made in
         # Every patch on the user's objects during one run, and the module as it was, undone in `teardown`.
         self._restore_module = restore_module_on_teardown
         self._patches = PatchLog()
@@ -394,21 +411,26 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         assert self.accelerator is not None
         assert self.lightning_module is not None
         self.accelerator.setup(trainer)
-        materialize_distributed_module(self.model, self.root_device)
         fully_sharded = self.layout.zero_stage == 3 and self._deepspeed is None
         self.precision_plugin.float8_all_gather = fully_sharded and self.precision_plugin.precision == "fp8-mixed"
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
         if self._runner is not None and self._runner.module is self.lightning_module:
             self.model = self._runner  # already parallelized by an earlier fit/validate with this Trainer
         else:
             self._failed = self._interrupted = False
-            if self._restore_module and self._deepspeed is None:
-                self._snapshot = ModuleSnapshot.take(self.lightning_module)
             module, mesh, precision = self.lightning_module, self.device_mesh, self.precision_plugin
+            # Names checked against the whole module before it is cut up; parameters built on the meta device stay
+            # there until each rank holds only its slices.
+            weights = plan_weights(module, self._pretrained, self._pretrained_strict, self._init_rng_state)
+            if not weights.built_empty:
+                self.model_to_device()
+            restore = self._restore_module if self._restore_module is not None else not weights.built_empty
+            if restore and self._deepspeed is None:
+                self._snapshot = ModuleSnapshot.take(self.lightning_module)
             self._runner, self._pipeline, self._context = module_setup.parallelize_for_run(
                 module, self.layout, mesh, self.options, precision, self.root_device, self._patches
             )
+            fill_weights(module, weights, self.root_device)
             self.model = self._runner
             if self._snapshot is not None:
                 self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains
@@ -448,9 +470,12 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # Meta-device init lets huge models be built without memory; they are materialized in `setup()`.
-        empty_init_context = torch.device("meta") if empty_init else nullcontext()
-        with empty_init_context, self.precision_plugin.tensor_init_context():
+        # Parameters built on the meta device (buffers as usual) are materialized in `setup()` after parallelizing,
+        # each rank holding only its slices; with `pretrained`, that is the default.
+        on_meta = empty_init if empty_init is not None else self._pretrained is not None
+        if on_meta:
+            self._init_rng_state = torch.get_rng_state()  # the initializers of what no checkpoint fills start here
+        with parameters_on_meta() if on_meta else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
     @override

@@ -171,9 +171,9 @@ def _trace(
     projections with their number of parts."""
 
     weights = {id(p.weight): name for name, p in projections.items()}
-    dtype = next(block.parameters()).dtype
+    weight = next(block.parameters())  # on the meta device for a model built there
     with fake_tensor_mode(allow_non_fake_inputs=True), torch.no_grad():
-        hidden = torch.zeros(*_TRACE_SHAPE, width, dtype=dtype)
+        hidden = torch.zeros(*_TRACE_SHAPE, width, dtype=weight.dtype, device=weight.device)
         flow = _DataFlow(weights)
         flow.mark(hidden, frozenset((_INPUT,)))
         handles = [p.register_forward_hook(flow.output_of(name)) for name, p in projections.items()]

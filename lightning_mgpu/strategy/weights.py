@@ -1,0 +1,111 @@
+"""Where a run's weights come from: pretrained files, the module's own initializers, or the module as built.
+
+``HybridStrategy.setup`` plans before parallelizing (:func:`plan_weights`: the checkpoint's names checked against
+the whole module, the initialization of what it lacks planned; no tensor read) and fills after it
+(:func:`fill_weights`: memory for the slices each rank holds, initializers, the checkpoint's slices read, then a
+check that nothing is NaN or infinite). A module built normally keeps its own values where no checkpoint replaces
+them; a module built with its parameters on the meta device is never whole on any rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_mgpu.checkpoint.pretrained import WeightMap, WeightsSource, load_weights, map_weights, open_weights
+from lightning_mgpu.parallel.materialize import (
+    InitPlan,
+    has_meta_tensors,
+    initialize_missing,
+    materialize,
+    plan_initialization,
+)
+
+
+class NonFiniteWeights(RuntimeError):
+    """A parameter or buffer holds NaN or infinity right after setup: training would run on garbage."""
+
+
+@dataclass
+class WeightsPlan:
+    built_empty: bool  # parameters on the meta device: materialized after parallelizing
+    source: WeightsSource | None = None
+    weights: WeightMap | None = None
+    init: InitPlan | None = None
+
+    @property
+    def fills(self) -> bool:
+        return self.built_empty or self.source is not None
+
+
+def check_pretrained(pretrained: str | os.PathLike | None) -> Path | None:
+    """``pretrained`` as a path that exists, checked when the strategy is built (before any process starts)."""
+    if pretrained is None:
+        return None
+    if not isinstance(pretrained, (str, os.PathLike)):
+        raise TypeError(f"`pretrained` must be a path (str or os.PathLike), got {type(pretrained).__name__}.")
+    path = Path(pretrained).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"pretrained={str(pretrained)!r}: no such file or directory (a Hugging Face model directory, a torch or"
+            " Lightning checkpoint file, or a sharded checkpoint directory)."
+        )
+    return path
+
+
+def plan_weights(
+    module: nn.Module, pretrained: str | Path | None, strict: bool, rng_state: torch.Tensor | None
+) -> WeightsPlan:
+    """Check ``pretrained`` against the whole ``module`` and plan what its initializers must fill; reads headers
+    only, the same on every rank (so every rank raises alike, before any collective)."""
+    plan = WeightsPlan(built_empty=has_meta_tensors(module))
+    if pretrained is not None:
+        plan.source = open_weights(pretrained)
+        plan.weights = map_weights(module, plan.source, strict)
+        rank_zero_info(f"pretrained={str(pretrained)!r} ({plan.source.kind}): {plan.weights.describe()}.")
+    if plan.built_empty:
+        loaded = plan.weights.loaded() if plan.weights is not None else set()
+        plan.init = plan_initialization(module, loaded, rng_state)
+    return plan
+
+
+def fill_weights(module: nn.Module, plan: WeightsPlan, device: torch.device) -> None:
+    """After parallelizing: memory for each rank's slices, the planned initializers, the checkpoint read. Collective
+    where a checkpoint is read or weights are checked."""
+    if plan.built_empty:
+        materialize(module, device)
+    if plan.init is not None:
+        initialize_missing(plan.init)
+    if plan.source is not None and plan.weights is not None:
+        load_weights(module, plan.source, plan.weights)
+    if plan.fills:
+        check_finite(module)
+
+
+@torch.no_grad()
+def check_finite(module: nn.Module) -> None:
+    """Refuse, on every rank alike, a module holding NaN or infinity (an uninitialized tensor, a broken file)."""
+    bad = []
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.is_floating_point() and not local.is_meta and not torch.isfinite(local).all():
+            bad.append(name)
+    found: list[Any] = [bad]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, bad)
+    names = list(dict.fromkeys(name for part in found for name in part or []))
+    if names:
+        raise NonFiniteWeights(
+            f"{len(names)} parameters or buffers hold NaN or infinity right after setup: {', '.join(names[:8])}"
+            f"{' ...' if len(names) > 8 else ''}. The checkpoint holds such values, or the tensors were never"
+            " initialized; training on them would give a NaN loss."
+        )
