@@ -304,6 +304,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         self._init_rng_state: torch.Tensor | None = None  # the random state parameters built on meta were made in
         # Every patch on the user's objects during one run, and the module as it was, undone in `teardown`.
         self._restore_module = restore_module_on_teardown
+        self._restores = restore_module_on_teardown is not False  # this run's choice (None: decided in `setup`)
         self._patches = PatchLog()
         self._snapshot: ModuleSnapshot | None = None
         self._failed = False
@@ -424,8 +425,8 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
             weights = plan_weights(module, self._pretrained, self._pretrained_strict, self._init_rng_state)
             if not weights.built_empty:
                 self.model_to_device()
-            restore = self._restore_module if self._restore_module is not None else not weights.built_empty
-            if restore and self._deepspeed is None:
+            self._restores = self._restore_module if self._restore_module is not None else not weights.built_empty
+            if self._restores and self._deepspeed is None:
                 self._snapshot = ModuleSnapshot.take(self.lightning_module)
             self._runner, self._pipeline, self._context = module_setup.parallelize_for_run(
                 module, self.layout, mesh, self.options, precision, self.root_device, self._patches
@@ -483,7 +484,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         try:
             self._checkpointer.wait()  # a background save finishes (or raises) before `fit` returns
             module_setup.unwire_optimizers(self._optimizer_sharding, watched_roots=self._data_parallel_roots)
-            if self._restore_module:
+            if self._restores:
                 self._restore_user_objects()
             assert self.cluster_environment is not None and self.accelerator is not None
             self.cluster_environment.teardown()
