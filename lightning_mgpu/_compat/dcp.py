@@ -6,6 +6,10 @@
 - ``load_without_process_group``: ``state_dict_loader._load_state_dict(no_dist=True)`` with
   ``default_planner._EmptyStateDictLoadPlanner``: read a DCP directory into an empty dict in one process. The public
   ``format_utils.dcp_to_torch_save`` does exactly this but only writes the result to a file.
+- ``consolidate_safetensors_on_every_rank``:
+  ``_consolidate_hf_safetensors.consolidate_safetensors_files_on_every_rank``, the ranks assembling the files of a
+  Hugging Face checkpoint from the slices ``HuggingFaceStorageWriter`` wrote with ``save_distributed=True``. The
+  writer's own ``enable_consolidation`` does it on one rank only.
 - ``flatten_state_dict``: ``_nested_dict.flatten_state_dict``, DCP's own flattening of nested state dicts into its
   dotted keys (also re-exported by ``format_utils``, not in its ``__all__``).
 """
@@ -36,3 +40,12 @@ def load_without_process_group(path: Path, keys: set[str] | None = None) -> dict
     state: dict[str, Any] = {}
     load(state, storage_reader=FileSystemReader(path), planner=planner(keys=keys), no_dist=True)
     return state
+
+
+def consolidate_safetensors_on_every_rank(slices: Path, out: Path, fqn_to_index: dict[str, int]) -> None:
+    """Assemble ``out``'s safetensors files (and their index) from the slices in ``slices``, the files shared out
+    over the ranks. Collective."""
+    consolidate = internal(
+        "torch.distributed.checkpoint._consolidate_hf_safetensors", "consolidate_safetensors_files_on_every_rank"
+    )
+    consolidate(str(slices), str(out), fqn_to_index)

@@ -21,6 +21,10 @@
 - ``module_structure``/``set_module_structure``: ``nn.Module._modules``/``_parameters``/``_buffers`` as a whole,
   to put a module tree back as it was after a run changed it in place (``register_module``/``register_parameter``
   keep existing entries and append new ones, so they cannot restore names, ``None`` slots and order).
+- ``module_twin``: ``nn.Module._modules``/``_parameters``/``_buffers`` given fresh dicts on a shallow copy: the
+  module's own attributes and code with other tensors in its slots and no children, for running its initializer on
+  full-size copies of a sharded module's tensors. A shallow copy shares the slot dicts; ``copy.deepcopy`` would copy
+  the children (a whole model).
 - ``plain_parameter_slots``: ``nn.Module._parameters`` replaced by a ``dict`` subclass (DeepSpeed ZeRO-3 puts one
   that gathers on access), made a plain ``dict`` again with the same entries, read without the subclass's hooks;
   ``named_parameters``/``_parameters[...]`` would trigger them, and nothing public replaces the slot dict.
@@ -164,6 +168,18 @@ def set_module_structure(
         slots = _slots(module, name)
         slots.clear()
         slots.update(saved)
+
+
+def module_twin(
+    module: nn.Module, parameters: Mapping[str, nn.Parameter], buffers: Mapping[str, torch.Tensor]
+) -> nn.Module:
+    """A shallow copy of ``module`` holding ``parameters`` and ``buffers`` as its own and no children."""
+    import copy
+
+    twin = copy.copy(module)
+    for name, slots in (("_modules", {}), ("_parameters", dict(parameters)), ("_buffers", dict(buffers))):
+        twin.__dict__[name] = slots
+    return twin
 
 
 def plain_parameter_slots(module: nn.Module) -> None:

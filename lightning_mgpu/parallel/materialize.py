@@ -17,7 +17,6 @@ initializer is refused by name before anything is allocated.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +26,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from lightning_mgpu._compat.tensors import module_twin
 
 
 class UninitializableModule(RuntimeError):
@@ -74,16 +75,15 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     real tensor. ``nn.Module.to_empty`` would make new parameter objects and untie them.
     """
     for sub in module.modules():
-        for tensors in (sub._parameters, sub._buffers):
-            for tensor in tensors.values():
-                if tensor is not None and _is_meta(tensor):
-                    torch.utils.swap_tensors(tensor, _empty_like(tensor, device))
+        for _, tensor in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
+            if _is_meta(tensor):  # a tied tensor is met again, already filled
+                torch.utils.swap_tensors(tensor, _empty_like(tensor, device))
     module.to(device)
 
 
 def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     empty = torch.empty_like(tensor, device=device)
-    if isinstance(tensor, nn.Parameter) or getattr(tensor, "_is_param", False):
+    if isinstance(tensor, nn.Parameter):  # also a DTensor made a parameter
         empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
     for name, value in tensor.__dict__.items():  # swapped with the payload: the user's attributes stay with it
         empty.__dict__.setdefault(name, value)
@@ -123,11 +123,7 @@ def plan_initialization(module: nn.Module, loaded: set[str], rng_state: torch.Te
     refused = []
     for fqn, sub, initializer in _in_initialization_order(module):
         prefix = f"{fqn}." if fqn else ""
-        names = [
-            name
-            for name, tensor in [*sub._parameters.items(), *sub._buffers.items()]
-            if tensor is not None and _is_meta(tensor) and prefix + name not in loaded
-        ]
+        names = [name for name, tensor in _own_tensors(sub).items() if _is_meta(tensor) and prefix + name not in loaded]
         if not names:
             continue
         if initializer is None and not callable(getattr(sub, "reset_parameters", None)):
@@ -154,9 +150,8 @@ def _in_initialization_order(module: nn.Module) -> Iterator[tuple[str, nn.Module
     def visit(fqn: str, sub: nn.Module, owner: Any) -> Iterator[tuple[str, nn.Module, Any]]:
         if hf_base is not None and isinstance(sub, hf_base):
             owner = sub
-        for name, child in sub._modules.items():
-            if child is not None:
-                yield from visit(f"{fqn}.{name}" if fqn else name, child, owner)
+        for name, child in sub.named_children():
+            yield from visit(f"{fqn}.{name}" if fqn else name, child, owner)
         yield fqn, sub, owner._init_weights if owner is not None else None
 
     yield from visit("", module, None)
@@ -184,28 +179,26 @@ def initialize_missing(plan: InitPlan) -> None:
 
 def _initialize_one(pending: _Pending) -> None:
     sub = pending.module
-    twin = copy.copy(sub)  # the module's own attributes (config, sizes), its own tensors full-size on the CPU
-    twin._modules = {}
-    twin._parameters = {}
-    twin._buffers = {}
-    live = {**sub._parameters, **sub._buffers}
+    live = _own_tensors(sub)
+    parameters = {name for name, _ in sub.named_parameters(recurse=False)}
+    full = {}
     for name, tensor in live.items():
-        if tensor is None:
-            continue
-        full = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-        if name in sub._parameters:
-            full = twin._parameters[name] = nn.Parameter(full, requires_grad=False)
-        else:
-            twin._buffers[name] = full
+        value = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        if name in parameters:
+            value = nn.Parameter(value, requires_grad=False)
         if name in pending.names:
-            full.fill_(float("nan")) if full.is_floating_point() else full.zero_()
+            value.fill_(float("nan")) if value.is_floating_point() else value.zero_()
         else:
-            full._is_hf_initialized = True  # type: ignore[attr-defined]  # Hugging Face's initializers skip it
+            value._is_hf_initialized = True  # type: ignore[attr-defined]  # Hugging Face's initializers skip it
+        full[name] = value
+    # The module's own attributes (config, sizes) and code, its own tensors full-size on the CPU.
+    own = {n: cast(nn.Parameter, v) for n, v in full.items() if n in parameters}
+    twin = module_twin(sub, own, {n: v for n, v in full.items() if n not in parameters})
     if pending.hf:
         _run_hf_initializer(pending.initializer, twin)
     else:
         cast(Any, twin).reset_parameters()
-    left = [n for n in pending.names if twin_tensor(twin, n).is_floating_point() and twin_tensor(twin, n).isnan().any()]
+    left = [n for n in pending.names if full[n].is_floating_point() and full[n].isnan().any()]
     if left:
         how = f"{type(sub).__name__}.reset_parameters()" if not pending.hf else "its Hugging Face `_init_weights`"
         raise UninitializableModule(
@@ -214,11 +207,12 @@ def _initialize_one(pending: _Pending) -> None:
             " module there, include it in the checkpoint, or build the module without `empty_init`."
         )
     for name in pending.names:
-        _copy_into(cast(torch.Tensor, live[name]), twin_tensor(twin, name))
+        _copy_into(live[name], full[name])
 
 
-def twin_tensor(twin: nn.Module, name: str) -> torch.Tensor:
-    return cast(torch.Tensor, twin._parameters[name] if name in twin._parameters else twin._buffers[name])
+def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own parameters and buffers by name (not its children's)."""
+    return dict([*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)])
 
 
 def _run_hf_initializer(init_weights: Any, twin: nn.Module) -> None:

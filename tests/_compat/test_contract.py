@@ -356,7 +356,31 @@ def _distributed_contract() -> dict:
         lc.sync_ddp_if_available(torch.ones(1), None, reduce_op="sum").item(),
         lc.all_gather_ddp_if_available(torch.ones(1)).shape,
     )
+    out["box"] = dtensor.local_box(distribute_tensor(torch.ones(4, 2), mesh, [Shard(1)]))
+    out["hf_files"] = _hf_files_assembled()
     return out
+
+
+def _hf_files_assembled() -> bool:
+    """DCP's Hugging Face writer's slices assembled into safetensors files and their index by the shim."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as tdcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    state = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(2)}
+    with tempfile.TemporaryDirectory() as root:
+        slices, out = Path(root, "slices"), Path(root, "out")
+        plan = {"a": 1, "b": 2}
+        out.mkdir()
+        tdcp.save(state, storage_writer=HuggingFaceStorageWriter(str(slices), plan, save_distributed=True))
+        dcp.consolidate_safetensors_on_every_rank(slices, out, plan)
+        index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        loaded = {**load_file(out / index["a"]), **load_file(out / index["b"])}
+    return set(index) == {"a", "b"} and all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
 def _reapplies(mesh, forget: bool) -> bool:
@@ -414,6 +438,8 @@ def test_distributed_shims_in_a_process_group():
         "torch",
         f"(all_reduce, owned_local plain, its values, its gradient): {out['owned']}",
     )
+    _expect(out["box"] == (0, 0), "_utils.compute_local_shape_and_global_offset", "torch", str(out["box"]))
+    _expect(out["hf_files"], "_consolidate_hf_safetensors.consolidate_safetensors_files_on_every_rank", "torch", "")
     _expect(
         out["lightning"] == (1.0, torch.Size([1, 1])),
         "_sync_ddp_if_available/_all_gather_ddp_if_available",

@@ -26,6 +26,9 @@ PACKAGE = Path(lightning_mgpu.__file__).parent
 # Private names of other libraries (not the frameworks this check is about), read where they are the only way.
 OTHER_LIBRARIES = {
     "_tp_plan": "transformers: a PreTrainedModel class's tensor-parallel plan",
+    "_init_weights": "transformers: a PreTrainedModel's initializer of one module, what from_pretrained runs on"
+    " missing weights (parallel/materialize.py runs it on one module's full-size copy)",
+    "_is_hf_initialized": "transformers: the flag its initializers read to skip a tensor already loaded",
 }
 # Names Python's own machinery puts on classes (abc, typing), not private APIs of the frameworks.
 # Set on a subclass by the language or a framework metaclass, not by the subclass's code: ``_backward_cls`` is what
