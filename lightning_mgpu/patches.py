@@ -44,6 +44,7 @@ class PatchLog:
 
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
+        self._process_wide: list[Callable[[], None]] = []  # patches of torch itself, not of the user's objects
 
     def add(self, undo: Callable[[], None]) -> None:
         """Register any undo (e.g. a helper's ``remove``)."""
@@ -71,7 +72,20 @@ class PatchLog:
         self.keep_attribute(obj, name)
         setattr(obj, name, value)
 
+    def set_process_wide(self, obj: Any, name: str, value: Any) -> None:
+        """``setattr`` on torch itself (``torch.nn.functional``): undone by ``undo()`` and also by
+        ``undo_process_wide()``, when a run ends leaving the user's module parallelized, so that no other code in
+        the process calls into a finished run."""
+        before = getattr(obj, name)
+        setattr(obj, name, value)
+        self._process_wide.append(lambda: setattr(obj, name, before))
+
+    def undo_process_wide(self) -> None:
+        while self._process_wide:
+            self._process_wide.pop()()
+
     def undo(self) -> None:
+        self.undo_process_wide()
         while self._undo:
             self._undo.pop()()
 

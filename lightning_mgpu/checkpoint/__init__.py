@@ -5,11 +5,14 @@
 - ``states``: model/optimizer/RNG states of the live objects, conversions between optimizer formats.
 - ``checkpointer``: ``Checkpointer``, what ``HybridStrategy``'s checkpoint hooks call (sync/async, sharded/full).
 - ``resume``: continuing the training data where a checkpoint stopped (mid-epoch, or after ``fit`` returned).
+- ``pretrained``: pretrained weights (Hugging Face, torch, ours) read into a parallelized model, slices per rank.
+- ``export``: the model written as a Hugging Face checkpoint by every rank.
 - ``convert``: consolidation to one file (torch or safetensors) and ``inspect``, without a process group.
 """
 
 from lightning_mgpu.checkpoint.checkpointer import Checkpointer
 from lightning_mgpu.checkpoint.convert import consolidate, describe, write_consolidated
+from lightning_mgpu.checkpoint.export import save_hf_checkpoint
 from lightning_mgpu.checkpoint.format import METADATA_FILE, CheckpointError, is_sharded_checkpoint
 from lightning_mgpu.checkpoint.states import full_model_state_dict
 
@@ -21,5 +24,6 @@ __all__ = [
     "describe",
     "full_model_state_dict",
     "is_sharded_checkpoint",
+    "save_hf_checkpoint",
     "write_consolidated",
 ]

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 from lightning_mgpu.checkpoint.states import describable
 
-DEFAULT_SHARD_BYTES = 5 * 2**30  # Hugging Face's max_shard_size default ("5GB")
+DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's max_shard_size default ("5GB")
 _SLICES = "slices"  # the ranks' pieces, removed once the files are assembled
 
 
@@ -38,6 +38,24 @@ def hf_model_prefix(module: nn.Module) -> tuple[str, Any | None]:
         return "", None
     name, model = outermost[0]
     return (f"{name}." if name else ""), model
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def shard_bytes(size: int | str) -> int:
+    """``max_shard_size`` as bytes: an integer, or Hugging Face's notation (``"500MB"``, ``"5GB"``, ``"2GiB"``)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    text = str(size).strip().upper().replace(" ", "")
+    unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if text.endswith(u)), None)
+    try:
+        number = float(text[: -len(unit)] if unit else text)
+    except ValueError:
+        number = -1.0
+    if number <= 0:
+        raise ValueError(f"max_shard_size must be a positive number of bytes or e.g. '5GB', got {size!r}.")
+    return int(number * _UNITS[unit or "B"])
 
 
 def shard_plan(sizes: dict[str, int], max_bytes: int) -> dict[str, int]:

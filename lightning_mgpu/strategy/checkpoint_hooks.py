@@ -6,6 +6,7 @@ under the plain module's FQNs, whatever the layout (see ``checkpoint/``).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -17,6 +18,7 @@ from lightning_mgpu import checkpoint as sharded_checkpoint
 from lightning_mgpu._compat.lightning import PATH, attached_trainer
 from lightning_mgpu.backends.deepspeed import CHECKPOINT_KEY as DEEPSPEED_KEY
 from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner
+from lightning_mgpu.checkpoint.export import shard_bytes
 from lightning_mgpu.layout import PP_AXIS, ParallelLayout
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 
@@ -115,3 +117,17 @@ class CheckpointHooks(ParallelStrategy):
             return self.checkpointer.states.full_model_state_dict(self.lightning_module)
         pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
         return sharded_checkpoint.full_model_state_dict(self.lightning_module, pp_group)
+
+    def save_hf_checkpoint(self, path: PATH, max_shard_size: int | str = "5GB") -> Path:
+        """Write the model as a Hugging Face checkpoint under ``path``: safetensors shards of at most
+        ``max_shard_size`` (bytes, or ``"500MB"``, ``"5GB"``), their ``model.safetensors.index.json`` and, for a
+        Hugging Face model, its ``config.json``, so that ``AutoModel...from_pretrained(path)`` loads it. Every rank
+        writes the slices it holds; the model is never gathered on one rank. Call on every rank."""
+        assert self.lightning_module is not None
+        if self._deepspeed is not None:
+            raise NotImplementedError(
+                "save_hf_checkpoint with zero_backend='deepspeed': save with trainer.save_checkpoint(path), then"
+                " `lightning-mgpu consolidate path out --format safetensors`."
+            )
+        return sharded_checkpoint.save_hf_checkpoint(self.lightning_module, path, shard_bytes(max_shard_size))
+

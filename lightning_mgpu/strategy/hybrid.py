@@ -417,6 +417,8 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         self.model = self.precision_plugin.convert_module(self.model)
         if self._runner is not None and self._runner.module is self.lightning_module:
             self.model = self._runner  # already parallelized by an earlier fit/validate with this Trainer
+            if self._context is not None:
+                self._context.patch_functions(self._patches)  # undone when that run ended
         else:
             self._failed = self._interrupted = False
             module, mesh, precision = self.lightning_module, self.device_mesh, self.precision_plugin
@@ -486,6 +488,8 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
             module_setup.unwire_optimizers(self._optimizer_sharding, watched_roots=self._data_parallel_roots)
             if self._restores:
                 self._restore_user_objects()
+            else:
+                self._patches.undo_process_wide()  # the module stays parallelized; torch itself does not
             assert self.cluster_environment is not None and self.accelerator is not None
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()

@@ -60,8 +60,7 @@ class ContextParallel:
         self._windows = _sliding_windows(module)
         self._sdpa = F.scaled_dot_product_attention
         self._cross_entropy = F.cross_entropy
-        patches.set_attribute(F, "scaled_dot_product_attention", self._attention)
-        patches.set_attribute(F, "cross_entropy", self._token_mean_cross_entropy)
+        self.patch_functions(patches)
         # Prepended: the positions are made global before tensor parallelism's input hooks wrap them as DTensors.
         for submodule in module.modules():
             if isinstance(submodule, nn.Embedding):
@@ -73,6 +72,11 @@ class ContextParallel:
                 patches.hook(hook)
             if callable(getattr(submodule, "loss_function", None)) and "labels" in _parameters(submodule):
                 patches.hook(submodule.register_forward_pre_hook(self._shifted_labels, with_kwargs=True))
+
+    def patch_functions(self, patches: PatchLog) -> None:
+        """torch's attention and cross-entropy routed through this run (undone when the run ends)."""
+        patches.set_process_wide(F, "scaled_dot_product_attention", self._attention)
+        patches.set_process_wide(F, "cross_entropy", self._token_mean_cross_entropy)
 
     # ------------------------------------------------------------------------------------------------- the step
     def split(self, method_name: str, args: tuple) -> tuple:

@@ -1,0 +1,242 @@
+"""Fine-tuning from pretrained weights: each rank reads only its slices, and trains like one process's
+``from_pretrained`` model.
+
+Published Hugging Face architectures (Llama with GQA, tied and untied; GPT-2; Qwen3-MoE; BERT with a new
+classification head) are saved in several safetensors shards; the user's module builds the model from its config
+in ``configure_model`` and ``HybridStrategy(pretrained=dir)`` fills it. The reference is one process running
+``from_pretrained`` in ``__init__`` under Lightning's DDP. After training, every run writes the model back as a
+Hugging Face checkpoint from all ranks, which ``from_pretrained`` loads with the one-process fine-tune's weights.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_mgpu import HybridStrategy
+from lightning_mgpu.checkpoint import CheckpointError
+from lightning_mgpu.checkpoint.pretrained import map_weights, open_weights
+from tests.helpers.batched import Run, fit_each, references, result
+from tests.helpers.equivalence import assert_same_training
+from tests.helpers.modules import RandomTokenDataModule
+from tests.helpers.pretrained import FineTune, save_checkpoint, shards
+from tests.helpers.tiers import case
+
+GLOBAL_BATCH = 8
+STEPS = 10
+FIRST_LOSS_RTOL = 1e-6
+WEIGHT_ATOL = 1e-4  # AdamW turns summation-order noise on near-zero gradients into ~1e-5 steps over 10 steps
+
+LAYOUTS = {  # name: (devices, strategy arguments)
+    "dp2-z0": (2, {}),
+    "dp2-z3": (2, {"zero_stage": 3}),
+    "tp2": (2, {"tensor_parallel_size": 2}),
+    "pp2": (2, {"pipeline_parallel_size": 2}),
+    "cp2": (2, {"context_parallel_size": 2}),
+    "ep2": (2, {"expert_parallel_size": 2}),
+    "pp2-tp2": (4, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}),
+    "hsdp": (4, {"zero_stage": 3, "data_parallel_shard_size": 2}),
+    "dp4-ep2": (4, {"expert_parallel_size": 2, "zero_stage": 1}),
+}
+MATRIX = {
+    "llama": ["dp2-z0", "dp2-z3", "tp2", "pp2", "cp2", "pp2-tp2", "hsdp"],
+    "llama-tied": ["dp2-z3", "tp2", "pp2", "pp2-tp2"],
+    "gpt2": ["dp2-z0", "tp2", "pp2", "pp2-tp2"],
+    "qwen3-moe": ["dp2-z3", "tp2", "pp2", "ep2", "dp4-ep2"],
+    "bert": ["dp2-z0", "dp2-z3", "tp2", "pp2"],
+}
+# The quick tier loads every model and every layout at least once.
+QUICK = {
+    "llama/dp2-z0",
+    "llama/dp2-z3",
+    "llama/tp2",
+    "llama/pp2",
+    "llama/cp2",
+    "llama/pp2-tp2",
+    "llama/hsdp",
+    "llama-tied/tp2",
+    "gpt2/pp2",
+    "qwen3-moe/ep2",
+    "qwen3-moe/dp4-ep2",
+    "bert/dp2-z3",
+}
+CASES = [f"{model}/{layout}" for model, layouts in MATRIX.items() for layout in layouts]
+
+
+@functools.cache
+def _root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="lightning-mgpu-pretrained-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@functools.cache
+def _checkpoint(model: str) -> str:
+    path = save_checkpoint(model, _root() / "pretrained")
+    assert shards(path) >= 3, f"{model} was saved in {shards(path)} shards"
+    return str(path)
+
+
+def _tokens(batch: int) -> RandomTokenDataModule:
+    return RandomTokenDataModule(batch_size=batch)
+
+
+def _data_parallel(devices: int, kwargs: dict) -> int:
+    split = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
+    return devices // (split * kwargs.get("context_parallel_size", 1))
+
+
+def _export(path: str, trainer) -> None:
+    trainer.strategy.save_hf_checkpoint(path, max_shard_size="100KB")
+
+
+def _run(name: str) -> tuple[int, Run]:
+    model, layout = name.split("/")
+    devices, kwargs = LAYOUTS[layout]
+    strict = model != "bert"  # the classifier's head is new
+    strategy = {**kwargs, "pretrained": _checkpoint(model), "pretrained_strict": strict}
+    batch = GLOBAL_BATCH // _data_parallel(devices, kwargs)
+    export = partial(_export, str(_root() / "export" / name.replace("/", "-")))
+    run = Run(partial(FineTune, _checkpoint(model)), partial(_tokens, batch), strategy, STEPS, after_fit=export)
+    return devices, run
+
+
+def _reference_run(model: str) -> Run:
+    return Run(partial(FineTune, _checkpoint(model), from_pretrained=True), partial(_tokens, GLOBAL_BATCH), None, STEPS)
+
+
+def _fits(names: set[str]) -> dict:
+    by_world: dict[int, dict[str, Run]] = {}
+    for name in sorted(names):
+        devices, run = _run(name)
+        by_world.setdefault(devices, {})[name] = run
+    found: dict = {}
+    for devices, runs in by_world.items():
+        found.update(fit_each(runs, devices))
+    return found
+
+
+@functools.cache
+def _trained() -> dict:
+    return _fits(QUICK)
+
+
+@functools.cache
+def _slow_trained() -> dict:
+    return _fits(set(CASES) - QUICK)
+
+
+def _reference(model: str):
+    return result(references({model: _reference_run(model)})[model])
+
+
+@pytest.mark.parametrize("name", [case(name, id=name, slow=name not in QUICK) for name in CASES])
+def test_pretrained_weights_train_like_from_pretrained_on_one_process(name):
+    model, _ = name.split("/")
+    reference = _reference(model)
+    trained, _ = result((_trained() if name in QUICK else _slow_trained())[name])
+    first, expected = trained.losses[0], reference.losses[0]
+    assert abs(first - expected) <= FIRST_LOSS_RTOL * abs(expected), (first, expected)
+    assert_same_training(reference, trained, weight_atol=WEIGHT_ATOL)
+    # The Hugging Face checkpoint every rank wrote after training is the one-process fine-tune's model.
+    exported = _root() / "export" / name.replace("/", "-")
+    assert (exported / "model.safetensors.index.json").is_file() and (exported / "config.json").is_file()
+    loaded = FineTune(str(exported), from_pretrained=True) if model != "bert" else _classifier(exported)
+    state = loaded.state_dict()
+    for key, value in reference.state_dict.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=WEIGHT_ATOL, msg=lambda m: f"{key}: {m}")
+
+
+def _classifier(path: Path) -> FineTune:
+    """The exported classifier loaded as the fine-tuned one (its directory is not named ``bert``)."""
+    module = FineTune(str(path))
+    module.classifier = True
+    module.model = module._model_class().from_pretrained(path, **module._extra())
+    return module
+
+
+# ------------------------------------------------------------------------------------------- names, without ranks
+def test_names_match_through_the_module_prefix_and_hugging_face_conversions():
+    # self.model holds the Hugging Face model: its names are the checkpoint's under "model."
+    module = FineTune(_checkpoint("qwen3-moe"))
+    with torch.device("meta"):
+        module.configure_model()
+    weights = map_weights(module, open_weights(_checkpoint("qwen3-moe")))
+    assert weights.prefixes == ("model.", "")
+    assert not weights.missing and not weights.unexpected
+    # Per-expert tensors stacked into the fused expert weight, gate and up concatenated (Hugging Face's conversion).
+    parts = weights.parts["model.model.layers.0.mlp.experts.gate_up_proj"]
+    assert [(p.name.split("experts.")[1], p.offsets, p.stack_dim) for p in parts][:3] == [
+        ("0.gate_proj.weight", (0, 0, 0), 0),
+        ("1.gate_proj.weight", (1, 0, 0), 0),
+        ("2.gate_proj.weight", (2, 0, 0), 0),
+    ]
+    assert parts[4].name.endswith("experts.0.up_proj.weight") and parts[4].offsets == (0, 32, 0)
+
+
+def test_a_tied_head_reads_the_embedding_and_a_new_head_is_named():
+    tied = FineTune(_checkpoint("llama-tied"))
+    with torch.device("meta"):
+        tied.configure_model()
+    weights = map_weights(tied, open_weights(_checkpoint("llama-tied")))
+    assert weights.direct["model.lm_head.weight"] == "model.embed_tokens.weight"
+    classifier = FineTune(_checkpoint("bert"))
+    with torch.device("meta"):
+        classifier.configure_model()
+    with pytest.raises(CheckpointError, match=r"no entry for 4 .*model\.classifier\.weight.*pretrained_strict=False"):
+        map_weights(classifier, open_weights(_checkpoint("bert")))
+    weights = map_weights(classifier, open_weights(_checkpoint("bert")), strict=False)
+    assert set(weights.missing) == {
+        "model.bert.pooler.dense.weight",
+        "model.bert.pooler.dense.bias",
+        "model.classifier.weight",
+        "model.classifier.bias",
+    }
+    assert weights.prefixes == ("model.", "") and all(name.startswith("cls.") for name in weights.unexpected)
+
+
+def test_sources_and_their_errors(tmp_path):
+    llama = Path(_checkpoint("llama"))
+    assert open_weights(llama).kind == "Hugging Face"
+    with pytest.raises(CheckpointError, match="one file of .* pass the directory"):
+        open_weights(next(llama.glob("*.safetensors")))
+    with pytest.raises(CheckpointError, match="no such file"):
+        open_weights(tmp_path / "absent")
+    with pytest.raises(CheckpointError, match="holds neither"):
+        open_weights(tmp_path)
+    broken = tmp_path / "broken"
+    shutil.copytree(llama, broken)
+    next(broken.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match="lists shards that are missing"):
+        open_weights(broken)
+    file = tmp_path / "weights.pt"
+    module = FineTune(str(llama), from_pretrained=True)
+    torch.save({"state_dict": module.state_dict(), "epoch": 0}, file)
+    source = open_weights(file)
+    assert source.kind == "torch file" and set(source.entries) == set(module.state_dict())
+    assert map_weights(module, source).prefixes == ("", "")
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(CheckpointError, match="neither a state dict nor a Lightning checkpoint"):
+        open_weights(tmp_path / "list.pt")
+
+
+def test_shapes_that_differ_are_refused_by_name():
+    module = FineTune(_checkpoint("llama"))
+    source = open_weights(_checkpoint("llama"))
+    source.entries["model.norm.weight"] = (65,)
+    with torch.device("meta"):
+        module.configure_model()
+    with pytest.raises(CheckpointError, match=r"model\.model\.norm\.weight is \[64\] in the model, \[65\]"):
+        map_weights(module, source)
+
+
+def test_a_missing_path_is_refused_when_the_strategy_is_built(tmp_path):
+    with pytest.raises(FileNotFoundError, match="absent.*no such file"):
+        HybridStrategy(pretrained=tmp_path / "absent")

@@ -1,0 +1,131 @@
+"""Published Hugging Face architectures saved as sharded pretrained checkpoints, and a user's fine-tuning module.
+
+The checkpoints are written the way a user gets them: ``save_pretrained`` of a model built from a small config
+(random weights: there is no download here), cut into several safetensors shards with their index. The module is
+what a user writes: the Hugging Face model built from its config in ``configure_model`` (the scalable way, with
+``HybridStrategy(pretrained=...)``), or loaded with ``from_pretrained`` in ``__init__`` (the small way, and the
+one-process reference). Nothing in either is changed for the library.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+NUM_LABELS = 3
+
+
+def configs() -> dict[str, Any]:
+    """Small configs of the architectures the pretrained path is held to, options at their defaults but dropout,
+    which is off so that runs on different layouts (each drawing its own masks) compare step by step."""
+    from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen3MoeConfig
+
+    llama = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
+    return {
+        "llama": LlamaConfig(**llama, tie_word_embeddings=False),
+        "llama-tied": LlamaConfig(**llama, tie_word_embeddings=True),
+        "gpt2": GPT2Config(
+            vocab_size=128,
+            n_positions=64,
+            n_embd=64,
+            n_layer=4,
+            n_head=4,
+            n_inner=128,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+        "qwen3-moe": Qwen3MoeConfig(
+            **{**llama, "intermediate_size": 128},
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            head_dim=16,
+        ),
+        "bert": BertConfig(
+            vocab_size=128,
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        ),
+    }
+
+
+def save_checkpoint(name: str, directory: Path, seed: int = 0, shard_bytes: str = "100KB") -> Path:
+    """``name``'s model saved with ``save_pretrained`` in several shards (BERT as its masked-LM pretraining model,
+    so that a classifier fine-tuned from it has a new head)."""
+    from transformers import AutoModelForCausalLM, BertForMaskedLM
+
+    path = directory / name
+    if (path / "config.json").is_file():
+        return path
+    config = configs()[name]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = BertForMaskedLM(config) if name == "bert" else AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path, max_shard_size=shard_bytes)
+    return path
+
+
+def shards(path: Path) -> int:
+    return sum(1 for _ in Path(path).glob("*.safetensors"))
+
+
+class FineTune(L.LightningModule):
+    """A user's fine-tuning module: a causal LM on next-token targets, or (``bert``) a sequence classifier with a
+    new head on the first target token's class."""
+
+    def __init__(self, path: str, from_pretrained: bool = False, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.path, self.lr = path, lr
+        self.classifier = os.path.basename(path.rstrip("/")) == "bert"
+        if from_pretrained:
+            self.model = self._model_class().from_pretrained(path, **self._extra())
+
+    def _model_class(self) -> Any:
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification if self.classifier else AutoModelForCausalLM
+
+    def _extra(self) -> dict[str, Any]:
+        return {"num_labels": NUM_LABELS} if self.classifier else {}
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.path, **self._extra())
+        self.model = self._model_class().from_config(config)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        if self.classifier:
+            return F.cross_entropy(logits, y[:, 0] % NUM_LABELS)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
