@@ -130,4 +130,3 @@ class CheckpointHooks(ParallelStrategy):
                 " `lightning-mgpu consolidate path out --format safetensors`."
             )
         return sharded_checkpoint.save_hf_checkpoint(self.lightning_module, path, shard_bytes(max_shard_size))
-

@@ -205,7 +205,7 @@ def test_a_tied_head_reads_the_embedding_and_a_new_head_is_named():
 def test_sources_and_their_errors(tmp_path):
     llama = Path(_checkpoint("llama"))
     assert open_weights(llama).kind == "Hugging Face"
-    with pytest.raises(CheckpointError, match="one file of .* pass the directory"):
+    with pytest.raises(CheckpointError, match=r"one file of .* pass the directory"):
         open_weights(next(llama.glob("*.safetensors")))
     with pytest.raises(CheckpointError, match="no such file"):
         open_weights(tmp_path / "absent")
@@ -238,5 +238,5 @@ def test_shapes_that_differ_are_refused_by_name():
 
 
 def test_a_missing_path_is_refused_when_the_strategy_is_built(tmp_path):
-    with pytest.raises(FileNotFoundError, match="absent.*no such file"):
+    with pytest.raises(FileNotFoundError, match=r"absent.*no such file"):
         HybridStrategy(pretrained=tmp_path / "absent")
