@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from lightning_mgpu._compat.dtensor import local_box
 from lightning_mgpu.checkpoint.flat_fragments import BoxFragment, FragmentLoadPlanner
 from lightning_mgpu.checkpoint.format import METADATA_FILE, MODEL_KEY, CheckpointError, FlatReader, load_file
+from lightning_mgpu.checkpoint.hf_reader import HuggingFaceReader
 from lightning_mgpu.checkpoint.states import by_block, describable, some
 
 HF_INDEX = "model.safetensors.index.json"
@@ -47,9 +48,7 @@ class WeightsSource:
 
     def reader(self) -> StorageReader:
         if self.kind == "Hugging Face":
-            from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-            return HuggingFaceStorageReader(str(self.path))
+            return HuggingFaceReader(str(self.path))
         if self.kind == "sharded":
             return FileSystemReader(self.path)
         assert self._flat is not None

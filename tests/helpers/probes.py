@@ -174,3 +174,32 @@ class MetricRecorder(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.validation_key in trainer.callback_metrics:
             self.results["val_losses"].append(float(trainer.callback_metrics[self.validation_key]))
+
+
+# ---------------------------------------------------------------------------------------------- host memory
+def status_kib(field: str) -> int:
+    """A ``/proc/self/status`` reading in KiB: ``VmRSS`` (resident now), ``VmHWM`` (its high-water mark)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def reset_peak_rss() -> None:
+    """Start ``VmHWM`` again from the current resident size (Linux: ``5`` written to ``/proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+class SetupMemory(L.Callback):
+    """The process's peak resident memory from ``reset_peak_rss()`` to the start of training (the weights loaded),
+    and the parameter bytes this rank then holds (its shards) and the largest whole parameter."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        params = {id(p): p for p in pl_module.parameters()}.values()
+        self.results = {
+            "peak_kib": status_kib("VmHWM"),
+            "held_bytes": sum(local_bytes(p) for p in params),
+            "largest_bytes": max(p.numel() * p.element_size() for p in params),
+        }
