@@ -32,6 +32,7 @@ class Run:
         max_steps: int = STEPS,
         trainer_kwargs: dict[str, Any] | None = None,
         callbacks_factory: Callable[[], list[L.Callback]] | None = None,
+        before_fit: Callable[[L.Trainer, L.LightningModule, L.LightningDataModule], Any] | None = None,
     ) -> None:
         self.module_factory = module_factory
         self.datamodule_factory = datamodule_factory
@@ -39,6 +40,7 @@ class Run:
         self.max_steps = max_steps
         self.trainer_kwargs = trainer_kwargs or {}
         self.callbacks_factory = callbacks_factory
+        self.before_fit = before_fit  # e.g. `trainer.validate(module, datamodule)` before the fit
 
 
 def _fits_worker(runs: dict[str, Run], devices: int) -> dict[str, Any]:
@@ -54,6 +56,7 @@ def _fits_worker(runs: dict[str, Run], devices: int) -> dict[str, Any]:
                 SEED,
                 run.trainer_kwargs,
                 run.callbacks_factory,
+                before_fit=run.before_fit,
             )
         except Exception:
             outputs[name] = traceback.format_exc()
@@ -87,7 +90,8 @@ def references(runs: dict[str, Run], timeout: float = 600.0) -> dict[str, RunRes
         name: _reference_key(run.module_factory, run.datamodule_factory, run.max_steps, SEED, run.trainer_kwargs)
         for name, run in runs.items()
     }
-    assert all(run.strategy_kwargs is None and run.callbacks_factory is None for run in runs.values())
+    plain = [run.strategy_kwargs is None and not run.callbacks_factory and not run.before_fit for run in runs.values()]
+    assert all(plain)
     missing: dict[str, Run] = {}  # one run per distinct key: two names computing the same thing share it
     for name, run in runs.items():
         if keys[name] is None or (keys[name] not in _REFERENCES and keys[name] not in [keys[m] for m in missing]):
