@@ -304,6 +304,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         self._init_rng_state: torch.Tensor | None = None  # the random state parameters built on meta were made in
         # Every patch on the user's objects during one run, and the module as it was, undone in `teardown`.
         self._restore_module = restore_module_on_teardown
+        self._restores = False  # whether this run gives the module back plain: `restore_module_on_teardown` resolved
         self._patches = PatchLog()
         self._snapshot: ModuleSnapshot | None = None
         self._failed = False
@@ -415,7 +416,8 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         self.precision_plugin.float8_all_gather = fully_sharded and self.precision_plugin.precision == "fp8-mixed"
         self.model = self.precision_plugin.convert_module(self.model)
         if self._runner is not None and self._runner.module is self.lightning_module:
-            self.model = self._runner  # already parallelized by an earlier fit/validate with this Trainer
+            self.model = self._runner  # kept parallelized by an earlier fit/validate (restore_module_on_teardown off)
+            module_setup.shard_gathered(self._data_parallel_roots)
         else:
             self._failed = self._interrupted = False
             module, mesh, precision = self.lightning_module, self.device_mesh, self.precision_plugin
@@ -425,6 +427,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
             if not weights.built_empty:
                 self.model_to_device()
             restore = self._restore_module if self._restore_module is not None else not weights.built_empty
+            self._restores = restore
             if restore and self._deepspeed is None:
                 self._snapshot = ModuleSnapshot.take(self.lightning_module)
             self._runner, self._pipeline, self._context = module_setup.parallelize_for_run(
@@ -483,7 +486,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         try:
             self._checkpointer.wait()  # a background save finishes (or raises) before `fit` returns
             module_setup.unwire_optimizers(self._optimizer_sharding, watched_roots=self._data_parallel_roots)
-            if self._restore_module:
+            if self._restores:
                 self._restore_user_objects()
             assert self.cluster_environment is not None and self.accelerator is not None
             self.cluster_environment.teardown()

@@ -99,8 +99,18 @@ def reshard(roots: list[nn.Module]) -> None:
     for root in roots:
         for sub in root.modules():
             if isinstance(sub, FSDPModule):
-                # The root group keeps its parameters unsharded after forward: only ours, it is discarded next.
+                # Mid-forward a group reshards only if set to: only ours, it is discarded next.
                 sub.set_reshard_after_forward(True, recurse=False)
+    shard_gathered(roots)
+
+
+def shard_gathered(roots: list[nn.Module]) -> None:
+    """FSDP groups that keep their parameters gathered after a forward (the root's embeddings, norms and head; every
+    group at ZeRO-2) sharded again, e.g. after ``trainer.validate``: a ``fit`` that reuses the parallel module then
+    builds its optimizers on the sharded parameters, not on gathered copies that FSDP never reads or updates."""
+    for root in roots:
+        for sub in root.modules():
+            if isinstance(sub, FSDPModule):
                 sub.reshard()
 
 
