@@ -79,7 +79,7 @@ def unwire_optimizers(shardings: list[OptimizerStateSharding], watched_roots: Se
     """Undo ZeRO-1's wrapping of the user's optimizers and, for ``watched_roots``, the hooks DDP roots may still hold
     on the user's parameters (``parallel/data/unused_params.py``, while the first step has not decided). Empties
     ``shardings``."""
-    for sharding in shardings:
+    for sharding in reversed(shardings):  # each one restores what the one before it set
         sharding.remove()
     shardings.clear()
     for root in watched_roots:

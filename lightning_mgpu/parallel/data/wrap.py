@@ -234,7 +234,9 @@ class OptimizerStateSharding:
             reduce.owner.update({p: self._global_ranks[r] for p, r in self.owned_by.items()})
         if self._precision_plugin is not None:
             self._precision_plugin.grad_norm_group = self._group
-            self._precision_plugin.grads_counted_elsewhere = self._not_owned
+            # Several optimizers (a GAN's two): each sharding adds its own parameters to what is counted elsewhere.
+            self._counted_before = self._precision_plugin.grads_counted_elsewhere
+            self._precision_plugin.grads_counted_elsewhere = self._counted_elsewhere
 
     def owns(self, param: torch.Tensor) -> bool:
         return self.owned_by[param] == self._rank
@@ -244,13 +246,15 @@ class OptimizerStateSharding:
         for reduce in self._owner_reduces:
             for param in self.owned_by:
                 reduce.owner.pop(param, None)
-        if self._precision_plugin is not None:
-            self._precision_plugin.grad_norm_group = None
-            self._precision_plugin.grads_counted_elsewhere = frozenset
+        if self._precision_plugin is not None:  # the shardings are removed in the reverse order of their making
+            self._precision_plugin.grads_counted_elsewhere = self._counted_before
+            if self._counted_before is frozenset:
+                self._precision_plugin.grad_norm_group = None
 
-    def _not_owned(self) -> set[int]:
-        """Parameters whose gradient was reduced to another rank: that owner counts them in the global norm."""
-        return {id(p) for p, owner in self.owned_by.items() if owner != self._rank}
+    def _counted_elsewhere(self) -> set[int]:
+        """Parameters whose gradient was reduced to another rank (this optimizer's or an earlier sharded one's): that
+        owner counts them in the global norm."""
+        return {id(p) for p, owner in self.owned_by.items() if owner != self._rank} | set(self._counted_before())
 
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
