@@ -297,11 +297,13 @@ def _tokens() -> RandomTokenDataModule:
 
 _DDP = LightningDDP(find_unused_parameters=True)
 _ZERO3 = {"zero_stage": 3}
+_TP2 = {"tensor_parallel_size": 2, "tp_plan": GAN_PLAN}
 # Runs by job: (world size, tier) -> {name: run}. The references train in the job that reads them.
 JOBS: dict[tuple[int, str], dict[str, Run]] = {
-    (1, "quick"): {"GAN one process": _gan(_DDP)},
+    (1, "quick"): {"GAN one process": _gan(_DDP), "clipped GAN one process": _gan(_DDP, _ClippedGAN)},
     (2, "quick"): {
-        "GAN tp 2": _gan({"tensor_parallel_size": 2, "tp_plan": GAN_PLAN}),
+        "GAN tp 2": _gan(_TP2),
+        "clipped GAN tp 2": _gan(_TP2, _ClippedGAN),
         "GAN DDP": _gan(_DDP),
         **{f"GAN ZeRO-{z}": _gan({"zero_stage": z}) for z in range(4)},
         "GAN ZeRO-3 cpu_offload": _gan({"zero_stage": 3, "cpu_offload": True}),
@@ -323,17 +325,12 @@ JOBS: dict[tuple[int, str], dict[str, Run]] = {
         "Llama pp 2": Run(_ManualLlama, _tokens, {"pipeline_parallel_size": 2}, 4),
     },
     (4, "quick"): {
-        **{
-            f"GAN dp 2 x tp 2 ZeRO-{z}": _gan({"tensor_parallel_size": 2, "tp_plan": GAN_PLAN, "zero_stage": z})
-            for z in (0, 3)
-        },
+        **{f"GAN dp 2 x tp 2 ZeRO-{z}": _gan({**_TP2, "zero_stage": z}) for z in (0, 3)},
+        "clipped GAN dp 2 x tp 2 ZeRO-3": _gan({**_TP2, "zero_stage": 3}, _ClippedGAN),
         "boring DDP": _boring(LightningDDP()),
         **{f"boring HSDP(2) ZeRO-{z}": _boring({"zero_stage": z, "data_parallel_shard_size": 2}) for z in (1, 2, 3)},
     },
-    (4, "slow"): {
-        f"GAN dp 2 x tp 2 ZeRO-{z}": _gan({"tensor_parallel_size": 2, "tp_plan": GAN_PLAN, "zero_stage": z})
-        for z in (1, 2)
-    },
+    (4, "slow"): {f"GAN dp 2 x tp 2 ZeRO-{z}": _gan({**_TP2, "zero_stage": z}) for z in (1, 2)},
 }
 _outcomes: dict[tuple[int, str], dict[str, Any]] = {}
 
@@ -375,22 +372,23 @@ def test_gan_clipping_each_network_by_its_global_norm_as_lightning_ddp(layout):
     _assert_like(_outcome(2, "clipped GAN DDP"), _outcome(2, f"clipped GAN {layout}"), _GAN_KEYS)
 
 
-TENSOR_PARALLEL = {  # layout: (ranks, the reference's, its tp groups)
-    "tp 2": (2, (1, "GAN one process"), {(0, 1)}),
-    **{f"dp 2 x tp 2 ZeRO-{z}": (4, (2, "GAN DDP"), {(0, 1), (2, 3)}) for z in range(4)},
+TENSOR_PARALLEL = {  # run: (ranks, the reference run's (ranks, name), its tp groups)
+    "GAN tp 2": (2, (1, "GAN one process"), {(0, 1)}),
+    **{f"GAN dp 2 x tp 2 ZeRO-{z}": (4, (2, "GAN DDP"), {(0, 1), (2, 3)}) for z in range(4)},
+    "clipped GAN tp 2": (2, (1, "clipped GAN one process"), {(0, 1)}),
+    "clipped GAN dp 2 x tp 2 ZeRO-3": (4, (2, "clipped GAN DDP"), {(0, 1), (2, 3)}),
 }
+SLOW_TENSOR_PARALLEL = {"GAN dp 2 x tp 2 ZeRO-1", "GAN dp 2 x tp 2 ZeRO-2"}  # the quick tier trains ZeRO-0 and ZeRO-3
 
 
-SLOW_TENSOR_PARALLEL = {"dp 2 x tp 2 ZeRO-1", "dp 2 x tp 2 ZeRO-2"}  # the quick tier trains ZeRO-0 and ZeRO-3
-
-
-@pytest.mark.parametrize("layout", [case(layout, slow=layout in SLOW_TENSOR_PARALLEL) for layout in TENSOR_PARALLEL])
-def test_gan_under_tensor_parallelism_keeps_replicated_weights_identical(layout):
+@pytest.mark.parametrize("run", [case(run, slow=run in SLOW_TENSOR_PARALLEL) for run in TENSOR_PARALLEL])
+def test_gan_under_tensor_parallelism_keeps_replicated_weights_identical(run):
     """An explicit plan for the Linear layers, against DDP on the data-parallel ranks (one process under tp 2 alone):
     losses and weights as DDP's, and every parameter the plan leaves replicated (the other Linear layers, the biases
-    of the row-wise ones, BatchNorm) bit-identical on the ranks of each tp group."""
-    devices, reference, tp_groups = TENSOR_PARALLEL[layout]
-    extras = _assert_like(_outcome(*reference), _outcome(devices, f"GAN {layout}"), _GAN_KEYS)
+    of the row-wise ones, BatchNorm) bit-identical on the ranks of each tp group, also when each network's gradients
+    are clipped by their global norm (sharded and replicated ones together)."""
+    devices, reference, tp_groups = TENSOR_PARALLEL[run]
+    extras = _assert_like(_outcome(*reference), _outcome(devices, run), _GAN_KEYS)
     by_rank = dict(enumerate(extras))
     groups = {tuple(rank["tp_group"]) for rank in extras}
     assert groups == tp_groups, groups
