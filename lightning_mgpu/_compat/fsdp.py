@@ -1,4 +1,4 @@
-"""torch's composable data-parallel APIs not yet public (checked on torch 2.13.0).
+"""torch's composable data-parallel APIs not yet public (checked on torch 2.13.0 and lightning 2.6.6).
 
 - ``replicate_with_fsdp``: ``torch.distributed._composable.replicate_with_fsdp.replicate``, FSDP2's replicate
   (ZeRO 0/1 through FSDP2's machinery when a precision policy or offloading is asked). ``fully_shard`` is public;
@@ -11,6 +11,12 @@
   ``_param_list``, ``_no_sync``) and its reducer's ``_check_reducer_finalized``, ``_get_local_used_map`` and
   ``_remove_autograd_hooks``: a reducer's ``find_unused_parameters`` is fixed when it is built, and there is no
   public way to read which parameters a step used.
+- ``prepare_ddp_backward`` / ``skip_ddp_post_forward_reduction``: Lightning's
+  ``lightning.pytorch.overrides.distributed.prepare_for_backward`` (what its ``DDPStrategy.pre_backward`` calls under
+  manual optimization), which runs the reducer's private ``_rebuild_buckets`` and ``prepare_for_backward``, and the
+  ``require_backward_grad_sync`` flag Lightning's ``_DDPForwardRedirection`` clears when a manual step returns: DDP
+  readies its reducer when the forward returns, and there is no public way to ready it for a backward that runs
+  inside the forward (``manual_backward`` inside ``training_step``), nor to keep it from expecting one more after.
 - ``forget_composable_state``: ``torch.distributed._composable_state._module_state_mapping``, where torch records
   that ``fully_shard``/``replicate`` was applied to a module; there is no public way to un-apply them.
 - ``is_torch_added_attribute``: the private attributes ``fully_shard``, ``replicate`` and ``distribute_module`` set
@@ -85,6 +91,25 @@ def rebuild_ddp(module: nn.Module, **kwargs: Any) -> Any:
     state._ddp._remove_autograd_hooks()
     state._ddp = DistributedDataParallel(state._param_list, init_sync=False, **kwargs)
     return state._ddp
+
+
+def prepare_ddp_backward(module: nn.Module, output: Any) -> None:
+    """Ready the reducer of ``replicate_ddp(module)`` for a backward of ``output`` that runs inside the module's own
+    forward, as Lightning's ``DDPStrategy`` does under manual optimization; the reducer then reduces every gradient
+    of that backward (with ``find_unused_parameters``: marking the parameters ``output`` does not reach as unused).
+    A no-op before the first forward built the reducer."""
+    ddp = ddp_of(module)
+    if ddp is not None:
+        internal("lightning.pytorch.overrides.distributed", "prepare_for_backward")(ddp, output)
+
+
+def skip_ddp_post_forward_reduction(module: nn.Module) -> None:
+    """Keep the end of ``replicate_ddp(module)``'s current forward from readying the reducer for a backward of its
+    output: the step ran its backwards inside (a reducer left expecting one fails the next forward). Lasts until the
+    next forward, which sets the flag from ``set_requires_gradient_sync`` again."""
+    ddp = ddp_of(module)
+    if ddp is not None:
+        ddp.require_backward_grad_sync = False
 
 
 def reducer_finalized(ddp: Any) -> bool:

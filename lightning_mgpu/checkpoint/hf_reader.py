@@ -55,11 +55,14 @@ class SafetensorsFile:
         dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
         starts = [s.start or 0 for s in slices]
         lengths = [(s.stop if s.stop is not None else n) - start for s, n, start in zip(slices, shape, starts)]
-        direct = into is not None and into.device.type == "cpu" and into.dtype == dtype and into.is_contiguous()
-        out = into if direct and list(into.shape) == lengths else torch.empty(lengths, dtype=dtype)
+        out = torch.empty(lengths, dtype=dtype)
+        if into is not None and into.device.type == "cpu" and into.dtype == dtype and into.is_contiguous():
+            out = into if list(into.shape) == lengths else out
         if out.numel() == 0:
             return out
         item = out.element_size()
+        if not shape:  # a scalar: one element, read as a run of a one-element dimension
+            shape, starts, lengths = [1], [0], [1]
         # Dimensions after `cut` are read whole: each run is contiguous in the file and in `out`.
         cut = len(shape) - 1
         while cut > 0 and starts[cut] == 0 and lengths[cut] == shape[cut]:
@@ -67,7 +70,7 @@ class SafetensorsFile:
         inner = math.prod(shape[cut + 1 :])
         run_bytes = lengths[cut] * inner * item
         strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-        buffer = memoryview(cast(Any, out.view(torch.uint8).numpy())).cast("B")
+        buffer = memoryview(cast(Any, out.reshape(-1).view(torch.uint8).numpy())).cast("B")
         base = self.data_start + entry["data_offsets"][0]
         fd = os.open(self.path, os.O_RDONLY)
         try:

@@ -115,6 +115,7 @@ def parallelize(
                 reshard_blocks=reshard_blocks,
                 find_unused_parameters=find_unused,
                 hybrid_mesh=hybrid_mesh if hybrid_mesh is not None and hybrid_mesh.ndim == 2 else None,
+                manual_optimization=not getattr(module, "automatic_optimization", True),
             )
     return runtime
 

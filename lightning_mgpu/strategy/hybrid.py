@@ -416,7 +416,8 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         self.precision_plugin.float8_all_gather = fully_sharded and self.precision_plugin.precision == "fp8-mixed"
         self.model = self.precision_plugin.convert_module(self.model)
         if self._runner is not None and self._runner.module is self.lightning_module:
-            self.model = self._runner  # already parallelized by an earlier fit/validate with this Trainer
+            self.model = self._runner  # kept parallelized by an earlier fit/validate (restore_module_on_teardown off)
+            module_setup.shard_gathered(self._data_parallel_roots)
             if self._context is not None:
                 self._context.patch_functions(self._patches)  # undone when that run ended
         else:

@@ -41,7 +41,7 @@ def parallelize_for_run(
     """Every parallelism of ``layout`` applied to ``module``; the step runner Lightning calls, the pipeline engine
     that runs the schedule when ``layout`` pipelines, and the batch splitting and attention of context
     parallelism."""
-    _refuse_manual_optimization_over_data_parallel(module, layout, options)
+    _refuse_manual_optimization_under_pipelining(module, layout)
     runner = StepRunner(module)
     pipeline = parallelize(module, layout, mesh, options, mp_policy=precision.mp_policy(), root=runner)
     context = None
@@ -57,29 +57,26 @@ def parallelize_for_run(
     return runner, engine, context
 
 
-def _refuse_manual_optimization_over_data_parallel(
-    module: nn.Module, layout: ParallelLayout, options: ParallelOptions
-) -> None:
-    """Under manual optimization ``manual_backward`` runs inside ``training_step``, which is the data-parallel root's
-    forward: DDP and FSDP2 prepare their gradient reduction only once that forward has returned (DDP fails, FSDP2
-    reduces part of the gradients). Refused until the torch backend wraps such steps differently."""
-    if getattr(module, "automatic_optimization", True) or options.zero_backend != "torch":
+def _refuse_manual_optimization_under_pipelining(module: nn.Module, layout: ParallelLayout) -> None:
+    """The schedule runs each microbatch's forward and backward itself, interleaved across stages: there is no
+    place for the step's own ``manual_backward`` and ``optimizer.step()``."""
+    if getattr(module, "automatic_optimization", True) or layout.pipeline_parallel_size == 1:
         return
-    if layout.pipeline_parallel_size == 1 and (layout.gradient_ranks > 1 or options.cpu_offload):
-        raise NotImplementedError(
-            f"Manual optimization (`automatic_optimization = False`) with data_parallel_size="
-            f"{layout.data_parallel_size}{' and cpu_offload=True' if options.cpu_offload else ''} is not supported:"
-            " manual_backward runs inside training_step, before data parallelism can reduce its gradients. Use"
-            " automatic optimization (return the loss from training_step), or data_parallel_size=1 (tensor"
-            " parallelism supports manual optimization)."
-        )
+    raise ValueError(
+        f"pipeline_parallel_size={layout.pipeline_parallel_size} runs forward and backward inside the pipeline"
+        " schedule (each microbatch's backward interleaved with other microbatches' forwards, on other stages), so"
+        " it needs automatic optimization; this module sets `automatic_optimization = False` and calls"
+        " `manual_backward` itself. Return the loss from training_step (automatic optimization), or use"
+        " pipeline_parallel_size=1: data parallelism (ZeRO 0-3, HSDP) and tensor parallelism support manual"
+        " optimization."
+    )
 
 
 def unwire_optimizers(shardings: list[OptimizerStateSharding], watched_roots: Sequence[nn.Module] = ()) -> None:
     """Undo ZeRO-1's wrapping of the user's optimizers and, for ``watched_roots``, the hooks DDP roots may still hold
     on the user's parameters (``parallel/data/unused_params.py``, while the first step has not decided). Empties
     ``shardings``."""
-    for sharding in shardings:
+    for sharding in reversed(shardings):  # each one restores what the one before it set
         sharding.remove()
     shardings.clear()
     for root in watched_roots:
@@ -99,8 +96,18 @@ def reshard(roots: list[nn.Module]) -> None:
     for root in roots:
         for sub in root.modules():
             if isinstance(sub, FSDPModule):
-                # The root group keeps its parameters unsharded after forward: only ours, it is discarded next.
+                # Mid-forward a group reshards only if set to: only ours, it is discarded next.
                 sub.set_reshard_after_forward(True, recurse=False)
+    shard_gathered(roots)
+
+
+def shard_gathered(roots: list[nn.Module]) -> None:
+    """FSDP groups that keep their parameters gathered after a forward (the root's embeddings, norms and head; every
+    group at ZeRO-2) sharded again, e.g. after ``trainer.validate``: a ``fit`` that reuses the parallel module then
+    builds its optimizers on the sharded parameters, not on gathered copies that FSDP never reads or updates."""
+    for root in roots:
+        for sub in root.modules():
+            if isinstance(sub, FSDPModule):
                 sub.reshard()
 
 

@@ -17,7 +17,7 @@ from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.context import ContextParallel
-from lightning_mgpu.parallel.data import finish_backward, set_gradient_sync
+from lightning_mgpu.parallel.data import finish_backward, prepare_backward, set_gradient_sync
 from lightning_mgpu.parallel.local_step import fused_on_cpu
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
@@ -87,6 +87,13 @@ class StepHooks(ParallelStrategy):
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         finish_backward(self._data_parallel_roots)  # DDP: parameters left without a gradient, before the step
         return loss
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
+        assert self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:  # `manual_backward` runs inside the root's forward
+            prepare_backward(self._data_parallel_roots, closure_loss)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -318,6 +318,15 @@ def _distributed_contract() -> dict:
     fsdp.replicate_with_fsdp(shared, mesh=mesh)
     out["fsdp"] = (fsdp.is_ddp_replicated(ddp), not fsdp.is_ddp_replicated(shared), isinstance(shared.weight, DTensor))
     out["unapply"] = [_reapplies(mesh, forget) for forget in (False, True)]
+    out["prepare"] = []
+    for find_unused in (True, False):  # manual optimization: the backward runs inside the replicated module's forward
+        inside = _BackwardInside(use_spare=not find_unused)
+        fsdp.replicate_ddp(inside, process_group=mesh.get_group(), find_unused_parameters=find_unused)
+        for _ in range(3):  # each forward checks the last one's reduction; the buckets are rebuilt in the second
+            inside(torch.ones(1, 2))
+        ddp = fsdp.ddp_of(inside)
+        spare_grad = inside.spare.weight.grad
+        out["prepare"] += [ddp is not None and fsdp.reducer_finalized(ddp), (spare_grad is None) == find_unused]
 
     group = mesh.get_group()
     out["c10d"] = (
@@ -383,6 +392,23 @@ def _hf_files_assembled() -> bool:
     return set(index) == {"a", "b"} and all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
+class _BackwardInside(nn.Module):
+    """A step whose backward runs inside the forward (``manual_backward`` in ``training_step``); ``spare`` unused
+    unless ``use_spare``."""
+
+    def __init__(self, use_spare: bool) -> None:
+        super().__init__()
+        self.used, self.spare = nn.Linear(2, 1), nn.Linear(2, 1)
+        self.use_spare = use_spare
+
+    def forward(self, x):
+        loss = self.used(x).sum() + (self.spare(x).sum() if self.use_spare else 0)
+        fsdp.prepare_ddp_backward(self, loss)
+        loss.backward()
+        fsdp.skip_ddp_post_forward_reduction(self)
+        return loss
+
+
 def _reapplies(mesh, forget: bool) -> bool:
     """``fully_shard`` applies again to a module put back by hand, with its composable state forgotten or not."""
     from torch.distributed.fsdp import fully_shard
@@ -416,6 +442,12 @@ def test_distributed_shims_in_a_process_group():
     _expect(out["unflatten"], "DeviceMesh._unflatten", "torch", "dimension names differ")
     _expect(all(out["flatten"]), "DeviceMesh._flatten", "torch", str(out["flatten"]))
     _expect(all(out["fsdp"]), "torch.distributed._composable.replicate(_with_fsdp)", "torch", str(out["fsdp"]))
+    _expect(
+        all(out["prepare"]),
+        "overrides.distributed.prepare_for_backward/require_backward_grad_sync/Reducer._check_reducer_finalized",
+        "lightning",
+        f"(finalized after backwards inside the forward, the spare layer's gradient) searching, not: {out['prepare']}",
+    )
     _expect(
         out["unapply"] == [False, True],
         "_composable_state._module_state_mapping",

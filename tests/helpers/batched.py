@@ -33,6 +33,7 @@ class Run:
         trainer_kwargs: dict[str, Any] | None = None,
         callbacks_factory: Callable[[], list[L.Callback]] | None = None,
         after_fit: Callable[[L.Trainer], Any] | None = None,
+        before_fit: Callable[[L.Trainer, L.LightningModule, L.LightningDataModule], Any] | None = None,
     ) -> None:
         self.module_factory = module_factory
         self.datamodule_factory = datamodule_factory
@@ -41,6 +42,7 @@ class Run:
         self.trainer_kwargs = trainer_kwargs or {}
         self.callbacks_factory = callbacks_factory
         self.after_fit = after_fit  # runs on every rank once `fit` returned (e.g. a collective export)
+        self.before_fit = before_fit  # e.g. `trainer.validate(module, datamodule)` before the fit
 
 
 def _fits_worker(runs: dict[str, Run], devices: int) -> dict[str, Any]:
@@ -57,6 +59,7 @@ def _fits_worker(runs: dict[str, Run], devices: int) -> dict[str, Any]:
                 run.trainer_kwargs,
                 run.callbacks_factory,
                 after_fit=run.after_fit,
+                before_fit=run.before_fit,
             )
         except Exception:
             outputs[name] = traceback.format_exc()
@@ -90,7 +93,11 @@ def references(runs: dict[str, Run], timeout: float = 600.0) -> dict[str, RunRes
         name: _reference_key(run.module_factory, run.datamodule_factory, run.max_steps, SEED, run.trainer_kwargs)
         for name, run in runs.items()
     }
-    assert all(r.strategy_kwargs is None and r.callbacks_factory is None and r.after_fit is None for r in runs.values())
+    plain = [
+        r.strategy_kwargs is None and not r.callbacks_factory and not r.before_fit and not r.after_fit
+        for r in runs.values()
+    ]
+    assert all(plain)
     missing: dict[str, Run] = {}  # one run per distinct key: two names computing the same thing share it
     for name, run in runs.items():
         if keys[name] is None or (keys[name] not in _REFERENCES and keys[name] not in [keys[m] for m in missing]):

@@ -26,15 +26,24 @@ WEIGHT_RTOL = 1e-4
 WEIGHT_ATOL = 1e-5  # AdamW turns reduction-order noise on near-zero gradients into ~1e-6 steps
 
 
+class LightningDDP(dict):
+    """Strategy arguments that select Lightning's own ``DDPStrategy`` (with these arguments) instead of
+    ``HybridStrategy``: the reference on the same number of processes, e.g.
+    ``LightningDDP(find_unused_parameters=True)``."""
+
+
 class LossRecorder(L.Callback):
-    """Records the logged ``train_loss`` after every optimizer step, as global rank 0's loggers see it."""
+    """Records the logged ``train_loss`` after every optimizer step, as global rank 0's loggers see it (nothing for a
+    module that logs no such key: ``assert_same_training`` then fails on the empty list, the GAN tests record their
+    own keys)."""
 
     def __init__(self, key: str = "train_loss") -> None:
         self.key = key
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.losses.append(float(trainer.callback_metrics[self.key]))
+        if self.key in trainer.callback_metrics:
+            self.losses.append(float(trainer.callback_metrics[self.key]))
 
 
 @dataclass
@@ -55,8 +64,10 @@ def _fit_worker(
     callbacks_factory: Callable[[], list[L.Callback]] | None,
     fit_kwargs: dict[str, Any] | None = None,
     after_fit: Callable[[L.Trainer], Any] | None = None,
+    before_fit: Callable[[L.Trainer, L.LightningModule, L.LightningDataModule], Any] | None = None,
 ) -> dict[str, Any]:
-    """One fit in this process (a rank of a ``run_distributed`` job); ``after_fit(trainer)`` runs once it returned."""
+    """One fit in this process (a rank of a ``run_distributed`` job); ``before_fit(trainer, module, datamodule)``
+    runs before it (``trainer.validate``), ``after_fit(trainer)`` once it returned."""
     from lightning_mgpu import HybridStrategy
 
     L.seed_everything(seed, verbose=False)
@@ -64,11 +75,13 @@ def _fit_worker(
     datamodule = datamodule_factory()
     recorder = LossRecorder()
     extra_callbacks = callbacks_factory() if callbacks_factory else []
-    if strategy_kwargs is None:
+    if isinstance(strategy_kwargs, LightningDDP):
+        strategy: Any = DDPStrategy(timeout=_TIMEOUT, **strategy_kwargs)
+    elif strategy_kwargs is None:
         # Plain Lightning DDP on one process: numerically a single-device run, and it draws the training order
         # from the same DistributedSampler(shuffle=True, seed) permutation as a multi-process run, whose ranks then
         # together see exactly the reference's global batches.
-        strategy: Any = DDPStrategy(timeout=_TIMEOUT)
+        strategy = DDPStrategy(timeout=_TIMEOUT)
     else:
         strategy = HybridStrategy(timeout=_TIMEOUT, **strategy_kwargs)
     defaults: dict[str, Any] = {
@@ -86,6 +99,8 @@ def _fit_worker(
         callbacks=[recorder, *extra_callbacks],
         **{**defaults, **trainer_kwargs},  # trainer_kwargs may override the defaults (e.g. enable_checkpointing)
     )
+    if before_fit is not None:
+        before_fit(trainer, module, datamodule)
     trainer.fit(module, datamodule, **(fit_kwargs or {}))
     if after_fit is not None:
         after_fit(trainer)

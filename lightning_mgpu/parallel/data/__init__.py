@@ -3,12 +3,14 @@
 ``check`` validates the options against a layout; ``apply_data_parallel`` wraps a module (or pipeline stage) for
 its ZeRO stage, over all data-parallel ranks or hybrid-sharded (HSDP); ``OptimizerStateSharding`` is
 ZeRO-1's optimizer-state partition; ``set_gradient_sync``, ``reduce_metrics_over`` and the unused-parameter
-watch (``finish_backward``, ``stop_watching``) serve the strategy's step; ``use_gloo_comms`` gives FSDP2 gloo
+watch (``finish_backward``, ``stop_watching``) and ``prepare_backward`` (manual optimization's backward inside the
+root's forward) serve the strategy's step; ``use_gloo_comms`` gives FSDP2 gloo
 collectives at their analytic volume.
 """
 
 from lightning_mgpu.parallel.data.checks import check
 from lightning_mgpu.parallel.data.gloo_comms import use_gloo_comms
+from lightning_mgpu.parallel.data.manual import prepare_backward
 from lightning_mgpu.parallel.data.unused_params import finish_backward, stop_watching
 from lightning_mgpu.parallel.data.wrap import (
     OptimizerStateSharding,
@@ -22,6 +24,7 @@ __all__ = [
     "apply_data_parallel",
     "check",
     "finish_backward",
+    "prepare_backward",
     "reduce_metrics_over",
     "set_gradient_sync",
     "stop_watching",

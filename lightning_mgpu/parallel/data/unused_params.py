@@ -6,11 +6,14 @@ forward and one more all-reduce (of the map of used parameters). Lightning's ``D
 model with such parameters fails there.
 
 ``find_unused_parameters=None`` (the strategy's default) decides from the first step that synchronizes gradients:
-DDP searches in it, and the parameters that get a gradient in that backward are recorded on every rank. If every
-rank gave every parameter one, the reducer is rebuilt without the search (as ``DDPStrategy`` runs); otherwise the
-search stays on. From then on each synchronizing backward is checked when it ends: one that left a parameter without
-a gradient stops the run there, before the optimizer steps on gradients DDP did not reduce, with an error naming
-``find_unused_parameters=True``. Models with a ``ModuleList`` of routed experts start with the search on.
+DDP searches in it, and each of its backwards (one, or several under manual optimization: a GAN's generator and
+discriminator losses) records which of the parameters that required a gradient when the step started got one. If
+every backward on every rank gave every such parameter one, the reducer is rebuilt without the search (as
+``DDPStrategy`` runs) when the next step starts; otherwise the search stays on (a discriminator that
+``toggle_optimizer`` froze for the generator's backward keeps it on). From then on each synchronizing backward is
+checked when it ends: one that left a parameter without a gradient stops the run there, before the optimizer steps on
+gradients DDP did not reduce, with an error naming ``find_unused_parameters=True``. Models with a ``ModuleList`` of
+routed experts start with the search on.
 """
 
 from __future__ import annotations
@@ -38,30 +41,38 @@ class UnusedParameterSearch:
         self.group = group
         self.ddp_kwargs = ddp_kwargs
         self.comm_hook = comm_hook
-        self.deciding: bool = ddp_kwargs["find_unused_parameters"]  # searching until the first synced backward
-        self.steps = 0  # synchronizing backwards so far
+        self.deciding: bool = ddp_kwargs["find_unused_parameters"]  # searching until the first synced step ended
+        self.steps = 0  # steps that synchronize gradients so far
+        self._wanted: list[nn.Parameter] = []  # what required a gradient when the deciding step started
         self._got_gradient: set[int] = set()
+        self._all_used: bool | None = None  # whether every backward of the deciding step reached all of `_wanted`
         self._recording: list[Any] = []  # hooks recording which parameters got a gradient while deciding
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         ddp = ddp_of(self.root)
         if ddp is not None and not ddp.find_unused_parameters and not reducer_finalized(ddp):
             raise RuntimeError(self._unused_message())  # a backward that never ran (training_step returned None)
-        if self.deciding and not self._recording and torch.is_grad_enabled() and ddp_syncs_gradients(self.root):
-            self._got_gradient.clear()
-            self._recording = [
-                p.register_post_accumulate_grad_hook(lambda p: self._got_gradient.add(id(p)))
-                for p in self.root.parameters()
-                if p.requires_grad
-            ]
+        if not torch.is_grad_enabled():
+            return  # evaluation
+        if self._all_used is not None:
+            self._decide()  # the deciding step's backwards all ran
+        if ddp_syncs_gradients(self.root):
+            self.steps += 1
+            if self.deciding and not self._recording:
+                self._wanted = [p for p in self.root.parameters() if p.requires_grad]
+                self._got_gradient.clear()
+                self._recording = [
+                    p.register_post_accumulate_grad_hook(lambda p: self._got_gradient.add(id(p))) for p in self._wanted
+                ]
 
     def after_backward(self) -> None:
         ddp = ddp_of(self.root)
         if ddp is None or not ddp_syncs_gradients(self.root):
             return  # a micro-step of gradient accumulation: DDP reduces nothing
-        self.steps += 1
         if self._recording:
-            self._decide()
+            used = all(id(p) in self._got_gradient for p in self._wanted)
+            self._all_used = used and self._all_used is not False
+            self._got_gradient.clear()  # each backward must reach every parameter on its own
         elif not ddp.find_unused_parameters and not reducer_finalized(ddp):
             raise RuntimeError(self._unused_message())
 
@@ -71,13 +82,10 @@ class UnusedParameterSearch:
         self._recording = []
 
     def _decide(self) -> None:
-        wanted = [p for p in self.root.parameters() if p.requires_grad]
-        all_used = torch.tensor(
-            int(all(id(p) in self._got_gradient for p in wanted)), device=wanted[0].device if wanted else None
-        )
+        all_used = torch.tensor(int(bool(self._all_used)), device=self._wanted[0].device if self._wanted else None)
         dist.all_reduce(all_used, op=dist.ReduceOp.MIN, group=self.group)  # one decision for every rank
         self.remove()
-        self.deciding = False
+        self.deciding, self._all_used, self._wanted = False, None, []
         if all_used.item():
             ddp = rebuild_ddp(self.root, **{**self.ddp_kwargs, "find_unused_parameters": False})
             if self.comm_hook is not None:
@@ -87,15 +95,15 @@ class UnusedParameterSearch:
         why = (
             "find_unused_parameters=False"
             if not self.ddp_kwargs["find_unused_parameters"]
-            else "every parameter had one in the first step, so the search stopped after it (find_unused_parameters="
-            "None, as Lightning's DDPStrategy runs)"
+            else "every backward gave every parameter one in the first step, so the search stopped after it"
+            " (find_unused_parameters=None, as Lightning's DDPStrategy runs)"
         )
         return (
             f"Step {self.steps} of this run left a parameter without a gradient on this rank (or its loss was not"
             f" backpropagated), and data parallelism (DDP, zero_stage 0/1) did not search for such parameters: {why}."
             " DDP did not reduce the gradients, so the run stops here. For a model whose steps can leave parameters"
-            " unused (routed experts, layer drop, a loss term used on some steps), pass"
-            " HybridStrategy(find_unused_parameters=True)."
+            " unused (routed experts, layer drop, a loss term used on some steps, an optimizer's parameters frozen"
+            " by `toggle_optimizer`), pass HybridStrategy(find_unused_parameters=True)."
         )
 
 

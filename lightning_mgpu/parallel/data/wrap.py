@@ -38,6 +38,7 @@ from lightning_mgpu._compat.dtensor import is_strided_shard
 from lightning_mgpu._compat.fsdp import is_ddp_replicated, replicate_ddp, replicate_with_fsdp
 from lightning_mgpu.parallel.blocks import find_blocks
 from lightning_mgpu.parallel.data.gloo_comms import use_gloo_comms
+from lightning_mgpu.parallel.data.manual import called_units, reduce_in_step_only
 from lightning_mgpu.parallel.data.unused_params import watch_unused_parameters
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ def apply_data_parallel(
     reshard_blocks: bool | None = None,
     find_unused_parameters: bool | None = None,
     hybrid_mesh: DeviceMesh | None = None,
+    manual_optimization: bool = False,
 ) -> None:
     """Wrap ``module`` in place for data parallelism over ``dp_mesh`` at the given ZeRO stage.
 
@@ -75,6 +77,10 @@ def apply_data_parallel(
     ``mp_policy`` (FSDP2 ``MixedPrecisionPolicy``) and ``offload_policy`` (``OffloadPolicy``/``CPUOffloadPolicy``)
     pass through to FSDP2 unchanged. ``find_unused_parameters`` applies where DDP replicates (stages 0-1 of plain
     parameters): see ``parallel/data/unused_params.py``; FSDP2 reduces every gradient anyway.
+
+    ``manual_optimization``: ``manual_backward`` runs inside the root's forward, so under FSDP2 every submodule a
+    step calls becomes a unit and the root holds no parameter, and DDP expects no backward after the forward
+    (``parallel/data/manual.py``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -88,6 +94,8 @@ def apply_data_parallel(
         # Under HSDP a parameter's owners are one rank per replica: gradients are all-reduced, not reduced to one.
         owner_reduce = zero_stage == 1 and hybrid_mesh is None
         _replicate_with_ddp(root, dp_mesh, owner_reduce, find_unused_parameters)
+        if manual_optimization:
+            reduce_in_step_only(root)
         return
     wrap: Callable[..., Any]
     if zero_stage <= 1:
@@ -105,6 +113,8 @@ def apply_data_parallel(
         # overlapped with backward; blocks that fill no bucket go to the root (outside a pipeline, whose stages
         # are freed as a whole).
         units = _bucketed(units, UNIT_BYTES)
+    if manual_optimization:
+        units = [*units, *called_units(module, units, zero_stage)]
     for unit in units:
         wrap(unit, **kwargs)
     if zero_stage >= 2:
@@ -234,7 +244,9 @@ class OptimizerStateSharding:
             reduce.owner.update({p: self._global_ranks[r] for p, r in self.owned_by.items()})
         if self._precision_plugin is not None:
             self._precision_plugin.grad_norm_group = self._group
-            self._precision_plugin.grads_counted_elsewhere = self._not_owned
+            # Several optimizers (a GAN's two): each sharding adds its own parameters to what is counted elsewhere.
+            self._counted_before = self._precision_plugin.grads_counted_elsewhere
+            self._precision_plugin.grads_counted_elsewhere = self._counted_elsewhere
 
     def owns(self, param: torch.Tensor) -> bool:
         return self.owned_by[param] == self._rank
@@ -244,13 +256,15 @@ class OptimizerStateSharding:
         for reduce in self._owner_reduces:
             for param in self.owned_by:
                 reduce.owner.pop(param, None)
-        if self._precision_plugin is not None:
-            self._precision_plugin.grad_norm_group = None
-            self._precision_plugin.grads_counted_elsewhere = frozenset
+        if self._precision_plugin is not None:  # the shardings are removed in the reverse order of their making
+            self._precision_plugin.grads_counted_elsewhere = self._counted_before
+            if self._counted_before is frozenset:
+                self._precision_plugin.grad_norm_group = None
 
-    def _not_owned(self) -> set[int]:
-        """Parameters whose gradient was reduced to another rank: that owner counts them in the global norm."""
-        return {id(p) for p, owner in self.owned_by.items() if owner != self._rank}
+    def _counted_elsewhere(self) -> set[int]:
+        """Parameters whose gradient was reduced to another rank (this optimizer's or an earlier sharded one's): that
+        owner counts them in the global norm."""
+        return {id(p) for p, owner in self.owned_by.items() if owner != self._rank} | set(self._counted_before())
 
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None

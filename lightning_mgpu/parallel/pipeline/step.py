@@ -68,12 +68,6 @@ class PipelineEngine:
         pp_group: Any,
         device: torch.device,
     ) -> None:
-        if not getattr(module, "automatic_optimization", True):
-            raise ValueError(
-                "pipeline_parallel_size > 1 runs forward and backward inside the pipeline schedule, so it needs"
-                " automatic optimization; this module sets `automatic_optimization = False`. Use"
-                " pipeline_parallel_size=1 (tensor parallelism at data_parallel_size=1 supports manual optimization)."
-            )
         self.module = module
         self.runtime = runtime
         self.schedule_name = schedule_name

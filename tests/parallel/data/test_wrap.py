@@ -261,23 +261,3 @@ def test_collective_counter_pairs_each_op_with_a_work_item_of_its_kind():
         )
     )
     assert collectives_of(swapped, 2) == expected
-
-
-class _GPTManualOptimization(GPTLightningModule):
-    def __init__(self):
-        super().__init__(block_size=32, n_layer=2, n_head=4, n_embd=32, weight_decay=0.1, lr=1e-3)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        self.manual_backward(self._loss(batch))
-        optimizer.step()
-
-
-def test_manual_optimization_over_data_parallel_is_refused_in_setup():
-    """`manual_backward` inside the data-parallel root's forward: DDP failed and FSDP2 (ZeRO-2) reduced part of the
-    gradients silently (losses off from step 2). Refused with the fix, before any step."""
-    message = r"Manual optimization .* with data_parallel_size=2 is not supported.*Use automatic optimization"
-    with pytest.raises(RuntimeError, match=message):
-        fit(_GPTManualOptimization, lambda: MODELS["gpt"][1](GLOBAL_BATCH // 2), {"zero_stage": 2}, 2, 2)

@@ -235,17 +235,6 @@ def test_microbatch_errors_say_which_counts_work():
         split_microbatches(batch, 4)
 
 
-class _Manual(GPTLightningModule):
-    def __init__(self):
-        super().__init__(block_size=32, n_layer=2, n_head=4, n_embd=32)
-        self.automatic_optimization = False
-
-
-def test_manual_optimization_is_refused_with_the_reason():
-    with pytest.raises(RuntimeError, match="needs automatic optimization"):
-        fit(_Manual, lambda: _text(8), {"pipeline_parallel_size": 2}, 2, 1)
-
-
 class _CheckpointScore(L.Callback):
     """Reports what ModelCheckpoint/EarlyStopping on global rank 0 decided."""
 
