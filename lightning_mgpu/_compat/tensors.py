@@ -171,7 +171,7 @@ def set_module_structure(
 
 
 def module_twin(
-    module: nn.Module, parameters: Mapping[str, nn.Parameter], buffers: Mapping[str, torch.Tensor]
+    module: nn.Module, parameters: Mapping[str, nn.Parameter | None], buffers: Mapping[str, torch.Tensor | None]
 ) -> nn.Module:
     """A shallow copy of ``module`` holding ``parameters`` and ``buffers`` as its own and no children."""
     import copy

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from lightning_mgpu._compat.tensors import module_twin
+from lightning_mgpu._compat.tensors import module_structure, module_twin
 
 
 class UninitializableModule(RuntimeError):
@@ -192,8 +192,9 @@ def _initialize_one(pending: _Pending) -> None:
             value._is_hf_initialized = True  # type: ignore[attr-defined]  # Hugging Face's initializers skip it
         full[name] = value
     # The module's own attributes (config, sizes) and code, its own tensors full-size on the CPU.
-    own = {n: cast(nn.Parameter, v) for n, v in full.items() if n in parameters}
-    twin = module_twin(sub, own, {n: v for n, v in full.items() if n not in parameters})
+    _, slots, buffer_slots = module_structure(sub)  # `None` slots too: an initializer reads `module.bias`
+    own = {n: cast(nn.Parameter | None, full.get(n)) for n in slots}
+    twin = module_twin(sub, own, {n: full.get(n) for n in buffer_slots})
     if pending.hf:
         _run_hf_initializer(pending.initializer, twin)
     else:

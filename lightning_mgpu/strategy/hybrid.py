@@ -302,6 +302,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         self._pretrained = check_pretrained(pretrained)
         self._pretrained_strict = pretrained_strict
         self._init_rng_state: torch.Tensor | None = None  # the random state parameters built on meta were made in
+        self._first_loss_checked: bool | None = None
         # Every patch on the user's objects during one run, and the module as it was, undone in `teardown`.
         self._restore_module = restore_module_on_teardown
         self._restores = restore_module_on_teardown is not False  # this run's choice (None: decided in `setup`)
@@ -435,6 +436,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
                 module, self.layout, mesh, self.options, precision, self.root_device, self._patches
             )
             fill_weights(module, weights, self.root_device)
+            self._first_loss_checked = False if weights.fills else None
             self.model = self._runner
             if self._snapshot is not None:
                 self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains

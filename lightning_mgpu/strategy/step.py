@@ -22,6 +22,7 @@ from lightning_mgpu.parallel.local_step import fused_on_cpu
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
 from lightning_mgpu.strategy.setup import data_parallel_roots
+from lightning_mgpu.strategy.weights import check_first_loss
 
 if TYPE_CHECKING:
     from lightning_mgpu.planner.auto import StrategyPlan
@@ -35,6 +36,7 @@ class StepHooks(ParallelStrategy):
     _context: ContextParallel | None
     _deepspeed: DeepSpeedEngineRunner | None
     _plan: StrategyPlan | None
+    _first_loss_checked: bool | None  # None: nothing to check; False: check the next training step's loss
     options: ParallelOptions
 
     if TYPE_CHECKING:
@@ -57,7 +59,11 @@ class StepHooks(ParallelStrategy):
         if self._plan is not None:
             self._plan.step_clock.tick()
         with self.precision_plugin.train_step_context():
-            return self._step("training_step", *args, **kwargs)
+            output = self._step("training_step", *args, **kwargs)
+        if self._first_loss_checked is False:  # the strategy filled the weights: the first loss must be a number
+            self._first_loss_checked = True
+            check_first_loss(output)
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

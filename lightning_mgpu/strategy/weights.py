@@ -109,3 +109,14 @@ def check_finite(module: nn.Module) -> None:
             f"{' ...' if len(names) > 8 else ''}. The checkpoint holds such values, or the tensors were never"
             " initialized; training on them would give a NaN loss."
         )
+
+
+def check_first_loss(output: Any) -> None:
+    """The first training loss after the strategy filled the weights is a number, or the run stops here."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not torch.isfinite(loss.detach()).all():
+        raise NonFiniteWeights(
+            f"The first training loss is {loss.item()} right after setup filled the weights (a checkpoint or the"
+            " modules' initializers): a tensor the model reads is garbage (for example a buffer computed outside"
+            " `__init__` and not in the checkpoint) or the checkpoint does not belong to this model."
+        )
