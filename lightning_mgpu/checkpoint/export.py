@@ -3,8 +3,9 @@
 Each rank writes the slices it holds (DCP's ``HuggingFaceStorageWriter``, replicated slices once), then the ranks
 share out the final files: each assembles some of ``model-0000k-of-0000N.safetensors`` from the slices, one tensor
 at a time (torch's ``consolidate_safetensors_files_on_every_rank``, which also writes
-``model.safetensors.index.json``). Names are the module's own with the Hugging Face model's prefix removed, and
-the model's ``config.json`` goes beside them, so ``from_pretrained(path)`` loads the result.
+``model.safetensors.index.json``). Names are the module's own with the Hugging Face model's prefix removed (and a
+wrapper's attribute: a LoRA layer's ``base_layer``), and the model's ``config.json`` goes beside them, so
+``from_pretrained(path)`` loads the result; LoRA adapters are saved beside the weights under their own names.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+from lightning_mgpu.checkpoint.pretrained import unwrapped
 from lightning_mgpu.checkpoint.states import describable
 
 DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's max_shard_size default ("5GB")
@@ -77,7 +79,8 @@ def save_hf_checkpoint(module: nn.Module, path: str | Path, max_shard_bytes: int
     path = Path(path)
     prefix, hf_model = hf_model_prefix(module)
     state = describable(_without_tied_copies(module))
-    state = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+    # A wrapper's weights under the wrapped module's names (a LoRA layer's base weight as the projection's).
+    state = {unwrapped(key[len(prefix) :]): value for key, value in state.items() if key.startswith(prefix)}
     sizes = {key: value.numel() * value.element_size() for key, value in state.items()}
     distributed = dist.is_available() and dist.is_initialized()
     if distributed:  # a pipeline stage holds its own entries: the file plan covers everyone's

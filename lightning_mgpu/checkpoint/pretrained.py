@@ -176,8 +176,10 @@ def map_weights(module: nn.Module, source: WeightsSource, strict: bool = True, w
     model_prefix, checkpoint_prefix = _best_prefixes(shapes, entries)
     weights = WeightMap(prefixes=(model_prefix, checkpoint_prefix))
     for key in shapes:
-        if key.startswith(model_prefix) and checkpoint_prefix + key[len(model_prefix) :] in entries:
-            weights.direct[key] = checkpoint_prefix + key[len(model_prefix) :]
+        plain = unwrapped(key)
+        name = checkpoint_prefix + plain[len(model_prefix) :]
+        if plain.startswith(model_prefix) and name in entries:
+            weights.direct[key] = name
     used = set(weights.direct.values())
     unsupported = _hugging_face_conversions(module, shapes, entries, used, weights)
     _follow_ties(module, weights)
@@ -211,6 +213,16 @@ def map_weights(module: nn.Module, source: WeightsSource, strict: bool = True, w
     return weights
 
 
+# Attributes through which wrappers hold the module they wrap: the weights are the wrapped module's (peft's LoRA
+# layers, torch.compile, torch's activation-checkpoint wrapper).
+_WRAPPER_ATTRIBUTES = ("base_layer", "_orig_mod", "_checkpoint_wrapped_module")
+
+
+def unwrapped(name: str) -> str:
+    """``name`` without the wrappers' attributes (``q_proj.base_layer.weight`` -> ``q_proj.weight``)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_ATTRIBUTES)
+
+
 def _best_prefixes(shapes: dict[str, tuple[int, ...]], entries: dict[str, tuple[int, ...]]) -> tuple[str, str]:
     """The (model, checkpoint) prefixes under which most names agree: ``model.`` for a Hugging Face model held as
     ``self.model``; ``model.bert.`` for a base model's checkpoint inside a task model; ``''`` for our own."""
@@ -218,10 +230,10 @@ def _best_prefixes(shapes: dict[str, tuple[int, ...]], entries: dict[str, tuple[
     checkpoint_prefixes |= {_prefix(name, depth) for name in entries for depth in (1, 2) if name.count(".") >= depth}
     scores: dict[tuple[str, str], int] = defaultdict(int)
     for key in shapes:
-        parts = key.split(".")
+        parts = unwrapped(key).split(".")
         for depth in range(len(parts)):
             model_prefix = ".".join(parts[:depth]) + "." if depth else ""
-            rest = key[len(model_prefix) :]
+            rest = unwrapped(key)[len(model_prefix) :]
             for checkpoint_prefix in checkpoint_prefixes:
                 if checkpoint_prefix + rest in entries:
                     scores[(model_prefix, checkpoint_prefix)] += 1

@@ -17,6 +17,7 @@ initializer is refused by name before anything is allocated.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -92,13 +93,12 @@ def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class _Pending:
-    """One module whose own tensors ``names`` no checkpoint fills."""
+    """One module whose own tensors ``names`` no checkpoint fills, and what initializes them."""
 
     module: nn.Module
     fqn: str
     names: list[str]
-    initializer: Any  # a callable taking the module (Hugging Face's ``_init_weights``) or None: reset_parameters
-    hf: bool = False
+    initializer: Initializer
 
 
 @dataclass
@@ -126,10 +126,10 @@ def plan_initialization(module: nn.Module, loaded: set[str], rng_state: torch.Te
         names = [name for name, tensor in _own_tensors(sub).items() if _is_meta(tensor) and prefix + name not in loaded]
         if not names:
             continue
-        if initializer is None and not callable(getattr(sub, "reset_parameters", None)):
+        if initializer is None:
             refused.append(f"{fqn or type(module).__name__} ({type(sub).__name__}: {', '.join(names)})")
             continue
-        plan.pending.append(_Pending(sub, fqn, names, initializer, hf=initializer is not None))
+        plan.pending.append(_Pending(sub, fqn, names, initializer))
     if refused:
         raise UninitializableModule(
             f"The model was built on the meta device, and {len(refused)} module(s) own tensors that neither the"
@@ -141,20 +141,107 @@ def plan_initialization(module: nn.Module, loaded: set[str], rng_state: torch.Te
     return plan
 
 
-def _in_initialization_order(module: nn.Module) -> Iterator[tuple[str, nn.Module, Any]]:
-    """Every module with the initializer that one process would run on it, children before parents (Hugging Face's
-    ``initialize_weights`` order): inside a ``PreTrainedModel`` its ``_init_weights``, elsewhere ``None``
-    (``reset_parameters``)."""
+class Initializer:
+    """What one process runs on a module to give its own tensors their first values (``__call__`` on a copy of the
+    module holding full-size tensors)."""
+
+    def __init__(self, run: Any, name: str, hugging_face: bool = False) -> None:
+        self.run = run
+        self.name = name
+        self.hugging_face = hugging_face  # its functions skip tensors flagged `_is_hf_initialized` (loaded ones)
+
+    def __call__(self, twin: nn.Module) -> None:
+        if not self.hugging_face:
+            self.run(twin)
+            return
+        from transformers import initialization
+
+        with initialization.guard_torch_init_functions():
+            self.run(twin)
+
+
+def _in_initialization_order(module: nn.Module) -> Iterator[tuple[str, nn.Module, Initializer | None]]:
+    """Every module with the initializer one process would run on it, children before parents (Hugging Face's
+    ``initialize_weights`` order): a LoRA adapter's as ``peft`` initializes it when it adds the adapter; inside a
+    ``PreTrainedModel`` its ``_init_weights`` (what ``from_pretrained`` runs on missing weights); elsewhere the
+    module's ``reset_parameters()``; None where there is none."""
     hf_base = _hf_pretrained_base()
 
-    def visit(fqn: str, sub: nn.Module, owner: Any) -> Iterator[tuple[str, nn.Module, Any]]:
+    def visit(fqn: str, sub: nn.Module, owner: Any, adapter: Initializer | None, adapters: Any) -> Iterator[Any]:
         if hf_base is not None and isinstance(sub, hf_base):
             owner = sub
         for name, child in sub.named_children():
-            yield from visit(f"{fqn}.{name}" if fqn else name, child, owner)
-        yield fqn, sub, owner._init_weights if owner is not None else None
+            # An adapter dict's entries (`lora_A.default`) get their initializer from the LoRA layer above the dict.
+            inherited = adapters(name) if adapters is not None else None
+            below = _lora_initializers(module, sub, name)
+            yield from visit(f"{fqn}.{name}" if fqn else name, child, owner, inherited, below)
+        if adapter is not None:
+            yield fqn, sub, adapter
+        elif owner is not None:
+            yield fqn, sub, Initializer(owner._init_weights, f"{type(owner).__name__}._init_weights", True)
+        elif callable(getattr(sub, "reset_parameters", None)):
+            yield (
+                fqn,
+                sub,
+                Initializer(lambda twin: twin.reset_parameters(), f"{type(sub).__name__}.reset_parameters()"),
+            )
+        else:
+            yield fqn, sub, None
 
-    yield from visit("", module, None)
+    yield from visit("", module, None, None, None)
+
+
+def _lora_initializers(root: nn.Module, layer: nn.Module, dict_name: str) -> Any:
+    """For the adapters a ``peft`` LoRA layer holds (``lora_A``/``lora_B``, one entry per adapter name), a function
+    from an adapter name to its initializer: the values ``peft`` gives it when it adds the adapter, drawn in the same
+    order. ``LoraLayer.update_layer`` builds A and B as torch Linears (each drawing torch's default initialization),
+    then ``reset_lora_parameters`` draws A again (torch's Linear default, or Gaussian) and zeroes B. The data-dependent
+    initializations (PiSSA, OLoRA, LoftQ, ...) need the pretrained weights and are refused."""
+    if dict_name not in ("lora_A", "lora_B") or not callable(getattr(layer, "reset_lora_parameters", None)):
+        return None
+    how = _lora_init_setting(root)
+    if how not in (True, "gaussian"):
+        raise UninitializableModule(
+            f"LoRA adapters initialized with init_lora_weights={how!r} compute their values from the pretrained"
+            " weights, which are not loaded yet when the model is built on the meta device. Use"
+            " init_lora_weights=True or 'gaussian', or build the model with its weights (from_pretrained in"
+            " __init__) and apply LoRA there."
+        )
+
+    def for_adapter(adapter: str) -> Initializer:
+        b = cast(nn.Linear, cast(Any, layer).lora_B[adapter])
+
+        def init(twin: nn.Module) -> None:
+            weight = cast(torch.Tensor, twin.weight)
+            bias = getattr(twin, "bias", None)
+            if dict_name == "lora_B":  # its draws were made with A's
+                nn.init.zeros_(weight)
+                if bias is not None:
+                    nn.init.zeros_(bias)
+                return
+            _reset_parameters(twin)  # A built as a Linear
+            nn.Linear(b.in_features, b.out_features, bias=b.bias is not None, device="cpu")  # B built as one
+            if how is True:
+                nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+            else:
+                nn.init.normal_(weight, std=1 / cast(Any, layer).r[adapter])
+
+        return Initializer(init, f"peft's LoRA initialization (init_lora_weights={how!r})")
+
+    return for_adapter
+
+
+def _reset_parameters(twin: nn.Module) -> None:
+    cast(Any, twin).reset_parameters()
+
+
+def _lora_init_setting(root: nn.Module) -> Any:
+    """The ``init_lora_weights`` of the ``peft`` model inside ``root`` (its first adapter's)."""
+    for sub in root.modules():
+        configs = getattr(sub, "peft_config", None)
+        if isinstance(configs, dict) and configs:
+            return getattr(next(iter(configs.values())), "init_lora_weights", True)
+    return True
 
 
 def _hf_pretrained_base() -> type | None:
@@ -195,13 +282,10 @@ def _initialize_one(pending: _Pending) -> None:
     _, slots, buffer_slots = module_structure(sub)  # `None` slots too: an initializer reads `module.bias`
     own = {n: cast(nn.Parameter | None, full.get(n)) for n in slots}
     twin = module_twin(sub, own, {n: full.get(n) for n in buffer_slots})
-    if pending.hf:
-        _run_hf_initializer(pending.initializer, twin)
-    else:
-        cast(Any, twin).reset_parameters()
+    pending.initializer(twin)
     left = [n for n in pending.names if full[n].is_floating_point() and full[n].isnan().any()]
     if left:
-        how = f"{type(sub).__name__}.reset_parameters()" if not pending.hf else "its Hugging Face `_init_weights`"
+        how = pending.initializer.name
         raise UninitializableModule(
             f"{pending.fqn or type(sub).__name__}: {how} left {', '.join(left)} uninitialized (the model was built on"
             " the meta device and the checkpoint has no value for it). Initialize every parameter and buffer of the"
@@ -214,13 +298,6 @@ def _initialize_one(pending: _Pending) -> None:
 def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's own parameters and buffers by name (not its children's)."""
     return dict([*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)])
-
-
-def _run_hf_initializer(init_weights: Any, twin: nn.Module) -> None:
-    from transformers import initialization
-
-    with initialization.guard_torch_init_functions():
-        init_weights(twin)
 
 
 def _copy_into(live: torch.Tensor, full: torch.Tensor) -> None:

@@ -461,8 +461,9 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         reset_optimizers_and_schedulers(self)
         module_setup.unwire_optimizers(self._optimizer_sharding)
-        super().setup_optimizers(trainer)
         assert self.lightning_module is not None
+        with module_setup.optimizers_of_frozen_stages(self.lightning_module, self._pipeline):
+            super().setup_optimizers(trainer)
         run = (self.layout, self.device_mesh, self._pipeline, self._data_parallel_roots, self.precision_plugin)
         self._optimizer_sharding = module_setup.wire_optimizers(
             self.optimizers, self.lightning_module, *run, self._patches, self._deepspeed

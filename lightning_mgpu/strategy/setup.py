@@ -6,7 +6,8 @@ and is undone at ``teardown``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -70,6 +71,28 @@ def _refuse_manual_optimization_under_pipelining(module: nn.Module, layout: Para
         " pipeline_parallel_size=1: data parallelism (ZeRO 0-3, HSDP) and tensor parallelism support manual"
         " optimization."
     )
+
+
+@contextmanager
+def optimizers_of_frozen_stages(module: nn.Module, pipeline: PipelineEngine | None) -> Iterator[None]:
+    """Around the user's ``configure_optimizers``: a pipeline rank holding only frozen layers (a frozen backbone's
+    first blocks) builds the optimizer over an empty parameter list, which torch refuses. Within, on such a rank, an
+    empty list becomes one empty parameter group: an optimizer that steps nothing until a parameter group is added
+    (``BackboneFinetuning`` adding the stage's unfrozen layers). Elsewhere nothing changes."""
+    if pipeline is None or any(p.requires_grad for p in module.parameters()):
+        yield
+        return
+    init = Optimizer.__init__
+
+    def empty_stage_init(self: Optimizer, params: Any, defaults: dict[str, Any]) -> None:
+        params = list(params)
+        init(self, params or [{"params": []}], defaults)
+
+    Optimizer.__init__ = empty_stage_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Optimizer.__init__ = init  # type: ignore[method-assign]
 
 
 def unwire_optimizers(shardings: list[OptimizerStateSharding], watched_roots: Sequence[nn.Module] = ()) -> None:

@@ -51,6 +51,7 @@ MATRIX = {
     "gpt2": ["dp2-z0", "tp2", "pp2", "pp2-tp2"],
     "qwen3-moe": ["dp2-z3", "tp2", "pp2", "ep2", "dp4-ep2"],
     "bert": ["dp2-z0", "dp2-z3", "tp2", "pp2"],
+    "llama+lora": ["dp2-z0", "dp2-z3", "pp2"],  # LoRA under tp: refused (tests/test_finetuning.py)
 }
 # The quick tier loads every model and every layout at least once.
 QUICK = {
@@ -66,6 +67,7 @@ QUICK = {
     "qwen3-moe/ep2",
     "qwen3-moe/dp4-ep2",
     "bert/dp2-z3",
+    "llama+lora/dp2-z3",
 }
 CASES = [f"{model}/{layout}" for model, layouts in MATRIX.items() for layout in layouts]
 
@@ -97,19 +99,25 @@ def _export(path: str, trainer) -> None:
     trainer.strategy.save_hf_checkpoint(path, max_shard_size="100KB")
 
 
+def _module(model: str, from_pretrained: bool = False) -> partial:
+    """The fine-tuning module of ``model`` (``llama+lora``: the Llama checkpoint with LoRA adapters)."""
+    checkpoint, _, adapters = model.partition("+")
+    return partial(FineTune, _checkpoint(checkpoint), from_pretrained=from_pretrained, lora=adapters == "lora")
+
+
 def _run(name: str) -> tuple[int, Run]:
     model, layout = name.split("/")
     devices, kwargs = LAYOUTS[layout]
-    strict = model != "bert"  # the classifier's head is new
-    strategy = {**kwargs, "pretrained": _checkpoint(model), "pretrained_strict": strict}
+    strict = model not in ("bert", "llama+lora")  # a new head, new adapters
+    strategy = {**kwargs, "pretrained": _checkpoint(model.partition("+")[0]), "pretrained_strict": strict}
     batch = GLOBAL_BATCH // _data_parallel(devices, kwargs)
     export = partial(_export, str(_root() / "export" / name.replace("/", "-")))
-    run = Run(partial(FineTune, _checkpoint(model)), partial(_tokens, batch), strategy, STEPS, after_fit=export)
+    run = Run(_module(model), partial(_tokens, batch), strategy, STEPS, after_fit=export)
     return devices, run
 
 
 def _reference_run(model: str) -> Run:
-    return Run(partial(FineTune, _checkpoint(model), from_pretrained=True), partial(_tokens, GLOBAL_BATCH), None, STEPS)
+    return Run(_module(model, from_pretrained=True), partial(_tokens, GLOBAL_BATCH), None, STEPS)
 
 
 def _fits(names: set[str]) -> dict:
@@ -148,10 +156,25 @@ def test_pretrained_weights_train_like_from_pretrained_on_one_process(name):
     # The Hugging Face checkpoint every rank wrote after training is the one-process fine-tune's model.
     exported = _root() / "export" / name.replace("/", "-")
     assert (exported / "model.safetensors.index.json").is_file() and (exported / "config.json").is_file()
+    if model == "llama+lora":  # the base model's names for its weights, the adapters' own beside them
+        _assert_adapters_exported(exported, reference.state_dict)
+        return
     loaded = FineTune(str(exported), from_pretrained=True) if model != "bert" else _classifier(exported)
     state = loaded.state_dict()
     for key, value in reference.state_dict.items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=WEIGHT_ATOL, msg=lambda m: f"{key}: {m}")
+
+
+def _assert_adapters_exported(exported: Path, reference: dict) -> None:
+    from safetensors.torch import load_file
+
+    saved = {k: v for file in exported.glob("*.safetensors") for k, v in load_file(file).items()}
+    prefix = "model.base_model.model."
+    for key, value in reference.items():
+        name = key[len(prefix) :].replace(".base_layer", "")
+        torch.testing.assert_close(saved[name], value, rtol=1e-4, atol=WEIGHT_ATOL, msg=lambda m: f"{key}: {m}")
+    base = FineTune(str(exported), from_pretrained=True).model  # from_pretrained reads the base weights
+    torch.testing.assert_close(base.model.norm.weight, reference[prefix + "model.norm.weight"], rtol=0, atol=0)
 
 
 def _classifier(path: Path) -> FineTune:
@@ -240,3 +263,14 @@ def test_shapes_that_differ_are_refused_by_name():
 def test_a_missing_path_is_refused_when_the_strategy_is_built(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"absent.*no such file"):
         HybridStrategy(pretrained=tmp_path / "absent")
+
+
+def test_lora_layers_read_their_base_weights_and_name_only_the_adapters_as_new():
+    module = FineTune(_checkpoint("llama"), lora=True)
+    with torch.device("meta"):
+        module.configure_model()
+    weights = map_weights(module, open_weights(_checkpoint("llama")), strict=False)
+    key = "model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert weights.direct[key] == "model.layers.0.self_attn.q_proj.weight"
+    assert weights.missing and all(".lora_" in name for name in weights.missing)
+    assert not weights.unexpected

@@ -92,12 +92,20 @@ class FineTune(L.LightningModule):
     """A user's fine-tuning module: a causal LM on next-token targets, or (``bert``) a sequence classifier with a
     new head on the first target token's class."""
 
-    def __init__(self, path: str, from_pretrained: bool = False, lr: float = 1e-3) -> None:
+    def __init__(self, path: str, from_pretrained: bool = False, lr: float = 1e-3, lora: bool = False) -> None:
         super().__init__()
-        self.path, self.lr = path, lr
+        self.path, self.lr, self.lora = path, lr, lora
         self.classifier = os.path.basename(path.rstrip("/")) == "bert"
         if from_pretrained:
-            self.model = self._model_class().from_pretrained(path, **self._extra())
+            self.model = self._with_adapters(self._model_class().from_pretrained(path, **self._extra()))
+
+    def _with_adapters(self, model: Any) -> Any:
+        """With ``lora``: LoRA adapters (``peft``) on the attention projections, the rest frozen."""
+        if not self.lora:
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 
     def _model_class(self) -> Any:
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -113,7 +121,7 @@ class FineTune(L.LightningModule):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.path, **self._extra())
-        self.model = self._model_class().from_config(config)
+        self.model = self._with_adapters(self._model_class().from_config(config))
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
@@ -128,4 +136,4 @@ class FineTune(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)

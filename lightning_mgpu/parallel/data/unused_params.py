@@ -107,6 +107,35 @@ class UnusedParameterSearch:
         )
 
 
+class TrainableWatch:
+    """DDP reduces the gradients of the parameters that required one when its reducer was built: a parameter made
+    trainable later (a backbone that ``BackboneFinetuning`` unfreezes) would train on each rank's own gradient, the
+    ranks drifting apart (Lightning's ``DDPStrategy`` does so). A forward pre-hook on the root: when the set of
+    parameters requiring a gradient differs from the reducer's at the start of a training forward, the reducer is
+    rebuilt for the new set (its search setting and communication hook kept)."""
+
+    def __init__(self, root: nn.Module, ddp_kwargs: dict[str, Any], comm_hook: tuple[Any, Any] | None) -> None:
+        self.root = root
+        self.ddp_kwargs = ddp_kwargs
+        self.comm_hook = comm_hook
+        self._built_for: tuple[int, ...] | None = None  # the trainable parameters of the reducer (by id)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        trainable = tuple(id(p) for p in self.root.parameters() if p.requires_grad)
+        ddp = ddp_of(self.root)
+        if ddp is None or self._built_for is None:
+            self._built_for = trainable  # DDP builds its reducer in this forward, for these parameters
+            return
+        if trainable == self._built_for:
+            return
+        ddp = rebuild_ddp(self.root, **{**self.ddp_kwargs, "find_unused_parameters": ddp.find_unused_parameters})
+        if self.comm_hook is not None:
+            ddp.register_comm_hook(*self.comm_hook)
+        self._built_for = trainable
+
+
 def watch_unused_parameters(
     root: nn.Module, group: Any, ddp_kwargs: dict[str, Any], comm_hook: tuple[Any, Any] | None
 ) -> None:
@@ -115,6 +144,11 @@ def watch_unused_parameters(
     search = UnusedParameterSearch(root, group, ddp_kwargs, comm_hook)
     root.register_forward_pre_hook(search, prepend=True)
     setattr(root, _ATTRIBUTE, search)
+
+
+def watch_trainable(root: nn.Module, ddp_kwargs: dict[str, Any], comm_hook: tuple[Any, Any] | None) -> None:
+    """Attach a ``TrainableWatch`` to a DDP root built with ``ddp_kwargs`` (undone with the root's hooks)."""
+    root.register_forward_pre_hook(TrainableWatch(root, ddp_kwargs, comm_hook), prepend=True)
 
 
 def stop_watching(root: nn.Module) -> None:

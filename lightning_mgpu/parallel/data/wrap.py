@@ -39,7 +39,7 @@ from lightning_mgpu._compat.fsdp import is_ddp_replicated, replicate_ddp, replic
 from lightning_mgpu.parallel.blocks import find_blocks
 from lightning_mgpu.parallel.data.gloo_comms import use_gloo_comms
 from lightning_mgpu.parallel.data.manual import called_units, reduce_in_step_only
-from lightning_mgpu.parallel.data.unused_params import watch_unused_parameters
+from lightning_mgpu.parallel.data.unused_params import watch_trainable, watch_unused_parameters
 
 if TYPE_CHECKING:
     from lightning_mgpu.patches import PatchLog
@@ -174,6 +174,7 @@ def _replicate_with_ddp(root: nn.Module, dp_mesh: DeviceMesh, owner_reduce: bool
         root._lightning_mgpu_owner_reduce = reduce  # type: ignore[assignment]
     if find_unused is not True:
         watch_unused_parameters(root, dp_mesh.get_group(), kwargs, comm_hook)
+    watch_trainable(root, kwargs, comm_hook)  # registered last, so it runs first: before the search records
 
 
 def _shard_dim_beside_tensor_parallel(param: nn.Parameter) -> Any | None:

@@ -122,6 +122,10 @@ class Stage(nn.Module):
         if not self.is_last:
             if not torch.is_tensor(output):
                 raise TypeError(self._several_outputs(output))
+            if torch.is_grad_enabled() and not output.requires_grad:
+                # No gradient flows through this stage or before it (frozen layers): its backward has nothing to
+                # compute, but the schedule runs one on the output, which needs a tensor that takes a gradient.
+                output = output.detach().requires_grad_()
             # A channels-last or transposed block output (ConvNeXt) is made contiguous for the wire.
             return output.contiguous()
         if self.inferring:

@@ -72,6 +72,19 @@ def _retie(module: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
             module.get_submodule(module_name).register_parameter(param_name, params[0])
 
 
+def _refuse_adapters(module: nn.Module) -> None:
+    """LoRA layers (``peft``: a ``base_layer`` beside ``lora_A``/``lora_B``) need the adapter split to match the
+    projection's (A replicated and B column-parallel beside a column-parallel base, the reverse beside a row-parallel
+    one), which no plan here makes yet."""
+    wrapped = [name for name, sub in module.named_modules() if hasattr(sub, "base_layer") and hasattr(sub, "lora_A")]
+    if wrapped:
+        raise NotImplementedError(
+            f"tensor_parallel_size > 1 with LoRA adapters ({len(wrapped)} layers, e.g. {wrapped[0]}) is not supported"
+            " yet. Train the adapters with data parallelism (zero_stage 0-3: the frozen base weights sharded at"
+            " ZeRO-3) or pipeline parallelism."
+        )
+
+
 # ----------------------------------------------------------------------------------------------------- apply
 def apply_tensor_parallel(
     module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Plan, sequence_parallel: bool, loss_parallel: bool = False
@@ -82,6 +95,7 @@ def apply_tensor_parallel(
         return
     if _already_parallelized(module):
         return  # the user's configure_model applied its own plan with `self.device_mesh`
+    _refuse_adapters(module)
     plan = auto_plan(module, sequence_parallel) if tp_plan == "auto" else dict(cast(dict[str, str], tp_plan))
     if loss_parallel:
         plan = _with_vocab_parallel_head(module, plan)
