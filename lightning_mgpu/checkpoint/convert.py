@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_mgpu._compat.dcp import load_without_process_group
 from lightning_mgpu.checkpoint import format as fmt
-from lightning_mgpu.checkpoint import states
+from lightning_mgpu.checkpoint import states, stream
 from lightning_mgpu.checkpoint.format import INFO_KEY, LAYOUT_KEY, MODEL_KEY, OPTIMIZER_KEY, CheckpointError
 
 # What a weights-only file keeps besides `state_dict`: enough for `LightningModule.load_from_checkpoint`.
@@ -38,18 +38,36 @@ def _read_shards(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
 def consolidate_directory(path: Path, meta: dict[str, Any], weights_only: bool = False) -> dict[str, Any]:
     """The single-file (``"full"``) checkpoint equivalent to the sharded directory ``path`` with ``meta``."""
     shards = _read_shards(path, keys={MODEL_KEY} if weights_only else None)
+    flat = {f"{MODEL_KEY}.{k}": v for k, v in shards.get(MODEL_KEY, {}).items()}
+    for i, optimizer in enumerate(shards.get(OPTIMIZER_KEY, [])):
+        flat.update({f"{OPTIMIZER_KEY}.{i}.{k}": v for k, v in optimizer.items()})
+    return consolidate_directory_from(flat, meta, weights_only, path)
+
+
+def consolidate_directory_from(
+    flat: dict[str, Any], meta: dict[str, Any], weights_only: bool, path: Path
+) -> dict[str, Any]:
+    """The full checkpoint from a sharded directory's entries by their DCP keys (``state_dict.<fqn>``,
+    ``optimizer_states.<i>.<flat key>``; values or placeholders) and its ``meta``."""
     full = {k: v for k, v in meta.items() if not weights_only or k in _WEIGHTS_ONLY_KEYS}
-    full[MODEL_KEY] = shards.get(MODEL_KEY, {})
+    model_prefix = f"{MODEL_KEY}."
+    full[MODEL_KEY] = {k[len(model_prefix) :]: v for k, v in flat.items() if k.startswith(model_prefix)}
     info = dict(meta.get(INFO_KEY, {}))
     info["format"] = "full"
     if weights_only:
         info = {k: v for k, v in info.items() if k in ("format_version", "format", "hf_models")}
     full[INFO_KEY] = info
-    if not weights_only and OPTIMIZER_KEY in shards:
+    optimizers: dict[int, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith(OPTIMIZER_KEY + "."):
+            index, rest = key[len(OPTIMIZER_KEY) + 1 :].split(".", 1)
+            optimizers.setdefault(int(index), {})[rest] = value
+    if not weights_only and optimizers:
         groups = info.get("optimizer_param_groups")
         if groups is None:
             raise CheckpointError(f"{path}/{fmt.METADATA_FILE} does not name the optimizers' parameters.")
-        full[OPTIMIZER_KEY] = [states.flat_to_native(flat, g) for flat, g in zip(shards[OPTIMIZER_KEY], groups)]
+        ordered = [optimizers.get(i, {}) for i in range(len(groups))]
+        full[OPTIMIZER_KEY] = [states.flat_to_native(flat_i, g) for flat_i, g in zip(ordered, groups)]
     return full
 
 
@@ -79,25 +97,6 @@ def hf_prefix(checkpoint: dict[str, Any], requested: str = "auto") -> str:
     return ""
 
 
-def save_safetensors(checkpoint: dict[str, Any], out: Path, prefix: str) -> list[str]:
-    """Write the weights (``prefix`` stripped, e.g. to Hugging Face names); return the keys outside ``prefix``."""
-    from safetensors.torch import save_file
-
-    tensors, outside = {}, []
-    for key, value in checkpoint[MODEL_KEY].items():
-        if prefix and key.startswith(prefix):
-            key = key[len(prefix) :]
-        elif prefix:
-            outside.append(key)
-        tensors[key] = value.detach().contiguous()
-    metadata = {"format": "pt"}
-    hf = (checkpoint.get(INFO_KEY, {}).get("hf_models") or {}).get(prefix.rstrip("."))
-    if hf:
-        metadata["hf_class"] = hf["class"]
-    save_file(tensors, str(out), metadata=metadata)
-    return outside
-
-
 def write_consolidated(
     path: Path,
     out: Path,
@@ -106,32 +105,90 @@ def write_consolidated(
     prefix: str = "auto",
     load_weights_only: bool | None = None,
 ) -> str:
-    """The ``lightning-mgpu consolidate`` command; returns a one-line summary."""
-    checkpoint = consolidate(
-        path, weights_only=weights_only or out_format == "safetensors", load_weights_only=load_weights_only
-    )
+    """The ``lightning-mgpu consolidate`` command, tensor by tensor (``stream.py``: the process holds the largest
+    tensor, not the model); returns a one-line summary."""
+    if out_format not in ("torch", "safetensors"):
+        raise ValueError(f"--format must be 'torch' or 'safetensors', got {out_format!r}.")
+    skeleton, fill = _streamable(path, weights_only or out_format == "safetensors", load_weights_only)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = fmt.partial_path(out)
     fmt.remove(partial)
     note = ""
     if out_format == "safetensors":
-        resolved = hf_prefix(checkpoint, prefix)
-        outside = save_safetensors(checkpoint, partial, resolved)
+        resolved = hf_prefix(skeleton, prefix)
+        named, outside = {}, []
+        for key, leaf in skeleton[MODEL_KEY].items():
+            if resolved and not key.startswith(resolved):
+                outside.append(key)
+            named[key[len(resolved) :] if resolved and key.startswith(resolved) else key] = leaf
+        hf = (skeleton.get(INFO_KEY, {}).get("hf_models") or {}).get(resolved.rstrip("."))
+        metadata = {"format": "pt", **({"hf_class": hf["class"]} if hf else {})}
+        stream.write_safetensors(partial, named, fill, metadata)
         note = f", prefix {resolved!r} stripped" if resolved else ""
         if outside:
             note += f" ({len(outside)} keys outside it kept as they are: {', '.join(outside[:4])}...)"
-        hf = (checkpoint.get(INFO_KEY, {}).get("hf_models") or {}).get(resolved.rstrip("."))
         if hf:
             config = out.with_name("config.json")
             if not config.exists():
                 config.write_text(json.dumps(json.loads(hf["config"]), indent=2))
                 note += f"; wrote {config.name} for {hf['class']}.from_pretrained"
-    elif out_format == "torch":
-        fmt.write_file(checkpoint, partial)
     else:
-        raise ValueError(f"--format must be 'torch' or 'safetensors', got {out_format!r}.")
+        stream.write_torch(partial, skeleton, fill)
     fmt.publish(partial, out)
-    return f"wrote {out} ({len(checkpoint[MODEL_KEY])} tensors{note})"
+    return f"wrote {out} ({len(skeleton[MODEL_KEY])} tensors{note})"
+
+
+def _streamable(path: Path, weights_only: bool, load_weights_only: bool | None) -> tuple[dict[str, Any], stream.Fill]:
+    """The checkpoint at ``path`` as ``consolidate`` would return it, its tensors ``stream.Leaf`` placeholders, and
+    the function reading one leaf's tensor whole."""
+    fmt.check_exists(path)
+    fmt.check_intact(path)
+    if not path.is_dir():
+        loaded = consolidate(path, weights_only, load_weights_only)  # memory-mapped: pages are read as written
+        table: dict[str, torch.Tensor] = {}
+        skeleton = _as_leaves(loaded, "", table)
+        return skeleton, lambda leaf: table[leaf.key]
+    fmt.check_sharded(path)
+    meta = fmt.load_file(path / fmt.METADATA_FILE, load_weights_only)
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    wanted = [k for k in metadata if not weights_only or k.startswith(MODEL_KEY + ".")]
+    tensors = {k: md for k in wanted if isinstance(md := metadata[k], TensorStorageMetadata)}
+    small = _read_entries(path, [k for k in wanted if k not in tensors])  # hyperparameters: a few bytes each
+    flat: dict[str, Any] = {**small}
+    for key, md in tensors.items():
+        flat[key] = stream.Leaf(key, tuple(md.size), md.properties.dtype)
+    skeleton = consolidate_directory_from(flat, meta, weights_only, path)
+    return skeleton, lambda leaf: _read_tensor(path, leaf)
+
+
+def _as_leaves(value: Any, path: str, table: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        table[path] = value
+        return stream.Leaf(path, tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {k: _as_leaves(v, f"{path}/{k}", table) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_leaves(v, f"{path}/{i}", table) for i, v in enumerate(value))
+    return value
+
+
+def _read_entries(path: Path, keys: list[str]) -> dict[str, Any]:
+    if not keys:
+        return {}
+    import torch.distributed.checkpoint as dcp
+
+    state: dict[str, Any] = dict.fromkeys(keys)
+    dcp.load(state, storage_reader=FileSystemReader(path), no_dist=True)
+    return state
+
+
+def _read_tensor(path: Path, leaf: stream.Leaf) -> torch.Tensor:
+    """One tensor of a DCP directory, whole, reassembled from the shards that hold it."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {leaf.key: torch.empty(leaf.shape, dtype=leaf.dtype)}
+    dcp.load(state, storage_reader=FileSystemReader(path), no_dist=True)
+    return state[leaf.key]
 
 
 # ------------------------------------------------------------------------------------------------------- inspect

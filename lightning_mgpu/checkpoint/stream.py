@@ -1,0 +1,160 @@
+"""Writing one checkpoint file tensor by tensor: the process holds the largest tensor, never the whole model.
+
+A torch file is first saved as a skeleton, its tensors fake (``torch.serialization.skip_data``: the structure and
+every record's place, no bytes), then each tensor's bytes are read from the source (``fill``) and written into its
+record in place. A safetensors file is its header (names, types, shapes and offsets, all known from the source's
+metadata) followed by the tensors' bytes in order. Either way a tensor is read, written and dropped before the
+next one is read.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from lightning_mgpu._compat.tensors import fake_tensor_mode
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A tensor of the file to write, by the name its source knows it under."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+Fill = Callable[[Leaf], torch.Tensor]
+
+
+def write_torch(out: Path, skeleton: Any, fill: Fill) -> int:
+    """``torch.save(skeleton)`` with each ``Leaf`` in it replaced by ``fill(leaf)``, read one at a time; returns the
+    number of tensors written."""
+    leaves: list[Leaf] = []
+    kept: dict[Leaf, torch.Tensor] = {}  # tensors already in the skeleton (RNG states, small metadata)
+    skeleton = _tensors_as_leaves(skeleton, kept)
+    with fake_tensor_mode():
+        fakes = _replace_leaves(skeleton, leaves, lambda leaf: torch.empty(leaf.shape, dtype=leaf.dtype))
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(fakes, out)
+    records = _storage_records(out)
+    if len(records) != len(leaves):
+        raise RuntimeError(f"{out}: {len(records)} storage records for {len(leaves)} tensors")
+    with open(out, "r+b") as file:
+        for leaf, (offset, size) in zip(leaves, records):
+            if size != leaf.nbytes:
+                raise RuntimeError(f"{out}: the record of {leaf.key} holds {size} bytes, the tensor {leaf.nbytes}")
+            _write_at(file, offset, kept[leaf] if leaf in kept else fill(leaf))
+    return len(leaves)
+
+
+def write_safetensors(out: Path, leaves: dict[str, Leaf], fill: Fill, metadata: dict[str, str] | None = None) -> int:
+    """A safetensors file of ``leaves`` (``{name in the file: leaf}``), each filled by ``fill``, one at a time."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, leaf in leaves.items():
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[leaf.dtype],
+            "shape": list(leaf.shape),
+            "data_offsets": [offset, offset + leaf.nbytes],
+        }
+        offset += leaf.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(out, "wb") as file:
+        file.write(struct.pack("<Q", len(encoded)))
+        file.write(encoded)
+        for leaf in leaves.values():
+            file.write(_bytes(fill(leaf)))
+    return len(leaves)
+
+
+def _tensors_as_leaves(value: Any, kept: dict[Leaf, torch.Tensor]) -> Any:
+    """``value`` with its real tensors made leaves too (kept aside), so that every storage record is a leaf's."""
+    if isinstance(value, torch.Tensor):
+        leaf = Leaf(f"<kept {len(kept)}>", tuple(value.shape), value.dtype)
+        kept[leaf] = value
+        return leaf
+    if isinstance(value, dict):
+        return {k: _tensors_as_leaves(v, kept) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tensors_as_leaves(v, kept) for v in value)
+    return value
+
+
+def _replace_leaves(value: Any, found: list[Leaf], make: Callable[[Leaf], Any]) -> Any:
+    """``value`` with every ``Leaf`` made a tensor, the leaves listed in the order ``pickle`` will meet them."""
+    if isinstance(value, Leaf):
+        found.append(value)
+        return make(value)
+    if isinstance(value, dict):
+        return {k: _replace_leaves(v, found, make) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replace_leaves(v, found, make) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_replace_leaves(v, found, make) for v in value)
+    return value
+
+
+def _storage_records(path: Path) -> list[tuple[int, int]]:
+    """(data offset, size) of each storage record of a torch file (``<archive>/data/<n>``, by ``n``)."""
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
+        records = []
+        for info in archive.infolist():
+            parts = info.filename.split("/")
+            if len(parts) == 3 and parts[1] == "data" and parts[2].isdigit():
+                raw.seek(info.header_offset + 26)
+                name_length, extra_length = struct.unpack("<HH", raw.read(4))
+                records.append((int(parts[2]), info.header_offset + 30 + name_length + extra_length, info.file_size))
+    return [(offset, size) for _, offset, size in sorted(records)]
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(cast(Any, flat.numpy()))
+
+
+def _write_at(file: Any, offset: int, tensor: torch.Tensor) -> None:
+    file.seek(offset)
+    file.write(_bytes(tensor))
+
+
+def iterate_leaves(value: Any) -> Iterator[Leaf]:
+    """Every ``Leaf`` in a nested structure."""
+    if isinstance(value, Leaf):
+        yield value
+    elif isinstance(value, dict):
+        for inner in value.values():
+            yield from iterate_leaves(inner)
+    elif isinstance(value, (list, tuple)):
+        for inner in value:
+            yield from iterate_leaves(inner)
