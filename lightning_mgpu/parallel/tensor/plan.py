@@ -15,8 +15,11 @@ from torch import nn
 
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.blocks import block_glob, find_block_container, is_projection, tied_parameters
+from lightning_mgpu.parallel.example import ExampleStep
 from lightning_mgpu.parallel.tensor.checks import fused_chunks_differ
 from lightning_mgpu.parallel.tensor.experts import PARAMETER_STYLES, names_parameters_only, owned_by_experts
+from lightning_mgpu.parallel.tensor.multihead import STYLE as MULTIHEAD_STYLE
+from lightning_mgpu.parallel.tensor.multihead import is_multihead_attention
 from lightning_mgpu.parallel.tensor.styles import STYLES
 
 # Leaf names of projections in GPT-style blocks (nanoGPT, litgpt, GPT-2, Llama-likes without a HF plan).
@@ -95,9 +98,9 @@ def check_style_names(plan: dict[str, str]) -> None:
         raise ValueError(f"`tp_plan` has unknown styles {unknown}; use one of {list(STYLE_NAMES)}.")
 
 
-def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, str]:
+def auto_plan(module: nn.Module, sequence_parallel: bool = False, example: ExampleStep | None = None) -> dict[str, str]:
     """Derive ``{fqn: style}`` for ``module``: Hugging Face plans first, GPT-block name rules (or the blocks' data
-    flow) for the rest."""
+    flow, read from their call in ``example``, the user's step on one batch, where it can run) for the rest."""
     plan: dict[str, str] = {}
     covered: set[str] = set()
     for prefix, hf_model in _hugging_face_models(module):
@@ -105,7 +108,7 @@ def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, s
         covered.add(prefix)
     found = find_block_container(module)
     if found is not None and not any(found[0].startswith(c) for c in covered):
-        plan.update(_block_rules(module, found[0]))
+        plan.update(_block_rules(module, found[0], example))
     if not plan:
         linears = [name for name, child in module.named_modules() if is_projection(child)]
         raise ValueError(
@@ -232,14 +235,21 @@ def _warn_whole_attention(glob: str) -> None:
     )
 
 
-def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
+def _block_rules(module: nn.Module, blocks_fqn: str, example: ExampleStep | None = None) -> dict[str, str]:
     plan: dict[str, str] = {}
     unplaced: list[str] = []
+    attentions: list[str] = []  # torch's nn.MultiheadAttention: sharded whole, by heads (its out_proj with it)
     for name, child in module.named_modules():
-        if not name.startswith(blocks_fqn + ".") or not is_projection(child):
+        if not name.startswith(blocks_fqn + ".") or any(name.startswith(f"{a}.") for a in attentions):
+            continue
+        glob = block_glob(name, blocks_fqn)
+        if is_multihead_attention(child):
+            attentions.append(name)
+            plan[glob] = MULTIHEAD_STYLE
+            continue
+        if not is_projection(child):
             continue
         leaf = name.rsplit(".", 1)[-1]
-        glob = block_glob(name, blocks_fqn)
         if leaf in _FUSED_QKV and fused_chunks_differ(module, name):
             _warn_whole_attention(glob)  # one message for every block: shown once
             plan[glob] = "replicate"
@@ -257,7 +267,7 @@ def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
     if unplaced:  # names alone do not place every layer (BERT's `dense`): derive the plan from the data flow
         from lightning_mgpu.parallel.tensor.derive import derive_block_plan
 
-        return derive_block_plan(module, blocks_fqn)
+        return derive_block_plan(module, blocks_fqn, example)
     if not plan:
         from lightning_mgpu.parallel.tensor.derive import no_linear_layers
 
