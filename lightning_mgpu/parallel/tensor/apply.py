@@ -41,7 +41,13 @@ from lightning_mgpu.parallel.tensor.experts import place_experts
 from lightning_mgpu.parallel.tensor.heads import per_head_outputs, shard_per_head_parameters, split_per_head_inputs
 from lightning_mgpu.parallel.tensor.local import watch_shard_parameters
 from lightning_mgpu.parallel.tensor.mixing import move_mixing_regions, shape_switches
-from lightning_mgpu.parallel.tensor.plan import _hugging_face_models, _match, _with_vocab_parallel_head, auto_plan
+from lightning_mgpu.parallel.tensor.plan import (
+    _hugging_face_models,
+    _match,
+    _with_vocab_parallel_head,
+    auto_plan,
+    with_network_copies,
+)
 from lightning_mgpu.parallel.tensor.region import install_global_shape_region
 from lightning_mgpu.parallel.tensor.styles import (
     _arm_gradient_layout,
@@ -92,7 +98,7 @@ def apply_tensor_parallel(
     plan = auto_plan(module, sequence_parallel, example) if tp_plan == "auto" else dict(cast(dict[str, str], tp_plan))
     if loss_parallel:
         plan = _with_vocab_parallel_head(module, plan)
-    matched = _match(module, plan)
+    matched = with_network_copies(module, _match(module, plan))
     tp = tp_mesh.size()
     check_divisible(module, matched, tp)
     regions, local = _regions(module, matched)

@@ -10,11 +10,17 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.parallel.blocks import block_glob, find_block_container, is_projection, tied_parameters
+from lightning_mgpu.parallel.blocks import (
+    block_glob,
+    find_block_container,
+    is_projection,
+    network_copies,
+    tied_parameters,
+)
 from lightning_mgpu.parallel.example import ExampleStep
 from lightning_mgpu.parallel.tensor.checks import fused_chunks_differ
 from lightning_mgpu.parallel.tensor.experts import PARAMETER_STYLES, names_parameters_only, owned_by_experts
@@ -330,6 +336,29 @@ def _with_vocab_parallel_head(module: nn.Module, plan: dict[str, str]) -> dict[s
 def _is_norm(module: nn.Module) -> bool:
     name = type(module).__name__
     return isinstance(module, nn.LayerNorm) or (name.endswith("Norm") and "Group" not in name and "Batch" not in name)
+
+
+def with_network_copies(module: nn.Module, matched: dict[str, str]) -> dict[str, str]:
+    """``matched`` with a network's copy (a DQN's target network, an EMA teacher: ``blocks.network_copies``) sharded
+    as the plan shards the network, where the plan names nothing of the copy: weights copied between the two
+    (``target_net.load_state_dict(net.state_dict())``, an EMA update) must have the same layouts on both, and the
+    copy's forward computes what it computed whole (tensor parallelism is exact)."""
+    added: dict[str, str] = {}
+    for first, second in network_copies(module):
+        for source, copy in ((first, second), (second, first)):
+            under = lambda name, root: name == root or name.startswith(f"{root}.")
+            if any(under(name, copy) for name in matched):
+                continue
+            mapped = {f"{copy}{name[len(source) :]}": s for name, s in matched.items() if under(name, source)}
+            if mapped:
+                rank_zero_info(
+                    "tensor parallelism shards %s as %s (a copy of it: the same modules and parameter shapes), so"
+                    " that weights copied between them keep their layouts",
+                    copy,
+                    source,
+                )
+                added.update(mapped)
+    return {**matched, **added}
 
 
 def _match(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
