@@ -93,7 +93,9 @@ def network_copies(module: nn.Module) -> list[tuple[str, str]]:
 
 
 def _is_network(module: nn.Module) -> bool:
-    return any(True for _ in module.children()) and any(True for _ in module.parameters())
+    """Made of modules and holding parameters, and not itself a list of blocks or layers."""
+    composite = any(True for _ in module.children()) and _indexed_blocks(module) is None
+    return composite and any(True for _ in module.parameters())
 
 
 def _structure(module: nn.Module) -> tuple:

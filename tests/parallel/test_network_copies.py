@@ -72,11 +72,14 @@ class EMADistillation(L.LightningModule):
 def test_a_network_and_its_copy_are_found_but_not_alike_layers_or_blocks():
     assert network_copies(DQNModule()) == [("net", "target_net")]
     assert network_copies(EMADistillation()) == [("student", "teacher")]
-    # Alike by design, not copies: the blocks of a list, a decoder layer's self- and cross-attention, q and k.
+    # Alike by design, not copies: the blocks of a list, a decoder layer's self- and cross-attention, q and k, two
+    # lists of projections (Gemma 3n's altup projections in and out).
     decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32), 2)
     attention = nn.Module()
     attention.q, attention.k = nn.Linear(8, 8), nn.Linear(8, 8)
-    assert network_copies(decoder) == network_copies(attention) == []
+    lists = nn.Module()
+    lists.into, lists.out = nn.ModuleList([nn.Linear(8, 8)]), nn.ModuleList([nn.Linear(8, 8)])
+    assert network_copies(decoder) == network_copies(attention) == network_copies(lists) == []
 
 
 def test_pipeline_parallelism_refuses_a_split_network_with_a_copy_before_training():
