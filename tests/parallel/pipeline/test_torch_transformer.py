@@ -77,6 +77,8 @@ LAYOUTS = [  # (name, model, strategy, devices, slow)
     ("encoder LM pp2", "encoder LM", PP2, 2, False),
     ("demo pp2 V", "demo, 4 layers", V, 2, True),  # the V's last stage beside the first: their rank holds the encoder
     ("demo pp2 x dp2 ZeRO-1", "demo", {**PP2, "zero_stage": 1}, 4, True),
+    # Heads of every attention sharded (tp_plan="auto", read from the decoder blocks' call) and the memory sent.
+    ("demo pp2 x tp2", "demo", {**PP2, "tensor_parallel_size": 2}, 4, True),
 ]
 
 
@@ -87,7 +89,7 @@ def _trained(slow: bool) -> dict:
     for name, model, strategy, devices, in_slow in LAYOUTS:
         if in_slow == slow:
             factory, data, batch, steps = MODELS[model]
-            dp = devices // strategy["pipeline_parallel_size"]
+            dp = devices // strategy["pipeline_parallel_size"] // strategy.get("tensor_parallel_size", 1)
             by_devices.setdefault(devices, {})[name] = Run(factory, partial(data, batch // dp), strategy, steps)
     return {n: r for devices, runs in by_devices.items() for n, r in fit_each(runs, devices, 900).items()}
 
