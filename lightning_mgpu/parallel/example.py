@@ -48,12 +48,16 @@ class ExampleStep:
 
 @contextmanager
 def _kept(module: nn.Module) -> Iterator[None]:
-    """Every module's attributes, children, parameter and buffer slots and buffer values put back afterwards (the
-    demo Transformer keeps the mask its forward makes; BatchNorm updates its statistics)."""
+    """Every module's attributes, children, parameter and buffer slots put back afterwards, and the values of its
+    buffers, tensor attributes and list attributes (the demo Transformer keeps the mask its forward makes; BatchNorm
+    updates its statistics in place, a torchmetrics metric its states)."""
     modules = list({id(m): m for m in module.modules()}.values())
     attributes = [dict(vars(m)) for m in modules]
     structures = [module_structure(m) for m in modules]
-    buffers = [(b, b.detach().clone()) for b in {id(b): b for b in module.buffers()}.values()]
+    tensors = {id(t): t for t in module.buffers()}
+    tensors.update({id(v): v for saved in attributes for v in saved.values() if torch.is_tensor(v)})
+    values = [(t, t.detach().clone()) for t in tensors.values()]
+    lists = [(v, list(v)) for saved in attributes for v in saved.values() if isinstance(v, list)]
     try:
         yield
     finally:
@@ -63,8 +67,10 @@ def _kept(module: nn.Module) -> Iterator[None]:
             vars(sub).update(saved)
             set_module_structure(sub, *structure)
         with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
+            for tensor, value in values:
+                tensor.copy_(value)
+        for items, saved_items in lists:
+            items[:] = saved_items
 
 
 _ABSENT = object()

@@ -176,3 +176,26 @@ def test_auto_plans_from_the_real_call_train_like_one_process(name):
     trained, _ = result(_runs()[name])
     assert_same_training(result(_references()[name]), trained, weight_atol=1e-4, weight_atols=KEY_BIAS_ATOL)
     assert trained.extra["sharded"] >= MODELS[name][2], sorted(trained.extra["sharded"])
+
+
+def test_what_the_step_changes_before_its_network_call_is_put_back():
+    """Code a step runs before the network call (a metric updated, a counter kept, a list appended to) leaves no
+    trace of the run that reads the blocks' call."""
+    from torchmetrics.aggregation import SumMetric
+
+    class Counting(DemoTransformer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = SumMetric()
+            self.calls: list[int] = []
+            self.register_buffer("steps", torch.zeros(()))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.seen.update(batch[0].numel())
+            self.calls.append(batch_idx)
+            self.steps += 1
+            return super().training_step(batch, batch_idx)
+
+    module = Counting()
+    auto_plan(module, example=_step_on(module, 35))
+    assert module.calls == [] and int(module.steps) == 0 and int(module.seen.compute()) == 0
