@@ -19,7 +19,6 @@ one-process references in one job.
 
 from __future__ import annotations
 
-import ast
 import functools
 import re
 from pathlib import Path
@@ -78,19 +77,12 @@ BATCHNORM = {"timm ResNet-18"}
 # What each case must end in; a layout not named trains like one process.
 _NO_LINEAR = r"found no Linear layers to shard.*Train it with data parallelism \(zero_stage\) or pipeline parallelism"
 _TUPLE_BLOCKS = r"returns tuple of .* rather than one tensor.*Use pipeline_parallel_size=1"
-_STANDINS = r"computes with values that only other stages compute.*Use pipeline_parallel_size=1"
-_CROSS_ATTENTION = r"cannot tell how to shard these layers.*EncDecAttention.*Pass `tp_plan` as a dict"
-_DECODER_CROSS = r"cannot tell how to shard these layers.*encoder_attn.*Pass `tp_plan` as a dict"
+# T5's cross-attention is planned from the decoder blocks' real call and BART's decoder stages receive the
+# encoder's output from the first stage (issue 47): both train under tp and pp like the others.
 EXPECTED: dict[str, dict[str, str]] = {
     "timm ResNet-18": {"tp 2": _NO_LINEAR, "dp 2 x tp 2 ZeRO-3": _NO_LINEAR},
     "timm ConvNeXt": {"tp 2": _NO_LINEAR, "dp 2 x tp 2 ZeRO-3": _NO_LINEAR},
-    "HF T5": {
-        "tp 2": _CROSS_ATTENTION,
-        "dp 2 x tp 2 ZeRO-3": _CROSS_ATTENTION,
-        "pp 2": _TUPLE_BLOCKS,
-        "pp 2 x dp 2 ZeRO-1": _TUPLE_BLOCKS,
-    },
-    "HF BART": {"pp 2": _STANDINS, "pp 2 x dp 2 ZeRO-1": _STANDINS},
+    "HF T5": {"pp 2": _TUPLE_BLOCKS, "pp 2 x dp 2 ZeRO-1": _TUPLE_BLOCKS},
 }
 # Layouts a model is not run under, and why (each also shown in the table of docs/guides/public-models.md).
 _OWN_TEST = "trains like one process accumulating the same microbatches (BatchNorm: see the test below)"
@@ -107,8 +99,6 @@ _IN_SHORT = {
     TRAINS: "✓",
     _NO_LINEAR: "refused: no Linear layer to split",
     _TUPLE_BLOCKS: "refused: blocks hand on a tuple",
-    _STANDINS: "refused: decoder blocks read the encoder's output",
-    _CROSS_ATTENTION: "refused: cross-attention needs a `tp_plan` (the one offered trains)",
     _OWN_TEST: "✓ (over the same microbatches)",
 }
 
@@ -289,24 +279,6 @@ def test_default_dropout_trains_within_a_band_and_keeps_replicated_weights_ident
         assert other.keys() == first.keys()
         for name, value in first.items():
             assert torch.equal(other[name], value), f"{name} differs between ranks after {STEPS} steps"
-
-
-def test_t5_trains_under_tensor_parallelism_with_the_plan_its_refusal_offers():
-    """The refusal's way out: T5 with the explicit plan it prints (cross-attention kept whole) trains like one
-    process, its relative position bias (one column per head, cut to each rank's heads) included."""
-    refusal = _outcomes_of("HF T5", 2)["tp 2"]
-    assert isinstance(refusal, str), "T5 under tp_plan='auto' trained; this test checks the plan its refusal offers"
-    found = re.search(r"tp_plan=(\{.*?\})", refusal)
-    assert found, refusal
-    plan = ast.literal_eval(found.group(1))
-    assert set(plan.values()) >= {"replicate", "colwise", "rowwise"}, plan
-    factory, kind = MODELS["HF T5"]
-    runs = {
-        "offered plan": Run(factory, _data(kind, GLOBAL_BATCH), {"tensor_parallel_size": 2, "tp_plan": plan}, STEPS)
-    }
-    outcome = fit_each(runs, 2)["offered plan"]
-    assert not isinstance(outcome, str), outcome
-    assert_same_training(_reference("HF T5"), outcome[0], weight_atol=WEIGHT_ATOL)
 
 
 def test_gpt2_with_its_default_config_under_tp4_and_pp2_x_tp2():

@@ -13,6 +13,7 @@ from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
 from lightning_mgpu.parallel.blocks import compile_blocks, is_float8_linear
 from lightning_mgpu.parallel.data import apply_data_parallel
+from lightning_mgpu.parallel.example import ExampleStep
 from lightning_mgpu.parallel.experts import (
     apply_expert_parallel,
     apply_global_router_loss,
@@ -34,11 +35,13 @@ def parallelize(
     options: ParallelOptions,
     mp_policy: Any | None = None,
     root: nn.Module | None = None,
+    example: ExampleStep | None = None,
 ) -> PipelineRuntime | None:
     """Apply every parallelism of ``layout`` to ``module`` in place: tensor, checkpointing, pipeline, data.
 
     ``mp_policy`` is the precision plugin's FSDP2 ``MixedPrecisionPolicy`` (``HybridPrecision.mp_policy()``) for the
     data-parallel wrap. ``root`` is the module called once per step that the data-parallel root wrap goes on.
+    ``example`` runs the user's step on one batch, where ``tp_plan="auto"`` reads how the blocks are called.
     With pipeline parallelism, returns this rank's stages; each stage is then the data-parallel root.
     """
     if layout.tensor_parallel_size > 1:
@@ -46,10 +49,9 @@ def parallelize(
             raise NotImplementedError("fp8-mixed with tensor_parallel_size > 1 is not supported yet.")
         tp_plan = options.tp_plan
         if options.expert_parallel_size > 1:
-            tp_plan = plan_without_experts(module, tp_plan, options.sequence_parallel)  # experts: split over ep
-        apply_tensor_parallel(
-            module, mesh[TP_AXIS], tp_plan, options.sequence_parallel, loss_parallel=options.loss_parallel
-        )
+            # experts: split over ep
+            tp_plan = plan_without_experts(module, tp_plan, options.sequence_parallel, example)
+        apply_tensor_parallel(module, mesh[TP_AXIS], tp_plan, options.sequence_parallel, options.loss_parallel, example)
     if options.activation_checkpointing is not False:
         # Before the pipeline split: its gate around each owned block must stay *outside* the checkpointed region,
         # so that recomputation in backward sees the same (received) input as the forward did.

@@ -68,6 +68,45 @@ def compile_blocks(module: nn.Module, options: dict[str, Any]) -> list[nn.Module
     return blocks
 
 
+def network_copies(module: nn.Module) -> list[tuple[str, str]]:
+    """Pairs ``(a, b)`` of sibling submodules with the same structure: a network and its copy (a DQN's target
+    network, an EMA teacher), between which the user's code copies weights (``b.load_state_dict(a.state_dict())``).
+
+    Siblings of one module that are themselves made of modules (single layers alike in shape, such as ``q_proj`` and
+    ``k_proj``, are not copies of a network), hold parameters and match in every submodule's class and every
+    parameter's and buffer's name, shape and dtype. Nothing inside a ModuleList/Sequential/ModuleDict counts: a
+    model's blocks are alike by design, and so are parts of one block (a decoder layer's self- and cross-attention).
+    """
+    containers = [name for name, child in module.named_modules() if _indexed_blocks(child) is not None]
+    pairs = []
+    for parent_name, parent in module.named_modules():
+        if any(parent_name == c or parent_name.startswith(f"{c}.") for c in containers):
+            continue
+        prefix = f"{parent_name}." if parent_name else ""
+        children = [(f"{prefix}{n}", c) for n, c in parent.named_children() if _is_network(c)]
+        signatures = [_structure(child) for _, child in children]
+        for i, (name, _) in enumerate(children):
+            pairs += [
+                (name, other) for j, (other, _) in enumerate(children) if j > i and signatures[j] == signatures[i]
+            ]
+    return pairs
+
+
+def _is_network(module: nn.Module) -> bool:
+    """Made of modules and holding parameters, and not itself a list of blocks or layers."""
+    composite = any(True for _ in module.children()) and _indexed_blocks(module) is None
+    return composite and any(True for _ in module.parameters())
+
+
+def _structure(module: nn.Module) -> tuple:
+    tensors = lambda named: tuple((name, tuple(t.shape), t.dtype) for name, t in named)
+    return (
+        tuple((name, type(sub)) for name, sub in module.named_modules()),
+        tensors(module.named_parameters()),
+        tensors(module.named_buffers()),
+    )
+
+
 def tied_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
     """Groups of (module name, parameter name) that hold one and the same Parameter (tied weights)."""
     holders: dict[int, list[tuple[str, str]]] = {}

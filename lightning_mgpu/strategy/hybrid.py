@@ -432,8 +432,9 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
             self._restores = self._restore_module if self._restore_module is not None else not weights.built_empty
             if self._restores and self._deepspeed is None:
                 self._snapshot = ModuleSnapshot.take(self.lightning_module)
+            example = module_setup.example_step(trainer, module, self.batch_to_device)
             self._runner, self._pipeline, self._context = module_setup.parallelize_for_run(
-                module, self.layout, mesh, self.options, precision, self.root_device, self._patches
+                module, self.layout, mesh, self.options, precision, self.root_device, self._patches, example
             )
             fill_weights(module, weights, self.root_device)
             self._first_loss_checked = False if weights.fills else None

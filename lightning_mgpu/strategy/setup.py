@@ -6,7 +6,7 @@ and is undone at ``teardown``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.context import ContextParallel
 from lightning_mgpu.parallel.data import OptimizerStateSharding, stop_watching
+from lightning_mgpu.parallel.example import ExampleStep
 from lightning_mgpu.parallel.experts import expert_parameters
 from lightning_mgpu.parallel.local_step import ShardLocalStep, steps_on_shards
 from lightning_mgpu.parallel.pipeline import PipelineEngine
@@ -38,13 +39,14 @@ def parallelize_for_run(
     precision: HybridPrecision,
     device: torch.device,
     patches: PatchLog,
+    example: ExampleStep | None = None,
 ) -> tuple[StepRunner, PipelineEngine | None, ContextParallel | None]:
     """Every parallelism of ``layout`` applied to ``module``; the step runner Lightning calls, the pipeline engine
     that runs the schedule when ``layout`` pipelines, and the batch splitting and attention of context
-    parallelism."""
+    parallelism. ``example`` (``example_step``) shows parallelizers how the user's step calls the model."""
     _refuse_manual_optimization_under_pipelining(module, layout)
     runner = StepRunner(module)
-    pipeline = parallelize(module, layout, mesh, options, mp_policy=precision.mp_policy(), root=runner)
+    pipeline = parallelize(module, layout, mesh, options, precision.mp_policy(), runner, example)
     context = None
     if layout.context_parallel_size > 1:
         context = ContextParallel(module, mesh[CP_AXIS].get_group(), options.context_parallel_mode, patches)
@@ -56,6 +58,27 @@ def parallelize_for_run(
     engine.share_with(precision)
     patches.add(engine.remove)
     return runner, engine, context
+
+
+def example_step(trainer: Any, module: nn.Module, to_device: Callable[[Any], Any]) -> ExampleStep | None:
+    """The user's training step on the first batch of the fit's training data, for the plans that read how the
+    model is really called (``tp_plan="auto"``); the batch is fetched only if one asks. None outside ``fit``."""
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities import CombinedLoader
+
+    from lightning_mgpu._compat.lightning import fit_data_source
+
+    if trainer.state.fn != TrainerFn.FITTING:
+        return None
+    source = fit_data_source(trainer)
+    if not source.is_defined():
+        return None
+
+    def first_batch() -> Any:
+        batch, _, _ = next(iter(CombinedLoader(source.dataloader(), "max_size_cycle")))
+        return to_device(batch)
+
+    return ExampleStep(module, "training_step", first_batch)
 
 
 def _refuse_manual_optimization_under_pipelining(module: nn.Module, layout: ParallelLayout) -> None:

@@ -59,6 +59,9 @@ def _save(directory: str) -> str:
 
 def _write(checkpoint: str, out: str, out_format: str) -> int:
     """Peak resident memory above the baseline, in bytes, while ``consolidate`` writes ``out``."""
+    import torch.distributed.checkpoint  # noqa: F401  # modules the write imports: code, not data
+    from torch._subclasses import fake_tensor  # noqa: F401
+
     baseline = status_kib("VmRSS")
     reset_peak_rss()
     write_consolidated(Path(checkpoint), Path(out), out_format)

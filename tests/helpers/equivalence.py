@@ -24,6 +24,9 @@ from tests.helpers.distributed import run_distributed
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-4
 WEIGHT_ATOL = 1e-5  # AdamW turns reduction-order noise on near-zero gradients into ~1e-6 steps
+# ``strategy_kwargs`` for the one-process reference of a module whose loss leaves parameters unused (a DQN's target
+# network), which Lightning's DDP refuses without ``find_unused_parameters=True``.
+FIND_UNUSED = "find unused parameters"
 
 
 class LightningDDP(dict):
@@ -82,6 +85,8 @@ def _fit_worker(
         # from the same DistributedSampler(shuffle=True, seed) permutation as a multi-process run, whose ranks then
         # together see exactly the reference's global batches.
         strategy = DDPStrategy(timeout=_TIMEOUT)
+    elif strategy_kwargs == FIND_UNUSED:
+        strategy = DDPStrategy(timeout=_TIMEOUT, find_unused_parameters=True)
     else:
         strategy = HybridStrategy(timeout=_TIMEOUT, **strategy_kwargs)
     defaults: dict[str, Any] = {

@@ -68,7 +68,7 @@ def expert_parameters(module: nn.Module) -> set[nn.Parameter]:
     return {p for m in split for p in m.parameters()}
 
 
-def plan_without_experts(module: nn.Module, tp_plan: Any, sequence_parallel: bool) -> Any:
+def plan_without_experts(module: nn.Module, tp_plan: Any, sequence_parallel: bool, example: Any = None) -> Any:
     """A tensor-parallel plan (``"auto"`` or a dict) without entries for the experts: under ``ep`` they are split by
     expert over the data-parallel ranks, whole on every tensor-parallel rank (tensor parallelism of the rest)."""
     import fnmatch
@@ -77,7 +77,7 @@ def plan_without_experts(module: nn.Module, tp_plan: Any, sequence_parallel: boo
 
     if callable(tp_plan):
         return tp_plan
-    plan = auto_plan(module, sequence_parallel) if tp_plan == "auto" else dict(tp_plan)
+    plan = auto_plan(module, sequence_parallel, example) if tp_plan == "auto" else dict(tp_plan)
     containers = [
         *find_experts(module),
         *(_list_name(block, mod, experts) for block, (mod, experts) in find_expert_lists(module).items()),

@@ -17,12 +17,13 @@ returning.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
 
+from lightning_mgpu.parallel.example import instance_attribute, muted_logging, restore_attribute
 from lightning_mgpu.parallel.pipeline.publish import StepLogs
 from lightning_mgpu.parallel.pipeline.split import NetworkCall
 
@@ -69,7 +70,7 @@ class StepCapture:
 @contextmanager
 def _forwards(modules: list[nn.Module], forward_of: Callable[[nn.Module], Callable[..., Any]]) -> Iterator[None]:
     """Each of ``modules`` runs ``forward_of(module)`` in place of its ``forward`` inside the block."""
-    saved = [(module, vars(module).get("forward", _ABSENT)) for module in modules]
+    saved = [(module, instance_attribute(module, "forward")) for module in modules]
     for module in modules:
         # Plain instance attributes (what nn.Module.__setattr__ ends in for a function).
         object.__setattr__(module, "forward", forward_of(module))
@@ -77,7 +78,7 @@ def _forwards(modules: list[nn.Module], forward_of: Callable[[nn.Module], Callab
         yield
     finally:
         for module, forward in saved:
-            _restore(module, "forward", forward)
+            restore_attribute(module, "forward", forward)
 
 
 def _capturing(module: nn.Module) -> Callable[..., Any]:
@@ -110,41 +111,3 @@ def _network_call(step: Callable[[], Any]) -> NetworkCall:
         "With pipeline_parallel_size > 1 the step must call the network (`self(x)` or the submodule holding the"
         " blocks, e.g. `self.model(...)`), but it returned without doing so."
     )
-
-
-_ABSENT = object()
-
-
-def _restore(module: nn.Module, name: str, saved: Any) -> None:
-    """Put back the instance attribute ``name`` as it was (``_ABSENT``: there was none)."""
-    if saved is _ABSENT:
-        object.__delattr__(module, name)
-    else:
-        object.__setattr__(module, name, saved)
-
-
-@contextmanager
-def muted_logging(module: nn.Module, record: StepLogs | None) -> Generator[None, None, None]:
-    """Route ``self.log``/``self.log_dict`` into ``record`` (or nowhere) inside the block; put them back after."""
-
-    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if record is not None:
-            record.record(name, value, kwargs)
-
-    def log_dict(dictionary: Any, *args: Any, **kwargs: Any) -> None:
-        from torchmetrics import MetricCollection
-
-        if isinstance(dictionary, MetricCollection):  # as Lightning: its metrics, under their collection names
-            dictionary = dict(dictionary.items(keep_base=False, copy_state=False))
-        for name, value in dictionary.items():
-            log(name, value, **kwargs)
-
-    attributes = vars(module)
-    saved = {name: attributes.get(name, _ABSENT) for name in ("log", "log_dict")}
-    object.__setattr__(module, "log", log)
-    object.__setattr__(module, "log_dict", log_dict)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            _restore(module, name, value)

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_mgpu.parallel.blocks import block_at, find_block_container
+from lightning_mgpu.parallel.blocks import block_at, find_block_container, network_copies
 from lightning_mgpu.parallel.pipeline.call_order import use_order
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -109,6 +109,7 @@ class PipelineSplit:
 
 def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> PipelineSplit:
     container_fqn, container = _stage_container(module, pipeline_split)
+    _refuse_split_network_copies(module, container_fqn)
     if len(container) < num_stages:
         raise ValueError(
             f"{num_stages} pipeline stages need at least {num_stages} blocks, but {container_fqn!r} has"
@@ -127,6 +128,23 @@ def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> Pipel
     else:
         split.starts = _explicit_starts(list(pipeline_split), container_fqn, len(container), num_stages)
     return split
+
+
+def _refuse_split_network_copies(module: nn.Module, container_fqn: str) -> None:
+    """A network the stages split whose copy the module also holds (a target network, an EMA teacher) is refused:
+    each stage would hold part of the network and the whole copy, and the user's weight copies between them
+    (``load_state_dict``, an EMA update zipping both ``parameters()``) would miss or mispair the other stages'."""
+    for first, second in network_copies(module):
+        for split, copy in ((first, second), (second, first)):
+            if container_fqn == split or container_fqn.startswith(f"{split}."):
+                raise ValueError(
+                    f"pipeline_parallel_size > 1 splits {split!r} (its blocks {container_fqn!r}) across stages, but the"
+                    f" module also holds {copy!r}, a copy of it (the same modules and parameter shapes: a target"
+                    f" network, an EMA teacher). Each stage would hold only its part of {split!r} and all of"
+                    f" {copy!r}: `{copy}.load_state_dict({split}.state_dict())` would miss the other stages' weights."
+                    " Use pipeline_parallel_size=1 for this module: tensor parallelism shards both alike, and"
+                    " data parallelism (zero_stage up to 3) trains it as one process does."
+                )
 
 
 def _stage_container(

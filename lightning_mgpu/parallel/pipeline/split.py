@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -36,8 +37,10 @@ from lightning_mgpu._compat.tensors import contiguous_grad, share_parameter_slot
 from lightning_mgpu.layout import PP_AXIS
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.blocks import block_at
+from lightning_mgpu.parallel.pipeline.carry import CarriedValues, CarryKey
 from lightning_mgpu.parallel.pipeline.plan import PipelineSplit, plan_split, stage_indices, stage_owner, stages_per_rank
 from lightning_mgpu.parallel.pipeline.standins import (
+    ArgumentRecorder,
     PassThrough,
     Placeholder,
     Unreachable,
@@ -106,7 +109,9 @@ class Stage(nn.Module):
         """The activation from the previous stage during this stage's forward (None on the first stage)."""
         return self._progress.received
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *received: torch.Tensor) -> Any:
+        """``x``: the activation (on the first stage a placeholder); ``received``: the values later stages take from
+        the first stage besides it (``carry.py``)."""
         progress = self._progress
         if self.inferring:
             microbatch = 0  # a shape-inference trial: run microbatch 0, count nothing, keep nothing
@@ -116,9 +121,9 @@ class Stage(nn.Module):
             microbatch = progress.next_microbatch
             progress.next_microbatch += 1
         if self.values_checked or self.inferring:
-            output = self._run(microbatch, x)
+            output = self._run(microbatch, x, received)
         else:
-            output = self._run_checking_values(microbatch, x)
+            output = self._run_checking_values(microbatch, x, received)
         if not self.is_last:
             if not torch.is_tensor(output):
                 raise TypeError(self._several_outputs(output))
@@ -127,20 +132,22 @@ class Stage(nn.Module):
                 # compute, but the schedule runs one on the output, which needs a tensor that takes a gradient.
                 output = output.detach().requires_grad_()
             # A channels-last or transposed block output (ConvNeXt) is made contiguous for the wire.
-            return output.contiguous()
+            sent = self.runtime.carried.to_send(self.index, received)
+            return (output.contiguous(), *sent) if sent else output.contiguous()
         if self.inferring:
             self.runtime.trial_output = output
         else:
             self.runtime.outputs[microbatch] = output
         return _main_tensor(output)
 
-    def _run(self, microbatch: int, x: torch.Tensor) -> Any:
+    def _run(self, microbatch: int, x: torch.Tensor, received: tuple[torch.Tensor, ...] = ()) -> Any:
         """The captured network call of ``microbatch`` through this stage: its last block's output, or on the last
         stage the network's output."""
         progress = self._progress
         progress.received = None if self.is_first else contiguous_grad(x)
         call = self.runtime.calls[microbatch]
         self.runtime.active = self
+        self.runtime.carried.begin_call(tuple(contiguous_grad(value) for value in received))
         try:
             return call.module(*call.args, **call.kwargs)
         except _StageDone as done:
@@ -149,7 +156,7 @@ class Stage(nn.Module):
             self.runtime.active = None
             progress.received = None
 
-    def _run_checking_values(self, microbatch: int, x: torch.Tensor) -> Any:
+    def _run_checking_values(self, microbatch: int, x: torch.Tensor, received: tuple[torch.Tensor, ...]) -> Any:
         """``_run`` with the stand-ins' values marked NaN: the output is the same unless the stage depends on them,
         which is refused. Once per stage (reading the check back is its one host sync), unless the received
         activation itself holds NaN: then nothing can be told, and the next forward checks again."""
@@ -164,7 +171,7 @@ class Stage(nn.Module):
             with_kwargs=True,
         )
         try:
-            output = self._run(microbatch, x)
+            output = self._run(microbatch, x, received)
         finally:
             hook.remove()
             check.on, check.last = False, None
@@ -186,9 +193,10 @@ class Stage(nn.Module):
             f"Pipeline stage {self.index} (from {first}) computes with values that only other stages compute: its"
             f" output depends on the outputs of {elsewhere}blocks outside the stage beyond the activation the"
             " previous stage sends it, or the model changes that activation between two blocks at the stage's start."
-            " Pipeline stages pass one activation from block to block, so a model whose blocks also take the"
-            " embeddings (an `x0` skip connection or value embeddings, as in modded-nanogpt) or the outputs of"
-            " earlier blocks (U-Net-style skip connections) would train wrong when split. Use"
+            " Pipeline stages pass one activation from block to block, and the outputs of modules before the blocks"
+            " that blocks take as they are (an encoder's output), so a model whose blocks also take values computed"
+            " from the embeddings (an `x0` skip connection, as in modded-nanogpt) or the outputs of earlier blocks"
+            " (U-Net-style skip connections) would train wrong when split. Use"
             " pipeline_parallel_size=1 for this model (tensor and data parallelism run it as is)."
         )
 
@@ -264,6 +272,9 @@ class PipelineRuntime:
         self.active: Stage | None = None
         self.tied_gradients: Any | None = None  # TiedGradients, set by `split_pipeline`
         self.value_check = ValueCheck()  # shared by this rank's stand-ins and gates
+        self.carried = CarriedValues()  # what later stages take from the first stage besides the activation
+        self._carry_hooks: list[Any] = []
+        self.module = module
         owns_first, owns_last = 0 in my_stages, num_stages - 1 in my_stages
         container: Any = module.get_submodule(split.container_fqn)  # a ModuleList/Sequential: indexed by block
         mine = {i for s in my_stages for i in split.blocks_of(s)}
@@ -278,10 +289,11 @@ class PipelineRuntime:
                 self._gated.append((block, vars(block).get("forward")))
                 _gate(block, index, self)
             else:
-                self._replace(module, fqn, PassThrough(self.value_check))
+                self._replace(module, fqn, PassThrough(self.value_check, block_at(container, index)))
         if not owns_first:
             for leaf in (leaf for fqn in split.before for leaf in _placeholder_targets(module, fqn)):
-                self._replace(module, leaf, Placeholder(module.get_submodule(leaf), self.value_check))
+                original = module.get_submodule(leaf)
+                self._replace(module, leaf, Placeholder(original, self.value_check, leaf, self.carried))
         if not owns_last:
             for fqn in split.after:
                 self._replace(module, fqn, Unreachable())
@@ -330,6 +342,47 @@ class PipelineRuntime:
             parent.register_buffer(name, param.detach(), persistent=False)
             self._demoted.append((parent, name, param))
 
+    def agree_carried(self, group: Any) -> None:
+        """Decide with the pipeline group (a collective, at the first step, once the calls are captured) which values
+        the first stage sends besides the activation; the ranks holding the first stage then keep them as their
+        modules compute them.
+
+        Found by the ranks without the first stage, whose modules before the blocks are all placeholders (a rank
+        with the first stage computes those values itself on its later stages of a looped or V schedule, and its
+        modules' data-parallel wrap cannot run outside a stage's forward)."""
+        owns_first = any(stage.is_first for stage in self.stages)
+        found = set() if owns_first else set().union(*(self.discover_carried(stage) for stage in self.stages))
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, sorted(found), group=group)
+        self.carried.keys = sorted({tuple(key) for keys in gathered for key in keys})
+        if owns_first:
+            for name in dict.fromkeys(key[0] for key in self.carried.keys):
+                hook = lambda module, args, output, name=name: self.carried.module_output(name, output)
+                self._carry_hooks.append(self.module.get_submodule(name).register_forward_hook(hook))
+
+    def discover_carried(self, stage: Stage) -> set[CarryKey]:
+        """Which placeholder outputs ``stage``'s blocks take as arguments: the network call of microbatch 0 with
+        every block of this rank replaced by an ``ArgumentRecorder`` (``carry.py``), those of ``stage`` recording.
+        A call that fails here fails again in the stage's real first forward, with its own context."""
+        container = self.module.get_submodule(self.split.container_fqn)
+        last = stage.block_range.stop - 1
+        blocks = [(i, b, s is stage) for s in self.stages for i, b in zip(s.block_range, s.blocks, strict=True)]
+        call = self.calls[0]
+        self.carried.discovering = True
+        self.carried.begin_call()
+        for index, block, recording in blocks:
+            done = _StageDone if recording and index == last else None
+            replace_module(container, str(index), ArgumentRecorder(block, self.carried if recording else None, done))
+        try:
+            with torch.no_grad():
+                call.module(*call.args, **call.kwargs)
+        except Exception:  # _StageDone at the stage's last block, or the model's own error (see above)
+            pass
+        finally:
+            for index, block, _ in blocks:
+                replace_module(container, str(index), block)
+        return self.carried.end_discovery()
+
     def placeholders(self) -> list[str]:
         """The prologue modules this rank replaced with placeholders (their FQNs)."""
         return [fqn for fqn, standin, _ in self._replaced if isinstance(standin, Placeholder)]
@@ -350,7 +403,9 @@ class PipelineRuntime:
                 vars(block).pop("forward", None)
             else:
                 block.forward = forward
-        self._replaced, self._gated, self._demoted = [], [], []
+        for handle in self._carry_hooks:
+            handle.remove()
+        self._replaced, self._gated, self._demoted, self._carry_hooks = [], [], [], []
 
     def start_step(self, calls: list[NetworkCall]) -> None:
         self.calls, self.outputs = calls, {}

@@ -3,7 +3,8 @@
 A rank keeps its stages' blocks; in place of the others it puts modules without parameters that let the user's
 whole network call run on every stage: a block of another stage passes its input on, a prologue module (embeddings)
 returns zeros shaped like its output (only the first stage computes it; the others take the received activation
-instead), an epilogue module (norm, head) is never reached. ``PipelineRuntime.unsplit`` puts the originals back.
+instead, or the value the first stage sent where later blocks read it: ``carry.py``), an epilogue module (norm,
+head) is never reached. ``PipelineRuntime.unsplit`` puts the originals back.
 
 Their values must not matter: a stage replaces its first block's input with the activation it received, and nothing
 else may depend on them. A model whose blocks also take the embeddings (an ``x0`` skip connection, value embeddings)
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu._compat.tensors import tree_map
+from lightning_mgpu.parallel.pipeline.carry import CarriedValues
 
 
 @dataclass
@@ -47,15 +49,69 @@ def first_input(args: tuple, kwargs: dict) -> Any:
     return args[0] if args else next(iter(kwargs.values()))
 
 
-class PassThrough(nn.Module):
-    """A block owned by another rank: hands its input on unchanged (its stage's output replaces it later)."""
+def meta_copy(module: nn.Module) -> nn.Module:
+    """``module`` copied onto the meta device: its structure and attributes without its values (the parameters
+    and buffers are made on the meta device directly, never copied)."""
+    memo: dict[int, Any] = {}
+    for param in module.parameters():
+        memo[id(param)] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+    for buffer in module.buffers():
+        memo[id(buffer)] = buffer.detach().to("meta")
+    return copy.deepcopy(module, memo).to("meta")
 
-    def __init__(self, check: ValueCheck) -> None:
+
+class _StandsForBlock(nn.Module):
+    """A stand-in for a block that answers what the model's code reads of the block besides calling it
+    (``nn.TransformerEncoder``/``Decoder`` look at ``self.layers[0].self_attn.batch_first`` before running their
+    layers) from ``self._original[0]``."""
+
+    _original: list[nn.Module]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = vars(self).get("_original")
+            if not original:
+                raise
+            return getattr(original[0], name)
+
+
+class PassThrough(_StandsForBlock):
+    """A block owned by another rank: hands its input on unchanged (its stage's output replaces it later).
+
+    What the model's code reads of the block is read from a meta-device copy of it, whose weights are on the meta
+    device: code that would compute with them (torch's fused fast path for encoder layers, which checks its weights'
+    device first) takes its ordinary path.
+    """
+
+    def __init__(self, check: ValueCheck, original: nn.Module | None = None) -> None:
         super().__init__()
         self._check = check
+        self._original = [meta_copy(original)] if original is not None else []  # in a list: not a submodule
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return marked(first_input(args, kwargs), self._check)
+
+
+class ArgumentRecorder(_StandsForBlock):
+    """In place of one of a rank's own blocks while a stage finds what it takes from the first stage
+    (``carry.py``): records the block's arguments into ``carried`` (the finding stage's blocks) and hands its input
+    on; the stage's last block ends the call (``done(output)`` makes the exception that does). The block itself is
+    not called: none of its hooks (a data-parallel wrap's) run outside its stage's forward."""
+
+    def __init__(self, block: nn.Module, carried: CarriedValues | None, done: Any | None) -> None:
+        super().__init__()
+        self._original = [block]
+        self._carried = carried
+        self._done = done
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._carried is not None:
+            self._carried.block_arguments(args, kwargs)
+        if self._done is not None:
+            raise self._done(None)
+        return first_input(args, kwargs)
 
 
 class Placeholder(nn.Module):
@@ -64,10 +120,14 @@ class Placeholder(nn.Module):
     The shape comes from running a meta-device copy once per distinct input shape.
     """
 
-    def __init__(self, original: nn.Module, check: ValueCheck) -> None:
+    def __init__(
+        self, original: nn.Module, check: ValueCheck, name: str = "", carried: CarriedValues | None = None
+    ) -> None:
         super().__init__()
-        self._meta = [copy.deepcopy(original).to("meta")]  # in a list: not a submodule, no parameters
+        self._meta = [meta_copy(original)]  # in a list: not a submodule, no parameters
         self._check = check
+        self._name = name  # the FQN it stands at, under which ``carried`` knows it
+        self._carried = carried
         self._outputs: dict[Any, Any] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -81,9 +141,14 @@ class Placeholder(nn.Module):
             output = self._outputs[key] = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
         check = self._check
         if torch.is_tensor(output):  # an embedding's output: no tree walk (this runs on every microbatch)
-            return marked(torch.zeros(output.shape, dtype=output.dtype, device=device), check)
-        zeros = lambda t: marked(torch.zeros(t.shape, dtype=t.dtype, device=device), check) if torch.is_tensor(t) else t
-        return tree_map(zeros, output)
+            made = marked(torch.zeros(output.shape, dtype=output.dtype, device=device), check)
+        else:
+            zeros = lambda t: (
+                marked(torch.zeros(t.shape, dtype=t.dtype, device=device), check) if torch.is_tensor(t) else t
+            )
+            made = tree_map(zeros, output)
+        # Values later stages take from the first stage (an encoder's output) replace their zeros (carry.py).
+        return made if self._carried is None else self._carried.placeholder_output(self._name, made)
 
 
 class Unreachable(nn.Module):

@@ -187,6 +187,10 @@ class PipelineEngine:
     def _start(self, microbatches: list[Any], method: str, *args: Any) -> None:
         step = getattr(self.module, method)
         self.runtime.start_step(self.capture.capture_all([functools.partial(step, mb, *args) for mb in microbatches]))
+        if self.runtime.carried.keys is None:  # the first step: what the first stage sends besides the activation
+            devices = [self.device] if self.device.type != "cpu" else []
+            with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+                self.runtime.agree_carried(self.group)
 
     def _stage_inputs(self, count: int) -> tuple:
         # A placeholder the schedule splits into one row per microbatch; stage 0 counts its microbatches itself.

@@ -35,12 +35,19 @@ from torch.distributed.tensor.parallel import (
 from torch.overrides import TorchFunctionMode
 
 from lightning_mgpu.parallel.blocks import tied_parameters
+from lightning_mgpu.parallel.example import ExampleStep
 from lightning_mgpu.parallel.tensor.checks import check_divisible, parent_name
 from lightning_mgpu.parallel.tensor.experts import place_experts
 from lightning_mgpu.parallel.tensor.heads import per_head_outputs, shard_per_head_parameters, split_per_head_inputs
 from lightning_mgpu.parallel.tensor.local import watch_shard_parameters
 from lightning_mgpu.parallel.tensor.mixing import move_mixing_regions, shape_switches
-from lightning_mgpu.parallel.tensor.plan import _hugging_face_models, _match, _with_vocab_parallel_head, auto_plan
+from lightning_mgpu.parallel.tensor.plan import (
+    _hugging_face_models,
+    _match,
+    _with_vocab_parallel_head,
+    auto_plan,
+    with_network_copies,
+)
 from lightning_mgpu.parallel.tensor.region import install_global_shape_region
 from lightning_mgpu.parallel.tensor.styles import (
     _arm_gradient_layout,
@@ -87,19 +94,25 @@ def _refuse_adapters(module: nn.Module) -> None:
 
 # ----------------------------------------------------------------------------------------------------- apply
 def apply_tensor_parallel(
-    module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Plan, sequence_parallel: bool, loss_parallel: bool = False
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    tp_plan: Plan,
+    sequence_parallel: bool,
+    loss_parallel: bool = False,
+    example: ExampleStep | None = None,
 ) -> None:
-    """Shard ``module`` in place over ``tp_mesh`` following ``tp_plan``."""
+    """Shard ``module`` in place over ``tp_mesh`` following ``tp_plan`` (``"auto"`` may read the blocks' real call
+    from ``example``, the user's step on one batch)."""
     if callable(tp_plan):
         tp_plan(module, tp_mesh)
         return
     if _already_parallelized(module):
         return  # the user's configure_model applied its own plan with `self.device_mesh`
     _refuse_adapters(module)
-    plan = auto_plan(module, sequence_parallel) if tp_plan == "auto" else dict(cast(dict[str, str], tp_plan))
+    plan = auto_plan(module, sequence_parallel, example) if tp_plan == "auto" else dict(cast(dict[str, str], tp_plan))
     if loss_parallel:
         plan = _with_vocab_parallel_head(module, plan)
-    matched = _match(module, plan)
+    matched = with_network_copies(module, _match(module, plan))
     tp = tp_mesh.size()
     check_divisible(module, matched, tp)
     regions, local = _regions(module, matched)

@@ -39,6 +39,8 @@ def check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None
             sizes[f"{name}: {{}} output features{per}"] = projection_features(child)[1] // chunks
         elif style_name.startswith("rowwise") and is_projection(child):
             sizes[f"{name}: {{}} input features"] = projection_features(child)[0]
+        elif style_name == "multihead_attention" and isinstance(child, nn.MultiheadAttention):
+            sizes[f"{name}.num_heads = {{}}"] = child.num_heads
         elif style_name.startswith("embedding") and isinstance(child, nn.Embedding):
             row = style_name == "embedding_rowwise"
             sizes[f"{name}: {{}} {'vocabulary entries' if row else 'channels'}"] = (

@@ -10,13 +10,22 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.parallel.blocks import block_glob, find_block_container, is_projection, tied_parameters
+from lightning_mgpu.parallel.blocks import (
+    block_glob,
+    find_block_container,
+    is_projection,
+    network_copies,
+    tied_parameters,
+)
+from lightning_mgpu.parallel.example import ExampleStep
 from lightning_mgpu.parallel.tensor.checks import fused_chunks_differ
 from lightning_mgpu.parallel.tensor.experts import PARAMETER_STYLES, names_parameters_only, owned_by_experts
+from lightning_mgpu.parallel.tensor.multihead import STYLE as MULTIHEAD_STYLE
+from lightning_mgpu.parallel.tensor.multihead import is_multihead_attention
 from lightning_mgpu.parallel.tensor.styles import STYLES
 
 # Leaf names of projections in GPT-style blocks (nanoGPT, litgpt, GPT-2, Llama-likes without a HF plan).
@@ -95,9 +104,9 @@ def check_style_names(plan: dict[str, str]) -> None:
         raise ValueError(f"`tp_plan` has unknown styles {unknown}; use one of {list(STYLE_NAMES)}.")
 
 
-def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, str]:
+def auto_plan(module: nn.Module, sequence_parallel: bool = False, example: ExampleStep | None = None) -> dict[str, str]:
     """Derive ``{fqn: style}`` for ``module``: Hugging Face plans first, GPT-block name rules (or the blocks' data
-    flow) for the rest."""
+    flow, read from their call in ``example``, the user's step on one batch, where it can run) for the rest."""
     plan: dict[str, str] = {}
     covered: set[str] = set()
     for prefix, hf_model in _hugging_face_models(module):
@@ -105,7 +114,7 @@ def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, s
         covered.add(prefix)
     found = find_block_container(module)
     if found is not None and not any(found[0].startswith(c) for c in covered):
-        plan.update(_block_rules(module, found[0]))
+        plan.update(_block_rules(module, found[0], example))
     if not plan:
         linears = [name for name, child in module.named_modules() if is_projection(child)]
         raise ValueError(
@@ -232,14 +241,21 @@ def _warn_whole_attention(glob: str) -> None:
     )
 
 
-def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
+def _block_rules(module: nn.Module, blocks_fqn: str, example: ExampleStep | None = None) -> dict[str, str]:
     plan: dict[str, str] = {}
     unplaced: list[str] = []
+    attentions: list[str] = []  # torch's nn.MultiheadAttention: sharded whole, by heads (its out_proj with it)
     for name, child in module.named_modules():
-        if not name.startswith(blocks_fqn + ".") or not is_projection(child):
+        if not name.startswith(blocks_fqn + ".") or any(name.startswith(f"{a}.") for a in attentions):
+            continue
+        glob = block_glob(name, blocks_fqn)
+        if is_multihead_attention(child):
+            attentions.append(name)
+            plan[glob] = MULTIHEAD_STYLE
+            continue
+        if not is_projection(child):
             continue
         leaf = name.rsplit(".", 1)[-1]
-        glob = block_glob(name, blocks_fqn)
         if leaf in _FUSED_QKV and fused_chunks_differ(module, name):
             _warn_whole_attention(glob)  # one message for every block: shown once
             plan[glob] = "replicate"
@@ -257,7 +273,7 @@ def _block_rules(module: nn.Module, blocks_fqn: str) -> dict[str, str]:
     if unplaced:  # names alone do not place every layer (BERT's `dense`): derive the plan from the data flow
         from lightning_mgpu.parallel.tensor.derive import derive_block_plan
 
-        return derive_block_plan(module, blocks_fqn)
+        return derive_block_plan(module, blocks_fqn, example)
     if not plan:
         from lightning_mgpu.parallel.tensor.derive import no_linear_layers
 
@@ -320,6 +336,29 @@ def _with_vocab_parallel_head(module: nn.Module, plan: dict[str, str]) -> dict[s
 def _is_norm(module: nn.Module) -> bool:
     name = type(module).__name__
     return isinstance(module, nn.LayerNorm) or (name.endswith("Norm") and "Group" not in name and "Batch" not in name)
+
+
+def with_network_copies(module: nn.Module, matched: dict[str, str]) -> dict[str, str]:
+    """``matched`` with a network's copy (a DQN's target network, an EMA teacher: ``blocks.network_copies``) sharded
+    as the plan shards the network, where the plan names nothing of the copy: weights copied between the two
+    (``target_net.load_state_dict(net.state_dict())``, an EMA update) must have the same layouts on both, and the
+    copy's forward computes what it computed whole (tensor parallelism is exact)."""
+    added: dict[str, str] = {}
+    for first, second in network_copies(module):
+        for source, copy in ((first, second), (second, first)):
+            under = lambda name, root: name == root or name.startswith(f"{root}.")
+            if any(under(name, copy) for name in matched):
+                continue
+            mapped = {f"{copy}{name[len(source) :]}": s for name, s in matched.items() if under(name, source)}
+            if mapped:
+                rank_zero_info(
+                    "tensor parallelism shards %s as %s (a copy of it: the same modules and parameter shapes), so"
+                    " that weights copied between them keep their layouts",
+                    copy,
+                    source,
+                )
+                added.update(mapped)
+    return {**matched, **added}
 
 
 def _match(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -34,6 +34,9 @@ from lightning_mgpu.parallel.tensor.embedding import VocabParallelEmbedding, red
 from lightning_mgpu.parallel.tensor.experts import PARAMETER_STYLES, ExpertsParallel, IdentityExpertParallel
 from lightning_mgpu.parallel.tensor.local import marking_shards, owned_local
 from lightning_mgpu.parallel.tensor.mixing import ShapeSwitch
+from lightning_mgpu.parallel.tensor.multihead import STYLE as MULTIHEAD_STYLE
+from lightning_mgpu.parallel.tensor.multihead import MultiheadAttentionParallel
+from lightning_mgpu.parallel.tensor.parameters import distribute_parameters
 
 SEQUENCE_DIM = 1
 
@@ -82,7 +85,7 @@ class _Colwise(StyleHooks, ColwiseParallel):
         distribute_module(
             module,
             device_mesh,
-            partial(_distribute_parameters, placements, self.src_data_rank),
+            partial(distribute_parameters, placements, self.src_data_rank),
             self._input_fn,
             output_fn,
         )
@@ -227,7 +230,7 @@ class _Rowwise(StyleHooks, RowwiseParallel):
         return distribute_module(
             module,
             device_mesh,
-            partial(_distribute_parameters, placements, self.src_data_rank),
+            partial(distribute_parameters, placements, self.src_data_rank),
             self._input_fn,
             self.prepare_output,
         )
@@ -260,7 +263,7 @@ class _ReplicatedOnLocalHeads(StyleHooks, ParallelStyle):
     def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         placements = {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
         return distribute_module(
-            module, device_mesh, partial(_distribute_parameters, placements, 0), self._input_fn, self._output_fn
+            module, device_mesh, partial(distribute_parameters, placements, 0), self._input_fn, self._output_fn
         )
 
     @staticmethod
@@ -273,17 +276,6 @@ class _ReplicatedOnLocalHeads(StyleHooks, ParallelStyle):
     @staticmethod
     def _output_fn(module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
-
-
-def _distribute_parameters(
-    placements: dict, src_data_rank: int | None, name: str, module: nn.Module, mesh: DeviceMesh
-) -> None:
-    for param_name, placement in placements.items():
-        param = getattr(module, param_name, None)
-        if param is None or isinstance(param, DTensor):
-            continue
-        distributed = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
-        module.register_parameter(param_name, nn.Parameter(distributed, requires_grad=param.requires_grad))
 
 
 def _local_output(module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) -> Any:
@@ -314,6 +306,16 @@ def _rowwise(at: _Layouts, input_layouts: Placement | None = None) -> ParallelSt
     return _Rowwise(input_layouts=input_layouts, output_layouts=at.stream, use_local_output=not at.sequence_parallel)
 
 
+def _multihead_attention(at: _Layouts) -> ParallelStyle:
+    if at.sequence_parallel:
+        raise ValueError(
+            f"'{MULTIHEAD_STYLE}' (torch's nn.MultiheadAttention sharded by heads) takes and returns whole sequences;"
+            " sequence_parallel=True would hand it sequence shards. Use tensor parallelism without"
+            " sequence_parallel for this model."
+        )
+    return MultiheadAttentionParallel()
+
+
 # The style names a plan may give a module, and how each is built: the one vocabulary (``tensor_plan.STYLE_NAMES``
 # adds the names that place a parameter of an experts module).
 STYLES: dict[str, Callable[[_Layouts], ParallelStyle | None]] = {
@@ -329,6 +331,8 @@ STYLES: dict[str, Callable[[_Layouts], ParallelStyle | None]] = {
     # multiplies its own slice of it, then the partial outputs are all-reduced.
     "rowwise_split_input": lambda at: _rowwise(at, input_layouts=at.replicated),
     "replicated_with_grad_allreduce": lambda at: _ReplicatedOnLocalHeads(),
+    # torch's nn.MultiheadAttention (its packed in-projection and output projection) sharded by heads.
+    MULTIHEAD_STYLE: _multihead_attention,
     "embedding_rowwise": lambda at: VocabParallelEmbedding(
         input_layouts=at.replicated, output_layouts=at.stream, use_local_output=not at.sequence_parallel
     ),
