@@ -268,3 +268,68 @@ def test_one_rehearsed_step_counts_the_collectives_of_each_axis():
 
     staged = _stepped(ParallelLayout(2, 1, 2, 1))
     assert all(r.collectives is None and "pipeline stage" in r.collectives_note for r in staged), staged
+
+
+def _sparse_hugging_face_checkpoint(directory, kwargs: dict[str, Any], files: int = 30, wrong: str = "") -> int:
+    """A Llama checkpoint in bf16 as ``save_pretrained`` lays it out (shards and their index), written as headers
+    and holes: its files take no disk space, only a reader of their data would notice. Returns its tensor bytes.
+    ``wrong``: one entry saved one row longer than the model's."""
+    from lightning_mgpu.checkpoint.stream import Leaf
+
+    shapes = {k: tuple(v.shape) for k, v in build_on_meta(LlamaLM, kwargs).model.state_dict().items()}
+    names = sorted(shapes)
+    per_file = -(-len(names) // files)
+    weight_map, total = {}, 0
+    for index in range(files):
+        chunk = names[index * per_file : (index + 1) * per_file]
+        if not chunk:
+            continue
+        file = f"model-{index + 1:05d}-of-{files:05d}.safetensors"
+        header, offset = {}, 0
+        for name in chunk:
+            shape = list(shapes[name])
+            if name == wrong:
+                shape[0] += 1
+            leaf = Leaf(name, tuple(shape), torch.bfloat16)
+            header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + leaf.nbytes]}
+            offset += leaf.nbytes
+            weight_map[name] = file
+        encoded = json.dumps(header).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        with open(directory / file, "wb") as out:
+            out.write(len(encoded).to_bytes(8, "little") + encoded)
+            out.truncate(8 + len(encoded) + offset)  # a hole: nothing written
+        total += offset
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return total
+
+
+def test_the_load_of_a_140_gb_checkpoint_is_rehearsed_from_its_headers(tmp_path):
+    """Llama-2-70B's pretrained weights (bf16, 30 sparse shards) at tp 8 x pp 8, ZeRO-1, on 64 ranks: every entry
+    maps onto the module, and each rank reads exactly its slices (half its fp32 parameter bytes, in bf16); a
+    checkpoint with one wrong shape is refused as the strategy refuses it, naming the entry."""
+    from lightning_mgpu.checkpoint.pretrained import open_weights
+    from lightning_mgpu.planner.rehearse import Pretrained
+
+    total = _sparse_hugging_face_checkpoint(tmp_path, LLAMA_70B)
+    assert total > 130 * 10**9
+    layout = ParallelLayout(1, 8, 8, 1)
+    ranks = [0, 7, 63]  # the first stage (embedding) at two tp ranks, the last stage (head)
+    weights = Pretrained(open_weights(tmp_path))
+    reports = rehearse(
+        functools.partial(LlamaLM, **LLAMA_70B), layout, ParallelOptions(), ranks=ranks, pretrained=weights
+    )
+    for report in reports:
+        assert report.read_bytes == report.parameter_bytes // 2, report
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    _sparse_hugging_face_checkpoint(wrong, LLAMA_70B, wrong="model.layers.3.mlp.down_proj.weight")
+    with pytest.raises(RehearsalError, match=r"shapes differ: model\.model\.layers\.3\.mlp\.down_proj\.weight is"):
+        rehearse(
+            functools.partial(LlamaLM, **LLAMA_70B),
+            layout,
+            ParallelOptions(),
+            ranks=[0],
+            workers=1,
+            pretrained=Pretrained(open_weights(wrong)),
+        )

@@ -379,30 +379,53 @@ def _follow_ties(module: nn.Module, weights: WeightMap) -> None:
 def load_weights(module: nn.Module, source: WeightsSource, weights: WeightMap) -> None:
     """Fill ``module`` (parallelized and materialized) from ``source`` as ``weights`` maps it: each rank reads the
     slices of the tensors it holds and nothing else. Collective over every rank."""
-    state = module.state_dict()
-    described = describable(state)  # a fused projection's strided shard is read replicated over tp, then put back
-    request: dict[str, Any] = {}
-    twice: list[tuple[torch.Tensor, str]] = []
-    for key, value in described.items():
-        if key in weights.direct:
-            name = source.dcp_prefix + weights.direct[key]
-            if name in request:
-                twice.append((value, name))  # two live tensors from one entry: read once, copied
-            else:
-                request[name] = value
-        for part in weights.parts.get(key, []):
-            fragment = _fragment(value, part, source.entries[part.name])
-            if fragment is not None:
-                request[source.dcp_prefix + part.name] = fragment
+    reads = _Reads(module, source, weights)
     try:
-        dcp.load(request, storage_reader=source.reader(), planner=FragmentLoadPlanner())
+        dcp.load(reads.request, storage_reader=source.reader(), planner=FragmentLoadPlanner())
     except Exception as error:
         raise CheckpointError(f"Reading pretrained={str(source.path)!r} failed: {error}") from error
-    for value, name in twice:
-        value.copy_(request[name])
-    converted = {key: value for key, value in described.items() if value is not state[key]}
+    for value, name in reads.twice:
+        value.copy_(reads.request[name])
+    converted = {key: value for key, value in reads.described.items() if value is not reads.state[key]}
     if converted:
         module.load_state_dict(converted, strict=False)
+
+
+def planned_read_bytes(module: nn.Module, source: WeightsSource, weights: WeightMap) -> int:
+    """The bytes this rank of a parallelized ``module`` would read from ``source`` (DCP's own read plan, from the
+    checkpoint's headers: nothing is read). Raises where a slice cannot be read (shapes that do not fit)."""
+    reads = _Reads(module, source, weights)
+    metadata = source.reader().read_metadata()
+    planner = FragmentLoadPlanner()
+    planner.set_up_planner(reads.request, metadata, is_coordinator=False)
+    total = 0
+    for item in planner.create_local_plan().items:
+        entry = metadata.state_dict_metadata[item.storage_index.fqn]
+        dtype = getattr(getattr(entry, "properties", None), "dtype", torch.float32)
+        total += _numel(tuple(item.lengths)) * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+class _Reads:
+    """What one rank asks DCP for: its tensors (or the pieces of assembled ones) by checkpoint name."""
+
+    def __init__(self, module: nn.Module, source: WeightsSource, weights: WeightMap) -> None:
+        self.state = module.state_dict()
+        # A fused projection's strided shard is read replicated over tp, then put back (`load_weights`).
+        self.described = describable(self.state)
+        self.request: dict[str, Any] = {}
+        self.twice: list[tuple[torch.Tensor, str]] = []  # two live tensors from one entry: read once, copied
+        for key, value in self.described.items():
+            if key in weights.direct:
+                name = source.dcp_prefix + weights.direct[key]
+                if name in self.request:
+                    self.twice.append((value, name))
+                else:
+                    self.request[name] = value
+            for part in weights.parts.get(key, []):
+                fragment = _fragment(value, part, source.entries[part.name])
+                if fragment is not None:
+                    self.request[source.dcp_prefix + part.name] = fragment
 
 
 def _fragment(value: torch.Tensor, part: Part, shape: tuple[int, ...]) -> BoxFragment | None:

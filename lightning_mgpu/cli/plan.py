@@ -61,6 +61,19 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         " fake process group at --gpus ranks): per rank parameter/gradient/optimizer bytes and stage blocks, beside"
         " the planner; a layout the real job would refuse fails here with the same message",
     )
+    out.add_argument(
+        "--pretrained",
+        metavar="PATH",
+        help="with --rehearse: the weights the job starts from (as HybridStrategy(pretrained=PATH)); checks every"
+        " checkpoint entry's name and shape against the module and each rank's slices against the layout, from the"
+        " checkpoint's headers only, and reports the bytes each rank reads",
+    )
+    out.add_argument(
+        "--pretrained-strict",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --pretrained: refuse entries either side lacks (--no-pretrained-strict: a new head is fine)",
+    )
     out.add_argument("--top", type=int, default=10, help="rows in the table")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
     out.add_argument(

@@ -26,6 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mgpu.checkpoint.format import CheckpointError
+from lightning_mgpu.checkpoint.pretrained import (
+    WeightMap,
+    WeightsSource,
+    map_weights,
+    open_weights,
+    planned_read_bytes,
+)
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.planner.cluster import ClusterSpec
@@ -40,6 +48,17 @@ from lightning_mgpu.planner.rehearse_step import (
     describe_collectives,
     optimizers_of,
 )
+
+
+@dataclass
+class Pretrained:
+    """The weights a rehearsed job starts from (``HybridStrategy(pretrained=..., pretrained_strict=...)``)."""
+
+    source: WeightsSource
+    strict: bool = True
+
+    def map(self, module: nn.Module) -> WeightMap:
+        return map_weights(module, self.source, self.strict)
 
 
 class RehearsalError(RuntimeError):
@@ -61,6 +80,8 @@ class RankReport:
     # with the reason in ``collectives_note`` where not counted (see ``rehearse_step``).
     collectives: Collectives | None = None
     collectives_note: str = ""
+    # With pretrained weights: the bytes this rank reads from the checkpoint (DCP's read plan, headers only).
+    read_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         entry = asdict(self)
@@ -103,19 +124,23 @@ def rehearse(
     workers: int | None = None,
     timeout: float = 1800.0,
     step_batch: StepBatch | None = None,
+    pretrained: Pretrained | None = None,
 ) -> list[RankReport]:
     """Play ``ranks`` (default: :func:`positions`) of a job of ``layout.world_size`` processes in ``workers`` forked
     processes (default: the CPU cores, at most 4). ``build`` makes the LightningModule (called on the meta device in
     each worker, once per rank). ``step_batch``: also count the collectives of one training step on such a batch of
-    token ids (``rehearse_step``). Raises :class:`RehearsalError` with the
-    first failing rank's error."""
+    token ids (``rehearse_step``). ``pretrained``: check the checkpoint's names and shapes against the module and
+    each rank's slices against its layout, from headers only. Raises :class:`RehearsalError` with the first failing
+    rank's error."""
     ranks = positions(layout, options.expert_parallel_size) if ranks is None else ranks
     workers = max(1, min(workers or min(os.cpu_count() or 1, 4), len(ranks)))
     shares = [ranks[i::workers] for i in range(workers)]
     context: Any = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     queue = context.Queue()
     processes = [
-        context.Process(target=_worker, args=(build, layout, options, share, queue, step_batch), daemon=True)
+        context.Process(
+            target=_worker, args=(build, layout, options, share, queue, step_batch, pretrained), daemon=True
+        )
         for share in shares
     ]
     for process in processes:
@@ -153,6 +178,7 @@ def _worker(
     ranks: list[int],
     queue: Any,
     step_batch: StepBatch | None,
+    pretrained: Pretrained | None,
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -163,10 +189,10 @@ def _worker(
     )
     for rank in ranks:
         try:
-            queue.put(("report", rehearse_rank(build, layout, options, rank, step_batch)))
+            queue.put(("report", rehearse_rank(build, layout, options, rank, step_batch, pretrained)))
         except BaseException as error:  # noqa: BLE001 - every failure goes back to the parent, named
             message = f"{type(error).__name__}: {error}"
-            if not isinstance(error, (ValueError, NotImplementedError)):
+            if not isinstance(error, (ValueError, NotImplementedError, CheckpointError)):
                 message += "\n" + traceback.format_exc()
             queue.put(("error", f"rank {rank} {coordinate(layout, rank)}: {message}"))
             return
@@ -178,6 +204,7 @@ def rehearse_rank(
     options: ParallelOptions,
     rank: int,
     step_batch: StepBatch | None = None,
+    pretrained: Pretrained | None = None,
 ) -> RankReport:
     """One rank of the job, in this process: fake process group, module on meta, the library's setup path (and,
     given ``step_batch``, one training step's collectives)."""
@@ -194,6 +221,7 @@ def rehearse_rank(
     try:
         with torch.device("meta"):
             module = configured(build)
+        weights = pretrained.map(module) if pretrained is not None else None  # names and shapes, whole module
         blocks = _block_names(module)
         mesh = layout.build_mesh("cpu", options.data_parallel_shard_size)
         precision = HybridPrecision.from_lightning(Precision(), "cpu")
@@ -218,6 +246,8 @@ def rehearse_rank(
             optimizer_bytes=sum(_state_bytes(optimizer) for optimizer in optimizers),
             layers=[name for name, block in _named_blocks(module, blocks) if any(True for _ in block.parameters())],
         )
+        if pretrained is not None and weights is not None:
+            report.read_bytes = planned_read_bytes(module, pretrained.source, weights)
         patches.undo()  # as the strategy's teardown: torch's functions that context parallelism patched, back
         if step_batch is not None:
             report.collectives, report.collectives_note = count_step_collectives(build, layout, options, step_batch)
@@ -301,15 +331,21 @@ def beside_the_planner(reports: list[RankReport], predicted: dict[str, dict[str,
     return rows
 
 
+def _reads(row: dict, shown: bool) -> str:
+    return f" {(row.get('read_bytes') or 0) / 2**30:>9.3f}" if shown else ""
+
+
 def format_rehearsal(rows: list[dict], describe: str, seconds: float) -> str:
     """A table: rank, mesh coordinate, GiB held (and the planner's difference), blocks of its stage."""
     gib = 2**30
     axes = [axis for axis in ("pp", "dp", "cp", "tp") if axis in rows[0]] if rows else []
+    reads = any(row.get("read_bytes") is not None for row in rows)
     head = " ".join(f"{axis:>3}" for axis in axes)
     lines = [
         f"rehearsed {len(rows)} ranks of {describe} in {seconds:.0f} s (meta tensors, torch's fake process group)",
         "",
-        f"{'rank':>5} {head}  {'params GiB':>10} {'grads GiB':>9} {'optim GiB':>9}  {'vs planner (p/g/o)':<22} blocks",
+        f"{'rank':>5} {head}  {'params GiB':>10} {'grads GiB':>9} {'optim GiB':>9}  {'vs planner (p/g/o)':<22}"
+        f"{' reads GiB' if reads else ''} blocks",
     ]
     for row in rows:
         coordinate = " ".join(f"{row[axis]:>3}" for axis in axes)
@@ -318,7 +354,7 @@ def format_rehearsal(rows: list[dict], describe: str, seconds: float) -> str:
         blocks = f"{layers[0]} .. {layers[-1]} ({len(layers)})" if layers else "-"
         lines.append(
             f"{row['rank']:>5} {coordinate}  {row['parameter_bytes'] / gib:>10.3f} {row['gradient_bytes'] / gib:>9.3f}"
-            f" {row['optimizer_bytes'] / gib:>9.3f}  {difference:<22} {blocks}"
+            f" {row['optimizer_bytes'] / gib:>9.3f}  {difference:<22}{_reads(row, reads)} {blocks}"
         )
     stepped = [row for row in rows if row.get("collectives") is not None or row.get("collectives_note")]
     if stepped:
@@ -369,8 +405,11 @@ def run_rehearsal(
         # Activations in the planned precision's dtype (fp8 and fp16 runs move 16-bit activations as bf16 does).
         precision = training.precision if training.precision in ("32-true", "bf16-mixed", "bf16-true") else "bf16-mixed"
         step_batch = StepBatch(micro, model.seq_len, model.vocab, precision)
-        reports = rehearse(_Builder(cls, kwargs), layout, options, step_batch=step_batch)
-    except (ValueError, NotImplementedError, RehearsalError) as error:
+        weights = None
+        if getattr(args, "pretrained", None):
+            weights = Pretrained(open_weights(args.pretrained), strict=args.pretrained_strict)
+        reports = rehearse(_Builder(cls, kwargs), layout, options, step_batch=step_batch, pretrained=weights)
+    except (ValueError, NotImplementedError, RehearsalError, CheckpointError) as error:
         raise SystemExit(f"lightning-mgpu plan --rehearse: {layout.describe()} would fail: {error}") from None
     seconds = time.perf_counter() - start
     planner_layout = Layout.of(
