@@ -18,6 +18,7 @@ from tests.helpers.notebooks import execute, text_outputs
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SAVED_WITH_OUTPUTS = (
     "notebook_finetune_hf.ipynb",
+    "notebook_pretrained.ipynb",
     "notebook_checkpoints_across_layouts.ipynb",
     "notebook_choosing_a_layout.ipynb",
 )
@@ -51,6 +52,19 @@ def test_finetune_hf_notebook(tmp_path):
     assert exported == pytest.approx(workers, abs=0.05) and exported < 5.8  # trained: ln(512) = 6.24 untrained
     generated = out[out.rindex("Shall I compare thee") :]
     assert len(generated.strip()) > len("Shall I compare thee") + 20, generated  # the generate cell wrote text
+
+
+@pytest.mark.slow  # the slow tier: end to end: the notebook executed in a fresh kernel
+def test_pretrained_notebook(tmp_path):
+    """A sharded Llama checkpoint read into pp 2 x tp 2 (each rank a quarter of the model), fine-tuned, written
+    back by every rank as a Hugging Face checkpoint, loaded with from_pretrained: the loss fell."""
+    nb, seconds = execute(EXAMPLES / "notebook_pretrained.ipynb", tmp_path)
+    out = text_outputs(nb)
+    print(f"notebook_pretrained.ipynb: {seconds:.0f} s")
+    assert "(Hugging Face): 39 model entries from the checkpoint ('' -> 'model.')" in out
+    assert out.count("holds 0.66 MB of the model's 2.63 MB") == 4
+    before, after = map(float, re.search(r"pretrained ([\d.]+), fine-tuned and exported ([\d.]+)", out).groups())
+    assert after < before - 1.0
 
 
 @pytest.mark.slow  # the slow tier: end to end: the notebook executed in a fresh kernel
