@@ -25,8 +25,6 @@ Run ``python -m benchmarks.bench_pretrained --help`` (from the repository root) 
 from __future__ import annotations
 
 import argparse
-import gc
-import os
 import tempfile
 import time
 from functools import partial
@@ -34,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import MB
-from benchmarks.run import QUIET_TRAINER, quiet_worker, run_or_report
+from benchmarks.run import quiet_worker, run_or_report
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2xpp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
@@ -64,16 +62,11 @@ def save_llama(directory: Path, hidden: int, layers: int, vocab: int) -> tuple[P
 
 
 def job(path: str, layout: str, scalable: bool, verbose: bool) -> dict[str, Any]:
-    import lightning as L
     import torch
-    from transformers import AutoConfig
 
-    from lightning_mgpu import HybridStrategy
     from lightning_mgpu.checkpoint import pretrained
     from lightning_mgpu.strategy import weights
-    from tests.helpers.modules import LlamaModule, RandomTokenDataModule
-    from tests.helpers.pretrained import FineTune
-    from tests.helpers.probes import SetupMemory, reset_peak_rss, status_kib
+    from tests.helpers.pretrained import setup_memory
 
     quiet_worker(verbose)
     torch.manual_seed(0)
@@ -93,19 +86,7 @@ def job(path: str, layout: str, scalable: bool, verbose: bool) -> dict[str, Any]
 
     weights.load_weights = timed_load
     pretrained.HuggingFaceReader = RecordingReader  # type: ignore[misc]
-    devices = int(os.environ["WORLD_SIZE"])
-    vocab = AutoConfig.from_pretrained(path).vocab_size
-    # A first fit of a tiny model: the process group, Lightning and DTensor's first-use costs are in the baseline.
-    warm = L.Trainer(devices=devices, strategy=HybridStrategy(**LAYOUTS[layout]), max_steps=1, **QUIET_TRAINER)
-    warm.fit(LlamaModule(vocab_size=vocab), RandomTokenDataModule(vocab_size=vocab, batch_size=1, num_samples=8))
-    gc.collect()
-    baseline = status_kib("VmRSS")
-    reset_peak_rss()
-    memory = SetupMemory()
-    module = FineTune(path, from_pretrained=not scalable)
-    strategy = HybridStrategy(pretrained=path if scalable else None, **LAYOUTS[layout])
-    trainer = L.Trainer(devices=devices, strategy=strategy, max_steps=1, callbacks=[memory], **QUIET_TRAINER)
-    trainer.fit(module, RandomTokenDataModule(vocab_size=vocab, batch_size=1, num_samples=8, seq_len=16))
+    measured = setup_memory(path, LAYOUTS[layout], scalable)
     plain_s = None
     if reads:
         from safetensors import safe_open
@@ -116,7 +97,7 @@ def job(path: str, layout: str, scalable: bool, verbose: bool) -> dict[str, Any]
                 for _, name, slices in (r for r in reads if r[0] == file):
                     handle.get_slice(name)[slices].clone()  # a view of the memory map until copied
         plain_s = time.perf_counter() - start
-    return {"baseline_kib": baseline, **memory.results, **timed, "plain_s": plain_s}
+    return {**measured, **timed, "plain_s": plain_s}
 
 
 def main(argv: list[str] | None = None) -> None:

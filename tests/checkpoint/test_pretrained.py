@@ -274,3 +274,50 @@ def test_lora_layers_read_their_base_weights_and_name_only_the_adapters_as_new()
     assert weights.direct[key] == "model.layers.0.self_attn.q_proj.weight"
     assert weights.missing and all(".lora_" in name for name in weights.missing)
     assert not weights.unexpected
+
+
+# ------------------------------------------------------------------------------------------------ host memory
+def _memory_checkpoint() -> str:
+    """A ~100 MB Llama (fp32) in 30 MB shards: big enough that a rank's share stands out of the process's noise."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = _root() / "memory-llama"
+    if not (path / "config.json").is_file():
+        config = LlamaConfig(
+            vocab_size=8000,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+        )
+        LlamaForCausalLM(config).save_pretrained(path, max_shard_size="30MB")
+    return str(path)
+
+
+@functools.cache
+def _setup_memory() -> dict[str, list[dict]]:
+    from tests.helpers.distributed import run_distributed
+    from tests.helpers.pretrained import setup_memory
+
+    path = _memory_checkpoint()
+    layouts = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+    return {name: run_distributed(setup_memory, 2, path, kwargs, True) for name, kwargs in layouts.items()}
+
+
+def _above_baseline(rank: dict) -> int:
+    return (rank["peak_kib"] - rank["baseline_kib"]) * 1024
+
+
+@pytest.mark.slow  # three 2-rank fits of a ~100 MB model
+def test_each_rank_holds_its_share_while_loading_not_the_model():
+    """A ~100 MB Llama at tp 2 and at pp 2: each rank's peak host memory during setup stays within 1.3 x its share
+    + the largest tensor, above the process's baseline (at pp 2 the whole model on a rank would exceed it). The
+    benchmark prints from_pretrained in __init__ beside it."""
+    for name, ranks in _setup_memory().items():
+        for rank in ranks:
+            bound = 1.3 * rank["held_bytes"] + rank["largest_bytes"]
+            assert _above_baseline(rank) <= bound, (name, _above_baseline(rank) / 2**20, bound / 2**20, rank)
+            if name == "pp2":
+                assert bound < open_weights(_memory_checkpoint()).bytes_of()  # the whole model would not fit under it

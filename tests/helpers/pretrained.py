@@ -137,3 +137,33 @@ class FineTune(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+def setup_memory(path: str, strategy_kwargs: dict[str, Any], scalable: bool) -> dict[str, Any]:
+    """In a rank: the peak resident memory above the process's baseline while a one-step fine-tune of ``path`` sets
+    up, the small way (``from_pretrained`` in ``__init__``) or the scalable one (``pretrained=``), with what the
+    rank holds then. A first fit of a tiny model puts the process group's, Lightning's and DTensor's first-use
+    costs in the baseline."""
+    import gc
+
+    from transformers import AutoConfig
+
+    from lightning_mgpu import HybridStrategy
+    from tests.helpers.modules import LlamaModule, RandomTokenDataModule
+    from tests.helpers.probes import SetupMemory, reset_peak_rss, status_kib
+
+    quiet = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+             "enable_model_summary": False}  # fmt: skip
+    devices = int(os.environ["WORLD_SIZE"])
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    warm = L.Trainer(devices=devices, strategy=HybridStrategy(**strategy_kwargs), max_steps=1, **quiet)
+    warm.fit(LlamaModule(vocab_size=vocab), RandomTokenDataModule(vocab_size=vocab, batch_size=1, num_samples=8))
+    gc.collect()
+    baseline = status_kib("VmRSS")
+    reset_peak_rss()
+    memory = SetupMemory()
+    module = FineTune(path, from_pretrained=not scalable)
+    strategy = HybridStrategy(pretrained=path if scalable else None, **strategy_kwargs)
+    trainer = L.Trainer(devices=devices, strategy=strategy, max_steps=1, callbacks=[memory], **quiet)
+    trainer.fit(module, RandomTokenDataModule(vocab_size=vocab, batch_size=1, num_samples=8, seq_len=16))
+    return {"baseline_kib": baseline, **memory.results}
