@@ -11,8 +11,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
-from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -53,7 +52,6 @@ from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.context import ContextParallel
 from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over
-from lightning_mgpu.parallel.materialize import parameters_on_meta
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
@@ -65,7 +63,7 @@ from lightning_mgpu.strategy.collectives import DataParallelCollectives
 from lightning_mgpu.strategy.layout_choice import agreed_plan, check_options
 from lightning_mgpu.strategy.layout_hooks import LayoutHooks
 from lightning_mgpu.strategy.step import StepHooks
-from lightning_mgpu.strategy.weights import check_pretrained, fill_weights, plan_weights
+from lightning_mgpu.strategy.weights import WeightsHooks, check_pretrained
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -74,7 +72,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, DataParallelCollectives):
+class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, WeightsHooks, DataParallelCollectives):
     """Data, tensor, pipeline, context and expert parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
 
     The sizes multiply to ``devices x num_nodes``: ``world = pp x dp x cp x tp``, tensor parallelism innermost (one
@@ -426,7 +424,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
             module, mesh, precision = self.lightning_module, self.device_mesh, self.precision_plugin
             # Names checked against the whole module before it is cut up; parameters built on the meta device stay
             # there until each rank holds only its slices.
-            weights = plan_weights(module, self._pretrained, self._pretrained_strict, self._init_rng_state)
+            weights = self._plan_weights(module)
             if not weights.built_empty:
                 self.model_to_device()
             self._restores = self._restore_module if self._restore_module is not None else not weights.built_empty
@@ -436,8 +434,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
             self._runner, self._pipeline, self._context = module_setup.parallelize_for_run(
                 module, self.layout, mesh, self.options, precision, self.root_device, self._patches, example
             )
-            fill_weights(module, weights, self.root_device)
-            self._first_loss_checked = False if weights.fills else None
+            self._fill_weights(module, weights)
             self.model = self._runner
             if self._snapshot is not None:
                 self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains
@@ -474,17 +471,6 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    @contextmanager
-    @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # Parameters built on the meta device (buffers as usual) are materialized in `setup()` after parallelizing,
-        # each rank holding only its slices; with `pretrained`, that is the default.
-        on_meta = empty_init if empty_init is not None else self._pretrained is not None
-        if on_meta:
-            self._init_rng_state = torch.get_rng_state()  # the initializers of what no checkpoint fills start here
-        with parameters_on_meta() if on_meta else nullcontext(), self.precision_plugin.tensor_init_context():
-            yield
 
     @override
     def teardown(self) -> None:

@@ -10,15 +10,19 @@ them; a module built with its parameters on the meta device is never whole on an
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from lightning_mgpu.checkpoint.pretrained import WeightMap, WeightsSource, load_weights, map_weights, open_weights
 from lightning_mgpu.parallel.materialize import (
@@ -26,6 +30,7 @@ from lightning_mgpu.parallel.materialize import (
     has_meta_tensors,
     initialize_missing,
     materialize,
+    parameters_on_meta,
     plan_initialization,
 )
 
@@ -120,3 +125,32 @@ def check_first_loss(output: Any) -> None:
             " modules' initializers): a tensor the model reads is garbage (for example a buffer computed outside"
             " `__init__` and not in the checkpoint) or the checkpoint does not belong to this model."
         )
+
+
+class WeightsHooks(ParallelStrategy):
+    """Mixed into ``HybridStrategy``, which sets the pretrained path and strictness: the module built with its
+    parameters on the meta device (``tensor_init_context``), its weights planned before parallelizing and filled
+    after (``setup``)."""
+
+    _pretrained: Path | None
+    _pretrained_strict: bool
+    _init_rng_state: torch.Tensor | None  # the random state parameters built on the meta device were made in
+    _first_loss_checked: bool | None  # None: nothing to check; False: check the next training step's loss
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Parameters built on the meta device (buffers as usual) are materialized in `setup()` after parallelizing,
+        # each rank holding only its slices; with `pretrained`, that is the default.
+        on_meta = empty_init if empty_init is not None else self._pretrained is not None
+        if on_meta:
+            self._init_rng_state = torch.get_rng_state()  # the initializers of what no checkpoint fills start here
+        with parameters_on_meta() if on_meta else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    def _plan_weights(self, module: nn.Module) -> WeightsPlan:
+        return plan_weights(module, self._pretrained, self._pretrained_strict, self._init_rng_state)
+
+    def _fill_weights(self, module: nn.Module, plan: WeightsPlan) -> None:
+        fill_weights(module, plan, self.root_device)
+        self._first_loss_checked = False if plan.fills else None
