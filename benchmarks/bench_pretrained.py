@@ -122,6 +122,12 @@ def main(argv: list[str] | None = None) -> None:
                 name, partial(job), args.devices, str(path), layout, scalable, args.verbose, timeout=1800
             )
             if outputs is None:
+                if not scalable:
+                    print(
+                        f"{name:22s} (exit code -9: the kernel killed the ranks for memory, each holding the whole"
+                        " model on the host at once)",
+                        flush=True,
+                    )
                 continue
             for rank, out in enumerate(outputs):
                 peak = (out["peak_kib"] - out["baseline_kib"]) * 1024
