@@ -279,20 +279,13 @@ def test_lora_layers_read_their_base_weights_and_name_only_the_adapters_as_new()
 # ------------------------------------------------------------------------------------------------ host memory
 def _memory_checkpoint() -> str:
     """A ~100 MB Llama (fp32) in 30 MB shards: big enough that a rank's share stands out of the process's noise."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from tests.helpers.pretrained import mid_llama_config
 
     path = _root() / "memory-llama"
     if not (path / "config.json").is_file():
-        config = LlamaConfig(
-            vocab_size=8000,
-            hidden_size=512,
-            intermediate_size=1536,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            tie_word_embeddings=False,
-        )
-        LlamaForCausalLM(config).save_pretrained(path, max_shard_size="30MB")
+        LlamaForCausalLM(mid_llama_config(8000)).save_pretrained(path, max_shard_size="30MB")
     return str(path)
 
 

@@ -17,6 +17,7 @@ import torch
 from lightning_mgpu.checkpoint import consolidate, write_consolidated
 from tests.helpers.distributed import run_distributed
 from tests.helpers.modules import RandomTokenDataModule
+from tests.helpers.pretrained import mid_llama_config
 from tests.helpers.probes import reset_peak_rss, status_kib
 
 QUIET = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
@@ -25,18 +26,9 @@ QUIET = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "e
 class _Llama(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
 
-        config = LlamaConfig(
-            vocab_size=2000,
-            hidden_size=512,
-            intermediate_size=1536,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            tie_word_embeddings=False,
-        )
-        self.model = LlamaForCausalLM(config)
+        self.model = LlamaForCausalLM(mid_llama_config(2000))
 
     def training_step(self, batch, batch_idx):
         x, y = batch

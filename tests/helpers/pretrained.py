@@ -20,6 +20,22 @@ import torch.nn.functional as F
 NUM_LABELS = 3
 
 
+def mid_llama_config(vocab_size: int) -> Any:
+    """A Llama of ~25M parameters plus its embeddings (8 layers of width 512, GQA, untied head): large enough that
+    memory measurements stand out of a process's noise, small enough for a test."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
+
+
 def configs() -> dict[str, Any]:
     """Small configs of the architectures the pretrained path is held to, options at their defaults but dropout,
     which is off so that runs on different layouts (each drawing its own masks) compare step by step."""
