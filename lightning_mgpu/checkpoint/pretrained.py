@@ -381,7 +381,8 @@ def load_weights(module: nn.Module, source: WeightsSource, weights: WeightMap) -
     slices of the tensors it holds and nothing else. Collective over every rank."""
     reads = _Reads(module, source, weights)
     try:
-        dcp.load(reads.request, storage_reader=source.reader(), planner=FragmentLoadPlanner())
+        # Each rank plans and reads its own slices: no global plan to agree on (no collective).
+        dcp.load(reads.request, storage_reader=source.reader(), planner=FragmentLoadPlanner(), no_dist=True)
     except Exception as error:
         raise CheckpointError(f"Reading pretrained={str(source.path)!r} failed: {error}") from error
     for value, name in reads.twice:
