@@ -24,6 +24,7 @@ from lightning_mgpu import HybridStrategy
 from lightning_mgpu.checkpoint import CheckpointError
 from lightning_mgpu.checkpoint.pretrained import map_weights, open_weights
 from tests.helpers.batched import Run, fit_each, references, result
+from tests.helpers.distributed import run_distributed
 from tests.helpers.equivalence import assert_same_training
 from tests.helpers.modules import RandomTokenDataModule
 from tests.helpers.pretrained import FineTune, save_checkpoint, shards
@@ -52,6 +53,9 @@ MATRIX = {
     "qwen3-moe": ["dp2-z3", "tp2", "pp2", "ep2", "dp4-ep2"],
     "bert": ["dp2-z0", "dp2-z3", "tp2", "pp2"],
     "llama+lora": ["dp2-z0", "dp2-z3", "pp2"],  # LoRA under tp: refused (tests/test_finetuning.py)
+    # The Llama's weights from the other sources: a sharded checkpoint of this strategy, a Lightning file.
+    "llama@sharded": ["tp2", "pp2-tp2"],
+    "llama@torch": ["dp2-z3", "pp2"],
 }
 # The quick tier loads every model and every layout at least once.
 QUICK = {
@@ -68,6 +72,8 @@ QUICK = {
     "qwen3-moe/dp4-ep2",
     "bert/dp2-z3",
     "llama+lora/dp2-z3",
+    "llama@sharded/tp2",
+    "llama@torch/pp2",
 }
 CASES = [f"{model}/{layout}" for model, layouts in MATRIX.items() for layout in layouts]
 
@@ -100,16 +106,43 @@ def _export(path: str, trainer) -> None:
 
 
 def _module(model: str, from_pretrained: bool = False) -> partial:
-    """The fine-tuning module of ``model`` (``llama+lora``: the Llama checkpoint with LoRA adapters)."""
-    checkpoint, _, adapters = model.partition("+")
+    """The fine-tuning module of ``model`` (``llama+lora``: the Llama checkpoint with LoRA adapters; ``llama@...``:
+    the Llama with its weights from another source)."""
+    checkpoint, _, adapters = model.split("@")[0].partition("+")
     return partial(FineTune, _checkpoint(checkpoint), from_pretrained=from_pretrained, lora=adapters == "lora")
+
+
+def _source(model: str) -> str:
+    """Where ``model``'s pretrained weights are read from: its Hugging Face directory, or (``@sharded``, ``@torch``)
+    the same weights saved by this strategy's checkpointing or as a Lightning file."""
+    base, _, kind = model.partition("@")
+    if not kind:
+        return _checkpoint(base.partition("+")[0])
+    path = _root() / f"{base}-{kind}"
+    if not path.exists():
+        run_distributed(_save_source, 1, _checkpoint(base), str(path), kind)
+    return str(path)
+
+
+def _save_source(checkpoint: str, path: str, kind: str) -> None:
+    module = FineTune(checkpoint, from_pretrained=True)
+    if kind == "torch":
+        torch.save({"state_dict": module.state_dict(), "epoch": 0}, path)
+        return
+    import lightning as L
+
+    from lightning_mgpu import HybridStrategy
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(), max_steps=0, logger=False)
+    trainer.fit(module, _tokens(GLOBAL_BATCH))
+    trainer.save_checkpoint(path)
 
 
 def _run(name: str) -> tuple[int, Run]:
     model, layout = name.split("/")
     devices, kwargs = LAYOUTS[layout]
     strict = model not in ("bert", "llama+lora")  # a new head, new adapters
-    strategy = {**kwargs, "pretrained": _checkpoint(model.partition("+")[0]), "pretrained_strict": strict}
+    strategy = {**kwargs, "pretrained": _source(model), "pretrained_strict": strict}
     batch = GLOBAL_BATCH // _data_parallel(devices, kwargs)
     export = partial(_export, str(_root() / "export" / name.replace("/", "-")))
     run = Run(_module(model), partial(_tokens, batch), strategy, STEPS, after_fit=export)
@@ -156,6 +189,7 @@ def test_pretrained_weights_train_like_from_pretrained_on_one_process(name):
     # The Hugging Face checkpoint every rank wrote after training is the one-process fine-tune's model.
     exported = _root() / "export" / name.replace("/", "-")
     assert (exported / "model.safetensors.index.json").is_file() and (exported / "config.json").is_file()
+    model = model.split("@")[0]
     if model == "llama+lora":  # the base model's names for its weights, the adapters' own beside them
         _assert_adapters_exported(exported, reference.state_dict)
         return
