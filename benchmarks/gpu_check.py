@@ -267,23 +267,31 @@ def part_f(args: argparse.Namespace) -> dict[str, Any]:
         return block_attention(query, key, value, True)
 
     reference = _with_gradients(sdpa, q, k, v, grad)  # torch's own choice of kernel, on the whole sequence
+    sdpa_peak = _peak_bytes(lambda: _with_gradients(sdpa, hq, hk, hv, hgrad), args.device)  # and on one block
     shape = f"(1, {heads} query / {kv_heads} key-value heads, {seq} tokens, {head_dim}) bf16"
     result: dict[str, Any] = {"shape": shape, "math_block_scores_gib": heads * (seq // 2) ** 2 * 4 / 2**30}
+
+    def measured(name: str) -> dict[str, Any]:
+        """``name``: ``chosen`` (the kernels torch allows by default) or the one kernel SDPA is restricted to; the
+        memory against SDPA's as torch chooses its kernel."""
+        backends = [getattr(SDPBackend, _KERNEL_BACKENDS[name])] if name in _KERNEL_BACKENDS else None
+        with sdpa_kernel(backends) if backends else nullcontext():
+            choice = kernel_for(hq, hk, hv, True)
+            if backends and choice.kernel != name:
+                return {"skipped": f"not this GPU's: {choice.reason}"}
+            rings, wholes = (_with_gradients(attention, q, k, v, grad) for attention in (ring, whole))
+            peak = _peak_bytes(ours_on_a_block, args.device)
+        errors = {"ring": _relative_errors(rings, reference), "block": _relative_errors(wholes, reference)}
+        worst = max(e for mode in errors.values() for e in mode.values())
+        return {"kernel": choice.kernel, "reason": choice.reason, "relative_errors": errors,
+                "within_bf16": worst <= BF16_RTOL, **_memory(peak, sdpa_peak)}  # fmt: skip
+
     with one_rank_group(args.device):
         for name in ("chosen", *_KERNEL_BACKENDS):
-            backends = [getattr(SDPBackend, _KERNEL_BACKENDS[name])] if name in _KERNEL_BACKENDS else None
-            with sdpa_kernel(backends) if backends else nullcontext():
-                choice = kernel_for(hq, hk, hv, True)
-                if backends and choice.kernel != name:
-                    result[name] = {"skipped": f"not this GPU's: {choice.reason}"}
-                    continue
-                rings, wholes = (_with_gradients(attention, q, k, v, grad) for attention in (ring, whole))
-                peak = _peak_bytes(ours_on_a_block, args.device)
-                sdpa_peak = _peak_bytes(lambda: _with_gradients(sdpa, hq, hk, hv, hgrad), args.device)
-            errors = {"ring": _relative_errors(rings, reference), "block": _relative_errors(wholes, reference)}
-            worst = max(e for mode in errors.values() for e in mode.values())
-            result[name] = {"kernel": choice.kernel, "reason": choice.reason, "relative_errors": errors,
-                            "within_bf16": worst <= BF16_RTOL, **_memory(peak, sdpa_peak)}  # fmt: skip
+            try:
+                result[name] = measured(name)
+            except Exception as error:  # noqa: BLE001 - each kernel reports, none stops the others
+                result[name] = {"failed": f"{type(error).__name__}: {error}"}
     return result
 
 

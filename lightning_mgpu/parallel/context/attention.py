@@ -21,6 +21,7 @@ keys as one process, to the kernel's rounding.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -260,16 +261,29 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float | None) -> Tensor:
 
 
 def _math_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None) -> tuple[Tensor, Tensor]:
-    scores = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    v = _repeat_heads(v, q.shape[1])
-    return (torch.exp(scores - lse.unsqueeze(-1)) @ v.float()).to(q.dtype), lse
+    with _without_autocast(q.device.type):
+        scores = _scores(q, k, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        v = _repeat_heads(v, q.shape[1])
+        return (torch.exp(scores - lse.unsqueeze(-1)) @ v.float()).to(q.dtype), lse
 
 
 def _math_attention_backward(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Flash attention's backward for one block given the merged ``out`` and ``lse`` (Dao et al., 2022, Alg. 2)."""
+    with _without_autocast(q.device.type):
+        return _math_backward(grad, q, k, v, out, lse, causal, scale)
+
+
+def _without_autocast(device_type: str) -> Any:
+    """The math path's fp32 matmuls stay fp32 under a mixed-precision step's autocast, which would cast them down."""
+    return torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else nullcontext()
+
+
+def _math_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
     factor = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
     probs = torch.exp(_scores(q, k, causal, scale) - lse.float().unsqueeze(-1))
     grad, k_full, v_full = grad.float(), _repeat_heads(k.float(), q.shape[1]), _repeat_heads(v.float(), q.shape[1])

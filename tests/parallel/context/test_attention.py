@@ -166,3 +166,18 @@ def test_value_heads_of_another_size_run_the_math_path():
     torch.testing.assert_close(out, expected)
     for mine, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
         torch.testing.assert_close(mine, theirs)
+
+
+def test_the_math_path_stays_fp32_under_autocast():
+    """A bf16-mixed step runs attention under autocast, which casts matmuls to bf16: the math path's scores,
+    output and gradients are computed in fp32 all the same."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 4, 16, 8, generator=g) for _ in range(3))
+    grad = torch.randn(1, 4, 16, 8, generator=g)
+    out, lse = _math_attention(q, k, v, True, None)
+    grads = _math_attention_backward(grad, q, k, v, out, lse, True, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_mixed, lse_mixed = _math_attention(q, k, v, True, None)
+        grads_mixed = _math_attention_backward(grad, q, k, v, out, lse, True, None)
+    assert torch.equal(out, out_mixed) and torch.equal(lse, lse_mixed)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_mixed))
