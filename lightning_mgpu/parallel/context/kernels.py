@@ -114,12 +114,13 @@ def choose_kernel(
 
 
 def kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool) -> KernelChoice:
-    """The choice for these tensors on their device now; logged once per kind of block."""
+    """The choice for these tensors on their device now; logged once per kind of block (not for shapes alone:
+    meta tensors compute nothing)."""
     choice = choose_kernel(
         device_of(query.device), query.dtype, query.shape[-1], value_head_dim=value.shape[-1], causal=causal,
         q_len=query.shape[2], kv_len=key.shape[2], gqa=key.shape[1] != query.shape[1],
     )  # fmt: skip
-    if choice not in _logged:
+    if choice not in _logged and query.device.type != "meta":
         _logged.add(choice)
         rank_zero_info(
             f"Context-parallel attention blocks run on {choice.kernel} ({_DESCRIPTIONS[choice.kernel]}):"

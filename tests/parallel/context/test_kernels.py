@@ -101,6 +101,8 @@ def test_the_choice_is_logged_once_per_kind_of_block(caplog, monkeypatch):
         for _ in range(3):
             kernel_for(q, q, q, causal=True)
         kernel_for(q.double(), q.double(), q.double(), causal=True)
+        meta = q.to("meta")
+        assert kernel_for(meta, meta, meta, causal=True).kernel == "math"  # shapes alone: not logged
     finally:
         lightning_log.removeHandler(caplog.handler)
     lines = [r.getMessage() for r in caplog.records if "Context-parallel attention" in r.getMessage()]
