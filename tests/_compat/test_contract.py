@@ -266,6 +266,65 @@ def test_attention_implementation_of_a_hugging_face_config():
     _expect(attention.attn_implementation(object()) is None, "attn_implementation", "transformers", "a plain object")
 
 
+# Operator -> (outputs, index of the log-sum-exp among them): what fused_attention unpacks.
+_ATTENTION_OUTPUTS = {
+    "_scaled_dot_product_flash_attention_for_cpu": (2, 1),
+    "_scaled_dot_product_flash_attention": (9, 1),
+    "_scaled_dot_product_efficient_attention": (4, 1),
+    "_scaled_dot_product_cudnn_attention": (9, 1),
+}
+
+
+def test_fused_attention_operators_and_their_schemas():
+    """Every kernel's forward and backward exist on this torch with the arguments, in order, that the shim passes
+    (the CUDA ones too: CPU builds register their schemas), and the forwards return the log-sum-exp where read."""
+    assert set(attention.OPERATORS) == {"flash_cpu", "flash", "efficient", "cudnn"}
+    for forward, backward in attention.OPERATORS.values():
+        for name in (forward, backward):
+            schema = attention.operator(name).default._schema
+            names = tuple(argument.name for argument in schema.arguments)
+            _expect(names == attention.ARGUMENTS[name], f"torch.ops.aten.{name}", "torch", f"arguments {names}")
+        outputs, lse = _ATTENTION_OUTPUTS[forward]
+        returns = attention.operator(forward).default._schema.returns
+        _expect(len(returns) == outputs, f"torch.ops.aten.{forward}", "torch", f"{len(returns)} outputs")
+        _expect("sumexp" in returns[lse].name, f"torch.ops.aten.{forward}", "torch", f"output {lse}: {returns[lse]}")
+    with pytest.raises(AttributeError, match=r"torch\.ops\.aten\._no_such_attention.*checked on torch"):
+        attention.operator("_no_such_attention")
+
+
+def test_fused_cpu_attention_against_sdpa_and_the_log_sum_exp():
+    """The CPU kernel through the shim: SDPA's output, the log-sum-exp of the scaled scores, and autograd's
+    gradients from its backward, causal and not, with grouped-query heads."""
+    g = torch.Generator().manual_seed(0)
+    for causal in (True, False):
+        q, k, v = (torch.randn(2, h, 6, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+        grad = torch.randn(2, 4, 6, 8, generator=g)
+        out, lse = attention.fused_attention("flash_cpu", q.detach(), k.detach(), v.detach(), causal, 0.5)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=0.5, enable_gqa=True
+        )
+        scores = q.detach() @ k.detach().repeat_interleave(2, 1).transpose(-2, -1) * 0.5
+        if causal:
+            scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+        torch.testing.assert_close(out, expected.detach())
+        torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+        _expect(lse.dtype == torch.float32, "_scaled_dot_product_flash_attention_for_cpu", "torch", str(lse.dtype))
+        grads = attention.fused_attention_backward("flash_cpu", grad, q.detach(), k.detach(), v.detach(), out, lse,
+                                                   causal, 0.5)  # fmt: skip
+        for mine, theirs in zip(grads, torch.autograd.grad(expected, (q, k, v), grad)):
+            torch.testing.assert_close(mine, theirs)
+    with pytest.raises(ValueError, match="No fused attention kernel 'other'"):
+        attention.fused_attention("other", q, k, v, True, None)
+
+
+def test_the_memory_efficient_kernels_log_sum_exp_padding():
+    """Its backward reads rows padded to a multiple of 32 queries with +inf, as its forward writes them."""
+    padded = attention._padded_rows(torch.zeros(2, 3, 40), 32)
+    assert padded.shape == (2, 3, 64) and padded.is_contiguous()
+    assert torch.equal(padded[..., :40], torch.zeros(2, 3, 40)) and bool(padded[..., 40:].isinf().all())
+    assert attention._padded_rows(torch.zeros(1, 1, 64), 32).shape == (1, 1, 64)
+
+
 def test_dataloader_with_another_sampler():
     loader = torch.utils.data.DataLoader(list(range(6)), batch_size=2)
     clone = data.with_sampler(loader, "batch_sampler", [[4, 5], [0, 1]])

@@ -15,7 +15,8 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,6 +24,23 @@ import torch
 from lightning_mgpu.launch import free_port  # also imported from here by the torchrun tests
 
 DEFAULT_TIMEOUT = 240.0
+
+
+@contextmanager
+def one_rank_group(device: str = "cpu") -> Iterator[Any]:
+    """A process group of this process alone (gloo; NCCL for CUDA tensors when ``device`` is ``"cuda"``), gone
+    afterwards; within a group already there, that one."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:

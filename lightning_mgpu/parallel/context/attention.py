@@ -9,23 +9,28 @@ Every rank holds two chunks of each sequence in the load-balanced order (``order
   key/value gradients travelling with them and arriving home after one last hop. Any head count works; memory is
   one block more than the local shard.
 - **All-to-all** (:func:`alltoall_attention`, DeepSpeed-Ulysses): one all-to-all turns "all heads, local tokens"
-  into "local heads, all tokens", torch's own SDPA runs on the whole sequence, and a second all-to-all turns it
-  back. Needs the (local) heads divisible by cp.
+  into "local heads, all tokens", attention runs on the whole sequence as one block (:func:`block_attention`), and
+  a second all-to-all turns it back. Needs the (local) heads divisible by cp.
 
-Both are exact: the same softmax over the same keys as one process, to the kernel's rounding.
+Every block, in both modes, runs on the kernel ``kernels.kernel_for`` chooses: torch's fused kernels that return the
+log-sum-exp (flash, memory-efficient or cuDNN on CUDA, flash on CPU; ``_compat/attention.py``), the same math in
+torch ops where none applies. Partial results merge in fp32. Both modes are exact: the same softmax over the same
+keys as one process, to the kernel's rounding.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mgpu._compat.attention import cpu_attention, cpu_attention_backward
+from lightning_mgpu._compat.attention import fused_attention, fused_attention_backward
 from lightning_mgpu._compat.c10d import all_to_all
+from lightning_mgpu.parallel.context.kernels import kernel_for
 from lightning_mgpu.parallel.context.order import chunk_ids
 
 
@@ -40,18 +45,46 @@ def ring_attention(
 def alltoall_attention(
     query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None, group: Any, sdpa: Any
 ) -> Tensor:
-    """Ulysses: heads scattered, the whole sequence gathered, ``sdpa`` (torch's own) on it, and back."""
+    """Ulysses: heads scattered, the whole sequence gathered, ``sdpa`` on it (:func:`block_attention` in training,
+    or any function called like SDPA), and back."""
     cp = dist.get_world_size(group)
     heads, kv_heads = query.shape[1], key.shape[1]
     if kv_heads % cp:  # each rank's query heads need their own key/value heads: repeat the groups first
-        key = key.repeat_interleave(heads // kv_heads, dim=1)
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
+        key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
     order = _natural_order(cp, query.shape[2] // 2, query.device)
     gathered = [_heads_to_sequence(t, cp, group).index_select(2, order) for t in (query, key, value)]
     gqa = {"enable_gqa": True} if gathered[1].shape[1] != gathered[0].shape[1] else {}
     out = sdpa(*gathered, is_causal=is_causal, scale=scale, **gqa)
     back = out.index_select(2, torch.argsort(order))
     return _sequence_to_heads(back, cp, group)
+
+
+def block_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """SDPA on one whole block through the kernel the ring's blocks use (:func:`kernel_for`): the all-to-all's
+    attention over the gathered sequence. Grouped-query heads follow from the shapes (``enable_gqa`` is SDPA's)."""
+    return _BlockAttention.apply(query, key, value, is_causal, scale)
+
+
+class _BlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None):  # type: ignore[no-untyped-def]
+        out, lse = _attention(query, key, value, is_causal, scale)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor):  # type: ignore[no-untyped-def]
+        query, key, value, out, lse = ctx.saved_tensors
+        grads = _attention_backward(grad_out, query, key, value, out, lse, ctx.is_causal, ctx.scale)
+        return *(g.to(t.dtype) for g, t in zip(grads, (query, key, value))), None, None
 
 
 def _heads_to_sequence(tensor: Tensor, cp: int, group: Any) -> Tensor:
@@ -156,6 +189,8 @@ def _pass_on(tensor: Tensor, group: Any) -> Any:
     """Send ``tensor`` to the next rank of the ring and receive the previous rank's; returns a wait for the result,
     so that the transfer overlaps the attention of the block at hand."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if cp == 1:
+        return lambda: tensor  # a ring of one rank: the block is home already
     received = torch.empty_like(tensor)
     ops = [
         dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % cp), group),
@@ -181,26 +216,43 @@ def _merge(out: Tensor | None, lse: Tensor | None, new_out: Tensor, new_lse: Ten
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None) -> tuple[Tensor, Tensor]:
-    """One block's output and log-sum-exp: torch's fused CPU kernel on CPU, the same math elsewhere."""
-    if q.device.type == "cpu":
-        return cpu_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
-    return _math_attention(q, k, v, causal, scale)
+    """One block's output (in ``q``'s dtype) and fp32 log-sum-exp, through the kernel ``kernel_for`` chooses."""
+    choice = kernel_for(q, k, v, causal)
+    if choice.kernel == "math":
+        return _math_attention(q, k, v, causal, scale)
+    k, v = (_repeat_heads(t, q.shape[1]) if choice.expand_heads else t for t in (k, v))
+    return fused_attention(choice.kernel, q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
 
 
 def _attention_backward(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if q.device.type == "cpu":
-        return cpu_attention_backward(
-            grad.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-            causal, scale,
-        )  # fmt: skip
-    return _math_attention_backward(grad, q, k, v, out, lse, causal, scale)
+    """One block's query, key and value gradients given the merged ``out`` and ``lse``, on the forward's kernel."""
+    choice = kernel_for(q, k, v, causal)
+    if choice.kernel == "math":
+        return _math_attention_backward(grad, q, k, v, out, lse, causal, scale)
+    kv_heads = k.shape[1]
+    k, v = (_repeat_heads(t, q.shape[1]) if choice.expand_heads else t for t in (k, v))
+    grad_q, grad_k, grad_v = fused_attention_backward(
+        choice.kernel, grad.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+        lse.contiguous(), causal, scale,
+    )  # fmt: skip
+    return grad_q, _fold_heads(grad_k, kv_heads), _fold_heads(grad_v, kv_heads)
+
+
+def _repeat_heads(tensor: Tensor, heads: int) -> Tensor:
+    """Grouped key/value heads repeated to ``heads`` (query head ``i`` reads key/value head ``i // groups``)."""
+    return tensor.repeat_interleave(heads // tensor.shape[1], dim=1)
+
+
+def _fold_heads(grad: Tensor, heads: int) -> Tensor:
+    """The gradient of :func:`_repeat_heads`: each key/value head's repeats summed."""
+    return grad if grad.shape[1] == heads else grad.unflatten(1, (heads, grad.shape[1] // heads)).sum(2)
 
 
 def _scores(q: Tensor, k: Tensor, causal: bool, scale: float | None) -> Tensor:
     """fp32 ``q k^T * scale`` with grouped key heads repeated and the causal mask applied (square blocks)."""
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    k = _repeat_heads(k, q.shape[1])
     scores = (q.float() @ k.float().transpose(-2, -1)) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
     if causal:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
@@ -209,25 +261,36 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float | None) -> Tensor:
 
 
 def _math_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None) -> tuple[Tensor, Tensor]:
-    scores = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return (torch.exp(scores - lse.unsqueeze(-1)) @ v.float()).to(q.dtype), lse
+    with _without_autocast(q.device.type):
+        scores = _scores(q, k, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        v = _repeat_heads(v, q.shape[1])
+        return (torch.exp(scores - lse.unsqueeze(-1)) @ v.float()).to(q.dtype), lse
 
 
 def _math_attention_backward(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Flash attention's backward for one block given the merged ``out`` and ``lse`` (Dao et al., 2022, Alg. 2)."""
-    groups = q.shape[1] // k.shape[1]
+    with _without_autocast(q.device.type):
+        return _math_backward(grad, q, k, v, out, lse, causal, scale)
+
+
+def _without_autocast(device_type: str) -> Any:
+    """The math path's fp32 matmuls stay fp32 under a mixed-precision step's autocast, which would cast them down."""
+    return torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else nullcontext()
+
+
+def _math_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
     factor = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
     probs = torch.exp(_scores(q, k, causal, scale) - lse.float().unsqueeze(-1))
-    grad, k_full, v_full = grad.float(), k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
+    grad, k_full, v_full = grad.float(), _repeat_heads(k.float(), q.shape[1]), _repeat_heads(v.float(), q.shape[1])
     grad_v = probs.transpose(-2, -1) @ grad
     grad_probs = grad @ v_full.transpose(-2, -1)
     rowsum = (grad * out.float()).sum(-1, keepdim=True)
     grad_scores = probs * (grad_probs - rowsum) * factor
     grad_q = grad_scores @ k_full
     grad_k = grad_scores.transpose(-2, -1) @ q.float()
-    fold = lambda t: t.unflatten(1, (k.shape[1], groups)).sum(2)  # the repeated heads' sum
-    return grad_q, fold(grad_k), fold(grad_v)
+    return grad_q, _fold_heads(grad_k, k.shape[1]), _fold_heads(grad_v, k.shape[1])

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_mgpu._compat.attention import attn_implementation
-from lightning_mgpu.parallel.context.attention import alltoall_attention, ring_attention
+from lightning_mgpu.parallel.context.attention import alltoall_attention, block_attention, ring_attention
 from lightning_mgpu.parallel.context.order import local_positions, shard_sequence
 from lightning_mgpu.patches import PatchLog
 
@@ -198,7 +198,7 @@ class ContextParallel:
                     " context_parallel_mode='ring' (any head count), or a context_parallel_size dividing"
                     f" {query.shape[1]}."
                 )
-            return alltoall_attention(query, key, value, is_causal, scale, self.group, self._sdpa)
+            return alltoall_attention(query, key, value, is_causal, scale, self.group, block_attention)
         return ring_attention(query, key, value, is_causal, scale, self.group)
 
     def _token_mean_cross_entropy(self, input: Tensor, target: Tensor, *args: Any, **kwargs: Any) -> Tensor:
