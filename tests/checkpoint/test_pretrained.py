@@ -46,12 +46,13 @@ LAYOUTS = {  # name: (devices, strategy arguments)
     "hsdp": (4, {"zero_stage": 3, "data_parallel_shard_size": 2}),
     "dp4-ep2": (4, {"expert_parallel_size": 2, "zero_stage": 1}),
 }
+DENSE = ["dp2-z0", "dp2-z3", "tp2", "pp2", "cp2", "pp2-tp2", "hsdp"]
 MATRIX = {
-    "llama": ["dp2-z0", "dp2-z3", "tp2", "pp2", "cp2", "pp2-tp2", "hsdp"],
-    "llama-tied": ["dp2-z3", "tp2", "pp2", "pp2-tp2"],
-    "gpt2": ["dp2-z0", "tp2", "pp2", "pp2-tp2"],
-    "qwen3-moe": ["dp2-z3", "tp2", "pp2", "ep2", "dp4-ep2"],
-    "bert": ["dp2-z0", "dp2-z3", "tp2", "pp2"],
+    "llama": DENSE,
+    "llama-tied": DENSE,
+    "gpt2": DENSE,
+    "qwen3-moe": [*DENSE, "ep2", "dp4-ep2"],
+    "bert": [layout for layout in DENSE if layout != "cp2"],  # its [CLS] pooler under cp: refused (below)
     "llama+lora": ["dp2-z0", "dp2-z3", "pp2"],  # LoRA under tp: refused (tests/test_finetuning.py)
     # The Llama's weights from the other sources: a sharded checkpoint of this strategy, a Lightning file.
     "llama@sharded": ["tp2", "pp2-tp2"],
@@ -348,3 +349,16 @@ def test_each_rank_holds_its_share_while_loading_not_the_model():
             assert _above_baseline(rank) <= bound, (name, _above_baseline(rank) / 2**20, bound / 2**20, rank)
             if name == "pp2":
                 assert bound < open_weights(_memory_checkpoint()).bytes_of()  # the whole model would not fit under it
+
+
+def test_a_classifier_on_a_pooled_token_is_refused_under_context_parallelism():
+    """BERT's classification head reads the [CLS] token: split over cp ranks, each would see its own shard's."""
+    _, run = _run("bert/dp2-z0")
+    strategy = {**run.strategy_kwargs, "context_parallel_size": 2}
+    failed = _failure_of(fit_each({"cp": Run(run.module_factory, partial(_tokens, 8), strategy, 1)}, 2)["cp"])
+    assert "one target per sequence (shape [8])" in failed and "BERT's [CLS]" in failed, failed
+
+
+def _failure_of(outcome) -> str:
+    assert isinstance(outcome, str), "the run trained"
+    return outcome

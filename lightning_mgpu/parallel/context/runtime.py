@@ -55,6 +55,7 @@ class ContextParallel:
         self.attention_calls = 0
         self._active = False
         self._local_len = 0
+        self._batch_size = 0
         self._positions: Tensor | None = None
         self._globals: dict[int, Tensor] = {}  # id(shard) -> the whole tensor it was cut from, for this step
         self._windows = _sliding_windows(module)
@@ -104,7 +105,7 @@ class ContextParallel:
                 )
         self._local_len = seq_len // self.cp
         self._positions = None
-        batch_size = _batch_size(batch)
+        batch_size = self._batch_size = _batch_size(batch)
         batch = _causal_in_place_of_right_padding(batch, batch_size, seq_len, self.cp)
 
         def cut(tensor: Tensor) -> Tensor:
@@ -207,6 +208,13 @@ class ContextParallel:
         plain = plain and options.get("size_average") is None and options.get("reduce") is None
         if not self._active or not plain or target.is_floating_point():
             return self._cross_entropy(input, target, *args, **kwargs)
+        if self._local_len > 1 and target.numel() == self._batch_size:
+            raise NotImplementedError(
+                f"context_parallel_size={self.cp} splits each sequence over {self.cp} ranks, but this loss has one"
+                f" target per sequence (shape {list(target.shape)}): a head that pools a position (BERT's [CLS]"
+                " pooler, a last-token classifier) would see only this rank's part of the sequence. Context"
+                " parallelism serves token-level losses (language modelling); use context_parallel_size=1 here."
+            )
         options["reduction"] = "sum"
         total = self._cross_entropy(**options)
         counts = torch.stack([(target != options.get("ignore_index", -100)).sum().to(total.dtype), total.detach()])
