@@ -60,6 +60,7 @@ from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
 from lightning_mgpu.strategy import setup as module_setup
 from lightning_mgpu.strategy.batch import keep_global_batch
+from lightning_mgpu.strategy.callbacks import check_callbacks
 from lightning_mgpu.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_mgpu.strategy.collectives import DataParallelCollectives
 from lightning_mgpu.strategy.layout_choice import agreed_plan, check_options
@@ -411,6 +412,9 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         assert self.model is not None
         assert self.accelerator is not None
         assert self.lightning_module is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by the Trainer, not declared
+            check_callbacks(callbacks, self.layout, self.options)
         self.accelerator.setup(trainer)
         fully_sharded = self.layout.zero_stage == 3 and self._deepspeed is None
         self.precision_plugin.float8_all_gather = fully_sharded and self.precision_plugin.precision == "fp8-mixed"
@@ -518,6 +522,10 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
         if self._interrupted and self.layout.zero_stage >= 2:  # only sharded groups can be left unsharded
             module_setup.reshard(self._data_parallel_roots)
+        elif self.layout.zero_stage >= 2:
+            # A run that ended with an evaluation (validation at the epoch's end) left the root's groups gathered:
+            # the module then holds gathered copies, not the sharded parameters the optimizers step and point at.
+            module_setup.shard_gathered(self._data_parallel_roots)
         restore_plain(snapshot, list(self.optimizers), self._patches, pp_group)
         self.model, self._runner, self._pipeline, self._context = self.lightning_module, None, None, None
         gc.collect()  # DDP's reducer (its autograd hooks on the parameters) goes with the step runner

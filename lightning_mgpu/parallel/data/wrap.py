@@ -40,6 +40,7 @@ from lightning_mgpu.parallel.blocks import find_blocks
 from lightning_mgpu.parallel.data.gloo_comms import use_gloo_comms
 from lightning_mgpu.parallel.data.manual import called_units, reduce_in_step_only
 from lightning_mgpu.parallel.data.unused_params import watch_unused_parameters
+from lightning_mgpu.parallel.local_step import install_step
 
 if TYPE_CHECKING:
     from lightning_mgpu.patches import PatchLog
@@ -236,7 +237,7 @@ class OptimizerStateSharding:
         self.owned_by = _balance(params, dp_mesh.size())
         self._by_owner = [[p for p, o in self.owned_by.items() if o == owner] for owner in range(dp_mesh.size())]
         self._unwrapped_step = optimizer.step
-        optimizer.step = self._step  # type: ignore[method-assign]
+        install_step(optimizer, self._step)
         # DDP roots reduce each gradient to its owner only; the clip then sums the owners' norms over the group.
         self._owner_reduces = [reduce for root in roots if (reduce := _owner_reduce_of(root)) is not None]
         self._precision_plugin = precision_plugin if self._owner_reduces else None
