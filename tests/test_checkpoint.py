@@ -91,12 +91,13 @@ _runs: dict[str, Any] = {}
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """dp=2, ZeRO-1, 10 steps, saving at 3, 4, 6 and at each epoch's end (``epoch0_end.ckpt``: after step 4)."""
+    """dp=2, ZeRO-1, 10 steps, saving sharded checkpoints (directories; the default is one file) at 3, 4, 6 and at
+    each epoch's end (``epoch0_end.ckpt``: after step 4)."""
     directory = tmp_path_factory.mktemp("uninterrupted")
     result, _ = fit(
         ResumeModule,
         _data(2),
-        {"zero_stage": 1},
+        {"zero_stage": 1, "checkpoint_format": "sharded"},
         2,
         STEPS,
         callbacks_factory=lambda: [SaveAt(directory, SAVE_AT), SaveAtEpochEnd(directory)],

@@ -40,6 +40,8 @@ def consolidate_directory(path: Path, meta: dict[str, Any], weights_only: bool =
     shards = _read_shards(path, keys={MODEL_KEY} if weights_only else None)
     full = {k: v for k, v in meta.items() if not weights_only or k in _WEIGHTS_ONLY_KEYS}
     full[MODEL_KEY] = shards.get(MODEL_KEY, {})
+    # Model states a checkpoint hook moved (EMAWeightAveraging's `current_model_state`) stay where it put them.
+    full.update({k: v for k, v in shards.items() if k not in (MODEL_KEY, OPTIMIZER_KEY) and not weights_only})
     info = dict(meta.get(INFO_KEY, {}))
     info["format"] = "full"
     if weights_only:

@@ -7,8 +7,12 @@ Two formats, both keyed by the plain module's FQNs:
   (optimizer ``i`` in DCP's flattened form, which reshards across pipeline stages); ``meta.pt`` holds everything
   else Lightning keeps (loops, callbacks, LR schedulers, precision state, hyperparameters) plus ``parallel_layout``
   and the ``lightning_mgpu`` record (format, RNG states of every rank, optimizer parameter groups by FQN).
-- ``"full"``: one ``torch.save`` file laid out like a single-device Lightning checkpoint (``state_dict`` with plain
-  keys, ``optimizer_states`` in torch's own format) plus the same two records.
+- ``"full"`` (the default): one ``torch.save`` file laid out like a single-device Lightning checkpoint
+  (``state_dict`` with plain keys, ``optimizer_states`` in torch's own format) plus the same two records, which
+  Lightning's own ``LightningModule.load_from_checkpoint`` reads: it opens the path as a file, and no public hook of
+  its loader can make it read a directory. The ranks write shards as for a directory; global rank 0 then joins them
+  into the file, unless they would not fit in half its free memory (then the directory is published, with a
+  warning).
 
 Every save is written beside its target, in ``.<name>.partial``, and renamed into place only when complete; an
 interrupted save therefore never replaces or half-writes a checkpoint.
@@ -55,6 +59,11 @@ OPTIMIZER_KEY = "optimizer_states"
 STATE_PREFIX = "state."
 INFO_KEY = "lightning_mgpu"
 LAYOUT_KEY = "parallel_layout"
+
+
+class LiveModelState(dict):
+    """What ``HybridStrategy`` hands Lightning as the model's state dict (empty): the checkpointer writes the live
+    module's sharded states wherever the checkpoint hooks leave this object (see ``checkpointer._model_entries``)."""
 
 
 class CheckpointError(RuntimeError):
@@ -282,6 +291,31 @@ def check_sharded(path: Path) -> Metadata:
         )
     assert metadata is not None
     return metadata
+
+
+def state_bytes(path: Path) -> int:
+    """The bytes of every tensor a DCP directory holds, whole (what joining its shards into one file holds)."""
+    metadata = FileSystemReader(path).read_metadata()
+    return sum(
+        entry.size.numel() * entry.properties.dtype.itemsize
+        for entry in metadata.state_dict_metadata.values()
+        if isinstance(entry, TensorStorageMetadata)
+    )
+
+
+def free_memory_bytes() -> int | None:
+    """This host's available memory (``MemAvailable`` of ``/proc/meminfo``, else free pages), ``None`` if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def load_file(path: Path, weights_only: bool | None = None) -> Any:

@@ -152,8 +152,13 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
             recomputed) or a list of module classes to checkpoint in full (default ``False``).
         cpu_offload: With ``zero_stage=3``: keep sharded parameters, gradients and optimizer states in CPU memory
             (default ``False``).
-        checkpoint_format: ``"sharded"`` (default: a ``torch.distributed.checkpoint`` directory written by all
-            ranks, loadable in any layout) or ``"full"`` (one ``torch.save`` file of the plain state dict).
+        checkpoint_format: ``"full"`` (the default without ``async_checkpoint``: one ``torch.save`` file laid out
+            like a single-device Lightning checkpoint, which ``MyModule.load_from_checkpoint(path)`` and
+            ``torch.load`` read; every rank writes its shards, then global rank 0 joins them into the file, and
+            writes the directory instead, with a warning, when the model's and optimizers' states would not fit in
+            half of its free memory) or ``"sharded"`` (the default with ``async_checkpoint``: a
+            ``torch.distributed.checkpoint`` directory written by all ranks, no rank ever holding the whole
+            state; ``lightning-mgpu consolidate`` makes the file). Both load in any layout.
         async_checkpoint: Write sharded checkpoints in the background while training goes on (default ``False``).
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default; torch's
             ``"cpu:gloo,cuda:nccl"`` form is accepted; unknown or unavailable backends are refused.
@@ -228,7 +233,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         pipeline_split: str | list[str] = "auto",
         activation_checkpointing: bool | str | list[type] = False,
         cpu_offload: bool = False,
-        checkpoint_format: str = "sharded",
+        checkpoint_format: str | None = None,
         async_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | int | float | None = default_pg_timeout,
@@ -254,6 +259,8 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         # the Trainer is built (`set_world_ranks`, the `precision_plugin` setter), still in the launching process.
         self._requested_sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage)
         self._context_parallel_size = context_parallel_size
+        if checkpoint_format is None:  # a background save writes the shards; a file is joined on one rank after
+            checkpoint_format = "sharded" if async_checkpoint else "full"
         ParallelLayout.resolve(
             minimum_world_size(*self._requested_sizes[:3], context_parallel_size),
             *self._requested_sizes,
