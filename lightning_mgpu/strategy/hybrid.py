@@ -447,6 +447,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
             )
             fill_weights(module, weights, self.root_device)
             self.model = self._runner
+            module_setup.name_fsdp_roots(self._data_parallel_roots)
             if self._snapshot is not None:
                 self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains
         reduce_metrics_over(self.lightning_module, self._reduce_group, self._patches)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
+from lightning_mgpu._compat.fsdp import init_fsdp_root
 from lightning_mgpu.layout import CP_AXIS, PP_AXIS, ParallelLayout, zero_shard_mesh
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import StepRunner, parallelize
@@ -99,6 +100,14 @@ def reshard(roots: list[nn.Module]) -> None:
                 # Mid-forward a group reshards only if set to: only ours, it is discarded next.
                 sub.set_reshard_after_forward(True, recurse=False)
     shard_gathered(roots)
+
+
+def name_fsdp_roots(roots: list[nn.Module]) -> None:
+    """Each data-parallel root FSDP's root before anything runs: a submodule the user calls outside the step first
+    (PPO's rollouts in its data loader, a callback sampling before training) would otherwise become a root of its
+    own, and the step's forward be refused. Once the parameters hold their values."""
+    for root in roots:
+        init_fsdp_root(root)
 
 
 def shard_gathered(roots: list[nn.Module]) -> None:
