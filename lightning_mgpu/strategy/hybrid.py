@@ -530,9 +530,10 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
         pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
         if self._interrupted and self.layout.zero_stage >= 2:  # only sharded groups can be left unsharded
             module_setup.reshard(self._data_parallel_roots)
-        elif self.layout.zero_stage >= 2:
-            # A run that ended with an evaluation (validation at the epoch's end) left the root's groups gathered:
-            # the module then holds gathered copies, not the sharded parameters the optimizers step and point at.
+        else:
+            # A run that ended with an evaluation (validation at the epoch's end) left FSDP2's root groups gathered
+            # (ZeRO-2/3, and FSDP2's replicate beside tp or pp): the module then held the gathered copies, not the
+            # parameters the optimizers step and point at.
             module_setup.shard_gathered(self._data_parallel_roots)
         restore_plain(snapshot, list(self.optimizers), self._patches, pp_group)
         self.model, self._runner, self._pipeline, self._context = self.lightning_module, None, None, None

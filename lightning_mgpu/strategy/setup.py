@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
-from lightning_mgpu._compat.fsdp import init_fsdp_root
+from lightning_mgpu._compat.fsdp import init_fsdp_root, reshard_fsdp
 from lightning_mgpu.layout import CP_AXIS, PP_AXIS, ParallelLayout, zero_shard_mesh
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import StepRunner, parallelize
@@ -112,12 +112,13 @@ def name_fsdp_roots(roots: list[nn.Module]) -> None:
 
 def shard_gathered(roots: list[nn.Module]) -> None:
     """FSDP groups that keep their parameters gathered after a forward (the root's embeddings, norms and head; every
-    group at ZeRO-2) sharded again, e.g. after ``trainer.validate``: a ``fit`` that reuses the parallel module then
-    builds its optimizers on the sharded parameters, not on gathered copies that FSDP never reads or updates."""
+    group at ZeRO-2; FSDP2's replicate; a pipeline stage's last block, whose forward ends the stage by raising)
+    sharded again, e.g. after ``trainer.validate``: a ``fit`` that reuses the parallel module then builds its
+    optimizers on the sharded parameters, not on gathered copies that FSDP never reads or updates, and the module
+    given back at teardown is the one the optimizers point at."""
     for root in roots:
         for sub in root.modules():
-            if isinstance(sub, FSDPModule):
-                sub.reshard()
+            reshard_fsdp(sub)
 
 
 def wire_optimizers(

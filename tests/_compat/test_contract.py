@@ -328,6 +328,7 @@ def _distributed_contract() -> dict:
     out["fsdp"] = (fsdp.is_ddp_replicated(ddp), not fsdp.is_ddp_replicated(shared), isinstance(shared.weight, DTensor))
     out["unapply"] = [_reapplies(mesh, forget) for forget in (False, True)]
     out["root"] = [_root_named_first(mesh, name) for name in (False, True)]
+    out["reshard"] = [_resharded_after_a_raised_forward(mesh, helper) for helper in (False, True)]
     out["prepare"] = []
     for find_unused in (True, False):  # manual optimization: the backward runs inside the replicated module's forward
         inside = _BackwardInside(use_spare=not find_unused)
@@ -437,6 +438,35 @@ def _root_named_first(mesh, name: bool) -> bool:
     return True
 
 
+def _resharded_after_a_raised_forward(mesh, helper: bool) -> bool:
+    """A forward left by an exception (a pipeline stage's end) keeps FSDP2's group gathered through ``reshard()``;
+    ``reshard_fsdp`` registers the sharded parameters again."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    class Stop(Exception):
+        pass
+
+    model = nn.Linear(2, 2)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    run = model.forward
+
+    def raising(x):
+        run(x)
+        raise Stop
+
+    model.forward = raising
+    try:
+        model(torch.ones(1, 2))
+    except Stop:
+        pass
+    if helper:
+        fsdp.reshard_fsdp(model)
+    else:
+        model.reshard()
+    return isinstance(model.weight, DTensor)
+
+
 def _reapplies(mesh, forget: bool) -> bool:
     """``fully_shard`` applies again to a module put back by hand, with its composable state forgotten or not."""
     from torch.distributed.fsdp import fully_shard
@@ -481,6 +511,12 @@ def test_distributed_shims_in_a_process_group():
         "_composable_state._module_state_mapping",
         "torch",
         f"fully_shard applied again without/with forgetting: {out['unapply']}",
+    )
+    _expect(
+        out["reshard"] == [False, True],
+        "FSDPParamGroup._training_state",
+        "torch",
+        f"sharded again after a raised forward, by reshard()/reshard_fsdp: {out['reshard']}",
     )
     _expect(
         out["root"] == [False, True],
