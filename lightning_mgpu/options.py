@@ -43,7 +43,7 @@ class ParallelOptions:
     pipeline_split: str | list[str] = "auto"
     activation_checkpointing: bool | str | list[type] = False
     cpu_offload: bool = False
-    checkpoint_format: str = "sharded"
+    checkpoint_format: str = "full"
     async_checkpoint: bool = False
     deepspeed_config: Any = None  # None, a dict or a JSON file's path (zero_backend="deepspeed")
     expert_parallel_size: int = 1  # experts sharded over groups of this many data-parallel ranks (parallel/experts/)

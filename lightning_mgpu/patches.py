@@ -80,6 +80,10 @@ class PatchLog:
         setattr(obj, name, value)
         self._process_wide.append(lambda: setattr(obj, name, before))
 
+    def add_process_wide(self, undo: Callable[[], None]) -> None:
+        """Register the undo of a patch of torch itself (see ``set_process_wide``)."""
+        self._process_wide.append(undo)
+
     def undo_process_wide(self) -> None:
         while self._process_wide:
             self._process_wide.pop()()

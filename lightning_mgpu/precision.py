@@ -46,7 +46,7 @@ from lightning_mgpu._compat.lightning import (
     optimizer_handles_unscaling,
 )
 from lightning_mgpu.parallel.blocks import is_float8_linear
-from lightning_mgpu.parallel.grads import clip_grad_norm_
+from lightning_mgpu.parallel.grads import clip_grad_norm_, clip_grad_value_
 
 _PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-mixed"]
 SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-mixed")
@@ -324,6 +324,10 @@ class HybridPrecision(Precision):
             cross_stage_group=self.grad_norm_group,
             counted_elsewhere=self.grads_counted_elsewhere(),
         )
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        clip_grad_value_(self.main_params(optimizer), clip_val)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import random
 import re
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -91,12 +92,13 @@ _runs: dict[str, Any] = {}
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """dp=2, ZeRO-1, 10 steps, saving at 3, 4, 6 and at each epoch's end (``epoch0_end.ckpt``: after step 4)."""
+    """dp=2, ZeRO-1, 10 steps, saving sharded checkpoints (directories; the default is one file) at 3, 4, 6 and at
+    each epoch's end (``epoch0_end.ckpt``: after step 4)."""
     directory = tmp_path_factory.mktemp("uninterrupted")
     result, _ = fit(
         ResumeModule,
         _data(2),
-        {"zero_stage": 1},
+        {"zero_stage": 1, "checkpoint_format": "sharded"},
         2,
         STEPS,
         callbacks_factory=lambda: [SaveAt(directory, SAVE_AT), SaveAtEpochEnd(directory)],
@@ -786,6 +788,40 @@ def test_fast_forward_skips_indices_of_map_style_data_and_batches_of_iterables()
 def test_async_checkpoint_needs_the_sharded_format():
     with pytest.raises(ValueError, match=r"`async_checkpoint=True` .* needs `checkpoint_format='sharded'`, got 'full'"):
         HybridStrategy(async_checkpoint=True, checkpoint_format="full")
+
+
+def test_the_default_format_is_one_file_and_sharded_with_async_saves():
+    assert HybridStrategy().checkpointer.checkpoint_format == "full"
+    assert HybridStrategy(async_checkpoint=True).checkpointer.checkpoint_format == "sharded"
+
+
+class _SaveAfterFit(L.Callback):
+    """``trainer.save_checkpoint`` once training ended, recording the warnings it raised on this rank."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.results: dict[str, Any] = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.save_checkpoint(self.path)
+        self.results["warnings"] = [str(w.message) for w in caught]
+
+
+def test_a_default_save_that_would_not_fit_rank_zero_is_kept_sharded_saying_so(tmp_path, monkeypatch):
+    """Joining the shards into one file needs the whole state in rank 0's memory: with too little free (faked, in
+    the forked ranks too) the directory is published instead, complete and loadable, with a warning."""
+    from lightning_mgpu.checkpoint import format as fmt
+
+    monkeypatch.setattr(fmt, "free_memory_bytes", lambda: 4096)
+    path = tmp_path / "big.ckpt"
+    _, extras = fit(ResumeModule, _data(2), {"zero_stage": 1}, 2, 2, callbacks_factory=lambda: [_SaveAfterFit(path)])
+    assert path.is_dir() and fmt.is_sharded_checkpoint(path)
+    warned = [w for w in extras[0]["warnings"] if "as a sharded checkpoint (a directory), not as one file" in w]
+    assert warned and "lightning-mgpu consolidate" in warned[0], extras[0]["warnings"]
+    Checkpointer().load(path, ResumeModule(), [], fitting=False)  # complete and loadable
+    assert consolidate(path)["state_dict"].keys() == ResumeModule().state_dict().keys()
 
 
 def _gpt(n_layer: int = 2, n_embd: int = 32):

@@ -106,3 +106,14 @@ def test_the_readme_is_short_starts_with_the_two_commands_and_its_links_resolve(
     assert "python -m pytest -q" in ci_commands and "python -m pytest -q -m slow" in ci_commands  # both tiers
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme):
         assert (REPO / target).exists(), f"README links to {target}, which does not exist"
+
+
+def test_the_lightning_features_page_is_what_its_case_lists_print():
+    """docs/guides/lightning-features.md is generated from the conformance suites' own case lists."""
+    from tests.helpers.conformance import render_page
+
+    page = DOCS / "guides" / "lightning-features.md"
+    assert page.read_text() == render_page(), (
+        "docs/guides/lightning-features.md differs from the suites' case lists: regenerate it with"
+        " `python -m tests.helpers.conformance > docs/guides/lightning-features.md`"
+    )

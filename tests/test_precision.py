@@ -259,7 +259,7 @@ def test_the_loss_scale_is_saved_and_restored_with_checkpoints(tmp_path):
         **kwargs,
         callbacks_factory=lambda: [StepProbe(1, INJECT_RANK), _SaveAt(path, 4)],
     )
-    meta = fmt.load_file(path / fmt.METADATA_FILE, False)
+    meta = fmt.load_file(path, False)
     assert meta["HybridPrecision"]["scale"] == 2.0**15  # halved once, at the injected step
     resumed, resumed_extras = fit(
         LlamaModule,

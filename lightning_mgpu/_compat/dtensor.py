@@ -18,15 +18,22 @@
   the first mesh's process groups. No public way.
 - ``local_box``: ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, where a rank's shard
   starts in the whole tensor (reading a converted checkpoint entry into it). DTensor has no public accessor.
+- ``equal_over_mesh``: ``DTensor._op_dispatcher._custom_op_handlers`` (how torch's own ``loss_parallel`` replaces
+  ops). torch's ``aten.equal`` of two DTensors all-reduces its answer over the *world* group, not the tensors' mesh:
+  where ranks outside the mesh compare other tensors, or fewer (each pipeline stage holds its own layers; Lightning's
+  ``BaseFinetuning`` compares each unfrozen parameter with the optimizer's), the collectives pair up wrongly and the
+  run hangs until the timeout. The replacement agrees over the tensors' mesh only.
 - ``unflatten_mesh``: ``DeviceMesh._unflatten``, splitting one named mesh dimension into several. The public
   alternative, building a new mesh with ``init_device_mesh``, creates new process groups for every axis.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -132,3 +139,36 @@ def local_box(tensor: DTensor) -> tuple[int, ...]:
     compute = internal("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
     _, offsets = compute(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(offsets)
+
+
+def equal_over_mesh() -> Callable[[], None]:
+    """``torch.equal`` of DTensors agreed over their own mesh, not the world; returns the undo."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    equal = torch.ops.aten.equal.default
+    before = handlers.get(equal)
+    handlers[equal] = _equal_over_mesh
+
+    def undo() -> None:
+        if before is None:
+            handlers.pop(equal, None)
+        else:
+            handlers[equal] = before
+
+    return undo
+
+
+def _equal_over_mesh(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    first, second = args[0], args[1]
+    if not (isinstance(first, DTensor) and isinstance(second, DTensor)):
+        message = "got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor"
+        raise RuntimeError(f"{op_call}: {message}")
+    # Global shapes and meshes are the same on every rank of the mesh: no collective decides these.
+    if first.shape != second.shape or first.dtype != second.dtype or first.device_mesh != second.device_mesh:
+        return False
+    if first.placements != second.placements:
+        second = second.redistribute(first.device_mesh, first.placements)
+    mesh = first.device_mesh
+    agreed = torch.tensor(int(torch.equal(first.to_local(), second.to_local())), device=mesh.device_type)
+    for dim in range(mesh.ndim):
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
+    return bool(agreed.item())

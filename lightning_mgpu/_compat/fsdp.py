@@ -19,6 +19,12 @@
   inside the forward (``manual_backward`` inside ``training_step``), nor to keep it from expecting one more after.
 - ``forget_composable_state``: ``torch.distributed._composable_state._module_state_mapping``, where torch records
   that ``fully_shard``/``replicate`` was applied to a module; there is no public way to un-apply them.
+- ``init_fsdp_root``: ``FSDPState._lazy_init`` of ``fully_shard``'s (and FSDP2 ``replicate``'s) state, which makes the
+  first module whose forward runs FSDP's root; there is no public way to name the root before a forward, and a
+  submodule called first (a rollout in a data loader, a callback sampling before training) became a root itself.
+- ``reshard_fsdp``: ``FSDPParamGroup._training_state``: ``FSDPModule.reshard()`` keeps a group that is still in its
+  forward gathered (unless it reshards after forward), and a forward left by an exception (a pipeline stage ends
+  at its last block by raising out of that block's forward) never returns the group to idle; nothing public does.
 - ``is_torch_added_attribute``: the private attributes ``fully_shard``, ``replicate`` and ``distribute_module`` set
   on the modules they apply to (``__composable_api_state_key*``, ``_is_fsdp_managed_module``,
   ``_fsdp_use_orig_params``, ``_distribute_module_applied``); none of them has a public undo.
@@ -30,7 +36,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_mgpu._compat import internal
+from lightning_mgpu._compat import changed, internal
 
 
 def replicate_with_fsdp(module: Any, **kwargs: Any) -> Any:
@@ -54,6 +60,37 @@ def forget_composable_state(module: nn.Module) -> None:
     the user's module is put back after a run (``lightning_mgpu.patches``), so that a second ``fit`` can apply it.
     """
     internal("torch.distributed._composable_state", "_module_state_mapping").pop(module, None)
+
+
+def init_fsdp_root(module: nn.Module) -> None:
+    """Make ``module`` (``fully_shard``ed, or FSDP2-``replicate``d) FSDP's root, as its first forward would: its
+    units learn they are not roots, so they may run their own forwards first (torch refuses the root's forward once
+    a unit ran one: "FSDP state has already been lazily initialized"). Needs the parameters materialized."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return
+    state = module._get_fsdp_state()
+    if not hasattr(state, "_lazy_init"):
+        raise AttributeError(changed("FSDPState._lazy_init", "torch", "the method is gone"))
+    state._lazy_init()
+
+
+def reshard_fsdp(module: nn.Module) -> None:
+    """``module.reshard()`` (not recursive), also when its last forward did not return: its groups are marked done
+    with that forward first, as FSDP2's post-forward would have marked them, so that the sharded parameters, the
+    ones its optimizer steps, are registered again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return
+    training_state = internal("torch.distributed.fsdp._fully_shard._fsdp_common", "TrainingState")
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        if not hasattr(group, "_training_state"):
+            raise AttributeError(changed("FSDPParamGroup._training_state", "torch", "the attribute is gone"))
+        if group._training_state == training_state.FORWARD:
+            group._training_state = training_state.IDLE
+    module.reshard()
 
 
 # What torch's composable APIs leave on the modules they apply to, as attribute names (checked on torch 2.13.0).

@@ -21,6 +21,8 @@
 - ``module_structure``/``set_module_structure``: ``nn.Module._modules``/``_parameters``/``_buffers`` as a whole,
   to put a module tree back as it was after a run changed it in place (``register_module``/``register_parameter``
   keep existing entries and append new ones, so they cannot restore names, ``None`` slots and order).
+- ``persistent_buffer_names``: ``nn.Module._non_persistent_buffers_set``; only ``state_dict`` tells persistent
+  buffers apart, and calling it runs the state-dict hooks of whatever wraps the module (FSDP2's).
 - ``module_twin``: ``nn.Module._modules``/``_parameters``/``_buffers`` given fresh dicts on a shallow copy: the
   module's own attributes and code with other tensors in its slots and no children, for running its initializer on
   full-size copies of a sharded module's tensors. A shallow copy shares the slot dicts; ``copy.deepcopy`` would copy
@@ -168,6 +170,22 @@ def set_module_structure(
         slots = _slots(module, name)
         slots.clear()
         slots.update(saved)
+
+
+def persistent_buffer_names(module: nn.Module) -> list[str]:
+    """The names (under ``module``) of the buffers its ``state_dict`` holds: those not registered with
+    ``persistent=False``."""
+    names = []
+    for prefix, sub in module.named_modules():
+        skipped = getattr(sub, "_non_persistent_buffers_set", None)
+        if skipped is None:
+            raise AttributeError(changed("nn.Module._non_persistent_buffers_set", "torch", "the attribute is gone"))
+        names += [
+            f"{prefix}.{name}" if prefix else name
+            for name, b in _slots(sub, "_buffers").items()
+            if b is not None and name not in skipped
+        ]
+    return names
 
 
 def module_twin(

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.trainer.states import RunningStage, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.optim import Optimizer
 
-from lightning_mgpu._compat.dcp import flatten_state_dict
+from lightning_mgpu._compat.dcp import flatten_state_dict, load_without_process_group
 from lightning_mgpu._compat.lightning import attached_trainer
 from lightning_mgpu.checkpoint import format as fmt
 from lightning_mgpu.checkpoint import resume, states
@@ -149,6 +150,7 @@ class _PendingSave:
             if _rank() == 0:
                 _manifest(parts, self._staging)
                 fmt.publish(self._staging, self.path)
+                _say_how_to_load_once(self.path)
         except BaseException as error:  # surfaced by `wait`
             self._error = error
         finally:
@@ -173,7 +175,7 @@ class _PendingSave:
 class Checkpointer:
     """Save and load a LightningModule and its optimizers whatever the layout; owned by ``HybridStrategy``."""
 
-    def __init__(self, checkpoint_format: str = "sharded", async_save: bool = False, state_access: Any = None) -> None:
+    def __init__(self, checkpoint_format: str = "full", async_save: bool = False, state_access: Any = None) -> None:
         if async_save and checkpoint_format != "sharded":
             raise ValueError("`async_checkpoint=True` needs `checkpoint_format='sharded'`.")
         # How the live states are read and written: the `states` module, or an object with the same functions
@@ -199,13 +201,13 @@ class Checkpointer:
         path = _broadcast_path(filepath)
         self.wait(agree=True)
         with_optimizers = OPTIMIZER_KEY in checkpoint  # Lightning leaves it out for `save_weights_only`
-        state: dict[str, Any] = {MODEL_KEY: self.states.model_state(model)}
+        live_key, state = _model_entries(checkpoint, self.states.model_state(model))
         groups: list[list[list[str]]] = []
         if with_optimizers:
             state[OPTIMIZER_KEY] = [self.states.optimizer_state(model, optimizer) for optimizer in optimizers]
             groups = [self.states.group_fqns(model, o, s) for o, s in zip(optimizers, state[OPTIMIZER_KEY])]
         gathered = _gather_object({"rng": states.collect_rng_states(), "groups": groups})
-        meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZER_KEY, "loops")}
+        meta = {k: v for k, v in checkpoint.items() if k not in (*state, OPTIMIZER_KEY, "loops")}
         meta[resume.DATA_KEY] = resume.data_record(attached_trainer(model), layout.data_parallel_size)
         if "loops" in checkpoint:
             meta["loops"] = copy.deepcopy(checkpoint["loops"])
@@ -217,6 +219,7 @@ class Checkpointer:
             "rng_states": [g["rng"] for g in gathered],
             "optimizer_param_groups": states.merge_group_fqns([g["groups"] for g in gathered]),
             "hf_models": hf_models(model),
+            "live_model_key": live_key,
         }
         staging = fmt.partial_path(path)
         if _rank() == 0:
@@ -235,8 +238,8 @@ class Checkpointer:
             self._pending = _PendingSave(future, staging, path, writer, group)
             return
         dcp.save(state, storage_writer=writer, checkpoint_id=staging, planner=FragmentSavePlanner())
-        sharded = self.checkpoint_format == "sharded"  # a full file carries its own checksums
-        parts = _gather_object(_checksum_written(staging, writer) if sharded else {})
+        # Checksummed for a directory, also under "full": rank 0 may have to publish the shards as they are.
+        parts = _gather_object(_checksum_written(staging, writer))
         error = None
         if _rank() == 0:
             try:
@@ -249,17 +252,19 @@ class Checkpointer:
             raise CheckpointError(f"Saving {path} failed on global rank 0: {failure}") from error
 
     def _finish_on_rank_zero(self, staging: Path, path: Path, meta: dict[str, Any], parts: list[Any]) -> None:
-        if self.checkpoint_format == "sharded":
-            fmt.write_file(meta, staging / fmt.METADATA_FILE)
-            _manifest(parts, staging)
-            fmt.publish(staging, path)
-            return
-        from lightning_mgpu.checkpoint.convert import consolidate_directory
+        if self.checkpoint_format == "full" and _fits_in_memory(staging, path):
+            from lightning_mgpu.checkpoint.convert import write_full_file
 
-        finished = staging / "full.ckpt"
-        fmt.write_file(consolidate_directory(staging, meta), finished)
-        fmt.publish(finished, path)
-        fmt.remove(staging)
+            finished = staging / "full.ckpt"
+            write_full_file(staging, meta, finished)  # tensor by tensor: rank 0 holds the largest, not the model
+            fmt.publish(finished, path)
+            fmt.remove(staging)
+            return
+        meta[INFO_KEY]["format"] = "sharded"
+        fmt.write_file(meta, staging / fmt.METADATA_FILE)
+        _manifest(parts, staging)
+        fmt.publish(staging, path)
+        _say_how_to_load_once(path)
 
     def _checkpoint_group(self) -> Any | None:
         # The background thread's collectives must not interleave with training's on the default group.
@@ -303,13 +308,17 @@ class Checkpointer:
             meta = fmt.load_file(path / fmt.METADATA_FILE, weights_only)
             reader: Any = FileSystemReader(path)
             self.states.load_states(reader, model, optimizers, strict, str(path), checkpoint_id=path)
+            moved = _moved_model_keys(meta)
+            if moved:  # whole, for the hook that moved them (every rank holds such copies whole, as under DDP)
+                meta.update(load_without_process_group(path, moved))
         else:
             meta = fmt.load_file(path, weights_only)
             if MODEL_KEY not in meta:
                 raise CheckpointError(f"{path} has no `{MODEL_KEY}`: it is not a Lightning checkpoint.")
             flat = _flatten_full(meta, model, optimizers)
             self.states.load_states(fmt.FlatReader(flat), model, optimizers, strict, str(path))
-            meta = {k: v for k, v in meta.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
+            kept = _moved_model_keys(meta)
+            meta = {k: v for k, v in meta.items() if k not in (MODEL_KEY, OPTIMIZER_KEY) or k in kept}
         resume.align_loops_with_data(meta)  # for checkpoints saved by an earlier version
         data_record = meta.pop(resume.DATA_KEY, None)
         if fitting:
@@ -336,6 +345,63 @@ class Checkpointer:
         # Lightning warns that a plain loader cannot resume mid-epoch; this one does.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         return resume.FastForward(dataloader, skip, epoch)
+
+
+def _fits_in_memory(staging: Path, path: Path) -> bool:
+    """Whether the whole state (what a full file holds) fits in half of this host's free memory, which joining the
+    shards into one file needs; if not, the directory is published instead, with a warning saying so."""
+    needed = fmt.state_bytes(staging)
+    free = fmt.free_memory_bytes()
+    if free is None or needed <= free // 2:
+        return True
+    warnings.warn(
+        f"Saved {path} as a sharded checkpoint (a directory), not as one file: its states ({needed / 2**30:.1f} GiB)"
+        f" would not fit in half of global rank 0's free memory ({free / 2**30:.1f} GiB), which joining them into"
+        " one file needs. It resumes like a file in any layout; `lightning-mgpu consolidate` writes the file that"
+        " `MyModule.load_from_checkpoint` reads, on a machine with the memory. Pass checkpoint_format='sharded' to"
+        " choose directories from the start.",
+        stacklevel=2,
+    )
+    return False
+
+
+_TOLD_HOW_TO_LOAD: set[str] = set()
+
+
+def _say_how_to_load_once(path: Path) -> None:
+    """A sharded checkpoint is a directory, which ``LightningModule.load_from_checkpoint`` cannot open (it fails with
+    ``IsADirectoryError`` and no hint, and no public hook of Lightning's loader can change that): said once per
+    directory of checkpoints, where the save happens."""
+    if str(path.parent) in _TOLD_HOW_TO_LOAD:
+        return
+    _TOLD_HOW_TO_LOAD.add(str(path.parent))
+    rank_zero_info(
+        f"{path} is a sharded checkpoint (a directory): `trainer.fit/validate/test(ckpt_path=...)` and"
+        " `HybridStrategy(pretrained=...)` read it in any layout; `MyModule.load_from_checkpoint` reads one file,"
+        f" which `lightning-mgpu consolidate {path} model.ckpt` writes (or save with checkpoint_format='full')."
+    )
+
+
+def _model_entries(checkpoint: dict[str, Any], live: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The model states to write, by top-level key, and the key holding the live module's.
+
+    Lightning's ``state_dict`` entry is a ``LiveModelState`` (``lightning_module_state_dict``) until a checkpoint
+    hook moves it: ``EMAWeightAveraging`` puts it under ``current_model_state`` and its averaged weights under
+    ``state_dict``, which is then written as the hook left it, as under DDP. ``None``: no key holds it any more.
+    """
+    live_key = next((key for key, value in checkpoint.items() if isinstance(value, fmt.LiveModelState)), None)
+    entries = {} if live_key is None else {live_key: live}
+    if live_key != MODEL_KEY:
+        entries[MODEL_KEY] = checkpoint.get(MODEL_KEY) or {}
+    return live_key, entries
+
+
+def _moved_model_keys(meta: dict[str, Any]) -> set[str]:
+    """The model-state entries a checkpoint hook moved at save (``_model_entries``): returned whole to Lightning,
+    whose hooks read them back (``EMAWeightAveraging.on_load_checkpoint``); empty for every other checkpoint, whose
+    model states only the live module receives."""
+    live_key = meta.get(INFO_KEY, {}).get("live_model_key", MODEL_KEY)
+    return set() if live_key == MODEL_KEY else {MODEL_KEY} | ({live_key} if live_key else set())
 
 
 def _fit_goes_on(model: nn.Module) -> bool:

@@ -41,6 +41,9 @@ def consolidate_directory(path: Path, meta: dict[str, Any], weights_only: bool =
     flat = {f"{MODEL_KEY}.{k}": v for k, v in shards.get(MODEL_KEY, {}).items()}
     for i, optimizer in enumerate(shards.get(OPTIMIZER_KEY, [])):
         flat.update({f"{OPTIMIZER_KEY}.{i}.{k}": v for k, v in optimizer.items()})
+    for top, entries in shards.items():
+        if top not in (MODEL_KEY, OPTIMIZER_KEY) and isinstance(entries, dict):
+            flat.update({f"{top}.{k}": v for k, v in entries.items()})
     return consolidate_directory_from(flat, meta, weights_only, path)
 
 
@@ -52,6 +55,11 @@ def consolidate_directory_from(
     full = {k: v for k, v in meta.items() if not weights_only or k in _WEIGHTS_ONLY_KEYS}
     model_prefix = f"{MODEL_KEY}."
     full[MODEL_KEY] = {k[len(model_prefix) :]: v for k, v in flat.items() if k.startswith(model_prefix)}
+    if not weights_only:  # model states a checkpoint hook moved (EMAWeightAveraging's `current_model_state`) stay
+        for key, value in flat.items():
+            top, _, rest = key.partition(".")
+            if top not in (MODEL_KEY, OPTIMIZER_KEY) and rest:
+                full.setdefault(top, {})[rest] = value
     info = dict(meta.get(INFO_KEY, {}))
     info["format"] = "full"
     if weights_only:
@@ -149,7 +157,18 @@ def _streamable(path: Path, weights_only: bool, load_weights_only: bool | None) 
         skeleton = _as_leaves(loaded, "", table)
         return skeleton, lambda leaf: table[leaf.key]
     fmt.check_sharded(path)
-    meta = fmt.load_file(path / fmt.METADATA_FILE, load_weights_only)
+    return _directory_leaves(path, fmt.load_file(path / fmt.METADATA_FILE, load_weights_only), weights_only)
+
+
+def write_full_file(directory: Path, meta: dict[str, Any], out: Path) -> None:
+    """The single-file checkpoint of the sharded ``directory`` (shards written, ``meta`` in hand), written tensor by
+    tensor: what a save in the ``"full"`` format publishes once every rank wrote its shards."""
+    skeleton, fill = _directory_leaves(directory, meta, weights_only=False)
+    stream.write_torch(out, skeleton, fill)
+    fmt.fsync(out)
+
+
+def _directory_leaves(path: Path, meta: dict[str, Any], weights_only: bool) -> tuple[dict[str, Any], stream.Fill]:
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     wanted = [k for k in metadata if not weights_only or k.startswith(MODEL_KEY + ".")]
     tensors = {k: md for k in wanted if isinstance(md := metadata[k], TensorStorageMetadata)}

@@ -7,8 +7,12 @@ Two formats, both keyed by the plain module's FQNs:
   (optimizer ``i`` in DCP's flattened form, which reshards across pipeline stages); ``meta.pt`` holds everything
   else Lightning keeps (loops, callbacks, LR schedulers, precision state, hyperparameters) plus ``parallel_layout``
   and the ``lightning_mgpu`` record (format, RNG states of every rank, optimizer parameter groups by FQN).
-- ``"full"``: one ``torch.save`` file laid out like a single-device Lightning checkpoint (``state_dict`` with plain
-  keys, ``optimizer_states`` in torch's own format) plus the same two records.
+- ``"full"`` (the default): one ``torch.save`` file laid out like a single-device Lightning checkpoint
+  (``state_dict`` with plain keys, ``optimizer_states`` in torch's own format) plus the same two records, which
+  Lightning's own ``LightningModule.load_from_checkpoint`` reads: it opens the path as a file, and no public hook of
+  its loader can make it read a directory. The ranks write shards as for a directory; global rank 0 then joins them
+  into the file, unless they would not fit in half its free memory (then the directory is published, with a
+  warning).
 
 Every save is written beside its target, in ``.<name>.partial``, and renamed into place only when complete; an
 interrupted save therefore never replaces or half-writes a checkpoint.
@@ -57,6 +61,11 @@ INFO_KEY = "lightning_mgpu"
 LAYOUT_KEY = "parallel_layout"
 
 
+class LiveModelState(dict):
+    """What ``HybridStrategy`` hands Lightning as the model's state dict (empty): the checkpointer writes the live
+    module's sharded states wherever the checkpoint hooks leave this object (see ``checkpointer._model_entries``)."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is incomplete, corrupt, or does not fit the model/optimizers it is loaded into."""
 
@@ -77,7 +86,7 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -93,7 +102,7 @@ def _fsync(path: Path) -> None:
 def write_file(obj: Any, path: Path) -> None:
     """``torch.save`` and flush to disk."""
     torch.save(obj, path)
-    _fsync(path)
+    fsync(path)
 
 
 def publish(finished: Path, path: Path) -> None:
@@ -108,7 +117,7 @@ def publish(finished: Path, path: Path) -> None:
         remove(replaced)
         os.replace(path, replaced)
     os.replace(finished, path)
-    _fsync(path.parent)
+    fsync(path.parent)
     if replaced is not None:
         remove(replaced)
 
@@ -147,7 +156,7 @@ def write_manifest(directory: Path, records: dict[str, dict[str, Any]]) -> None:
     body: dict[str, Any] = {"algorithm": "crc32", "files": dict(sorted(records.items()))}
     body["crc32"] = _own_crc(body)
     (directory / MANIFEST_FILE).write_text(json.dumps(body, indent=1))
-    _fsync(directory / MANIFEST_FILE)
+    fsync(directory / MANIFEST_FILE)
 
 
 def _own_crc(body: dict[str, Any]) -> str:
@@ -282,6 +291,31 @@ def check_sharded(path: Path) -> Metadata:
         )
     assert metadata is not None
     return metadata
+
+
+def state_bytes(path: Path) -> int:
+    """The bytes of every tensor a DCP directory holds, whole (what joining its shards into one file holds)."""
+    metadata = FileSystemReader(path).read_metadata()
+    return sum(
+        entry.size.numel() * entry.properties.dtype.itemsize
+        for entry in metadata.state_dict_metadata.values()
+        if isinstance(entry, TensorStorageMetadata)
+    )
+
+
+def free_memory_bytes() -> int | None:
+    """This host's available memory (``MemAvailable`` of ``/proc/meminfo``, else free pages), ``None`` if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def load_file(path: Path, weights_only: bool | None = None) -> Any:

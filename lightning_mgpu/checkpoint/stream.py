@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import struct
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,10 +71,15 @@ def write_torch(out: Path, skeleton: Any, fill: Fill) -> int:
     if len(records) != len(leaves):
         raise RuntimeError(f"{out}: {len(records)} storage records for {len(leaves)} tensors")
     with open(out, "r+b") as file:
-        for leaf, (offset, size) in zip(leaves, records):
-            if size != leaf.nbytes:
-                raise RuntimeError(f"{out}: the record of {leaf.key} holds {size} bytes, the tensor {leaf.nbytes}")
-            _write_at(file, offset, kept[leaf] if leaf in kept else fill(leaf))
+        for leaf, record in zip(leaves, records):
+            if record.size != leaf.nbytes:
+                raise RuntimeError(
+                    f"{out}: the record of {leaf.key} holds {record.size} bytes, the tensor {leaf.nbytes}"
+                )
+            data = _bytes(kept[leaf] if leaf in kept else fill(leaf))
+            file.seek(record.offset)
+            file.write(data)
+            _set_crc(file, record, zlib.crc32(data))
     return len(leaves)
 
 
@@ -125,27 +131,59 @@ def _replace_leaves(value: Any, found: list[Leaf], make: Callable[[Leaf], Any]) 
     return value
 
 
-def _storage_records(path: Path) -> list[tuple[int, int]]:
-    """(data offset, size) of each storage record of a torch file (``<archive>/data/<n>``, by ``n``)."""
+@dataclass(frozen=True)
+class _Record:
+    """Where a storage record's bytes and its CRC-32 fields are in a torch file (a zip archive)."""
+
+    offset: int  # of the data
+    size: int
+    central_crc: int  # the CRC field of its central directory entry
+
+
+def _storage_records(path: Path) -> list[_Record]:
+    """The storage records of a torch file (``<archive>/data/<n>``), by ``n``."""
     with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
+        central = _central_crc_offsets(raw, archive.start_dir, len(archive.infolist()))
         records = []
         for info in archive.infolist():
             parts = info.filename.split("/")
             if len(parts) == 3 and parts[1] == "data" and parts[2].isdigit():
                 raw.seek(info.header_offset + 26)
                 name_length, extra_length = struct.unpack("<HH", raw.read(4))
-                records.append((int(parts[2]), info.header_offset + 30 + name_length + extra_length, info.file_size))
-    return [(offset, size) for _, offset, size in sorted(records)]
+                offset = info.header_offset + 30 + name_length + extra_length
+                records.append((int(parts[2]), _Record(offset, info.file_size, central[info.filename])))
+    return [record for _, record in sorted(records, key=lambda item: item[0])]
+
+
+def _central_crc_offsets(raw: Any, start: int, count: int) -> dict[str, int]:
+    """Each entry's CRC field in the zip central directory (at 16 bytes into its 46-byte fixed part)."""
+    found = {}
+    raw.seek(start)
+    for _ in range(count):
+        position = raw.tell()
+        fixed = raw.read(46)
+        name_length, extra_length, comment_length = struct.unpack("<HHH", fixed[28:34])
+        name = raw.read(name_length).decode()
+        raw.seek(extra_length + comment_length, 1)
+        found[name] = position + 16
+    return found
+
+
+def _set_crc(file: Any, record: _Record, crc: int) -> None:
+    """The CRC-32 of the bytes written, where the skeleton's save put the CRC of its empty record: the data
+    descriptor after the data (torch writes one, with its optional signature) and the central directory."""
+    packed = struct.pack("<I", crc)
+    file.seek(record.offset + record.size)
+    signature = file.read(4) == b"PK\x07\x08"
+    file.seek(record.offset + record.size + (4 if signature else 0))
+    file.write(packed)
+    file.seek(record.central_crc)
+    file.write(packed)
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     return memoryview(cast(Any, flat.numpy()))
-
-
-def _write_at(file: Any, offset: int, tensor: torch.Tensor) -> None:
-    file.seek(offset)
-    file.write(_bytes(tensor))
 
 
 def iterate_leaves(value: Any) -> Iterator[Leaf]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def total_grad_norm(
@@ -61,6 +61,23 @@ def clip_grad_norm_(
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
         grad.mul_(coefficient.to(device=grad.device, dtype=grad.dtype))
     return total
+
+
+def clip_grad_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+    """Clamp every gradient to ``[-clip_value, clip_value]`` in place. Elementwise, so each DTensor gradient is
+    clamped on its local shard (torch's ``clip_grad_value_`` runs one foreach call over all gradients, which DTensor
+    refuses when plain and DTensor gradients mix, as under tensor parallelism); a pending (``Partial``) gradient is
+    reduced first, since the clamp of a partial sum is not the clamp of the sum."""
+    for param in parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            if any(placement.is_partial() for placement in grad.placements):
+                placements = [Replicate() if p.is_partial() else p for p in grad.placements]
+                grad = param.grad = grad.redistribute(grad.device_mesh, placements)
+            grad = grad.to_local()
+        grad.clamp_(-clip_value, clip_value)
 
 
 def _combine_across(norm: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:

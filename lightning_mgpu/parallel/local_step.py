@@ -19,6 +19,7 @@ parameter group, the same arithmetic to rounding: ~5x less CPU for AdamW on the 
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -79,6 +80,20 @@ def _fusable(group: dict[str, Any]) -> bool:
     )
 
 
+def install_step(optimizer: Optimizer, step: Callable[..., Any]) -> None:
+    """Make ``step`` the optimizer's ``step``, as a method of the optimizer itself.
+
+    An LR scheduler built after this (Lightning's ``lr_find``, ``StochasticWeightAveraging``'s ``SWALR``, one made in
+    a hook) wraps ``optimizer.step.__func__`` and binds it to the optimizer again: the bound method of a wrapper
+    object would then run with the optimizer as its ``self``.
+    """
+
+    def method(_optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return step(*args, **kwargs)
+
+    optimizer.step = types.MethodType(method, optimizer)  # type: ignore[method-assign]
+
+
 def steps_on_shards(optimizer: Optimizer) -> bool:
     """Whether ``ShardLocalStep`` has work on ``optimizer``: its class is elementwise and it steps DTensors."""
     params = (p for group in optimizer.param_groups for p in group["params"])
@@ -93,7 +108,7 @@ class ShardLocalStep:
         self.optimizer = optimizer
         self._unwrapped_step: Callable[..., Any] = optimizer.step
         self._own_step = vars(optimizer).get("step")  # an instance attribute already there (another wrapper)
-        optimizer.step = self._step  # type: ignore[method-assign]
+        install_step(optimizer, self._step)
 
     def remove(self) -> None:
         if self._own_step is None:

@@ -19,6 +19,7 @@ from lightning_mgpu._compat.lightning import PATH, attached_trainer
 from lightning_mgpu.backends.deepspeed import CHECKPOINT_KEY as DEEPSPEED_KEY
 from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner
 from lightning_mgpu.checkpoint.export import shard_bytes
+from lightning_mgpu.checkpoint.format import LiveModelState
 from lightning_mgpu.layout import PP_AXIS, ParallelLayout
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 
@@ -53,7 +54,7 @@ class CheckpointHooks(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the states go through `checkpoint.Checkpointer.save`
+        return LiveModelState()  # the states go through `checkpoint.Checkpointer.save`, wherever hooks move this
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -55,8 +55,19 @@ class DataParallelCollectives(ParallelStrategy):
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Gather over the data-parallel group by default, one entry per distinct data shard."""
-        return all_gather_ddp_if_available(tensor, group=self._data_parallel_group(group), sync_grads=sync_grads)
+        """Gather over the data-parallel group by default, one entry per distinct data shard.
+
+        ``LightningModule.all_gather`` passes the world group when given none, so the world group is read as the
+        default too: gathered over every rank, tensor and pipeline peers would repeat their data shard's values,
+        and under pipelining only the last stage runs the step's code after the network call, so a world-wide
+        gather waited forever for the other stages. A group of one rank (dp=1) gathers without a collective."""
+        if group is dist.group.WORLD:
+            group = None
+        group = self._data_parallel_group(group)
+        if group is not None and _distributed() and dist.get_world_size(group) == 1:
+            gathered = tensor.unsqueeze(0)  # what the gather returns: (1, ...), detached unless `sync_grads`
+            return gathered if sync_grads else gathered.detach()
+        return all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def barrier(self, name: str | None = None) -> None:

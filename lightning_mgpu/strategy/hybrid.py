@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
 from lightning_mgpu._compat.c10d import default_store
+from lightning_mgpu._compat.dtensor import equal_over_mesh
 from lightning_mgpu._compat.lightning import (
     IS_INTERACTIVE,
     StrategyHooks,
@@ -58,6 +59,7 @@ from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
 from lightning_mgpu.strategy import setup as module_setup
 from lightning_mgpu.strategy.batch import keep_global_batch
+from lightning_mgpu.strategy.callbacks import check_callbacks
 from lightning_mgpu.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_mgpu.strategy.collectives import DataParallelCollectives
 from lightning_mgpu.strategy.layout_choice import agreed_plan, check_options
@@ -149,8 +151,13 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
             recomputed) or a list of module classes to checkpoint in full (default ``False``).
         cpu_offload: With ``zero_stage=3``: keep sharded parameters, gradients and optimizer states in CPU memory
             (default ``False``).
-        checkpoint_format: ``"sharded"`` (default: a ``torch.distributed.checkpoint`` directory written by all
-            ranks, loadable in any layout) or ``"full"`` (one ``torch.save`` file of the plain state dict).
+        checkpoint_format: ``"full"`` (the default without ``async_checkpoint``: one ``torch.save`` file laid out
+            like a single-device Lightning checkpoint, which ``MyModule.load_from_checkpoint(path)`` and
+            ``torch.load`` read; every rank writes its shards, then global rank 0 joins them into the file, and
+            writes the directory instead, with a warning, when the model's and optimizers' states would not fit in
+            half of its free memory) or ``"sharded"`` (the default with ``async_checkpoint``: a
+            ``torch.distributed.checkpoint`` directory written by all ranks, no rank ever holding the whole
+            state; ``lightning-mgpu consolidate`` makes the file). Both load in any layout.
         async_checkpoint: Write sharded checkpoints in the background while training goes on (default ``False``).
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default; torch's
             ``"cpu:gloo,cuda:nccl"`` form is accepted; unknown or unavailable backends are refused.
@@ -225,7 +232,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
         pipeline_split: str | list[str] = "auto",
         activation_checkpointing: bool | str | list[type] = False,
         cpu_offload: bool = False,
-        checkpoint_format: str = "sharded",
+        checkpoint_format: str | None = None,
         async_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | int | float | None = default_pg_timeout,
@@ -251,6 +258,8 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
         # the Trainer is built (`set_world_ranks`, the `precision_plugin` setter), still in the launching process.
         self._requested_sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage)
         self._context_parallel_size = context_parallel_size
+        if checkpoint_format is None:  # a background save writes the shards; a file is joined on one rank after
+            checkpoint_format = "sharded" if async_checkpoint else "full"
         ParallelLayout.resolve(
             minimum_world_size(*self._requested_sizes[:3], context_parallel_size),
             *self._requested_sizes,
@@ -410,6 +419,9 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
         assert self.model is not None
         assert self.accelerator is not None
         assert self.lightning_module is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by the Trainer, not declared
+            check_callbacks(callbacks, self.layout, self.options)
         self.accelerator.setup(trainer)
         fully_sharded = self.layout.zero_stage == 3 and self._deepspeed is None
         self.precision_plugin.float8_all_gather = fully_sharded and self.precision_plugin.precision == "fp8-mixed"
@@ -436,8 +448,10 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
             )
             self._fill_weights(module, weights)
             self.model = self._runner
+            module_setup.name_fsdp_roots(self._data_parallel_roots)
             if self._snapshot is not None:
                 self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains
+        self._patches.add_process_wide(equal_over_mesh())  # torch.equal of DTensors: no world-wide collective
         reduce_metrics_over(self.lightning_module, self._reduce_group, self._patches)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -508,6 +522,11 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
         pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
         if self._interrupted and self.layout.zero_stage >= 2:  # only sharded groups can be left unsharded
             module_setup.reshard(self._data_parallel_roots)
+        else:
+            # A run that ended with an evaluation (validation at the epoch's end) left FSDP2's root groups gathered
+            # (ZeRO-2/3, and FSDP2's replicate beside tp or pp): the module then held the gathered copies, not the
+            # parameters the optimizers step and point at.
+            module_setup.shard_gathered(self._data_parallel_roots)
         restore_plain(snapshot, list(self.optimizers), self._patches, pp_group)
         self.model, self._runner, self._pipeline, self._context = self.lightning_module, None, None, None
         gc.collect()  # DDP's reducer (its autograd hooks on the parameters) goes with the step runner

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
+from lightning_mgpu._compat.fsdp import init_fsdp_root, reshard_fsdp
 from lightning_mgpu.layout import CP_AXIS, PP_AXIS, ParallelLayout, zero_shard_mesh
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import StepRunner, parallelize
@@ -147,14 +148,23 @@ def reshard(roots: list[nn.Module]) -> None:
     shard_gathered(roots)
 
 
+def name_fsdp_roots(roots: list[nn.Module]) -> None:
+    """Each data-parallel root FSDP's root before anything runs: a submodule the user calls outside the step first
+    (PPO's rollouts in its data loader, a callback sampling before training) would otherwise become a root of its
+    own, and the step's forward be refused. Once the parameters hold their values."""
+    for root in roots:
+        init_fsdp_root(root)
+
+
 def shard_gathered(roots: list[nn.Module]) -> None:
     """FSDP groups that keep their parameters gathered after a forward (the root's embeddings, norms and head; every
-    group at ZeRO-2) sharded again, e.g. after ``trainer.validate``: a ``fit`` that reuses the parallel module then
-    builds its optimizers on the sharded parameters, not on gathered copies that FSDP never reads or updates."""
+    group at ZeRO-2; FSDP2's replicate; a pipeline stage's last block, whose forward ends the stage by raising)
+    sharded again, e.g. after ``trainer.validate``: a ``fit`` that reuses the parallel module then builds its
+    optimizers on the sharded parameters, not on gathered copies that FSDP never reads or updates, and the module
+    given back at teardown is the one the optimizers point at."""
     for root in roots:
         for sub in root.modules():
-            if isinstance(sub, FSDPModule):
-                sub.reshard()
+            reshard_fsdp(sub)
 
 
 def wire_optimizers(

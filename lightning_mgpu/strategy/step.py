@@ -21,7 +21,7 @@ from lightning_mgpu.parallel.data import finish_backward, prepare_backward, set_
 from lightning_mgpu.parallel.local_step import fused_on_cpu
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
-from lightning_mgpu.strategy.setup import data_parallel_roots
+from lightning_mgpu.strategy.setup import data_parallel_roots, shard_gathered
 from lightning_mgpu.strategy.weights import check_first_loss
 
 if TYPE_CHECKING:
@@ -81,6 +81,21 @@ class StepHooks(ParallelStrategy):
             return self._step("predict_step", *args, **kwargs)
 
     @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        _shard_after_evaluation(self._data_parallel_roots)
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        _shard_after_evaluation(self._data_parallel_roots)
+
+    @override
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        _shard_after_evaluation(self._data_parallel_roots)
+
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is not None:
             # The schedule already ran backward inside `training_step`; callbacks still get on_after_backward.
@@ -128,6 +143,14 @@ class StepHooks(ParallelStrategy):
                 set_gradient_sync(root, True)
             if self._pipeline is not None:
                 self._pipeline.sync_gradients = True
+
+
+def _shard_after_evaluation(roots: list[nn.Module]) -> None:
+    """An evaluation loop's forwards leave FSDP2 groups that reshard only after backward (ZeRO-2, the root's
+    embeddings and head at ZeRO-3, FSDP2's replicate) gathered: the module then holds gathered copies, not the
+    sharded parameters the optimizers point at, and callbacks that compare the two between epochs
+    (``BaseFinetuning``'s unfreezing) met plain tensors beside DTensors. Sharded again, as before the loop."""
+    shard_gathered(roots)
 
 
 def step_context(layout: ParallelLayout, options: ParallelOptions, method_name: str) -> AbstractContextManager:

@@ -101,6 +101,15 @@ def test_tensor_helpers():
     doubled = tensors.tree_map(lambda x: x * 2 if torch.is_tensor(x) else x, nested)
     _expect(doubled["a"][0].item() == 2.0 and doubled["a"][1][1] == 3, "torch.utils._pytree.tree_map", "torch", "")
 
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(2))
+    model.register_buffer("mask", torch.ones(2), persistent=False)
+    _expect(
+        tensors.persistent_buffer_names(model) == ["0.running_mean", "0.running_var", "0.num_batches_tracked"],
+        "nn.Module._non_persistent_buffers_set",
+        "torch",
+        str(tensors.persistent_buffer_names(model)),
+    )
+
     source, holder = torch.nn.Linear(2, 2), torch.nn.Module()
     tensors.share_parameter_slots(holder, source)
     replacement = torch.nn.Parameter(torch.zeros(2, 2))
@@ -377,6 +386,8 @@ def _distributed_contract() -> dict:
     fsdp.replicate_with_fsdp(shared, mesh=mesh)
     out["fsdp"] = (fsdp.is_ddp_replicated(ddp), not fsdp.is_ddp_replicated(shared), isinstance(shared.weight, DTensor))
     out["unapply"] = [_reapplies(mesh, forget) for forget in (False, True)]
+    out["root"] = [_root_named_first(mesh, name) for name in (False, True)]
+    out["reshard"] = [_resharded_after_a_raised_forward(mesh, helper) for helper in (False, True)]
     out["prepare"] = []
     for find_unused in (True, False):  # manual optimization: the backward runs inside the replicated module's forward
         inside = _BackwardInside(use_spare=not find_unused)
@@ -468,6 +479,53 @@ class _BackwardInside(nn.Module):
         return loss
 
 
+def _root_named_first(mesh, name: bool) -> bool:
+    """A unit's own forward before its root's: refused by FSDP2 unless ``init_fsdp_root`` named the root first."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if name:
+        fsdp.init_fsdp_root(model)
+    with torch.no_grad():
+        model[0](torch.ones(1, 2))
+    try:
+        model(torch.ones(1, 2)).sum().backward()
+    except RuntimeError as error:
+        return "already been lazily initialized" not in str(error)
+    return True
+
+
+def _resharded_after_a_raised_forward(mesh, helper: bool) -> bool:
+    """A forward left by an exception (a pipeline stage's end) keeps FSDP2's group gathered through ``reshard()``;
+    ``reshard_fsdp`` registers the sharded parameters again."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    class Stop(Exception):
+        pass
+
+    model = nn.Linear(2, 2)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    run = model.forward
+
+    def raising(x):
+        run(x)
+        raise Stop
+
+    model.forward = raising
+    try:
+        model(torch.ones(1, 2))
+    except Stop:
+        pass
+    if helper:
+        fsdp.reshard_fsdp(model)
+    else:
+        model.reshard()
+    return isinstance(model.weight, DTensor)
+
+
 def _reapplies(mesh, forget: bool) -> bool:
     """``fully_shard`` applies again to a module put back by hand, with its composable state forgotten or not."""
     from torch.distributed.fsdp import fully_shard
@@ -512,6 +570,18 @@ def test_distributed_shims_in_a_process_group():
         "_composable_state._module_state_mapping",
         "torch",
         f"fully_shard applied again without/with forgetting: {out['unapply']}",
+    )
+    _expect(
+        out["reshard"] == [False, True],
+        "FSDPParamGroup._training_state",
+        "torch",
+        f"sharded again after a raised forward, by reshard()/reshard_fsdp: {out['reshard']}",
+    )
+    _expect(
+        out["root"] == [False, True],
+        "FSDPState._lazy_init",
+        "torch",
+        f"a unit's forward before the root's, without/with the root named first: {out['root']}",
     )
     _expect(
         all(out["c10d"]), "_functional_collectives/_resolve_group_name/schedules._batch_p2p", "torch", str(out["c10d"])

@@ -119,6 +119,9 @@ def _run(devices: int, runs: list[dict[str, Any]]) -> list[RunResult]:
     return [RunResult(o["losses"], o["state_dict"], o["extra"]) for o in outputs[0]]
 
 
+SHARDED = {"checkpoint_format": "sharded"}
+
+
 def _ds(stage: int, **kwargs: Any) -> dict[str, Any]:
     return {"zero_backend": "deepspeed", "zero_stage": stage, **kwargs}
 
@@ -370,11 +373,22 @@ def test_checkpoints_cross_backends_and_resume_exactly(tmp_path, references, sta
     results = _run(
         DP,
         [
-            {"model": model, "strategy": _ds(2), "steps": half, "callbacks": _saving_at(half, ds_ckpt)},
+            # Sharded (directories): each rank's pieces are checked below; the default format is one file.
+            {
+                "model": model,
+                "strategy": _ds(2, checkpoint_format="sharded"),
+                "steps": half,
+                "callbacks": _saving_at(half, ds_ckpt),
+            },
             {"model": model, "strategy": {"zero_stage": 3}, "fit": {"ckpt_path": ds_ckpt}},
             {"model": model, "strategy": {"zero_stage": 1}, "steps": half, "after_fit": _save_to(torch_ckpt)},
             {"model": model, "strategy": _ds(3), "fit": {"ckpt_path": torch_ckpt}},
-            {"model": model, "strategy": _ds(3), "steps": half, "callbacks": _saving_at(half, ds3_ckpt)},
+            {
+                "model": model,
+                "strategy": _ds(3, checkpoint_format="sharded"),
+                "steps": half,
+                "callbacks": _saving_at(half, ds3_ckpt),
+            },
             {"model": model, "strategy": {"zero_stage": 2}, "fit": {"ckpt_path": ds3_ckpt}},
             {"model": model, "strategy": _ds(2), "fit": {"ckpt_path": ds_ckpt}},
         ],

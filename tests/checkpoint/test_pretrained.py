@@ -134,7 +134,8 @@ def _save_source(checkpoint: str, path: str, kind: str) -> None:
 
     from lightning_mgpu import HybridStrategy
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(), max_steps=0, logger=False)
+    strategy = HybridStrategy(checkpoint_format="sharded")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=0, logger=False)
     trainer.fit(module, _tokens(GLOBAL_BATCH))
     trainer.save_checkpoint(path)
 

@@ -42,7 +42,8 @@ class _Llama(L.LightningModule):
 def _save(directory: str) -> str:
     from lightning_mgpu import HybridStrategy
 
-    trainer = L.Trainer(devices=1, strategy=HybridStrategy(), max_steps=1, enable_checkpointing=False, **QUIET)
+    strategy = HybridStrategy(checkpoint_format="sharded")
+    trainer = L.Trainer(devices=1, strategy=strategy, max_steps=1, enable_checkpointing=False, **QUIET)
     trainer.fit(_Llama(), RandomTokenDataModule(vocab_size=2000, batch_size=1, num_samples=2, seq_len=8))
     path = f"{directory}/sharded.ckpt"
     trainer.save_checkpoint(path)

@@ -22,9 +22,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_mgpu._compat.fsdp import is_ddp_replicated, prepare_ddp_backward, skip_ddp_post_forward_reduction
+from lightning_mgpu._compat.tensors import tree_leaves
 
 # Containers a step indexes into rather than calls: their children are the units.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
@@ -68,6 +70,40 @@ def called_units(module: nn.Module, units: Iterable[Any], zero_stage: int) -> li
             " use automatic optimization (return the loss from training_step)."
         )
     return [unit[0] if len(unit) == 1 else unit for unit in found]
+
+
+def refuse_outputs_fsdp_cannot_follow(module: nn.Module, units: Iterable[Any], zero_stage: int) -> None:
+    """Each called unit's forward (with gradients on) must return a tensor FSDP2 can follow into backward: its
+    pre-backward gathers the parameters again (ZeRO-3 freed them after the forward) and its post-backward
+    reduces their gradients and reshards them. A unit returning only other objects (PPO's actor returns a
+    ``torch.distributions`` object, which holds its tensors inside) crashed in backward at ZeRO-3 and silently
+    trained its forward on stale gathered parameters with unreduced gradients at ZeRO-2: refused at its first
+    forward instead, saying what to change."""
+    names = {sub: name for name, sub in module.named_modules()}
+    parts = [part for unit in units for part in (unit if isinstance(unit, list) else [unit])]
+    for part in parts:
+
+        def check(sub: nn.Module, args: Any, output: Any, name: str = names.get(part, type(part).__name__)) -> None:
+            if not torch.is_grad_enabled() or not any(p.requires_grad for p in sub.parameters()):
+                return
+            if any(torch.is_tensor(leaf) and leaf.requires_grad for leaf in tree_leaves(output)):
+                return
+            raise ValueError(
+                f"Under manual optimization data parallelism at zero_stage={zero_stage} makes each submodule a step"
+                " calls an FSDP2 unit, which gathers its parameters for the forward and reduces their gradients in"
+                f" the backward of its output's tensors; {name} returned {_kinds(output)}, no tensor that needs a"
+                " gradient (a torch.distributions object holds its tensors inside), so its gradients would not be"
+                f" reduced nor its parameters gathered again for backward. Return tensors from {name} (e.g. the"
+                " logits, building the distribution outside it), or use zero_stage=0 or 1."
+            )
+
+        part.register_forward_hook(check)
+
+
+def _kinds(output: Any) -> str:
+    if isinstance(output, (tuple, list)):
+        return f"{type(output).__name__}({', '.join(type(item).__name__ for item in output)})"
+    return type(output).__name__
 
 
 def reduce_in_step_only(root: nn.Module) -> None:

@@ -37,9 +37,11 @@ from torch.optim import Optimizer
 from lightning_mgpu._compat.dtensor import is_strided_shard
 from lightning_mgpu._compat.fsdp import is_ddp_replicated, replicate_ddp, replicate_with_fsdp
 from lightning_mgpu.parallel.blocks import find_blocks
+from lightning_mgpu.parallel.data.buffers import broadcast_buffers_like_ddp, note_gradient_sync
 from lightning_mgpu.parallel.data.gloo_comms import use_gloo_comms
-from lightning_mgpu.parallel.data.manual import called_units, reduce_in_step_only
+from lightning_mgpu.parallel.data.manual import called_units, reduce_in_step_only, refuse_outputs_fsdp_cannot_follow
 from lightning_mgpu.parallel.data.unused_params import watch_trainable, watch_unused_parameters
+from lightning_mgpu.parallel.local_step import install_step
 
 if TYPE_CHECKING:
     from lightning_mgpu.patches import PatchLog
@@ -96,6 +98,7 @@ def apply_data_parallel(
         _replicate_with_ddp(root, dp_mesh, owner_reduce, find_unused_parameters)
         if manual_optimization:
             reduce_in_step_only(root)
+        broadcast_buffers_like_ddp(root, dp_mesh.get_group())
         return
     wrap: Callable[..., Any]
     if zero_stage <= 1:
@@ -114,7 +117,9 @@ def apply_data_parallel(
         # are freed as a whole).
         units = _bucketed(units, UNIT_BYTES)
     if manual_optimization:
-        units = [*units, *called_units(module, units, zero_stage)]
+        called = called_units(module, units, zero_stage)
+        refuse_outputs_fsdp_cannot_follow(module, called, zero_stage)
+        units = [*units, *called]
     for unit in units:
         wrap(unit, **kwargs)
     if zero_stage >= 2:
@@ -123,6 +128,7 @@ def apply_data_parallel(
     wrap(root, **kwargs)
     for unit in [*units, root] if zero_stage >= 2 else ():
         use_gloo_comms(unit)  # on gloo: an all-to-all reduce-scatter, a broadcast all-gather
+    broadcast_buffers_like_ddp(root, dp_mesh.get_group())
 
 
 UNIT_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
@@ -193,6 +199,7 @@ def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     """Turn gradient reduction on or off, e.g. off on the non-final micro-steps of gradient accumulation."""
     from torch.distributed.fsdp import FSDPModule
 
+    note_gradient_sync(module, enabled)
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled, recurse=True)
     elif is_ddp_replicated(module):
@@ -237,7 +244,7 @@ class OptimizerStateSharding:
         self.owned_by = _balance(params, dp_mesh.size())
         self._by_owner = [[p for p, o in self.owned_by.items() if o == owner] for owner in range(dp_mesh.size())]
         self._unwrapped_step = optimizer.step
-        optimizer.step = self._step  # type: ignore[method-assign]
+        install_step(optimizer, self._step)
         # DDP roots reduce each gradient to its owner only; the clip then sums the owners' norms over the group.
         self._owner_reduces = [reduce for root in roots if (reduce := _owner_reduce_of(root)) is not None]
         self._precision_plugin = precision_plugin if self._owner_reduces else None

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_mgpu._compat.tensors import tree_map
+from lightning_mgpu.parallel.data.buffers import once_per_step
 from lightning_mgpu.parallel.pipeline.capture import StepCapture
 from lightning_mgpu.parallel.pipeline.microbatches import (
     MicrobatchPlan,
@@ -113,9 +114,10 @@ class PipelineEngine:
         losses: list = []
         schedule = self.schedules.get(plan, microbatches[0], training=True)
         try:
-            schedule.step(
-                *self._stage_inputs(plan.count), **self._targets(plan.count), losses=losses, return_outputs=False
-            )
+            with once_per_step(self.runtime.stages):
+                schedule.step(
+                    *self._stage_inputs(plan.count), **self._targets(plan.count), losses=losses, return_outputs=False
+                )
         finally:
             self._training = None
         if self.sync_gradients and self.runtime.tied_gradients:
