@@ -113,9 +113,11 @@ class ParallelLayout:
                 fixed *= value  # type: ignore[assignment]
         if absorber is not None:
             if world_size % fixed:
+                named = " x ".join(f"{name}={value}" for name, value in sizes.items() if name != absorber)
                 raise ValueError(
                     f"The fixed parallel sizes multiply to {fixed}, which does not divide the world size {world_size}"
-                    f" (devices x num_nodes). Choose sizes whose product divides {world_size}: {divisors(world_size)}."
+                    f" (devices x num_nodes): {named}. Choose sizes whose product divides {world_size}:"
+                    f" {divisors(world_size)}."
                 )
             sizes[absorber] = world_size // fixed
         layout = cls(zero_stage=zero_stage, context_parallel_size=cp, **sizes)  # type: ignore[arg-type]
@@ -224,19 +226,27 @@ def warn_about_layout(layout: ParallelLayout, devices_per_node: int, num_nodes: 
     """
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+    for warning in layout_warnings(layout, devices_per_node, num_nodes, wrapped):
+        rank_zero_warn(warning)
+
+
+def layout_warnings(layout: ParallelLayout, devices_per_node: int, num_nodes: int, wrapped: bool = False) -> list[str]:
+    """What :func:`warn_about_layout` says about ``layout`` (the planner prints it beside a plan)."""
+    found = []
     if layout.zero_stage and layout.data_parallel_size == 1 and not wrapped:
-        rank_zero_warn(
+        found.append(
             f"zero_stage={layout.zero_stage} shards over data-parallel ranks, but data_parallel_size=1"
             f" ({layout.describe()}): nothing is sharded and training runs as with zero_stage=0. Give data"
             " parallelism more devices, or set zero_stage=0."
         )
     tp = layout.tensor_parallel_size
     if num_nodes > 1 and devices_per_node % tp:
-        rank_zero_warn(
+        found.append(
             f"tensor_parallel_size={tp} does not divide the {devices_per_node} devices of a node, so some"
             " tensor-parallel groups span nodes and their per-layer collectives cross the network. Choose a"
             f" tensor_parallel_size that divides {devices_per_node} to keep them within a node."
         )
+    return found
 
 
 def _check_zero_stage(zero_stage: object, allow_auto: bool = False) -> None:

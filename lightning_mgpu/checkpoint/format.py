@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import shutil
 import warnings
 import zipfile
@@ -293,8 +294,29 @@ def load_file(path: Path, weights_only: bool | None = None) -> Any:
             if "mmap" not in str(error):
                 raise
             return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(_unpickling_problem(path, error, weights_only)) from error
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as error:
         raise CheckpointError(f"{path} could not be read, it is truncated or corrupt: {error}") from error
+
+
+def _unpickling_problem(path: Path, error: Exception, weights_only: bool | None) -> str:
+    """Why ``torch.load`` refused ``path``: not a torch file at all, or one holding objects weights-only loading
+    refuses (which the user may allow for a file they trust)."""
+    with open(path, "rb") as file:
+        head = file.read(2)
+    if not zipfile.is_zipfile(path) and head[:1] != b"\x80":  # neither torch's zip format nor a pickle
+        return (
+            f"{path} is not a checkpoint (torch.load cannot read it). Give a sharded checkpoint directory or a file"
+            " written by torch.save or Trainer.save_checkpoint."
+        )
+    if weights_only is not False:
+        reason = (str(error).strip().splitlines() or [""])[-1]
+        return (
+            f"{path} holds objects that weights-only loading refuses ({reason}). If you trust the file, load it with"
+            " weights_only=False (the command line's --trust)."
+        )
+    return f"{path} could not be unpickled, it is truncated or corrupt: {error}"
 
 
 def read_metadata(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
