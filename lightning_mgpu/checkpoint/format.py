@@ -26,6 +26,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import warnings
 import zipfile
@@ -186,6 +187,21 @@ def _manifest_expected(path: Path) -> bool:
         return False
 
 
+# How Lightning's ModelParallelStrategy and FSDPStrategy name a sharded checkpoint's entries (``lightning_dirs.py``
+# reads them): optimizers as ``optimizer_<i>.state...``/``optimizer_<i>.param_groups...``, FSDPStrategy's model as
+# ``model.<fqn>`` (ModelParallelStrategy's as ours).
+LIGHTNING_OPTIMIZER = re.compile(r"^optimizer_(\d+)\.(state|param_groups)\.(.+)$")
+FSDP_MODEL_PREFIX = "model."
+
+
+def written_by_lightning(index: dict[str, Any]) -> bool:
+    """Whether a DCP index (``state_dict_metadata``) is that of a Lightning strategy's sharded checkpoint."""
+    if any(LIGHTNING_OPTIMIZER.match(key) for key in index):
+        return True
+    ours = any(key.startswith(f"{MODEL_KEY}.") for key in index)
+    return not ours and any(key.startswith(FSDP_MODEL_PREFIX) for key in index)
+
+
 def verify(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
     """Recompute the checksums of a checkpoint's files (of this rank's share of them); return what is damaged.
 
@@ -200,10 +216,7 @@ def verify(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
         return [str(error)]
     if records is None:
         if rank == 0:
-            warnings.warn(
-                f"{path} has no {MANIFEST_FILE} (saved by an earlier version): its files are not verified.",
-                stacklevel=2,
-            )
+            warnings.warn(f"{path} {_unverified_because(path)}: its files are not verified.", stacklevel=2)
         return []
     problems = []
     for name in sorted(records)[rank::world_size]:
@@ -248,6 +261,21 @@ def check_intact(path: Path) -> None:
         raise CheckpointError(damage_report(problems))
 
 
+def _written_by_deepspeed(path: Path) -> bool:
+    """DeepSpeed's checkpoint layout: a ``latest`` tag file beside ``<tag>/mp_rank_00_model_states.pt``."""
+    return (path / "latest").is_file() or any(path.glob("*/mp_rank_*_model_states.pt"))
+
+
+def _unverified_because(path: Path) -> str:
+    try:
+        by_lightning = written_by_lightning(FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception:  # an unreadable index: check_sharded names it
+        by_lightning = False
+    if by_lightning:
+        return "was written by a Lightning strategy (ModelParallelStrategy, FSDPStrategy), which records no checksums"
+    return f"has no {MANIFEST_FILE} (saved by an earlier version)"
+
+
 def damage_report(problems: list[str]) -> str:
     """One message for the damage found (the first problem in full), saying that nothing was loaded."""
     more = f" (and {len(problems) - 1} more: {', '.join(problems[1:3])})" if len(problems) > 1 else ""
@@ -256,6 +284,14 @@ def damage_report(problems: list[str]) -> str:
 
 def check_sharded(path: Path) -> Metadata:
     """Check that every file a sharded checkpoint needs is there and long enough; return DCP's index."""
+    if not (path / DCP_INDEX).is_file() and _written_by_deepspeed(path):
+        raise CheckpointError(
+            f"{path} is a DeepSpeed checkpoint (Lightning's DeepSpeedStrategy writes them), which HybridStrategy"
+            " does not read (its zero_backend='deepspeed' writes this package's format). Convert its weights to one"
+            " file with Lightning's `lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict("
+            "checkpoint_dir, 'weights.ckpt')` and start from it with HybridStrategy(pretrained='weights.ckpt'); its"
+            " optimizer states do not carry over."
+        )
     problems = []
     if not (path / METADATA_FILE).is_file():
         problems.append(f"{METADATA_FILE} (the trainer state, written by global rank 0 after the shards)")

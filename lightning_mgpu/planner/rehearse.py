@@ -87,12 +87,7 @@ def positions(layout: ParallelLayout, expert_parallel_size: int = 1) -> list[int
 
 def coordinate(layout: ParallelLayout, rank: int) -> dict[str, int]:
     """``{"pp": ..., "dp": ..., "tp": ...}`` (and ``"cp"``) of a global rank in the ``(pp, dp, [cp,] tp)`` mesh."""
-    place: dict[str, int] = {}
-    rest = rank
-    for name, size in reversed(list(zip(layout.mesh_axes, layout.mesh_shape))):
-        place[name] = rest % size
-        rest //= size
-    return dict(reversed(list(place.items())))
+    return layout.coordinates(rank)
 
 
 def rehearse(

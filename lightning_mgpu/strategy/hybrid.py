@@ -48,7 +48,15 @@ from lightning_mgpu.launch import (
     restore_sigterm,
     warn_about_restarts,
 )
-from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, gradient_mesh, minimum_world_size
+from lightning_mgpu.layout import (
+    DP_AXIS,
+    PP_AXIS,
+    ModuleMesh,
+    ParallelLayout,
+    Size,
+    gradient_mesh,
+    minimum_world_size,
+)
 from lightning_mgpu.layout_checks import check_options
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
@@ -379,9 +387,9 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Dat
             shape = self.layout.mesh_shape
             describe = functools.partial(coordinates, mesh_shape=shape)
             self._heartbeat = Heartbeat(default_store(), self.global_rank, self.world_size, beat, describe).start()
-        # A user's `configure_model` may read `self.device_mesh`, as with Lightning's ModelParallelStrategy.
+        # A user's `configure_model` may read `self.device_mesh`, by its names or Lightning's ModelParallelStrategy's.
         if self.lightning_module is not None:
-            set_device_mesh(self.lightning_module, self._device_mesh)
+            set_device_mesh(self.lightning_module, ModuleMesh(self._device_mesh))
 
     @property
     def plan(self) -> planner_auto.StrategyPlan | None:
