@@ -12,6 +12,7 @@ every setting the prediction assumes.
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 from lightning_mgpu.layout import ParallelLayout, layout_warnings
@@ -115,13 +116,13 @@ def sharded_sizes(model: ModelSpec, layout: Layout) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------- what to paste
 def strategy_call(layout: Layout, training: Training) -> str:
     """``HybridStrategy(...)`` for the layout, one argument a line."""
-    lines = [f"    {name}={value!r}," for name, value in strategy_kwargs(layout, training).items()]
+    lines = [f"    {name}={_python(value)}," for name, value in strategy_kwargs(layout, training).items()]
     return "HybridStrategy(\n" + "\n".join(lines) + "\n)"
 
 
 def python_recipe(layout: Layout, cluster: ClusterSpec, training: Training) -> str:
     """The Trainer with the strategy, ready to paste, and the DataLoader batch size it expects."""
-    trainer = ", ".join(f"{name}={value!r}" for name, value in trainer_kwargs(layout, cluster, training).items())
+    trainer = ", ".join(f"{name}={_python(value)}" for name, value in trainer_kwargs(layout, cluster, training).items())
     return (
         "import lightning as L\nfrom lightning_mgpu import HybridStrategy\n\n"
         f"strategy = {strategy_call(layout, training)}\n"
@@ -144,6 +145,11 @@ def cli_yaml(layout: Layout, cluster: ClusterSpec, training: Training) -> str:
 
 def _accumulation(layout: Layout, training: Training) -> int:
     return training.global_batch // (layout.dp * layout.loader_batch_size)
+
+
+def _python(value: Any) -> str:
+    """A literal as the docs write them (double-quoted strings)."""
+    return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
 def _yaml(value: Any) -> str:

@@ -177,3 +177,28 @@ def test_a_bad_input_as_a_fresh_process_prints_no_traceback(argv):
     assert result.returncode in (1, 2), result.stderr[-2000:]
     assert "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith("lightning-mgpu"), result.stderr[-2000:]
+
+
+def test_a_missing_optional_package_is_named_with_its_extra(monkeypatch, capsys):
+    """The rehearsal examples need transformers: without it the message names `lightning-mgpu[examples]`."""
+    import lightning_mgpu.cli.plan  # noqa: F401 - Lightning and torchmetrics first (torchmetrics imports transformers)
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "examples.rehearse.llama", raising=False)
+    assert main(["plan", "--module", "examples.rehearse.llama:LlamaLM"]) == 2
+    assert "needs the 'transformers' package, which is not installed: pip install 'lightning-mgpu[examples]'" in (
+        capsys.readouterr().err
+    )
+
+
+def test_the_strategy_names_are_registered_when_lightning_comes_after_the_package():
+    """``import lightning_mgpu`` loads nothing heavy; Lightning imported afterwards still knows "hybrid_zero2"."""
+    script = (
+        "import sys, lightning_mgpu\n"
+        "assert 'torch' not in sys.modules\n"
+        "import lightning as L\n"
+        "trainer = L.Trainer(strategy='hybrid_zero2', accelerator='cpu', devices=2, logger=False)\n"
+        "print(type(trainer.strategy).__name__, trainer.strategy.layout.zero_stage)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.stdout.strip().endswith("HybridStrategy 2"), result.stderr[-2000:]
