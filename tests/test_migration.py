@@ -15,6 +15,7 @@ naming the one-time conversion, which the test then runs. The ModelParallelStrat
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -206,8 +207,8 @@ def test_fsdp_strategys_entry_names_are_read_too(saved, tmp_path):
     _assert_continues(run_distributed(_resume, 2, tmp_path / "fsdp", {"zero_stage": 2})[0], reference)
 
 
-def test_a_module_sharding_itself_is_refused_where_that_cannot_work():
-    """``fully_shard`` in configure_model with another ZeRO stage, a pipeline, or part of the module left out."""
+def _sharding_refusals() -> list[str]:
+    """In a forked process (the fake process group leaves state that later forks would inherit)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -216,17 +217,24 @@ def test_a_module_sharding_itself_is_refused_where_that_cannot_work():
     from lightning_mgpu.parallel.data import sharded_by_user
 
     dist.init_process_group("fake", rank=0, world_size=2, store=fake_store())
-    try:
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-        whole, part = GPTLightningModule(**GPT), GPTLightningModule(**GPT)
-        fully_shard(whole.model, mesh=mesh)
-        fully_shard(part.model.transformer.h[0], mesh=mesh)
-        assert sharded_by_user(whole, 3, 1) and not sharded_by_user(GPTLightningModule(**GPT), 0, 1)
-        with pytest.raises(ValueError, match=r"applied fully_shard .* itself, but zero_stage=1\. Set zero_stage=3"):
-            sharded_by_user(whole, 1, 1)
-        with pytest.raises(NotImplementedError, match=r"pipeline_parallel_size=2 splits the module"):
-            sharded_by_user(whole, 3, 2)
-        with pytest.raises(ValueError, match=r"to part of the module only: \['model.transformer.wte.weight'"):
-            sharded_by_user(part, 3, 1)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    whole, part = GPTLightningModule(**GPT), GPTLightningModule(**GPT)
+    fully_shard(whole.model, mesh=mesh)
+    fully_shard(part.model.transformer.h[0], mesh=mesh)
+    assert sharded_by_user(whole, 3, 1) and not sharded_by_user(GPTLightningModule(**GPT), 0, 1)
+    said = []
+    for module, zero, pp in ((whole, 1, 1), (whole, 3, 2), (part, 3, 1)):
+        try:
+            sharded_by_user(module, zero, pp)
+            said.append("no error")
+        except (ValueError, NotImplementedError) as error:
+            said.append(str(error))
+    return said
+
+
+def test_a_module_sharding_itself_is_refused_where_that_cannot_work():
+    """``fully_shard`` in configure_model with another ZeRO stage, a pipeline, or part of the module left out."""
+    other_stage, pipeline, part = run_distributed(_sharding_refusals, 1)[0]
+    assert re.search(r"applied fully_shard .* itself, but zero_stage=1\. Set zero_stage=3", other_stage)
+    assert "pipeline_parallel_size=2 splits the module" in pipeline
+    assert "to part of the module only: ['model.transformer.wte.weight'" in part

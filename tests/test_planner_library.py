@@ -5,13 +5,15 @@ Over a grid of models (heads, key/value heads, layers, vocabulary, experts) and 
 printed ``HybridStrategy(...)`` call is evaluated and given to a ``Trainer`` (the checks of the launching process),
 the strategy it built compared with the ranked layout, and the strategy's own setup run on the real module (built
 on the meta device, on torch's fake process group: ``planner.rehearse.rehearse_rank``) for its first and last
-ranks, where setup checks the module (sharded sizes, the pipeline cut, the experts).
+ranks, where setup checks the module (sharded sizes, the pipeline cut, the experts). The setups run in a forked
+process per case: a fake process group leaves state behind that later forked jobs of this worker would inherit.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import lightning as L
 import pytest
@@ -24,6 +26,7 @@ from lightning_mgpu.demo import GPTLightningModule
 from lightning_mgpu.parallel import pipeline
 from lightning_mgpu.planner import Training, build_on_meta, parse_fix, preset, recipe, search, spec_from_module
 from lightning_mgpu.planner.rehearse import rehearse_rank
+from tests.helpers.distributed import run_distributed
 from tests.helpers.tiers import case
 
 
@@ -65,10 +68,11 @@ def _built(layout, cluster, training) -> L.Trainer:
     )
 
 
-def _assert_runs_as_ranked(name: str, layout, cluster, training) -> None:
+def _assert_runs_as_ranked(layout, cluster, training) -> tuple[ParallelLayout, Any]:
+    """The printed call builds the ranked layout; returns what the strategy's setup is to run with."""
     trainer = _built(layout, cluster, training)
     strategy = trainer.strategy
-    assert strategy.layout == ParallelLayout(layout.dp, layout.tp, layout.pp, layout.zero_stage, layout.cp), name
+    assert strategy.layout == ParallelLayout(layout.dp, layout.tp, layout.pp, layout.zero_stage, layout.cp)
     options = strategy.options
     assert options.global_batch_size == training.global_batch
     assert options.activation_checkpointing == {"none": False}.get(layout.checkpointing, layout.checkpointing)
@@ -80,9 +84,21 @@ def _assert_runs_as_ranked(name: str, layout, cluster, training) -> None:
     block = yaml.safe_load(recipe.cli_yaml(layout, cluster, training))["trainer"]
     assert block["strategy"]["init_args"] == recipe.strategy_kwargs(layout, training)
     assert trainer.num_devices * trainer.num_nodes == layout.world_size
+    return strategy.layout, options
+
+
+def _set_up_each(name: str, runs: list[tuple[ParallelLayout, Any]]) -> list[str]:
+    """In a forked process: the strategy's setup of the real module for the first and last rank of each run (they
+    hold the embedding and the head); what it refuses, by layout."""
     cls, kwargs = MODELS[name]
-    for rank in sorted({0, layout.world_size - 1}):  # the first and the last stage hold the embedding and the head
-        rehearse_rank(lambda: cls(**kwargs), strategy.layout, options, rank)  # raises what setup would refuse
+    refused = []
+    for layout, options in runs:
+        for rank in sorted({0, layout.world_size - 1}):
+            try:
+                rehearse_rank(lambda: cls(**kwargs), layout, options, rank)
+            except (ValueError, NotImplementedError) as error:
+                refused.append(f"{layout.describe()} rank {rank}: {error}")
+    return refused
 
 
 GRID = [
@@ -106,8 +122,8 @@ def test_every_ranked_layout_runs_as_printed(name, gpus, fixed):
     cluster, training = preset("h100-sxm", gpus=gpus), Training(global_batch=4 * gpus)
     plan = search(spec, cluster, training, fixed={**parse_fix(",".join(f"{k}={v}" for k, v in fixed.items()))})
     assert plan.ranked, plan.rejected[:3]
-    for estimate in plan.ranked:
-        _assert_runs_as_ranked(name, estimate.layout, cluster, training)
+    runs = [_assert_runs_as_ranked(estimate.layout, cluster, training) for estimate in plan.ranked]
+    assert run_distributed(_set_up_each, 1, name, runs)[0] == []
 
 
 def test_grouped_query_heads_refuse_tp_beyond_them_in_the_strategys_words():
