@@ -123,7 +123,7 @@ RESUMES = [
     case("ddp-mid-epoch.ckpt", {"zero_stage": 3}, id="ddp-file-mid-epoch-zero3"),
     case("ddp.ckpt", {"tensor_parallel_size": 2}, id="ddp-file-tp2"),
     case("model_parallel", {"pipeline_parallel_size": 2}, id="model-parallel-dir-pp2"),
-    case("model_parallel.ckpt", {"zero_stage": 1}, id="model-parallel-file-zero1"),
+    case("model_parallel.ckpt", {"zero_stage": 1}, id="model-parallel-file-zero1", slow=True),
     case("ddp.ckpt", {"zero_stage": 1}, id="ddp-file-zero1", slow=True),
     case("ddp-mid-epoch.ckpt", {"tensor_parallel_size": 2}, id="ddp-file-mid-epoch-tp2", slow=True),
     case("ddp-mid-epoch.ckpt", {"pipeline_parallel_size": 2}, id="ddp-file-mid-epoch-pp2-refused", slow=True),

@@ -103,7 +103,7 @@ def _set_up_each(name: str, runs: list[tuple[ParallelLayout, Any]]) -> list[str]
 
 GRID = [
     case("llama-h8-kv2-l4-v96", 8, {}, id="llama-kv2-8"),
-    case("llama-h4-kv4-l6-v100", 4, {}, id="llama-v100-4"),
+    case("llama-h4-kv4-l6-v100", 4, {}, id="llama-v100-4", slow=True),
     case("gpt-h4-l4", 4, {}, id="gpt-4"),
     case("mixtral-e4", 8, {"ep": 4, "tp": 1}, id="mixtral-ep4-8"),
     case("llama-h8-kv2-l4-v96", 16, {}, id="llama-kv2-16", slow=True),
