@@ -23,6 +23,7 @@ class GPU:
     network_gbps: float
     hbm_gbps: float
     gpus_per_node: int = 8
+    fp8: bool = False  # fp8 tensor cores (Hopper, Ada, Blackwell, CDNA 3): twice the 16-bit dense peak
 
     def peak_flops(self, half: bool, tf32: bool) -> float:
         """Peak FLOP/s for 16-bit training (``half``), else fp32 with or without TF32 matmuls."""
@@ -32,17 +33,17 @@ class GPU:
 GPUS: tuple[GPU, ...] = (
     GPU("a100-40gb", "A100-SXM4-40GB", 40, 312, 156, 19.5, 300, 25, 1555),
     GPU("a100-80gb", "A100", 80, 312, 156, 19.5, 300, 25, 2039),
-    GPU("h100-sxm", "H100", 80, 989, 494, 67, 450, 50, 3350),
-    GPU("h100-pcie", "H100 PCIe", 80, 756, 378, 51, 64, 50, 2000),
-    GPU("h200", "H200", 141, 989, 494, 67, 450, 50, 4800),
-    GPU("b200", "B200", 180, 2250, 1100, 75, 900, 50, 8000),
+    GPU("h100-sxm", "H100", 80, 989, 494, 67, 450, 50, 3350, fp8=True),
+    GPU("h100-pcie", "H100 PCIe", 80, 756, 378, 51, 64, 50, 2000, fp8=True),
+    GPU("h200", "H200", 141, 989, 494, 67, 450, 50, 4800, fp8=True),
+    GPU("b200", "B200", 180, 2250, 1100, 75, 900, 50, 8000, fp8=True),
     GPU("v100-32gb", "V100", 32, 125, 15.7, 15.7, 150, 12.5, 900),
-    GPU("l40s", "L40S", 48, 362, 183, 91.6, 32, 25, 864),
-    GPU("l4", "L4", 24, 121, 60, 30.3, 32, 25, 300),
+    GPU("l40s", "L40S", 48, 362, 183, 91.6, 32, 25, 864, fp8=True),
+    GPU("l4", "L4", 24, 121, 60, 30.3, 32, 25, 300, fp8=True),
     GPU("a10", "A10", 24, 125, 62.5, 31.2, 32, 25, 600),
-    GPU("rtx-4090", "RTX 4090", 24, 165, 82.6, 82.6, 32, 25, 1008),
+    GPU("rtx-4090", "RTX 4090", 24, 165, 82.6, 82.6, 32, 25, 1008, fp8=True),
     GPU("t4", "T4", 16, 65, 8.1, 8.1, 16, 12.5, 320),
-    GPU("mi300x", "MI300X", 192, 1307, 654, 163, 448, 50, 5300),
+    GPU("mi300x", "MI300X", 192, 1307, 654, 163, 448, 50, 5300, fp8=True),
 )
 BY_PRESET = {gpu.preset: gpu for gpu in GPUS}
 

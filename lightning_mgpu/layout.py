@@ -38,6 +38,10 @@ HYBRID_SHARD_AXES = (DP_REPLICATE_AXIS, DP_SHARD_AXIS)
 ZERO_STAGES = (0, 1, 2, 3)
 
 Size = int | Literal["auto"]
+"""A parallel size as ``HybridStrategy`` takes it: a positive ``int``, or ``"auto"``. ``"auto"`` on
+``data_parallel_size`` takes what the other sizes leave of ``devices x num_nodes``; on ``tensor_parallel_size``,
+``pipeline_parallel_size`` (and ``zero_stage``) it lets the planner choose at setup for the real module among the
+layouts the other arguments allow (1 where it cannot read the module)."""
 
 
 def _check_size(name: str, value: object, allow_auto: bool) -> None:
@@ -50,8 +54,29 @@ def _check_size(name: str, value: object, allow_auto: bool) -> None:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Degrees of data, tensor, pipeline and context parallelism plus the ZeRO stage;
-    ``dp * tp * pp * cp == world_size``."""
+    """Degrees of data, tensor, pipeline and context parallelism plus the ZeRO stage, resolved: what
+    ``trainer.strategy.layout`` holds once the Trainer is built; ``dp * tp * pp * cp == world_size``.
+
+    The mesh is ``(pp, dp, tp)`` (``(pp, dp, cp, tp)`` with context parallelism), tensor parallelism innermost:
+    rank ``r`` sits at ``coordinates(r)``; ``describe()`` says the sizes in one line, as the strategy's messages do.
+
+    Attributes:
+        data_parallel_size: Replicas that see different samples and average their gradients (ZeRO shards over
+            them).
+        tensor_parallel_size: Ranks each layer's weights are split over (consecutive ranks: one node's links).
+        pipeline_parallel_size: Pipeline stages the blocks are cut into.
+        zero_stage: 0 (replicated), 1 (+ sharded optimizer states), 2 (+ gradients) or 3 (+ parameters).
+        context_parallel_size: Ranks each sequence is split over.
+
+    Example:
+        ```python
+        from lightning_mgpu import ParallelLayout
+
+        layout = ParallelLayout.resolve(8, tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1)
+        assert layout.describe() == "dp=2 x tp=2 x pp=2 (zero_stage=1)"
+        assert layout.coordinates(5) == {"pp": 1, "dp": 0, "tp": 1}
+        ```
+    """
 
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
@@ -113,9 +138,11 @@ class ParallelLayout:
                 fixed *= value  # type: ignore[assignment]
         if absorber is not None:
             if world_size % fixed:
+                named = " x ".join(f"{name}={value}" for name, value in sizes.items() if name != absorber)
                 raise ValueError(
                     f"The fixed parallel sizes multiply to {fixed}, which does not divide the world size {world_size}"
-                    f" (devices x num_nodes). Choose sizes whose product divides {world_size}: {divisors(world_size)}."
+                    f" (devices x num_nodes): {named}. Choose sizes whose product divides {world_size}:"
+                    f" {divisors(world_size)}."
                 )
             sizes[absorber] = world_size // fixed
         layout = cls(zero_stage=zero_stage, context_parallel_size=cp, **sizes)  # type: ignore[arg-type]
@@ -165,7 +192,19 @@ class ParallelLayout:
         pp, dp, tp = self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size
         return (pp, dp, tp) if self.cp == 1 else (pp, dp, self.cp, tp)
 
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where global ``rank`` sits in the mesh: ``{"pp": ..., "dp": ..., "tp": ...}`` (with ``"cp"``), the mesh
+        row-major over ``mesh_axes`` (tp innermost: consecutive ranks share a tensor-parallel group)."""
+        place: dict[str, int] = {}
+        rest = rank
+        for name, size in reversed(list(zip(self.mesh_axes, self.mesh_shape))):
+            place[name] = rest % size
+            rest //= size
+        return dict(reversed(list(place.items())))
+
     def describe(self) -> str:
+        """The sizes in one line, as the strategy's messages and logs say them:
+        ``dp=2 x tp=2 x pp=2 (zero_stage=1)`` (the mesh drawn rank by rank: Choosing a layout)."""
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
         return (
             f"dp={self.data_parallel_size} x tp={self.tensor_parallel_size} x pp={self.pipeline_parallel_size}{cp}"
@@ -201,6 +240,38 @@ class ParallelLayout:
         return mesh
 
 
+# What Lightning's ModelParallelStrategy calls its mesh's dimensions: a `configure_model` written for it reads
+# `self.device_mesh["data_parallel"]` (here the ranks whose gradients average: dp, or dp x cp) and
+# `self.device_mesh["tensor_parallel"]`.
+LIGHTNING_AXES = ("data_parallel", "tensor_parallel")
+
+
+class ModuleMesh:
+    """The run's mesh as ``self.device_mesh`` shows it to the LightningModule: the mesh itself, whose dimensions
+    also answer to Lightning's ModelParallelStrategy names, so that a module written for that strategy runs
+    unchanged. Everything else is the mesh's own."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        ours = tuple(self._ours(name) for name in ((names,) if isinstance(names, str) else names))
+        return self.mesh[ours[0] if len(ours) == 1 else ours]
+
+    def _ours(self, name: str) -> str:
+        if name == "tensor_parallel":
+            return TP_AXIS
+        if name == "data_parallel":
+            return DP_CP_AXIS if CP_AXIS in (self.mesh.mesh_dim_names or ()) else DP_AXIS
+        return name
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.mesh, name)
+
+    def __repr__(self) -> str:
+        return f"{self.mesh!r} (also 'data_parallel', 'tensor_parallel', as Lightning's ModelParallelStrategy names)"
+
+
 def gradient_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ranks whose gradients average (the data-parallel wrap's group): ``dp``, or ``dp x cp`` flattened."""
     return mesh[DP_CP_AXIS] if CP_AXIS in (mesh.mesh_dim_names or ()) else mesh[DP_AXIS]
@@ -224,19 +295,27 @@ def warn_about_layout(layout: ParallelLayout, devices_per_node: int, num_nodes: 
     """
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+    for warning in layout_warnings(layout, devices_per_node, num_nodes, wrapped):
+        rank_zero_warn(warning)
+
+
+def layout_warnings(layout: ParallelLayout, devices_per_node: int, num_nodes: int, wrapped: bool = False) -> list[str]:
+    """What :func:`warn_about_layout` says about ``layout`` (the planner prints it beside a plan)."""
+    found = []
     if layout.zero_stage and layout.data_parallel_size == 1 and not wrapped:
-        rank_zero_warn(
+        found.append(
             f"zero_stage={layout.zero_stage} shards over data-parallel ranks, but data_parallel_size=1"
             f" ({layout.describe()}): nothing is sharded and training runs as with zero_stage=0. Give data"
             " parallelism more devices, or set zero_stage=0."
         )
     tp = layout.tensor_parallel_size
     if num_nodes > 1 and devices_per_node % tp:
-        rank_zero_warn(
+        found.append(
             f"tensor_parallel_size={tp} does not divide the {devices_per_node} devices of a node, so some"
             " tensor-parallel groups span nodes and their per-layer collectives cross the network. Choose a"
             f" tensor_parallel_size that divides {devices_per_node} to keep them within a node."
         )
+    return found
 
 
 def _check_zero_stage(zero_stage: object, allow_auto: bool = False) -> None:

@@ -69,6 +69,15 @@ _FP8_MULTIPLE = 16
 _FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm89), Hopper (sm90), Blackwell
 
 
+def check_precision_layout(precision: str, tensor_parallel_size: int) -> None:
+    """A precision the layout cannot run with (the planner checks its candidates with it, without torchao)."""
+    if precision == "fp8-mixed" and tensor_parallel_size > 1:
+        raise NotImplementedError(
+            f"HybridPrecision('fp8-mixed') with tensor_parallel_size={tensor_parallel_size} is not supported yet."
+            " Use 'bf16-mixed' with tensor parallelism, or tensor_parallel_size=1 with fp8-mixed."
+        )
+
+
 class HybridPrecision(Precision):
     """Precision for :class:`~lightning_mgpu.HybridStrategy`.
 
@@ -181,14 +190,6 @@ class HybridPrecision(Precision):
             raise ValueError(
                 "HybridPrecision('fp8-mixed') has no float8 matmul kernels on CPU. Pass `fp8_emulate=True` to run"
                 " torchao's float8 emulation (for testing; slow), or use 'bf16-mixed'."
-            )
-
-    def check_layout(self, tensor_parallel_size: int) -> None:
-        """Combinations with the layout this version cannot run: refused when the Trainer is built."""
-        if self.precision == "fp8-mixed" and tensor_parallel_size > 1:
-            raise NotImplementedError(
-                f"HybridPrecision('fp8-mixed') with tensor_parallel_size={tensor_parallel_size} is not supported yet."
-                " Use 'bf16-mixed' with tensor parallelism, or tensor_parallel_size=1 with fp8-mixed."
             )
 
     @classmethod

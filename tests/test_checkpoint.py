@@ -656,7 +656,8 @@ def test_a_flipped_byte_in_any_file_is_refused_naming_the_file(tmp_path, capsys)
             out = [str(tmp_path / "out.ckpt")] if command[0] == "consolidate" else []
             assert cli([command[0], str(damaged[name]), *out, *command[1:]]) == 1
             error = capsys.readouterr().err
-            assert re.search(rf"^lightning-mgpu: error: checkpoint file \S*{re.escape(name)} is damaged", error), error
+            said = rf"^lightning-mgpu {command[0]}: error: checkpoint file \S*{re.escape(name)} is damaged"
+            assert re.search(said, error), error
             assert len(error.splitlines()) == 1, error
     assert not (tmp_path / "out.ckpt").exists()
 

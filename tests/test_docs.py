@@ -117,3 +117,74 @@ def test_the_lightning_features_page_is_what_its_case_lists_print():
         "docs/guides/lightning-features.md differs from the suites' case lists: regenerate it with"
         " `python -m tests.helpers.conformance > docs/guides/lightning-features.md`"
     )
+
+
+def _docs_module(name: str):
+    """``docs/<name>.py``, imported from its path (the docs folder is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"docs_{name}", DOCS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_figures_are_what_the_code_draws_now():
+    """``docs/figures.py`` draws the SVGs from the code's data: the committed files must be what it draws now (the
+    docs build checks the same before building), and the real runs' PNGs must be there."""
+    figures = _docs_module("figures")
+    assert len(figures.figures()) >= 10
+    assert figures.stale() == [], "run `python docs/figures.py` and commit docs/figures/"
+
+
+_IMAGE = re.compile(r"!\[[^\]]+\]\((\.\./)?figures/([\w.-]+)\)")
+
+
+def test_every_guide_starts_with_what_a_user_does():
+    """A guide's first code block (what you write or run) comes before its second section."""
+    for page in sorted((DOCS / "guides").glob("*.md")):
+        text = page.read_text()
+        first_code = text.find("\n```")
+        assert first_code >= 0 and text[:first_code].count("\n## ") <= 1, f"{page.name} opens without code"
+
+
+def test_the_site_shows_the_figures_each_guide_after_its_code():
+    shown = {}
+    for page in _pages():
+        text = page.read_text()
+        for match in _IMAGE.finditer(text):
+            shown[match[2]] = page
+            assert (DOCS / "figures" / match[2]).is_file(), f"{page.name} shows figures/{match[2]}, which is missing"
+        first_image, first_code = text.find("!["), text.find("```")
+        if first_image >= 0 and page.parent.name == "guides":
+            assert 0 <= first_code < first_image, f"{page.name}: what a user does (code) comes before its picture"
+    assert len(shown) >= 6, sorted(shown)
+    assert {"mesh.svg", "zero-memory.svg", "tp-split.svg", "scaling_report.png", "bench.png"} <= set(shown)
+    assert sum(name.startswith("schedule-") for name in shown) == 7  # every pipeline schedule
+
+
+def test_the_limitations_page_lists_every_refusal_in_the_code():
+    """The page's table is generated from the source (``docs/hooks.py``): it holds one row per ``raise
+    NotImplementedError(`` and ``refuse_compositions(`` call that a plain text search finds."""
+    hooks = _docs_module("hooks")
+    found = hooks.refusals()
+    package = REPO / "lightning_mgpu"
+    raises = sum(p.read_text().count("raise NotImplementedError(") for p in package.rglob("*.py"))
+    calls = sum(len(re.findall(r"(?<!def )\brefuse_compositions\(", p.read_text())) for p in package.rglob("*.py"))
+    raised_for_callers = 2  # options.py: refuse_compositions' own raise and check_implemented's (no pending option)
+    assert len(found) == raises - raised_for_callers + calls
+    assert "<!-- refusals -->" in (DOCS / "limitations.md").read_text()
+    table = hooks.on_page_markdown("<!-- refusals -->")
+    assert all(refusal.message.replace("|", "\\|") in table for refusal in found)
+
+
+def test_the_migration_guides_checkpoint_claims_are_each_tested():
+    """Every case the guide's checkpoint table names is a test of ``tests/test_migration.py``."""
+    guide = (DOCS / "guides" / "migration.md").read_text()
+    section = guide.split("## Your checkpoints", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # past the header and its rule
+    named = {name for row in rows for name in re.findall(r"`([\w-]+)`", row.rsplit("|", 2)[1])}
+    tests = (REPO / "tests" / "test_migration.py").read_text()
+    assert named and all(re.search(rf'id="{name}"|def {name}\(', tests) for name in named), named
+    assert len(rows) == 5  # a DDP file, under a pipeline, ModelParallel's directory, a full file, DeepSpeed's

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_mgpu.strategy.batch import accumulation_for
+from lightning_mgpu.layout_checks import accumulation_for
 from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.modules import RandomTokenDataModule
 from tests.helpers.nanogpt import NanoGPTModule

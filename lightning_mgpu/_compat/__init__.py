@@ -56,3 +56,8 @@ def changed(what: str, package: str, detail: str = "") -> str:
         f" the installed {package} {installed_version(package)} differs{note}. Update lightning_mgpu/_compat or"
         f" install {package}=={CHECKED.get(package, '?')}."
     )
+
+
+# The guard runs when the first shim is imported (every path into torch's or Lightning's internals passes here):
+# an untested framework release is refused by name before any shim relies on it.
+from lightning_mgpu._compat import versions as versions  # noqa: E402

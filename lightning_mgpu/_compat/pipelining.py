@@ -9,6 +9,11 @@ metric state (checked on torchmetrics 1.9.0).
   shapes a stage sends. Public stand-in: ``PipelineStage(input_args=..., output_args=...)`` with static shapes,
   which the runtime cannot give: shapes come from the user's batches.
 
+- ``schedule_actions``: ``_schedule_visualizer.get_schedule_ops``, each pipeline rank's actions in the order
+  torch's schedule class runs them, built with mock stages (what torch's own schedule plots use). Public stand-in:
+  a schedule's ``pipeline_order``, which needs real stages and a process group. The docs' timelines and the
+  planner's memory tests read it (``parallel.pipeline.timeline``).
+
 - ``metric_*``: a torchmetrics ``Metric``'s private progress (``_update_count``, ``_forward_cache``, ``_computed``),
   its state names (``_defaults``) and sync flags (``_to_sync``, ``_should_unsync``), which the last stage sends to
   the other stages after each step so that every rank's copy is the same. Public stand-in: ``metric_state`` and
@@ -36,6 +41,38 @@ _METADATA_HOOKS = ("_forward_metadata_inference", "_backward_metadata_inference"
 def forward_only_schedule(stage: PipelineStage, n_microbatches: int) -> Any:
     """A schedule running only forwards over one stage per rank."""
     return internal("torch.distributed.pipelining.schedules", "_ScheduleForwardOnly")(stage, n_microbatches)
+
+
+# torch's computation types, by the letter this package writes for them (an overlapped forward and backward is
+# listed as its two parts)
+_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
+def schedule_actions(schedule: str, pp_size: int, microbatches: int, stages_per_rank: int) -> list[list[Any]]:
+    """Each pipeline rank's computations in the order torch's ``schedule`` runs them, as ``(kind, stage,
+    microbatch)`` with kind ``F``, ``B`` (whole backward), ``I`` (input gradients) or ``W`` (weight gradients);
+    an overlapped forward-backward (DualPipeV) becomes a list of its two parts. Communication and gradient
+    reduction actions are left out."""
+    ops = internal("torch.distributed.pipelining._schedule_visualizer", "get_schedule_ops")
+    ranks = []
+    for actions in ops(schedule, pp_size, microbatches, stages_per_rank):
+        ours: list[Any] = []
+        for action in actions:
+            if action is None:
+                continue
+            parts = [_part(sub) for sub in action.sub_actions or ()] if action.sub_actions else [_part(action)]
+            parts = [part for part in parts if part is not None]
+            if parts:
+                ours.append(parts if len(parts) > 1 else parts[0])
+        ranks.append(ours)
+    return ranks
+
+
+def _part(action: Any) -> tuple[str, int, int] | None:
+    kind = _KINDS.get(getattr(action.computation_type, "name", ""))
+    if kind is None:
+        return None
+    return kind, int(action.stage_index), int(action.microbatch_index)
 
 
 def stage_class_with_shape_trial(trial: Callable[[nn.Module], AbstractContextManager[Any]]) -> type[PipelineStage]:

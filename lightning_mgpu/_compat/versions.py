@@ -1,4 +1,5 @@
-"""The framework versions the package is tested with, checked when ``lightning_mgpu`` imports this module.
+"""The framework versions the package is tested with, checked when ``lightning_mgpu._compat`` (the first shim) is
+imported.
 
 pyproject's bounds keep pip from installing others, but an environment can still hold them (a later
 ``pip install torch==...``, ``--no-deps``, a source checkout on ``PYTHONPATH``). The shims beside this file rely on

@@ -25,6 +25,7 @@ from lightning_mgpu.checkpoint import format as fmt
 from lightning_mgpu.checkpoint import resume, states
 from lightning_mgpu.checkpoint.flat_fragments import FragmentSavePlanner
 from lightning_mgpu.checkpoint.format import INFO_KEY, LAYOUT_KEY, MODEL_KEY, OPTIMIZER_KEY, CheckpointError
+from lightning_mgpu.checkpoint.lightning_dirs import LightningShardedReader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -304,9 +305,11 @@ class Checkpointer:
         _check_intact(path)
         optimizers = optimizers if fitting else []
         if path.is_dir():
-            fmt.check_sharded(path)
+            index = fmt.check_sharded(path).state_dict_metadata
             meta = fmt.load_file(path / fmt.METADATA_FILE, weights_only)
-            reader: Any = FileSystemReader(path)
+            # Lightning's ModelParallelStrategy/FSDPStrategy name the entries their way: read under ours.
+            by_lightning = fmt.written_by_lightning(index)
+            reader: Any = LightningShardedReader(path) if by_lightning else FileSystemReader(path)
             self.states.load_states(reader, model, optimizers, strict, str(path), checkpoint_id=path)
             moved = _moved_model_keys(meta)
             if moved:  # whole, for the hook that moved them (every rank holds such copies whole, as under DDP)
@@ -315,7 +318,7 @@ class Checkpointer:
             meta = fmt.load_file(path, weights_only)
             if MODEL_KEY not in meta:
                 raise CheckpointError(f"{path} has no `{MODEL_KEY}`: it is not a Lightning checkpoint.")
-            flat = _flatten_full(meta, model, optimizers)
+            flat = _flatten_full(meta, model, optimizers, path)
             self.states.load_states(fmt.FlatReader(flat), model, optimizers, strict, str(path))
             kept = _moved_model_keys(meta)
             meta = {k: v for k, v in meta.items() if k not in (MODEL_KEY, OPTIMIZER_KEY) or k in kept}
@@ -410,6 +413,19 @@ def _fit_goes_on(model: nn.Module) -> bool:
     return trainer is not None and trainer.state.status == TrainerStatus.RUNNING
 
 
+def _plain_optimizer_mismatch(path: Path, error: CheckpointError) -> str:
+    """A plain Lightning checkpoint lists optimizer states by position among the whole model's parameters; a
+    pipeline stage's optimizer holds only its own, so the positions cannot be matched: say how to convert it."""
+    return (
+        f"{path} is a plain Lightning checkpoint (DDPStrategy, or FSDPStrategy/ModelParallelStrategy's full file),"
+        f" whose optimizer states are listed by position among all of the model's parameters, and this rank's"
+        f" optimizer differs ({error}): a pipeline stage holds part of them. Convert it once: fit with"
+        " pipeline_parallel_size=1 (any data or tensor parallelism, ZeRO stage), ckpt_path set to it and max_steps"
+        " at its global step (nothing trains), then trainer.save_checkpoint(...): that checkpoint names each state by"
+        " its parameter and resumes under any layout."
+    )
+
+
 def _check_intact(path: Path) -> None:
     """Every rank verifies its share of the checkpoint's files; all raise if any file is damaged. Collective."""
     world_size = dist.get_world_size() if _distributed() else 1
@@ -423,7 +439,9 @@ def _check_intact(path: Path) -> None:
         raise CheckpointError(fmt.damage_report(problems))
 
 
-def _flatten_full(checkpoint: dict[str, Any], model: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:
+def _flatten_full(
+    checkpoint: dict[str, Any], model: nn.Module, optimizers: list[Optimizer], path: Path
+) -> dict[str, Any]:
     """A full file's model and optimizer states as DCP-flattened entries, to be served by ``FlatReader``."""
     nested: dict[str, Any] = {MODEL_KEY: checkpoint[MODEL_KEY]}
     saved = checkpoint.get(OPTIMIZER_KEY)
@@ -432,11 +450,14 @@ def _flatten_full(checkpoint: dict[str, Any], model: nn.Module, optimizers: list
         flats = []
         for i, native in enumerate(saved[: len(optimizers)]):
             if named_groups is not None and i < len(named_groups):
-                groups = named_groups[i]
-            else:  # a plain Lightning checkpoint: parameters in the order of the current optimizer, as torch does
-                template = states.optimizer_state(model, optimizers[i])
-                groups = states.group_fqns(model, optimizers[i], template)
-            flats.append(states.native_to_flat(native, groups))
+                flats.append(states.native_to_flat(native, named_groups[i]))
+                continue
+            # A plain Lightning checkpoint: parameters in the order of the current optimizer, as torch does.
+            template = states.optimizer_state(model, optimizers[i])
+            try:
+                flats.append(states.native_to_flat(native, states.group_fqns(model, optimizers[i], template)))
+            except CheckpointError as error:
+                raise CheckpointError(_plain_optimizer_mismatch(path, error)) from error
         nested[OPTIMIZER_KEY] = flats
     flat, _ = flatten_state_dict(nested)
     return flat

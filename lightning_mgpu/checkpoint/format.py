@@ -29,6 +29,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
+import re
 import shutil
 import warnings
 import zipfile
@@ -194,6 +196,21 @@ def _manifest_expected(path: Path) -> bool:
         return False
 
 
+# How Lightning's ModelParallelStrategy and FSDPStrategy name a sharded checkpoint's entries (``lightning_dirs.py``
+# reads them): optimizers as ``optimizer_<i>.state...``/``optimizer_<i>.param_groups...``, FSDPStrategy's model as
+# ``model.<fqn>`` (ModelParallelStrategy's as ours).
+LIGHTNING_OPTIMIZER = re.compile(r"^optimizer_(\d+)\.(state|param_groups)\.(.+)$")
+FSDP_MODEL_PREFIX = "model."
+
+
+def written_by_lightning(index: dict[str, Any]) -> bool:
+    """Whether a DCP index (``state_dict_metadata``) is that of a Lightning strategy's sharded checkpoint."""
+    if any(LIGHTNING_OPTIMIZER.match(key) for key in index):
+        return True
+    ours = any(key.startswith(f"{MODEL_KEY}.") for key in index)
+    return not ours and any(key.startswith(FSDP_MODEL_PREFIX) for key in index)
+
+
 def verify(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
     """Recompute the checksums of a checkpoint's files (of this rank's share of them); return what is damaged.
 
@@ -208,10 +225,7 @@ def verify(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
         return [str(error)]
     if records is None:
         if rank == 0:
-            warnings.warn(
-                f"{path} has no {MANIFEST_FILE} (saved by an earlier version): its files are not verified.",
-                stacklevel=2,
-            )
+            warnings.warn(f"{path} {_unverified_because(path)}: its files are not verified.", stacklevel=2)
         return []
     problems = []
     for name in sorted(records)[rank::world_size]:
@@ -256,6 +270,21 @@ def check_intact(path: Path) -> None:
         raise CheckpointError(damage_report(problems))
 
 
+def _written_by_deepspeed(path: Path) -> bool:
+    """DeepSpeed's checkpoint layout: a ``latest`` tag file beside ``<tag>/mp_rank_00_model_states.pt``."""
+    return (path / "latest").is_file() or any(path.glob("*/mp_rank_*_model_states.pt"))
+
+
+def _unverified_because(path: Path) -> str:
+    try:
+        by_lightning = written_by_lightning(FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception:  # an unreadable index: check_sharded names it
+        by_lightning = False
+    if by_lightning:
+        return "was written by a Lightning strategy (ModelParallelStrategy, FSDPStrategy), which records no checksums"
+    return f"has no {MANIFEST_FILE} (saved by an earlier version)"
+
+
 def damage_report(problems: list[str]) -> str:
     """One message for the damage found (the first problem in full), saying that nothing was loaded."""
     more = f" (and {len(problems) - 1} more: {', '.join(problems[1:3])})" if len(problems) > 1 else ""
@@ -264,6 +293,14 @@ def damage_report(problems: list[str]) -> str:
 
 def check_sharded(path: Path) -> Metadata:
     """Check that every file a sharded checkpoint needs is there and long enough; return DCP's index."""
+    if not (path / DCP_INDEX).is_file() and _written_by_deepspeed(path):
+        raise CheckpointError(
+            f"{path} is a DeepSpeed checkpoint (Lightning's DeepSpeedStrategy writes them), which HybridStrategy"
+            " does not read (its zero_backend='deepspeed' writes this package's format). Convert its weights to one"
+            " file with Lightning's `lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict("
+            "checkpoint_dir, 'weights.ckpt')` and start from it with HybridStrategy(pretrained='weights.ckpt'); its"
+            " optimizer states do not carry over."
+        )
     problems = []
     if not (path / METADATA_FILE).is_file():
         problems.append(f"{METADATA_FILE} (the trainer state, written by global rank 0 after the shards)")
@@ -327,8 +364,29 @@ def load_file(path: Path, weights_only: bool | None = None) -> Any:
             if "mmap" not in str(error):
                 raise
             return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(_unpickling_problem(path, error, weights_only)) from error
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as error:
         raise CheckpointError(f"{path} could not be read, it is truncated or corrupt: {error}") from error
+
+
+def _unpickling_problem(path: Path, error: Exception, weights_only: bool | None) -> str:
+    """Why ``torch.load`` refused ``path``: not a torch file at all, or one holding objects weights-only loading
+    refuses (which the user may allow for a file they trust)."""
+    with open(path, "rb") as file:
+        head = file.read(2)
+    if not zipfile.is_zipfile(path) and head[:1] != b"\x80":  # neither torch's zip format nor a pickle
+        return (
+            f"{path} is not a checkpoint (torch.load cannot read it). Give a sharded checkpoint directory or a file"
+            " written by torch.save or Trainer.save_checkpoint."
+        )
+    if weights_only is not False:
+        reason = (str(error).strip().splitlines() or [""])[-1]
+        return (
+            f"{path} holds objects that weights-only loading refuses ({reason}). If you trust the file, load it with"
+            " weights_only=False (the command line's --trust)."
+        )
+    return f"{path} could not be unpickled, it is truncated or corrupt: {error}"
 
 
 def read_metadata(path: Path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -23,64 +23,68 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lightning_mgpu.cli.errors import UsageError, non_negative_int, positive_int
 from lightning_mgpu.layout import ParallelLayout, degree_splits
+from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.parallel import pipeline
 
 _SHARE_COLUMNS = ("compute", "comm", "bubble", "data_wait", "optimizer", "other")
 
 
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser(
-        "bench",
-        help="measure every valid layout of a model on this machine and rank them by throughput",
-        description="Train a few steps of every valid (dp, tp, pp) layout for 1..N devices on this machine, rank the"
-        " layouts by measured tokens/s with their time split, and show the scaling efficiency of the best layout at"
-        " each device count. Writes bench.json and bench.png to --out.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    bench.description = (
+        "Train a few steps of every valid (dp, tp, pp) layout for 1..N devices on this machine, rank the layouts by"
+        " measured tokens/s with their time split, and show the scaling efficiency of the best layout at each device"
+        " count. Writes bench.json and bench.png (with the monitor extra: matplotlib) to --out."
     )
     bench.add_argument("--module", required=True, help="the LightningModule, 'package.module:Class'")
     bench.add_argument("--init-args", default=None, help="JSON keyword arguments for the module")
     bench.add_argument("--datamodule", default=None, help="a LightningDataModule, 'package.module:Class'")
     bench.add_argument("--datamodule-args", default=None, help="JSON keyword arguments for the datamodule")
-    bench.add_argument("--devices", type=int, required=True, help="the most processes (CPU) or GPUs to use")
+    bench.add_argument("--devices", type=positive_int, required=True, help="the most processes (CPU) or GPUs to use")
     bench.add_argument(
         "--device-counts",
         default="all",
         help="comma-separated device counts to sweep ('all' = 1..N; the largest is always N)",
     )
-    bench.add_argument("--accelerator", default="cpu")
+    bench.add_argument("--accelerator", default="cpu", help="Lightning's accelerator: cpu, gpu, ...")
     bench.add_argument(
         "--batch-size",
-        type=int,
+        type=positive_int,
         default=8,
         help="samples per data-parallel rank (given to the datamodule's `batch_size`)",
     )
-    bench.add_argument("--steps", type=int, default=5, help="training steps per layout, warm-up included")
-    bench.add_argument("--warmup-steps", type=int, default=2, help="steps not measured at the start of each run")
-    bench.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
-    bench.add_argument("--pipeline-schedule", default="1F1B")
-    bench.add_argument("--precision", default="32-true")
+    bench.add_argument("--steps", type=positive_int, default=5, help="training steps per layout, warm-up included")
+    bench.add_argument(
+        "--warmup-steps", type=non_negative_int, default=2, help="steps not measured at the start of each run"
+    )
+    bench.add_argument(
+        "--zero-stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage where there is data parallelism"
+    )
+    bench.add_argument("--pipeline-schedule", default="1F1B", help="the schedule of the layouts with pp > 1")
+    bench.add_argument("--precision", default="32-true", help="Lightning's precision: 32-true, bf16-mixed, ...")
     bench.add_argument("--out", default="bench_results", help="directory for bench.json, bench.png and each run")
     bench.set_defaults(run=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from lightning_mgpu.planner.model_spec import load_class  # also serves without the rest of the planner
+    from lightning_mgpu.planner.model_spec import check_arguments, load_class
 
     counts = _device_counts(args.devices, args.device_counts)
-    for name in ("steps", "batch_size"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
     if args.warmup_steps >= args.steps:
-        raise SystemExit(f"--warmup-steps {args.warmup_steps} leaves no measured step of --steps {args.steps}.")
-    try:
-        module_cls = load_class(args.module)
-        datamodule_cls = load_class(args.datamodule) if args.datamodule else None
-    except ValueError as error:
-        raise SystemExit(f"lightning-mgpu bench: {error}") from None
+        raise UsageError(
+            f"--warmup-steps {args.warmup_steps} leaves no measured step of --steps {args.steps}: give more --steps."
+        )
+    pipeline.check(ParallelOptions(pipeline_schedule=args.pipeline_schedule))
+    module_cls = load_class(args.module)
+    datamodule_cls = load_class(args.datamodule, "--datamodule") if args.datamodule else None
     module_args, datamodule_args = (
         _json_object(args.init_args, "--init-args"),
         _json_object(args.datamodule_args, "--datamodule-args"),
     )
+    check_arguments(module_cls, module_args, "--init-args")
+    if datamodule_cls is not None:
+        check_arguments(datamodule_cls, _datamodule_kwargs(datamodule_cls, datamodule_args, args), "--datamodule-args")
     shapes = _shapes(module_cls, module_args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -150,15 +154,15 @@ def _sweep(
 # ------------------------------------------------------------------------------------------------ the sweep
 def _device_counts(devices: int, text: str) -> list[int]:
     if isinstance(devices, bool) or devices < 1:
-        raise SystemExit(f"--devices must be a positive integer, got {devices}.")
+        raise UsageError(f"--devices must be a positive integer, got {devices}.")
     if text == "all":
         return list(range(1, devices + 1))
     try:
         counts = sorted({int(c) for c in text.split(",") if c.strip()} | {devices})
     except ValueError:
-        raise SystemExit(f"--device-counts must be 'all' or comma-separated integers, got {text!r}.") from None
+        raise UsageError(f"--device-counts must be 'all' or comma-separated integers, got {text!r}.") from None
     if counts[0] < 1 or counts[-1] > devices:
-        raise SystemExit(f"--device-counts {text!r} must lie in 1..{devices} (--devices).")
+        raise UsageError(f"--device-counts {text!r} must lie in 1..{devices} (--devices).")
     return counts
 
 
@@ -168,9 +172,9 @@ def _json_object(text: str | None, flag: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
-        raise SystemExit(f"{flag} is not valid JSON ({error}): give e.g. '{{\"n_layer\": 4}}'.") from None
+        raise UsageError(f"{flag} is not valid JSON ({error}): give e.g. '{{\"n_layer\": 4}}'.") from None
     if not isinstance(value, dict):
-        raise SystemExit(f"{flag} must be a JSON object of keyword arguments, got {text!r}.")
+        raise UsageError(f"{flag} must be a JSON object of keyword arguments, got {text!r}.")
     return value
 
 
@@ -235,14 +239,19 @@ def _measure(
     model = module_cls(**module_args)
     datamodule = None
     if datamodule_cls is not None:
-        kwargs = dict(datamodule_args)
-        if "batch_size" in inspect.signature(datamodule_cls).parameters:
-            kwargs.setdefault("batch_size", args.batch_size)
-        datamodule = datamodule_cls(**kwargs)
+        datamodule = datamodule_cls(**_datamodule_kwargs(datamodule_cls, datamodule_args, args))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, datamodule=datamodule)
     return json.loads((out / "scaling_report.json").read_text())
+
+
+def _datamodule_kwargs(datamodule_cls: type, datamodule_args: dict[str, Any], args: argparse.Namespace) -> dict:
+    """``--datamodule-args`` with ``--batch-size`` as its ``batch_size`` where it takes one."""
+    kwargs = dict(datamodule_args)
+    if "batch_size" in inspect.signature(datamodule_cls).parameters:
+        kwargs.setdefault("batch_size", args.batch_size)
+    return kwargs
 
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:

@@ -5,34 +5,46 @@ from __future__ import annotations
 import argparse
 import warnings
 
+from lightning_mgpu.cli.errors import UsageError, non_negative_int, positive_float, positive_int, size_or_auto
 
-def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
-    demo = subparsers.add_parser(
-        "demo",
-        help="train a small GPT on bundled Shakespeare sonnets with several CPU processes",
-        description="Train the demo GPT (nanoGPT-style, plain torch) on the bundled sonnets with HybridStrategy."
-        " The default layout uses every kind of parallelism: 8 processes = pipeline 2 x data 2 x tensor 2, ZeRO-1.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+
+def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
+    demo.description = (
+        "Train the demo GPT (nanoGPT-style, plain torch) on the bundled sonnets with HybridStrategy. The default"
+        " layout uses every kind of parallelism: 8 processes = pipeline 2 x data 2 x tensor 2, ZeRO-1."
     )
-    demo.add_argument("--devices", type=int, default=8, help="processes (CPU) or GPUs per node")
-    demo.add_argument("--accelerator", default="cpu")
-    demo.add_argument("--data-parallel-size", default="auto", help="int or 'auto'")
-    demo.add_argument("--tensor-parallel-size", type=int, default=2)
-    demo.add_argument("--pipeline-parallel-size", type=int, default=2)
-    demo.add_argument("--pipeline-schedule", default="1F1B")
-    demo.add_argument("--num-microbatches", type=int, default=None)
-    demo.add_argument("--sequence-parallel", action="store_true")
-    demo.add_argument("--zero-stage", type=int, default=1)
-    demo.add_argument("--precision", default="32-true")
-    demo.add_argument("--max-steps", type=int, default=80)
-    demo.add_argument("--batch-size", type=int, default=16, help="global batch size")
-    demo.add_argument("--block-size", type=int, default=64)
-    demo.add_argument("--n-layer", type=int, default=4)
-    demo.add_argument("--n-embd", type=int, default=64)
-    demo.add_argument("--n-head", type=int, default=4)
-    demo.add_argument("--lr", type=float, default=2e-3)
-    demo.add_argument("--seed", type=int, default=1234)
-    demo.add_argument("--sample-tokens", type=int, default=160, help="characters to generate after training")
+    demo.add_argument("--devices", type=positive_int, default=8, help="processes (CPU) or GPUs per node")
+    demo.add_argument("--accelerator", default="cpu", help="Lightning's accelerator: cpu, gpu, ...")
+    layout = demo.add_argument_group("layout (HybridStrategy's arguments)")
+    layout.add_argument(
+        "--data-parallel-size",
+        type=size_or_auto,
+        default="auto",
+        help="an integer, or 'auto': what tensor and pipeline parallelism leave of --devices",
+    )
+    layout.add_argument("--tensor-parallel-size", type=positive_int, default=2, help="ranks each layer splits over")
+    layout.add_argument("--pipeline-parallel-size", type=positive_int, default=2, help="pipeline stages")
+    layout.add_argument("--pipeline-schedule", default="1F1B", help="one of torch's seven schedules")
+    layout.add_argument(
+        "--num-microbatches", type=positive_int, default=None, help="microbatches per step (unset: one per stage)"
+    )
+    layout.add_argument("--sequence-parallel", action="store_true", help="shard the norms' activations over tp")
+    layout.add_argument(
+        "--zero-stage", type=int, default=1, help="0 replicated, 1 sharded optimizer states, 2 + gradients, 3 + weights"
+    )
+    training = demo.add_argument_group("training")
+    training.add_argument("--precision", default="32-true", help="Lightning's precision: 32-true, bf16-mixed, ...")
+    training.add_argument("--max-steps", type=positive_int, default=80, help="optimizer steps")
+    training.add_argument("--batch-size", type=positive_int, default=16, help="global batch size")
+    training.add_argument("--block-size", type=positive_int, default=64, help="characters per sequence")
+    training.add_argument("--n-layer", type=positive_int, default=4, help="transformer blocks")
+    training.add_argument("--n-embd", type=positive_int, default=64, help="hidden size (a multiple of --n-head)")
+    training.add_argument("--n-head", type=positive_int, default=4, help="attention heads")
+    training.add_argument("--lr", type=positive_float, default=2e-3, help="AdamW's learning rate")
+    training.add_argument("--seed", type=int, default=1234, help="random seed of weights and data order")
+    training.add_argument(
+        "--sample-tokens", type=non_negative_int, default=160, help="characters to generate after training (0: none)"
+    )
     demo.set_defaults(run=_run_demo)
 
 
@@ -43,9 +55,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     from lightning_mgpu import HybridStrategy
     from lightning_mgpu.demo import GPTLightningModule, TextDataModule
 
-    dp: object = args.data_parallel_size if args.data_parallel_size == "auto" else int(args.data_parallel_size)
+    if args.n_embd % args.n_head:
+        raise UsageError(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head} (the heads split it).")
     strategy = HybridStrategy(
-        data_parallel_size=dp,  # type: ignore[arg-type]
+        data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_schedule=args.pipeline_schedule,
@@ -69,8 +82,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     )
     layout = trainer.strategy.layout  # type: ignore[attr-defined]
     if args.batch_size % layout.data_parallel_size:
-        raise SystemExit(
-            f"--batch-size {args.batch_size} must be divisible by the data-parallel size {layout.data_parallel_size}."
+        raise UsageError(
+            f"--batch-size {args.batch_size} must be divisible by the data-parallel size {layout.data_parallel_size}:"
+            f" give a multiple of {layout.data_parallel_size}."
         )
     datamodule = TextDataModule(batch_size=args.batch_size // layout.data_parallel_size, block_size=args.block_size)
     datamodule.setup("fit")

@@ -12,7 +12,7 @@ from lightning_mgpu.layout import TP_AXIS, ParallelLayout, gradient_mesh, zero_m
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
 from lightning_mgpu.parallel.blocks import compile_blocks, is_float8_linear
-from lightning_mgpu.parallel.data import apply_data_parallel
+from lightning_mgpu.parallel.data import apply_data_parallel, sharded_by_user
 from lightning_mgpu.parallel.example import ExampleStep
 from lightning_mgpu.parallel.experts import (
     apply_expert_parallel,
@@ -44,6 +44,9 @@ def parallelize(
     ``example`` runs the user's step on one batch, where ``tp_plan="auto"`` reads how the blocks are called.
     With pipeline parallelism, returns this rank's stages; each stage is then the data-parallel root.
     """
+    # A configure_model that applied fully_shard itself (Lightning's ModelParallelStrategy style) keeps its own wrap;
+    # asked first, before the experts' own fully_shard below.
+    wrap = not sharded_by_user(module, layout.zero_stage, layout.pipeline_parallel_size)
     if layout.tensor_parallel_size > 1:
         if any(is_float8_linear(m) for m in module.modules()):
             raise NotImplementedError("fp8-mixed with tensor_parallel_size > 1 is not supported yet.")
@@ -91,7 +94,7 @@ def parallelize(
     if layout.gradient_ranks > 1 and runtime is None:
         # A Hugging Face load-balancing loss on the whole batch, as one process computes it (not each rank's own).
         apply_global_router_loss(module, gradient_mesh(mesh).get_group())
-    if torch_data_parallel and (layout.gradient_ranks > 1 or offload_policy is not None or casts):
+    if torch_data_parallel and wrap and (layout.gradient_ranks > 1 or offload_policy is not None or casts):
         # With pipelining each stage is a root of its own: the schedule drives each stage's gradient sync
         # (no-sync on all but the last backward of a step), also when a rank holds several stages.
         roots = [(stage, stage.blocks) for stage in runtime.stages] if runtime is not None else [(root, None)]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from lightning_mgpu.gpus import GPUS
 
 GB = 1e9
+FP8_SPEEDUP = 2.0  # fp8 tensor cores' dense peak over the 16-bit one, on every GPU of the table that has them
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class ClusterSpec:
     # than cores every process runs ``(processes + busy) / cores`` times slower. None: a device each (GPUs).
     cores_per_node: float | None = None
     busy_cores: float = 0.0  # cores other jobs keep busy on each node (CPU; measured by ``plan --calibrate``)
+    # fp8 matmuls' peak over ``peak_tflops`` (0: no fp8 tensor cores; CPU processes emulate fp8 at the 16-bit rate)
+    fp8_speedup: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node"):
@@ -44,6 +47,21 @@ class ClusterSpec:
             raise ValueError(
                 f"--gpus {self.gpus} is not a whole number of nodes of {self.gpus_per_node} GPUs:"
                 f" use a multiple of {self.gpus_per_node}."
+            )
+
+    def peak_flops(self, precision: str) -> float:
+        """FLOP/s of the matmuls at ``precision``'s peak: fp8's where the GPUs have fp8 tensor cores."""
+        speedup = self.fp8_speedup if precision == "fp8-mixed" and self.fp8_speedup else 1.0
+        return self.peak_tflops * 1e12 * speedup
+
+    def check_precision(self, precision: str) -> None:
+        """fp8 matmuls need fp8 tensor cores (torchao's float8 training refuses other GPUs); CPU processes emulate
+        them."""
+        if precision == "fp8-mixed" and not self.fp8_speedup and self.cores_per_node is None and self.name != "cpu":
+            capable = ", ".join(gpu.preset for gpu in GPUS if gpu.fp8)
+            raise ValueError(
+                f"--precision fp8-mixed needs fp8 tensor cores, which {self.name} lacks (they are on {capable}):"
+                " plan with --precision bf16-mixed, or choose another --gpu."
             )
 
     @property
@@ -106,10 +124,18 @@ class Efficiency:
     source: str = "defaults"
 
 
-# name: (memory GB, dense bf16 TFLOP/s, NVLink GB/s per direction, network GB/s per GPU, HBM GB/s, GPUs per node),
-# from the one table of GPUs (`lightning_mgpu.gpus`)
-PRESETS: dict[str, tuple[float, float, float, float, float, int]] = {
-    gpu.preset: (gpu.memory_gb, gpu.bf16_tflops, gpu.nvlink_gbps, gpu.network_gbps, gpu.hbm_gbps, gpu.gpus_per_node)
+# name: (memory GB, dense bf16 TFLOP/s, NVLink GB/s per direction, network GB/s per GPU, HBM GB/s, GPUs per node,
+# fp8 speed-up), from the one table of GPUs (`lightning_mgpu.gpus`)
+PRESETS: dict[str, tuple[float, float, float, float, float, int, float]] = {
+    gpu.preset: (
+        gpu.memory_gb,
+        gpu.bf16_tflops,
+        gpu.nvlink_gbps,
+        gpu.network_gbps,
+        gpu.hbm_gbps,
+        gpu.gpus_per_node,
+        FP8_SPEEDUP if gpu.fp8 else 0.0,
+    )
     for gpu in GPUS
 }
 
@@ -122,7 +148,7 @@ def preset(name: str, gpus: int | None = None, **overrides: float) -> ClusterSpe
             f"Unknown --gpu {name!r}; known: {', '.join(PRESETS)}. Or give --gpu-memory-gb,"
             " --peak-tflops, --intra-node-gbps and --inter-node-gbps."
         )
-    memory, tflops, intra, inter, hbm, per_node = PRESETS[key]
+    memory, tflops, intra, inter, hbm, per_node, fp8 = PRESETS[key]
     values = dict(
         memory_gb=memory,
         peak_tflops=tflops,
@@ -130,6 +156,7 @@ def preset(name: str, gpus: int | None = None, **overrides: float) -> ClusterSpe
         inter_node_gbps=inter,
         hbm_gbps=hbm,
         gpus_per_node=per_node,
+        fp8_speedup=fp8,
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return ClusterSpec(gpus=gpus or int(values["gpus_per_node"]), name=key, **values)  # type: ignore[arg-type]

@@ -82,15 +82,20 @@ def activation_bytes_per_layer(model: ModelSpec, training: Training, layout: Lay
 
 
 def in_flight(layout: Layout) -> float:
-    """Microbatches whose activations the first (fullest) stage holds at once, in units of its layers."""
+    """Microbatches whose activations the first (fullest) rank holds at once, in units of its layers: what torch's
+    schedules' action lists give (``parallel.pipeline.timeline``, compared in the tests): every microbatch for the
+    all-forward-first schedules, one per stage for the 1F1B kinds, interleaving's warm-up on top, and DualPipeV's
+    overlapped forward."""
     p, m, v = layout.pp, layout.num_microbatches, layout.stages_per_rank
     if p == 1:
         return 1.0
-    if layout.schedule == "GPipe":
+    if layout.schedule in ("GPipe", "LoopedBFS"):
         return float(m)
     if layout.schedule == "Interleaved1F1B":
         return min(float(m), p + (p - 1) / v)
-    return float(min(m, p))
+    if layout.schedule == "DualPipeV":
+        return min(m, p) + 1 / v
+    return float(min(m, p))  # 1F1B, InterleavedZeroBubble, ZBVZeroBubble
 
 
 def bubble_fraction(layout: Layout) -> float:
@@ -242,7 +247,7 @@ def step_time(
     block_flops, head_flops = model.forward_flops_per_token()
     ckpt = layout.checkpointing
     passes = 4 if ckpt == "full" else 3  # forward, backward = 2 forwards, and the forward again when recomputing
-    peak = cluster.peak_tflops * 1e12 * eff.gemm
+    peak = cluster.peak_flops(training.precision) * eff.gemm
     hbm = cluster.hbm_gbps * GB
     # One block, one microbatch, on one GPU of the tensor-parallel group.
     # Routed experts under expert parallelism run whole on every tensor-parallel rank.
@@ -455,7 +460,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, training: Training, layout:
         time=times,
         tokens_per_s=tokens / step,
         tflops_per_gpu=run_flops / step / layout.world_size / 1e12,
-        mfu=model_flops / step / layout.world_size / (cluster.peak_tflops * 1e12),
+        mfu=model_flops / step / layout.world_size / cluster.peak_flops(training.precision),
         bubble=bubble_fraction(layout),
         fits=not problems,
         problems=problems,

@@ -3,7 +3,7 @@ planner's other choices), with the tables they are checked against."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_mgpu.layout import ParallelLayout
@@ -16,10 +16,12 @@ PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     "16-mixed": (4, 4, 8, 2),
     "bf16-true": (2, 2, 4, 2),
     "16-true": (2, 2, 4, 2),
+    # torchao's float8 training: fp32 weights and states as bf16-mixed, 16-bit activations, fp8 matmuls
+    "fp8-mixed": (4, 4, 8, 2),
 }
-# The pipeline schedules the cost model has an activation-memory model for (`in_flight`), named as in the
-# runtime's one table of schedules (`parallel.pipeline`).
-SCHEDULES = (*pipeline.SINGLE_STAGE_SCHEDULES, "Interleaved1F1B")
+# Every schedule the strategy runs (the runtime's one table, `parallel.pipeline`); the cost model has an
+# activation-memory model for each (`cost.in_flight`, checked against torch's own action lists in the tests).
+SCHEDULES = pipeline.PIPELINE_SCHEDULES
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -101,8 +103,37 @@ class Layout(ParallelLayout):
         parts += [f"mbs={self.microbatch_size}x{self.num_microbatches}", f"ckpt={self.checkpointing}"]
         return " ".join(parts)
 
+    def strategy_arguments(self) -> dict[str, Any]:
+        """The ``HybridStrategy`` arguments that run this layout, every choice the prediction assumes spelled out
+        (the options of a dimension of size 1 left out: the strategy refuses them there)."""
+        arguments: dict[str, Any] = {
+            "data_parallel_size": self.dp,
+            "tensor_parallel_size": self.tp,
+            "pipeline_parallel_size": self.pp,
+            "zero_stage": self.zero_stage,
+        }
+        if self.tp > 1:
+            arguments["sequence_parallel"] = self.sequence_parallel
+        if self.pp > 1:
+            arguments |= {"pipeline_schedule": self.schedule, "num_microbatches": self.num_microbatches}
+        if self.cp > 1:
+            arguments |= {"context_parallel_size": self.cp, "context_parallel_mode": self.cp_mode}
+        if self.ep > 1:
+            arguments["expert_parallel_size"] = self.ep
+        if self.dp_shard is not None and self.dp_shard != self.gradient_ranks:
+            arguments["data_parallel_shard_size"] = self.dp_shard
+        arguments["activation_checkpointing"] = _CHECKPOINTING_ARGUMENT[self.checkpointing]
+        return arguments
+
+    @property
+    def loader_batch_size(self) -> int:
+        """The DataLoader's batch size per data-parallel rank: a pipeline cuts its batch into the microbatches;
+        without one each microbatch is a batch, accumulated (``global_batch_size``) up to the step's."""
+        return self.microbatch_size * self.num_microbatches if self.pp > 1 else self.microbatch_size
+
     def as_dict(self) -> dict[str, Any]:
-        """The planner's JSON form: sizes by mesh-axis name, then the choices."""
-        sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero_stage": self.zero_stage, "cp": self.cp}
-        chosen = [f for f in fields(self) if f.name not in {base.name for base in fields(ParallelLayout)}]
-        return sizes | {f.name: getattr(self, f.name) for f in chosen}
+        """The planner's JSON form: the strategy's arguments, then the microbatch size it implies."""
+        return self.strategy_arguments() | {"microbatch_size": self.microbatch_size}
+
+
+_CHECKPOINTING_ARGUMENT = {"none": False, "full": "full", "selective": "selective"}

@@ -7,11 +7,15 @@ A :class:`ModelSpec` comes from flags (``--layers --hidden ...``) or from a real
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
+
+from lightning_mgpu.extras import EXTRAS, install_hint
 
 
 @dataclass(frozen=True)
@@ -158,18 +162,68 @@ _FIELDS = {
 }
 
 
-def load_class(path: str) -> type:
-    """``pkg.mod:Class`` (or ``pkg.mod.Class``) to the class, with an error that names what was not found."""
+def load_class(path: str, flag: str = "--module") -> type:
+    """``pkg.mod:Class`` (or ``pkg.mod.Class``) to the class, with an error that names what was not found and the
+    fix: a module named without its class, a missing optional package (with the extra installing it), a name that
+    is not a class."""
     module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"--module {path!r} must look like 'package.module:ClassName'.")
+        raise ValueError(f"{flag} {path!r} must look like 'package.module:ClassName'.")
+    if ":" not in path and _importable(path):  # `pkg.mod`: a module, its class not named
+        raise ValueError(f"{flag} {path!r} names a module: add the class, {path + ':ClassName'!r}.")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(f"--module {path!r}: cannot import {module_name!r} ({error}).") from error
+        missing = getattr(error, "name", None)
+        if missing in EXTRAS:
+            raise ValueError(
+                f"{flag} {path!r}: {module_name!r} needs the {missing!r} package, which is not installed:"
+                f" {install_hint(missing)}."
+            ) from error
+        raise ValueError(f"{flag} {path!r}: cannot import {module_name!r} ({error}).") from error
     if not hasattr(module, attr):
-        raise ValueError(f"--module {path!r}: {module_name!r} has no attribute {attr!r}.")
-    return getattr(module, attr)
+        classes = sorted(n for n, v in vars(module).items() if isinstance(v, type) and not n.startswith("_"))
+        listed = f" Its classes: {', '.join(classes[:12])}." if classes else ""
+        raise ValueError(f"{flag} {path!r}: {module_name!r} has no attribute {attr!r}.{listed}")
+    found = getattr(module, attr)
+    if not isinstance(found, type):
+        raise ValueError(f"{flag} {path!r} is a {type(found).__name__}, not a class: name a LightningModule class.")
+    return found
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent that is not a package
+        return False
+
+
+def check_arguments(cls: type, init_args: dict[str, Any], flag: str = "--init-args") -> None:
+    """An argument ``cls`` does not take, or one it needs and lacks, named with the flag that gave them."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a class without a readable signature: its own call says what is wrong
+        return
+    try:
+        signature.bind(**init_args)
+    except TypeError as error:
+        takes = ", ".join(p for p in signature.parameters if p not in ("args", "kwargs")) or "nothing"
+        raise ValueError(
+            f"{flag} {json.dumps(init_args)}: {cls.__name__} {error}. {cls.__name__} takes: {takes}."
+        ) from None
+
+
+def instantiate(cls: type, init_args: dict[str, Any], flag: str = "--init-args") -> Any:
+    """``cls(**init_args)``; arguments it does not take or lacks, or values it refuses, named with the flag that
+    gave them (the class's own message kept)."""
+    check_arguments(cls, init_args, flag)
+    try:
+        return cls(**init_args)
+    except (TypeError, ValueError, AttributeError, KeyError, AssertionError) as error:
+        raise ValueError(
+            f"{flag} {json.dumps(init_args)}: {cls.__name__}(...) refused them ({type(error).__name__}: {error})."
+            " Check each value's type and range."
+        ) from error
 
 
 def build_on_meta(cls: type, init_args: dict[str, Any] | None = None) -> nn.Module:
@@ -177,7 +231,7 @@ def build_on_meta(cls: type, init_args: dict[str, Any] | None = None) -> nn.Modu
     import torch
 
     with torch.device("meta"):
-        module = cls(**(init_args or {}))
+        module = instantiate(cls, init_args or {})
         if hasattr(module, "configure_model"):
             module.configure_model()
     if not isinstance(module, nn.Module):

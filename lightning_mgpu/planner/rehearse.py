@@ -108,12 +108,7 @@ def positions(layout: ParallelLayout, expert_parallel_size: int = 1) -> list[int
 
 def coordinate(layout: ParallelLayout, rank: int) -> dict[str, int]:
     """``{"pp": ..., "dp": ..., "tp": ...}`` (and ``"cp"``) of a global rank in the ``(pp, dp, [cp,] tp)`` mesh."""
-    place: dict[str, int] = {}
-    rest = rank
-    for name, size in reversed(list(zip(layout.mesh_axes, layout.mesh_shape))):
-        place[name] = rest % size
-        rest //= size
-    return dict(reversed(list(place.items())))
+    return layout.coordinates(rank)
 
 
 def rehearse(
@@ -379,14 +374,14 @@ def run_rehearsal(
     import json
 
     if not args.module:
-        raise SystemExit("lightning-mgpu plan: error: --rehearse plays the real module: give --module pkg.mod:Class.")
+        raise ValueError("--rehearse plays the real module: give --module pkg.mod:Class.")
     sizes = {key: int(fixed.get(key, 1)) for key in ("tp", "pp", "cp", "ep")}  # type: ignore[call-overload]
     zero = int(fixed.get("zero_stage", 0))  # type: ignore[call-overload]
     shard = fixed.get("dp_shard")
     inner = sizes["tp"] * sizes["pp"] * sizes["cp"]
     if cluster.gpus % inner:
-        raise SystemExit(
-            f"lightning-mgpu plan: error: tp x pp x cp = {inner} does not divide the {cluster.gpus} GPUs (--gpus)."
+        raise ValueError(
+            f"tp x pp x cp = {inner} does not divide the {cluster.gpus} GPUs (--gpus): fix --fix or --gpus."
         )
     layout = ParallelLayout(cluster.gpus // inner, sizes["tp"], sizes["pp"], zero, sizes["cp"])
     options = ParallelOptions(
@@ -395,7 +390,7 @@ def run_rehearsal(
         expert_parallel_size=sizes["ep"],
         data_parallel_shard_size=int(shard) if shard is not None else None,  # type: ignore[call-overload]
     )
-    kwargs = json.loads(args.init_args) if args.init_args else {}
+    kwargs = json.loads(args.init_args) if args.init_args else {}  # valid JSON: spec_from_path read it already
     cls = load_class(args.module)
     build_on_meta(cls, kwargs)  # fails here, once, where the class cannot be built at all
     start = time.perf_counter()
@@ -410,7 +405,7 @@ def run_rehearsal(
             weights = Pretrained(open_weights(args.pretrained), strict=args.pretrained_strict)
         reports = rehearse(_Builder(cls, kwargs), layout, options, step_batch=step_batch, pretrained=weights)
     except (ValueError, NotImplementedError, RehearsalError, CheckpointError) as error:
-        raise SystemExit(f"lightning-mgpu plan --rehearse: {layout.describe()} would fail: {error}") from None
+        raise ValueError(f"--rehearse: {layout.describe()} would fail: {error}") from None
     seconds = time.perf_counter() - start
     planner_layout = Layout.of(
         tp=sizes["tp"], pp=sizes["pp"], dp=layout.data_parallel_size, zero_stage=zero, cp=sizes["cp"], ep=sizes["ep"],
@@ -437,11 +432,8 @@ class _Builder:
 
 def _check_like_the_strategy(layout: ParallelLayout, options: ParallelOptions) -> None:
     """The checks ``HybridStrategy`` runs when the Trainer is built, on this layout."""
-    from lightning.pytorch.plugins.precision import Precision
-
-    from lightning_mgpu.precision import HybridPrecision
-    from lightning_mgpu.strategy.layout_choice import check_options, check_sizes
+    from lightning_mgpu.layout_checks import check_options, check_sizes
 
     sizes = (layout.data_parallel_size, layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.zero_stage)
     check_options(options, layout.zero_stage, sizes[1], sizes[2], layout.context_parallel_size)
-    check_sizes(options, HybridPrecision.from_lightning(Precision(), "cpu"), sizes, layout)
+    check_sizes(options, "32-true", sizes, layout)

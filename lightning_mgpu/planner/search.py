@@ -11,6 +11,7 @@ from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
 from lightning_mgpu.planner.cost import Estimate, estimate
 from lightning_mgpu.planner.job import CHECKPOINTING, SCHEDULES, Layout, Training, stages_per_rank
 from lightning_mgpu.planner.model_spec import ModelSpec
+from lightning_mgpu.planner.recipe import refusal
 
 _FIX_KEYS = {
     "tp": int,
@@ -87,34 +88,15 @@ def parse_fix(text: str | None) -> dict[str, object]:
 def _structural_problem(
     model: ModelSpec, cluster: ClusterSpec, training: Training, tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1
 ) -> str | None:
-    if model.heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
-        return f"tp={tp} does not divide the {model.heads} attention heads ({model.num_kv_heads} key/value heads)"
-    if model.seq_len % (2 * cp):
-        return f"cp={cp}: the sequence of {model.seq_len} tokens does not split into {2 * cp} equal chunks"
-    if pp > model.layers:
-        return f"pp={pp} exceeds the {model.layers} layers"
-    if training.global_batch % dp:
-        return f"dp={dp} does not divide the global batch {training.global_batch}"
-    return _expert_problem(model, dp, ep, cp)
+    """What the strategy refuses about these sizes for the model, whatever the other choices: its own message."""
+    probe = Layout.of(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, schedule="GPipe" if pp > 1 else "none")
+    return refusal(model, probe, training)
 
 
 def _fixed_ep(fixed: dict[str, object]) -> int:
     """Expert parallelism is planned where it is asked for (``--fix ep=``), never searched."""
     ep = fixed.get("ep", 1)
     return ep if isinstance(ep, int) else 1
-
-
-def _expert_problem(model: ModelSpec, dp: int, ep: int, cp: int) -> str | None:
-    """What the library refuses about expert parallelism (``parallel.experts.check_expert_layout``, cp's checks)."""
-    if ep == 1:
-        return None
-    if not model.experts:
-        return f"ep={ep}: {model.name} has no routed experts to split"
-    if dp % ep or model.experts % ep:
-        return f"ep={ep} must divide dp={dp} and the {model.experts} experts"
-    if cp > 1:
-        return f"ep={ep} runs without context parallelism (cp={cp})"
-    return None
 
 
 def candidates(
@@ -136,10 +118,9 @@ def candidates(
             problem = _structural_problem(model, cluster, training, tp, pp, dp, cp, _fixed_ep(fixed))
             if problem:
                 if fixed.keys() & {"tp", "pp", "dp", "cp", "ep"}:
-                    yield problem
+                    yield f"tp={tp} pp={pp} dp={dp}{f' cp={cp}' if cp > 1 else ''}: {problem}"
                 continue
-            for layout in _variants(model, training, tp, pp, dp, fixed, cluster.gpus_per_node):
-                yield layout if isinstance(layout, str) or cp == 1 else _with_context(layout, cp, fixed)
+            yield from _variants(model, training, tp, pp, dp, fixed, cluster.gpus_per_node, cp)
 
 
 LONG_SEQUENCE = 8192  # below this many tokens the search does not split sequences unless asked (--fix cp=)
@@ -155,40 +136,41 @@ def _context_sizes(model: ModelSpec, gpus: int, fixed: dict[str, object]) -> lis
     return [cp for cp in (1, 2, 4, 8, 16) if gpus % cp == 0]
 
 
-def _with_context(layout: Layout, cp: int, fixed: dict[str, object]) -> Layout:
-    mode = str(fixed.get("cp_mode", "ring"))
-    return replace(layout, context_parallel_size=cp, cp_mode=mode, dp_shard=None)
-
-
 def _variants(
-    model: ModelSpec, training: Training, tp: int, pp: int, dp: int, fixed: dict[str, object], gpus_per_node: int = 8
+    model: ModelSpec,
+    training: Training,
+    tp: int,
+    pp: int,
+    dp: int,
+    fixed: dict[str, object],
+    gpus_per_node: int = 8,
+    cp: int = 1,
 ) -> Iterator[Layout | str]:
+    """The planner's choices for one split (microbatching, schedule, ZeRO stage, checkpointing, HSDP), each layout
+    checked by the strategy's own checks: one it refuses is left out, or, where the user fixed a choice, reported
+    with the strategy's message."""
     per_rank = training.global_batch // dp
     mbs_fixed = fixed.get("microbatch_size")
     if isinstance(mbs_fixed, int) and per_rank % mbs_fixed:
         yield f"mbs={mbs_fixed} does not divide the {per_rank} sequences per data-parallel rank at dp={dp}"
         return
     ep = _fixed_ep(fixed)
-    sequence_parallel = bool(fixed.get("sequence_parallel", tp > 1 and ep == 1))
-    if ep > 1 and (sequence_parallel or "dp_shard" in fixed):
-        beside = "sequence parallelism (sp=1)" if sequence_parallel else f"hybrid sharding (hsdp={fixed['dp_shard']})"
-        yield f"ep={ep} runs without {beside}: the library refuses the two together"
-        return
+    # Sequence parallelism where tensor parallelism is (less activation memory), else without it where the strategy
+    # refuses it for this model (a vocabulary tp does not divide: the sequence-parallel plan shards the embedding).
+    if "sequence_parallel" in fixed:
+        sequence_parallel = [bool(fixed["sequence_parallel"])]
+    else:
+        sequence_parallel = [True, False] if tp > 1 and ep == 1 else [False]
     for mbs in divisors(per_rank):
         if mbs > 64 or fixed.get("microbatch_size", mbs) != mbs:
             continue
         m = per_rank // mbs
-        schedules = SCHEDULES if pp > 1 else ("none",)
-        for schedule in schedules:
+        for schedule in SCHEDULES if pp > 1 else ("none",):
             if fixed.get("schedule", schedule) != schedule:
                 continue
-            if pp > 1 and m < pp:
-                continue  # torch's schedules need at least one microbatch per stage
-            if schedule == "Interleaved1F1B" and (model.layers % (2 * pp) or m % pp):
-                continue
-            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
-                if fixed.get("zero_stage", zero) != zero or (zero >= 2 and pp > 1 and "zero_stage" not in fixed):
-                    continue  # sharded parameters under a pipeline regather per microbatch: not worth ranking
+            if stages_per_rank(schedule) > 1 and model.layers % (stages_per_rank(schedule) * pp):
+                continue  # the cost model assumes stages of equal blocks
+            for zero in _zero_stages(dp, pp, fixed):
                 for ckpt in CHECKPOINTING:
                     if fixed.get("checkpointing", ckpt) != ckpt:
                         continue
@@ -198,31 +180,54 @@ def _variants(
                         continue
                     if ckpt == "selective" and training.flash_attention and "checkpointing" not in fixed:
                         continue  # flash attention keeps no scores: selective recomputation would change nothing
-                    for shard in _shard_sizes(dp, tp, zero, gpus_per_node, fixed):
-                        yield Layout.of(
-                            tp=tp,
-                            pp=pp,
-                            dp=dp,
-                            zero_stage=zero,
-                            schedule=schedule,
-                            microbatch_size=mbs,
-                            num_microbatches=m,
-                            checkpointing=ckpt,
-                            sequence_parallel=sequence_parallel,
-                            dp_shard=shard,
-                            ep=ep,
-                        )
+                    for shard in _shard_sizes(dp, tp, zero, gpus_per_node, fixed) if cp == 1 else [None]:
+                        problems = []
+                        for sp in sequence_parallel:  # the first the strategy runs
+                            layout = Layout.of(
+                                tp=tp,
+                                pp=pp,
+                                dp=dp,
+                                cp=cp,
+                                cp_mode=str(fixed.get("cp_mode", "ring")),
+                                zero_stage=zero,
+                                schedule=schedule,
+                                microbatch_size=mbs,
+                                num_microbatches=m,
+                                checkpointing=ckpt,
+                                sequence_parallel=sp,
+                                dp_shard=shard,
+                                ep=ep,
+                            )
+                            problem = refusal(model, layout, training)
+                            if problem is None:
+                                yield layout
+                                break
+                            problems.append(f"{layout.describe()}: {problem}")
+                        else:
+                            if fixed:
+                                yield problems[0]
+
+
+def _zero_stages(dp: int, pp: int, fixed: dict[str, object]) -> tuple[int, ...]:
+    """The ZeRO stages worth ranking: a fixed one always (at dp=1 the strategy runs it as stage 0, and warns);
+    otherwise 0 alone at dp=1, and no sharded parameters under a pipeline (they would be regathered per
+    microbatch)."""
+    if "zero_stage" in fixed:
+        return (int(fixed["zero_stage"]),)  # type: ignore[call-overload]
+    if dp == 1:
+        return (0,)
+    return (0, 1) if pp > 1 else (0, 1, 2, 3)
 
 
 def _shard_sizes(dp: int, tp: int, zero: int, gpus_per_node: int, fixed: dict[str, object]) -> list[int | None]:
     """ZeRO over all of dp (None) and, where dp leaves a node at ZeRO 2-3, hybrid sharding inside each node (HSDP:
     the shard groups' collectives on the node's links, only the shards' all-reduce across nodes)."""
-    if _fixed_ep(fixed) > 1:
-        return [None]  # expert parallelism already splits dp in two (HSDP beside it is refused in _variants)
     if "dp_shard" in fixed:
         shard = int(fixed["dp_shard"])  # type: ignore[call-overload]
-        return [None if shard == dp else shard] if dp % shard == 0 and zero >= 1 else []
+        return [None if shard == dp else shard]  # what the strategy refuses (a non-divisor, ZeRO 0) it says
     sizes: list[int | None] = [None]
+    if _fixed_ep(fixed) > 1:
+        return sizes  # expert parallelism already splits dp in two: the strategy refuses HSDP beside it
     node_shard = gpus_per_node // tp if gpus_per_node % tp == 0 else 0
     if zero >= 2 and 1 < node_shard < dp and dp % node_shard == 0:
         sizes.append(node_shard)
@@ -305,7 +310,9 @@ def explain(plan: Plan) -> str:
     if best is None:
         if plan.infeasible:
             return f"No layout fits: {plan.infeasible[0].layout.describe()} {plan.infeasible[0].problems[0]}."
-        return "No layout is valid: " + ("; ".join(sorted(set(plan.rejected))) or "no candidate matches --fix")
+        if plan.rejected:
+            return "No layout is valid: HybridStrategy refuses every layout --fix asks for (why: below, or --json)"
+        return "No layout is valid: no candidate matches --fix"
     lay = best.layout
     runner = next((e for e in plan.ranked[1:] if (e.layout.tp, e.layout.pp) != (lay.tp, lay.pp)), None)
     time = best.time

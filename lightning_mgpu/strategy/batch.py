@@ -12,26 +12,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mgpu.checkpoint.resume import loader_batch_size
-
-
-def accumulation_for(global_batch_size: int, per_rank_batch: int, data_parallel_size: int, requested: int) -> int:
-    """Micro-batches per optimizer step that make ``global_batch_size`` samples; raises naming the numbers where
-    they do not divide, or where the Trainer's own ``accumulate_grad_batches`` says otherwise."""
-    per_step = per_rank_batch * data_parallel_size
-    if global_batch_size % per_step:
-        raise ValueError(
-            f"global_batch_size={global_batch_size} is not a multiple of the samples one micro-batch step takes:"
-            f" {per_rank_batch} per data-parallel rank x {data_parallel_size} data-parallel ranks = {per_step}."
-            f" Choose a global_batch_size that {per_step} divides, or a per-rank batch size (the DataLoader's"
-            f" batch_size) that divides global_batch_size / {data_parallel_size}."
-        )
-    accumulate = global_batch_size // per_step
-    if requested not in (1, accumulate):
-        raise ValueError(
-            f"Trainer(accumulate_grad_batches={requested}) contradicts global_batch_size={global_batch_size}, which"
-            f" needs {accumulate} here ({per_rank_batch} per rank x {data_parallel_size} ranks). Remove one of them."
-        )
-    return accumulate
+from lightning_mgpu.layout_checks import accumulation_for
 
 
 def per_rank_batch_size(dataloader: Any) -> int:

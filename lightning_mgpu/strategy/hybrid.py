@@ -48,7 +48,16 @@ from lightning_mgpu.launch import (
     restore_sigterm,
     warn_about_restarts,
 )
-from lightning_mgpu.layout import DP_AXIS, PP_AXIS, ParallelLayout, Size, gradient_mesh, minimum_world_size
+from lightning_mgpu.layout import (
+    DP_AXIS,
+    PP_AXIS,
+    ModuleMesh,
+    ParallelLayout,
+    Size,
+    gradient_mesh,
+    minimum_world_size,
+)
+from lightning_mgpu.layout_checks import check_options
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.context import ContextParallel
@@ -62,7 +71,7 @@ from lightning_mgpu.strategy.batch import keep_global_batch
 from lightning_mgpu.strategy.callbacks import check_callbacks
 from lightning_mgpu.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_mgpu.strategy.collectives import DataParallelCollectives
-from lightning_mgpu.strategy.layout_choice import agreed_plan, check_options
+from lightning_mgpu.strategy.layout_choice import agreed_plan
 from lightning_mgpu.strategy.layout_hooks import LayoutHooks
 from lightning_mgpu.strategy.step import StepHooks
 from lightning_mgpu.strategy.weights import WeightsHooks, check_pretrained
@@ -385,9 +394,9 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
             shape = self.layout.mesh_shape
             describe = functools.partial(coordinates, mesh_shape=shape)
             self._heartbeat = Heartbeat(default_store(), self.global_rank, self.world_size, beat, describe).start()
-        # A user's `configure_model` may read `self.device_mesh`, as with Lightning's ModelParallelStrategy.
+        # A user's `configure_model` may read `self.device_mesh`, by its names or Lightning's ModelParallelStrategy's.
         if self.lightning_module is not None:
-            set_device_mesh(self.lightning_module, self._device_mesh)
+            set_device_mesh(self.lightning_module, ModuleMesh(self._device_mesh))
 
     @property
     def plan(self) -> planner_auto.StrategyPlan | None:
@@ -534,7 +543,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("hybrid", cls, description="lightning-mgpu HybridStrategy (ZeRO stage 0)")
-        for stage in range(4):
-            description = f"lightning-mgpu HybridStrategy, ZeRO stage {stage}"
-            strategy_registry.register(f"hybrid_zero{stage}", cls, description=description, zero_stage=stage)
+        # `import lightning_mgpu` registers these names whenever Lightning is loaded (lightning_mgpu/__init__.py)
+        from lightning_mgpu import _register_names
+
+        _register_names(strategy_registry, cls)

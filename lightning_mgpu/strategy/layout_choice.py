@@ -1,5 +1,6 @@
-"""The layout a ``HybridStrategy`` runs: each candidate checked against the options when the Trainer is built, and,
-where ``"auto"`` sizes leave several, the planner's choice at setup, agreed on by every rank."""
+"""The layout a ``HybridStrategy`` runs: each candidate checked against the options when the Trainer is built
+(``layout_checks``, which the planner runs on its candidates too), and, where ``"auto"`` sizes leave several, the
+planner's choice at setup, agreed on by every rank."""
 
 from __future__ import annotations
 
@@ -8,54 +9,10 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_mgpu.backends import deepspeed
-from lightning_mgpu.layout import ParallelLayout, Size, warn_about_layout
+from lightning_mgpu.layout import ParallelLayout, warn_about_layout
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.parallel import context, data, pipeline, tensor
-from lightning_mgpu.parallel.experts import check_expert_layout
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
-
-_SIZE_NAMES = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
-
-
-def check_options(
-    options: ParallelOptions,
-    zero_stage: Size,
-    tensor_parallel_size: Size,
-    pipeline_parallel_size: Size,
-    context_parallel_size: int = 1,
-) -> None:
-    """Every parallelism's checks of its own options, against the sizes as given (``"auto"`` ones are judged per
-    candidate layout by :func:`check_sizes`). Raised when the strategy is built, before any process starts."""
-    options.check_implemented()
-    tensor.check(options)
-    pipeline.check(options)
-    options.check_sizes(
-        zero_stage, tensor_parallel_size, pipeline_parallel_size, context_parallel_size=context_parallel_size
-    )
-    _check_with_sizes(options, zero_stage, tensor_parallel_size, pipeline_parallel_size)
-
-
-def check_sizes(
-    options: ParallelOptions, precision: HybridPrecision, requested_sizes: tuple[Size, ...], layout: ParallelLayout
-) -> None:
-    """The options against one layout's sizes (raises naming the option and the fix)."""
-    auto = tuple(name for name, size in zip(_SIZE_NAMES, requested_sizes) if size == "auto")
-    sizes = (layout.zero_stage, layout.tensor_parallel_size, layout.pipeline_parallel_size)
-    options.check_sizes(*sizes, auto, context_parallel_size=layout.context_parallel_size)
-    _check_with_sizes(options, *sizes)
-    data.check(options, layout)
-    context.check(options, layout)
-    if options.expert_parallel_size > 1:
-        check_expert_layout(options, layout)
-    precision.check_layout(layout.tensor_parallel_size)
-
-
-def _check_with_sizes(options: ParallelOptions, zero_stage: Size, tensor_size: Size, pipeline_size: Size) -> None:
-    if isinstance(pipeline_size, int):
-        pipeline.check_microbatches(options, pipeline_size)
-    deepspeed.check(options, zero_stage, tensor_size, pipeline_size)
 
 
 def check_trainer_layout(

@@ -14,11 +14,12 @@ from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import layer_sync
 from lightning_mgpu.layout import DP_AXIS, ParallelLayout, Size
+from lightning_mgpu.layout_checks import check_sizes
 from lightning_mgpu.options import LaunchOptions, ParallelOptions
 from lightning_mgpu.parallel.context import ContextParallel
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.planner import auto as planner_auto
-from lightning_mgpu.strategy.layout_choice import check_sizes, check_trainer_layout
+from lightning_mgpu.strategy.layout_choice import check_trainer_layout
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
@@ -113,7 +114,8 @@ class LayoutHooks(ParallelStrategy):
         if self.num_processes:
             world = self.num_nodes * self.num_processes
             choices = planner_auto.layout_candidates(world, *self._requested_sizes, self._context_parallel_size)
-            check = functools.partial(check_sizes, self.options, self.precision_plugin, self._requested_sizes)
+            precision = self.precision_plugin.precision
+            check = functools.partial(check_sizes, self.options, precision, self._requested_sizes)
             self._layout_choices = planner_auto.valid_layouts(choices, check)
             self._layout = self._layout_choices[0] if len(self._layout_choices) == 1 else None
             self._check_layout(self._layout)

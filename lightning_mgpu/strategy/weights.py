@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_mgpu.checkpoint.pretrained import WeightMap, WeightsSource, load_weights, map_weights, open_weights
+from lightning_mgpu.extras import require
 from lightning_mgpu.parallel.materialize import (
     InitPlan,
     has_meta_tensors,
@@ -63,6 +64,8 @@ def check_pretrained(pretrained: str | os.PathLike | None) -> Path | None:
             f"pretrained={str(pretrained)!r}: no such file or directory (a Hugging Face model directory, a torch or"
             " Lightning checkpoint file, or a sharded checkpoint directory)."
         )
+    if path.is_dir() and any(path.glob("*.safetensors")):
+        require("safetensors", f"pretrained={str(pretrained)!r} (a Hugging Face model directory)")
     return path
 
 

@@ -806,3 +806,20 @@ def test_deepspeed_fragment_mappings_and_state_linking():
     ds.relink_optimizer_states(zero)
     ds.relink_optimizer_states(None)
     assert zero.calls == 1
+
+
+def test_pipelining_schedule_actions_are_torchs_order():
+    """``get_schedule_ops`` builds a multi-stage schedule's order with mock stages: each stage's forward and backward
+    of each microbatch once, the stages placed as the schedule places them."""
+    from lightning_mgpu._compat import pipelining
+
+    for schedule, parts in (("Interleaved1F1B", ("F", "B")), ("ZBVZeroBubble", ("F", "I", "W"))):
+        ranks = [
+            [part for action in actions for part in (action if isinstance(action, list) else [action])]
+            for actions in pipelining.schedule_actions(schedule, 2, 4, 2)
+        ]
+        flat = [part for actions in ranks for part in actions]
+        assert sorted(flat) == sorted((kind, stage, m) for kind in parts for stage in range(4) for m in range(4))
+        stages = [{stage for _, stage, _ in actions} for actions in ranks]
+        placed = [{0, 2}, {1, 3}] if schedule == "Interleaved1F1B" else [{0, 3}, {1, 2}]
+        _expect(stages == placed, "_schedule_visualizer.get_schedule_ops", "torch", f"{schedule} places {stages}")

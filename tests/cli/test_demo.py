@@ -11,9 +11,7 @@ from lightning_mgpu.cli import main
 
 
 def test_version(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--version"])
-    assert exit_info.value.code == 0
+    assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"lightning-mgpu {__version__}"
 
 

@@ -9,13 +9,14 @@ load-balanced order of tokens over ranks.
 from lightning_mgpu.parallel.context.attention import alltoall_attention, ring_attention
 from lightning_mgpu.parallel.context.checks import check
 from lightning_mgpu.parallel.context.order import chunk_ids, local_positions, shard_sequence, unshard_sequence
-from lightning_mgpu.parallel.context.runtime import ContextParallel, check_module
+from lightning_mgpu.parallel.context.runtime import ContextParallel, check_module, check_sequence_length
 
 __all__ = [
     "ContextParallel",
     "alltoall_attention",
     "check",
     "check_module",
+    "check_sequence_length",
     "chunk_ids",
     "local_positions",
     "ring_attention",

@@ -43,6 +43,16 @@ _SPLIT_STEPS = ("training_step", "validation_step", "test_step")
 _ROPE_TABLES = ("cos", "sin", "freqs_cis", "rope_cache", "freqs")
 
 
+def check_sequence_length(seq_len: int, cp: int) -> None:
+    """Two equal chunks per context-parallel rank (the planner checks a model's sequence length with it)."""
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"context_parallel_size={cp} splits each sequence into {2 * cp} equal chunks (two per rank, balancing"
+            f" the causal mask's work), but the batch's sequences have {seq_len} tokens. Pad or cut them to a"
+            f" multiple of {2 * cp}, or choose a context_parallel_size whose double divides {seq_len}."
+        )
+
+
 class ContextParallel:
     """The patches and per-step state of context parallelism over ``group`` (see the module docstring)."""
 
@@ -88,13 +98,7 @@ class ContextParallel:
             return args
         batch = args[0]
         seq_len = _sequence_length(batch)
-        if seq_len % (2 * self.cp):
-            raise ValueError(
-                f"context_parallel_size={self.cp} splits each sequence into {2 * self.cp} equal chunks (two per rank,"
-                f" balancing the causal mask's work), but the batch's sequences have {seq_len} tokens. Pad or cut"
-                f" them to a multiple of {2 * self.cp}, or choose a context_parallel_size whose double divides"
-                f" {seq_len}."
-            )
+        check_sequence_length(seq_len, self.cp)
         for config, window in self._windows:
             if seq_len > window:
                 raise NotImplementedError(

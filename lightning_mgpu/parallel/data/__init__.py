@@ -4,7 +4,8 @@
 its ZeRO stage, over all data-parallel ranks or hybrid-sharded (HSDP); ``OptimizerStateSharding`` is
 ZeRO-1's optimizer-state partition; ``set_gradient_sync``, ``reduce_metrics_over`` and the unused-parameter
 watch (``finish_backward``, ``stop_watching``) and ``prepare_backward`` (manual optimization's backward inside the
-root's forward) serve the strategy's step; ``use_gloo_comms`` gives FSDP2 gloo
+root's forward) serve the strategy's step; ``sharded_by_user`` tells a module the user's ``configure_model`` wrapped
+with ``fully_shard`` itself (Lightning's ModelParallelStrategy style); ``use_gloo_comms`` gives FSDP2 gloo
 collectives at their analytic volume.
 """
 
@@ -17,6 +18,7 @@ from lightning_mgpu.parallel.data.wrap import (
     apply_data_parallel,
     reduce_metrics_over,
     set_gradient_sync,
+    sharded_by_user,
 )
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "prepare_backward",
     "reduce_metrics_over",
     "set_gradient_sync",
+    "sharded_by_user",
     "stop_watching",
     "use_gloo_comms",
 ]

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 
 from lightning_mgpu._compat.dtensor import is_strided_shard
 from lightning_mgpu._compat.fsdp import is_ddp_replicated, replicate_ddp, replicate_with_fsdp
+from lightning_mgpu.layout import DP_AXIS, DP_CP_AXIS, DP_SHARD_AXIS
 from lightning_mgpu.parallel.blocks import find_blocks
 from lightning_mgpu.parallel.data.buffers import broadcast_buffers_like_ddp, note_gradient_sync
 from lightning_mgpu.parallel.data.gloo_comms import use_gloo_comms
@@ -132,6 +133,43 @@ def apply_data_parallel(
 
 
 UNIT_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def sharded_by_user(module: nn.Module, zero_stage: int, pipeline_parallel_size: int) -> bool:
+    """Whether the user's ``configure_model`` applied ``fully_shard`` itself (a module written for Lightning's
+    ModelParallelStrategy): the strategy then leaves the data-parallel wrap to it. Refused where that cannot be
+    right: another ZeRO stage asked for, a pipeline (which splits the module after ``configure_model``), or
+    trainable parameters outside the user's ``fully_shard`` (their gradients would not be averaged)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(m, FSDPModule) for m in module.modules()):
+        return False
+    fix = "or remove fully_shard from configure_model and let HybridStrategy shard (zero_stage=3)"
+    if pipeline_parallel_size > 1:
+        raise NotImplementedError(
+            f"configure_model applied fully_shard, but pipeline_parallel_size={pipeline_parallel_size} splits the"
+            f" module into stages after it. Use pipeline_parallel_size=1, {fix}."
+        )
+    if zero_stage != 3:
+        raise ValueError(
+            f"configure_model applied fully_shard (ZeRO-3 over the data-parallel ranks) itself, but zero_stage="
+            f"{zero_stage}. Set zero_stage=3 (the strategy then leaves the wrap to your fully_shard), {fix}."
+        )
+    outside = [name for name, p in module.named_parameters() if p.requires_grad and not _data_sharded(p)]
+    if outside:
+        raise ValueError(
+            f"configure_model applied fully_shard to part of the module only: {outside[:4]} are outside it, and"
+            " their gradients would not be averaged over the data-parallel ranks. Also fully_shard the module"
+            f" holding them (the root: Lightning's ModelParallelStrategy examples do), {fix}."
+        )
+    return True
+
+
+def _data_sharded(param: nn.Parameter) -> bool:
+    """A parameter ``fully_shard`` manages: a DTensor with a data-parallel dimension."""
+    if not isinstance(param, DTensor):
+        return False
+    return bool({DP_AXIS, DP_CP_AXIS, DP_SHARD_AXIS} & set(param.device_mesh.mesh_dim_names or ()))
 
 
 def _bucketed(blocks: list[nn.Module], cap_bytes: int) -> list[list[nn.Module]]:

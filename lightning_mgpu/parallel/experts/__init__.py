@@ -7,6 +7,7 @@ are the steps ``parallelize`` takes; ``with_peers_listed_experts`` completes a g
 
 from lightning_mgpu.parallel.experts.apply import (
     apply_expert_parallel,
+    check_expert_counts,
     check_expert_layout,
     expert_parameters,
     find_expert_lists,
@@ -21,6 +22,7 @@ __all__ = [
     "ExpertTokenCounts",
     "apply_expert_parallel",
     "apply_global_router_loss",
+    "check_expert_counts",
     "check_expert_layout",
     "check_no_router_loss",
     "expert_parameters",

@@ -123,21 +123,27 @@ def check_expert_layout(options: ParallelOptions, layout: ParallelLayout) -> Non
 def check_experts(module: nn.Module, ep: int) -> dict[str, nn.Module]:
     """Before training: the model has experts to shard, in counts ``ep`` divides."""
     experts: dict[str, Any] = {**find_experts(module), **{n: lst for n, (_, lst) in find_expert_lists(module).items()}}
-    if not experts:
+    counts = {name: m.num_experts if hasattr(m, "num_experts") else len(m) for name, m in experts.items()}
+    check_expert_counts(counts, ep, type(module).__name__)
+    return experts
+
+
+def check_expert_counts(counts: dict[str, int], ep: int, model_name: str) -> None:
+    """Each mixture-of-experts layer's expert count (by name) divisible by ``ep``, and one layer at least (the
+    planner checks a model's expert count with it, in the same words)."""
+    if not counts:
         raise ValueError(
-            f"expert_parallel_size={ep}, but {type(module).__name__} has no mixture-of-experts layer this version"
+            f"expert_parallel_size={ep}, but {model_name} has no mixture-of-experts layer this version"
             " shards: a module with `num_experts` and fused 3-D `gate_up_proj`/`down_proj` weights (Hugging Face's"
             " Mixtral, Qwen3-MoE, OLMoE), or a block with an nn.ModuleList of experts and an nn.Linear router with one"
             " output per expert. Set expert_parallel_size=1 for this model."
         )
-    counts = {name: m.num_experts if hasattr(m, "num_experts") else len(m) for name, m in experts.items()}
     uneven = {name: count for name, count in counts.items() if count % ep}
     if uneven:
         raise ValueError(
             f"expert_parallel_size={ep} must divide every layer's expert count, got {uneven}. Choose an"
             f" expert_parallel_size that divides {sorted(set(uneven.values()))}."
         )
-    return experts
 
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:

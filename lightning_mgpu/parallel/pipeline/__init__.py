@@ -2,7 +2,8 @@
 
 ``split_pipeline`` keeps this rank's stages of a module (``plan.py`` decides the cut, pure functions);
 ``PipelineEngine`` runs a training step through the schedule behind an unchanged ``training_step``. The schedule
-tables and ``check``/``check_microbatches`` judge the pipeline options before any process starts.
+tables and ``check``/``check_microbatches`` judge the pipeline options before any process starts; ``timeline``
+plays a schedule's own action lists (the docs' figures, the planner's tests).
 """
 
 from lightning_mgpu.parallel.pipeline.checks import check, check_microbatches
@@ -13,6 +14,7 @@ from lightning_mgpu.parallel.pipeline.plan import (
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
     bubble_fraction,
+    check_stage_count,
     plan_split,
     stage_indices,
     stage_owner,
@@ -20,6 +22,7 @@ from lightning_mgpu.parallel.pipeline.plan import (
 )
 from lightning_mgpu.parallel.pipeline.split import PipelineRuntime, split_pipeline
 from lightning_mgpu.parallel.pipeline.step import PipelineEngine
+from lightning_mgpu.parallel.pipeline.timeline import Timeline, timeline
 
 __all__ = [
     "LOOP_SCHEDULES",
@@ -28,13 +31,16 @@ __all__ = [
     "V_SCHEDULES",
     "PipelineEngine",
     "PipelineRuntime",
+    "Timeline",
     "bubble_fraction",
     "check",
     "check_microbatches",
+    "check_stage_count",
     "microbatch_count_error",
     "plan_split",
     "split_pipeline",
     "stage_indices",
     "stage_owner",
     "stages_per_rank",
+    "timeline",
 ]

@@ -107,14 +107,19 @@ class PipelineSplit:
         return stages
 
 
+def check_stage_count(num_stages: int, num_blocks: int, where: str) -> None:
+    """A stage needs a block at least (the planner checks a model's layer count with it, in the same words)."""
+    if num_blocks < num_stages:
+        raise ValueError(
+            f"{num_stages} pipeline stages need at least {num_stages} blocks, but {where} has {num_blocks}."
+            " Lower pipeline_parallel_size (or stages_per_rank)."
+        )
+
+
 def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> PipelineSplit:
     container_fqn, container = _stage_container(module, pipeline_split)
     _refuse_split_network_copies(module, container_fqn)
-    if len(container) < num_stages:
-        raise ValueError(
-            f"{num_stages} pipeline stages need at least {num_stages} blocks, but {container_fqn!r} has"
-            f" {len(container)}. Lower pipeline_parallel_size (or stages_per_rank)."
-        )
+    check_stage_count(num_stages, len(container), repr(container_fqn))
     (before, before_parameters), (after, after_parameters) = _around(module, container_fqn)
     split = PipelineSplit(container_fqn, len(container), before, after, [], before_parameters, after_parameters)
     if pipeline_split == "auto":

@@ -8,6 +8,7 @@ baseline).
 """
 
 from lightning_mgpu.parallel.tensor.apply import apply_tensor_parallel, tensor_parallel_context
+from lightning_mgpu.parallel.tensor.checks import check_sharded_sizes
 from lightning_mgpu.parallel.tensor.plan import auto_plan, check, check_style_names
 from lightning_mgpu.parallel.tensor.styles import keep_grad_placement, style
 
@@ -15,6 +16,7 @@ __all__ = [
     "apply_tensor_parallel",
     "auto_plan",
     "check",
+    "check_sharded_sizes",
     "check_style_names",
     "keep_grad_placement",
     "style",

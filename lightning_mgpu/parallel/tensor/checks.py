@@ -55,6 +55,13 @@ def check_divisible(module: nn.Module, matched: dict[str, str], tp: int) -> None
             value = _config_value(attention, attribute)
             if isinstance(value, int) and not isinstance(value, bool):
                 sizes[f"the model's config.{attribute} = {value}"] = value  # once, not per module holding it
+    check_sharded_sizes(sizes, tp)
+
+
+def check_sharded_sizes(sizes: dict[str, int], tp: int) -> None:
+    """Every size a plan shards (``{"what: {} output features": 4096}``, the ``{}`` standing for the size) divisible
+    by ``tp``, else raise naming each that is not and the degrees that would do. The planner checks a model's
+    shapes with it, so that it refuses what training would, in the same words."""
     problems = _by_block_glob(text.format(size) for text, size in sizes.items() if size % tp)
     if problems:
         common = math.gcd(*sizes.values())
