@@ -266,6 +266,8 @@ class ModuleMesh:
         return name
 
     def __getattr__(self, name: str) -> object:
+        if name == "mesh":  # not set yet: a copy (deepcopy, pickle) builds the object without __init__
+            raise AttributeError(name)
         return getattr(self.mesh, name)
 
     def __repr__(self) -> str:

@@ -9,6 +9,7 @@ with ``fully_shard`` itself (Lightning's ModelParallelStrategy style); ``use_glo
 collectives at their analytic volume.
 """
 
+from lightning_mgpu.parallel.data.buffers import once_per_step
 from lightning_mgpu.parallel.data.checks import check
 from lightning_mgpu.parallel.data.gloo_comms import use_gloo_comms
 from lightning_mgpu.parallel.data.manual import prepare_backward
@@ -26,6 +27,7 @@ __all__ = [
     "apply_data_parallel",
     "check",
     "finish_backward",
+    "once_per_step",
     "prepare_backward",
     "reduce_metrics_over",
     "set_gradient_sync",

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_mgpu._compat.tensors import tree_map
-from lightning_mgpu.parallel.data.buffers import once_per_step
+from lightning_mgpu.parallel.data import once_per_step
 from lightning_mgpu.parallel.pipeline.capture import StepCapture
 from lightning_mgpu.parallel.pipeline.microbatches import (
     MicrobatchPlan,

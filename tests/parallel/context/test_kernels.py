@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_mgpu.parallel.context import kernels
@@ -95,6 +96,10 @@ def test_the_choice_is_logged_once_per_kind_of_block(caplog, monkeypatch):
     monkeypatch.setattr(kernels, "_logged", set())
     lightning_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # printed like Lightning's own info
     monkeypatch.setattr(lightning_log, "propagate", False)  # seen once, whether Lightning's loggers propagate or not
+    # Whatever tests ran before in this process: rank 0 of its run, Lightning's info shown.
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    monkeypatch.setattr(lightning_log, "level", logging.INFO)
+    monkeypatch.setattr(lightning_log, "disabled", False)
     lightning_log.addHandler(caplog.handler)
     try:
         q = torch.randn(1, 2, 4, 8)
