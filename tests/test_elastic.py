@@ -27,10 +27,9 @@ import pytest
 from tests.helpers.distributed import free_port
 from tests.helpers.processes import REPO, clean_env, processes_with
 
-pytestmark = [
-    pytest.mark.slow,  # the slow tier: end to end, torchrun's elastic agents restarting real processes
-    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the job's processes in /proc"),
-]
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the job's processes in /proc")
+# End to end (torchrun's elastic agents restarting real processes): the slow tier; the store check is a unit test.
+end_to_end = pytest.mark.slow
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 STEPS, EVERY, STALL_AT = 12, 4, 6
@@ -193,6 +192,7 @@ def _arguments(tmp_path: Path, layout: list[str]) -> list[str]:
     ],
     ids=["dp4-zero1-to-dp2-killed", "tp2-dp2-to-tp2-dp1-killed", "pp2-dp2-to-pp2-dp1-frozen"],
 )
+@end_to_end
 def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_and_losses(
     tmp_path, reference, layout, dps, loss
 ):
@@ -216,6 +216,7 @@ def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_an
         assert "stopped responding" in job.log("A"), job.log("A")
 
 
+@end_to_end
 def test_a_node_joining_a_running_job_resumes_it_on_both_with_the_same_samples_and_losses(tmp_path, reference):
     """The other direction, with tensor parallelism kept while dp grows: node A trains alone (tp 2 x dp 1,
     accumulation 4); node B joins while A waits in step 6; torchrun restarts A's ranks with B's (tp 2 x dp 2,
@@ -232,16 +233,19 @@ def test_a_node_joining_a_running_job_resumes_it_on_both_with_the_same_samples_a
     print(f"\nnode B joined; the job's first step on both nodes came {first_step - joined_at:.1f} s later")
 
 
-def test_restarts_that_would_share_torchruns_store_are_warned_about(monkeypatch):
-    from lightning_mgpu.launch.elastic import restart_problem, warn_about_restarts
+def test_restarts_on_torchruns_shared_store_are_refused_before_the_process_group(monkeypatch):
+    from lightning_mgpu.launch.elastic import ElasticStoreError, refuse_shared_store_restarts, restart_problem
 
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_problem()
-    with pytest.warns(UserWarning, match=r"--max-restarts=3.*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
-        warn_about_restarts(0)
+    with pytest.raises(ElasticStoreError, match=r"--max-restarts=3.*`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`"):
+        refuse_shared_store_restarts()
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # set, yet shared: torchrun's static rendezvous
+    assert "the static rendezvous" in restart_problem() and "--rdzv-backend=c10d" in restart_problem()
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     assert restart_problem() is None  # no restart: nothing to share
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     assert restart_problem() is None  # a fresh store per round
+    refuse_shared_store_restarts()
