@@ -74,7 +74,8 @@ if __name__ == "__main__":
             f.write(repr(time.time()))
         time.sleep(120)
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ.get("DEVICES", 2)), max_steps=6, logger=SlowToFinish(".") if os.environ.get("SLOW_FINISH") else False,
+        accelerator="cpu", devices=int(os.environ.get("DEVICES", 2)), max_steps=6,
+        logger=SlowToFinish(".") if os.environ.get("SLOW_FINISH") else False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         strategy=HybridStrategy(
             start_method=os.environ["START"], timeout=timedelta(seconds=60),
