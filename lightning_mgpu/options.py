@@ -177,15 +177,13 @@ class LaunchOptions:
     timeout: timedelta | int | float | None = None
     start_method: StartMethod = "auto"
     heartbeat_timeout: float | None = 60.0
+    init_timeout: float | None = 600.0
 
     def __post_init__(self) -> None:
         _one_of("start_method", self.start_method, START_METHODS)
         object.__setattr__(self, "timeout", _timeout(self.timeout))
-        beat = self.heartbeat_timeout
-        if beat is not None and (isinstance(beat, bool) or not isinstance(beat, int | float) or beat <= 0):
-            raise ValueError(
-                f"`heartbeat_timeout` must be a positive number of seconds or None (no heartbeat), got {beat!r}."
-            )
+        _seconds_or_none("heartbeat_timeout", self.heartbeat_timeout, "no heartbeat")
+        _seconds_or_none("init_timeout", self.init_timeout, "no bound on a run's start")
         if self.process_group_backend is not None:
             _check_backend(self.process_group_backend)
 
@@ -203,6 +201,11 @@ class LaunchOptions:
 
 # Backends whose collectives exist for one device type only.
 _DEVICE_ONLY_BACKENDS = {"nccl": "cuda", "xccl": "xpu"}
+
+
+def _seconds_or_none(name: str, value: Any, none_means: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0):
+        raise ValueError(f"`{name}` must be a positive number of seconds or None ({none_means}), got {value!r}.")
 
 
 def _timeout(value: Any) -> timedelta | None:

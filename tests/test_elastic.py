@@ -27,10 +27,9 @@ import pytest
 from tests.helpers.distributed import free_port
 from tests.helpers.processes import REPO, clean_env, processes_with
 
-pytestmark = [
-    pytest.mark.slow,  # the slow tier: end to end, torchrun's elastic agents restarting real processes
-    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the job's processes in /proc"),
-]
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the job's processes in /proc")
+# End to end (torchrun's elastic agents restarting real processes): the slow tier; the store check is a unit test.
+end_to_end = pytest.mark.slow
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 STEPS, EVERY, STALL_AT = 12, 4, 6
@@ -193,6 +192,7 @@ def _arguments(tmp_path: Path, layout: list[str]) -> list[str]:
     ],
     ids=["dp4-zero1-to-dp2-killed", "tp2-dp2-to-tp2-dp1-killed", "pp2-dp2-to-pp2-dp1-frozen"],
 )
+@end_to_end
 def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_and_losses(
     tmp_path, reference, layout, dps, loss
 ):
@@ -216,6 +216,7 @@ def test_a_node_lost_mid_epoch_resumes_on_the_node_left_with_the_same_samples_an
         assert "stopped responding" in job.log("A"), job.log("A")
 
 
+@end_to_end
 def test_a_node_joining_a_running_job_resumes_it_on_both_with_the_same_samples_and_losses(tmp_path, reference):
     """The other direction, with tensor parallelism kept while dp grows: node A trains alone (tp 2 x dp 1,
     accumulation 4); node B joins while A waits in step 6; torchrun restarts A's ranks with B's (tp 2 x dp 2,
@@ -232,16 +233,185 @@ def test_a_node_joining_a_running_job_resumes_it_on_both_with_the_same_samples_a
     print(f"\nnode B joined; the job's first step on both nodes came {first_step - joined_at:.1f} s later")
 
 
-def test_restarts_that_would_share_torchruns_store_are_warned_about(monkeypatch):
-    from lightning_mgpu.launch.elastic import restart_problem, warn_about_restarts
+def test_restarts_on_torchruns_shared_store_are_refused_before_the_process_group(monkeypatch):
+    from lightning_mgpu.launch.elastic import ElasticStoreError, refuse_shared_store_restarts, restart_problem
 
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_problem()
-    with pytest.warns(UserWarning, match=r"--max-restarts=3.*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
-        warn_about_restarts(0)
+    with pytest.raises(ElasticStoreError, match=r"--max-restarts=3.*`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`"):
+        refuse_shared_store_restarts()
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # set, yet shared: torchrun's static rendezvous
+    assert "the static rendezvous" in restart_problem() and "--rdzv-backend=c10d" in restart_problem()
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     assert restart_problem() is None  # no restart: nothing to share
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     assert restart_problem() is None  # a fresh store per round
+    refuse_shared_store_restarts()
+
+
+# ------------------------------------------------------------------------------------- SLURM's requeue: slurm.sbatch
+# Stand-ins for what slurm.sbatch calls: `scontrol show hostnames` names this machine and `scontrol requeue` records
+# the request for the test's scheduler; `srun` starts SLURM_NTASKS tasks with srun's variables, each marked with
+# its node (the scheduler kills a node's tasks as a node failure does).
+_FAKE_SCONTROL = """#!/usr/bin/env bash
+case "$1" in
+    show) echo 127.0.0.1 ;;
+    requeue) echo "$2" >> "$FAKE_SLURM_DIR/requeued" ;;
+    *) echo "scontrol stand-in: '$*' is not simulated" >&2; exit 1 ;;
+esac
+"""
+_FAKE_SRUN = f"""#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done  # srun's own options
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+    node=$((i / SLURM_NTASKS_PER_NODE))
+    SLURM_PROCID=$i SLURM_LOCALID=$((i % SLURM_NTASKS_PER_NODE)) SLURM_NODEID=$node \\
+        {MARKER}="$SLURM_JOB_MARK-node$node" "$@" &
+    pids+=($!)
+done
+rc=0
+for pid in "${{pids[@]}}"; do wait "$pid" || rc=$?; done
+exit $rc
+"""
+# What slurm.sbatch runs (examples/elastic/train.py, relative to the job's directory): the example with a stall,
+# task STALL_TASK of the first allocation waiting STALL_S seconds after step STALL_AT.
+SLURM_SCRIPT = f"""
+import os, sys, time
+import lightning as L
+sys.path.insert(0, {str(REPO / "examples" / "elastic")!r})
+from train import main
+
+class Stall(L.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+        if first and os.environ["SLURM_PROCID"] == os.environ["STALL_TASK"] and trainer.global_step == {STALL_AT}:
+            open(os.path.join(os.environ["FAKE_SLURM_DIR"], "stalled"), "w").close()
+            time.sleep(float(os.environ["STALL_S"]))
+
+main(extra_callbacks=(Stall(),))
+"""
+
+
+class _SlurmJob:
+    """One job of examples/elastic/slurm.sbatch under the stand-ins, submitted again as SLURM requeues it."""
+
+    def __init__(self, tmp_path: Path, stall_task: int, stall_s: float) -> None:
+        self.tmp_path, self.mark = tmp_path, f"slurm-{os.getpid()}-{time.time_ns()}"
+        self.bin = tmp_path / "bin"
+        self.bin.mkdir()
+        for name, text in (("srun", _FAKE_SRUN), ("scontrol", _FAKE_SCONTROL)):
+            (self.bin / name).write_text(text)
+            (self.bin / name).chmod(0o755)
+        (tmp_path / "examples" / "elastic").mkdir(parents=True)
+        (tmp_path / "examples" / "elastic" / "train.py").write_text(SLURM_SCRIPT)
+        self.stall = {"STALL_TASK": str(stall_task), "STALL_S": str(stall_s)}
+        self.records = tmp_path / "records"
+        self.records.mkdir()
+        self.submissions = 0
+
+    def submit(self, nodes: int) -> subprocess.CompletedProcess:
+        """The batch script on ``nodes`` nodes of 2 tasks, as SLURM runs it (its restart count after a requeue)."""
+        env = clean_env(
+            PATH=f"{self.bin}:{Path(sys.executable).parent}:{clean_env()['PATH']}",
+            FAKE_SLURM_DIR=str(self.tmp_path),
+            SLURM_JOB_MARK=self.mark,
+            SLURM_JOB_ID="4242",
+            SLURM_JOB_NAME="lightning-mgpu-elastic",
+            SLURM_JOB_NODELIST="127.0.0.1",
+            SLURM_NODELIST="127.0.0.1",
+            SLURM_NNODES=str(nodes),
+            SLURM_NTASKS_PER_NODE="2",
+            SLURM_NTASKS=str(2 * nodes),
+            SLURM_RESTART_COUNT=str(self.submissions),
+            **self.stall,
+        )
+        self.submissions += 1
+        arguments = [*COMMON, "--batch-size", "4", "--every-n-steps", str(EVERY), "--record-dir", str(self.records)]
+        log = open(self.tmp_path / f"job-{self.submissions}.log", "w")
+        command = ["bash", str(REPO / "examples" / "elastic" / "slurm.sbatch"), *arguments]
+        self.process = subprocess.Popen(command, cwd=self.tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return self.process
+
+    def wait_for(self, name: str) -> None:
+        deadline = time.monotonic() + TIMEOUT
+        while not (self.tmp_path / name).exists():
+            assert time.monotonic() < deadline and self.process.poll() is None, self.log()
+            time.sleep(0.2)
+
+    def signal(self, number: int, node: int | None = None) -> None:
+        """SLURM's signal to the job's tasks (all, or one node's)."""
+        for name in ("node0", "node1") if node is None else (f"node{node}",):
+            _signal(f"{self.mark}-{name}", number)
+
+    def end(self, timeout: float = TIMEOUT) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            self.signal(signal.SIGKILL)
+            assert not processes_with(MARKER, f"{self.mark}-node0") + processes_with(MARKER, f"{self.mark}-node1")
+
+    def log(self) -> str:
+        return (self.tmp_path / f"job-{self.submissions}.log").read_text()[-6000:]
+
+
+def _assert_steps_like_one_process(records: Path, reference: dict, worlds: tuple[int, int]) -> int:
+    """Every step took the reference's samples with its loss; the first allocation's on ``worlds[0]`` ranks, the
+    requeued one's on ``worlds[1]``. Returns the step the requeued job resumed at."""
+    steps = _records(records)
+    assert sorted(steps) == list(range(STEPS))
+    resumed_from = min(s for s, batch in steps.items() if batch[0]["time"] > _requeue_time(steps))
+    for step, batch in steps.items():
+        assert {r["world"] for r in batch} == {worlds[step >= resumed_from]}, step
+        assert sorted(i for r in batch for i in r["ids"]) == sorted(reference[step][0]["ids"]), step
+        loss = sum(r["loss"] for r in batch) / len(batch)
+        assert loss == pytest.approx(reference[step][0]["loss"], rel=1e-5), step
+    return resumed_from
+
+
+def _requeue_time(steps: dict[int, list[dict]]) -> float:
+    """The largest gap between consecutive micro-batches: the requeue (the allocations are seconds apart)."""
+    times = sorted(r["time"] for batch in steps.values() for r in batch)
+    gaps = [(later - earlier, later) for earlier, later in zip(times, times[1:])]
+    return max(gaps)[1] - 1e-6
+
+
+@end_to_end
+def test_a_slurm_job_requeued_after_a_node_failure_resumes_on_the_nodes_it_gets(tmp_path, reference):
+    """slurm.sbatch under stand-ins for srun and scontrol: node 1's tasks are killed in step 6 (a node failure), the
+    allocation ends; SLURM requeues the job (--requeue) on one node and it resumes from last.ckpt (step 4) as dp 2
+    with the same global batch, every step as one process."""
+    assert "#SBATCH --requeue" in (REPO / "examples" / "elastic" / "slurm.sbatch").read_text()
+    job = _SlurmJob(tmp_path, stall_task=2, stall_s=600)
+    job.submit(nodes=2)
+    job.wait_for("stalled")
+    job.signal(signal.SIGKILL, node=1)
+    assert job.end() != 0, job.log()
+    job.submit(nodes=1)
+    assert job.end() == 0, job.log()
+    resumed = _assert_steps_like_one_process(job.records, reference, worlds=(4, 2))
+    assert resumed == STALL_AT // EVERY * EVERY
+    assert (tmp_path / "elastic_checkpoints" / "last.ckpt").is_dir()  # the script's default directory
+
+
+@end_to_end
+def test_slurms_time_limit_signal_requeues_the_job_at_a_step_boundary_and_it_resumes_there(tmp_path, reference):
+    """SIGUSR1 (``--signal=SIGUSR1@90``) reaches every task while task 1 stalls after step 6 and the others wait in
+    step 7's collectives: Lightning's requeue handler saves a checkpoint (a collective) and runs ``scontrol requeue``.
+    SLURM then ends the allocation (SIGTERM, SIGKILL after its KillWait) and runs the job again, which resumes from
+    that checkpoint, not from last.ckpt's step 4."""
+    job = _SlurmJob(tmp_path, stall_task=1, stall_s=3)
+    job.submit(nodes=2)
+    job.wait_for("stalled")
+    job.signal(signal.SIGUSR1)
+    job.wait_for("requeued")
+    assert (tmp_path / "requeued").read_text().split() == ["4242"]
+    job.signal(signal.SIGTERM)
+    time.sleep(5)  # SLURM's KillWait (30 s by default)
+    job.signal(signal.SIGKILL)
+    job.end()
+    job.submit(nodes=2)
+    assert job.end() == 0, job.log()
+    resumed = _assert_steps_like_one_process(job.records, reference, worlds=(4, 4))
+    assert resumed > STALL_AT, resumed

@@ -69,12 +69,18 @@ class SlowToFinish(CSVLogger):
             time.sleep(3)
 
 if __name__ == "__main__":
+    if MODE == "absent" and os.environ.get("RANK") == FAIL_RANK:  # this rank never reaches the process group
+        with open(f"failed_at_{FAIL_RANK}", "w") as f:
+            f.write(repr(time.time()))
+        time.sleep(120)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=6, logger=SlowToFinish(".") if os.environ.get("SLOW_FINISH") else False,
+        accelerator="cpu", devices=int(os.environ.get("DEVICES", 2)), max_steps=6,
+        logger=SlowToFinish(".") if os.environ.get("SLOW_FINISH") else False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         strategy=HybridStrategy(
             start_method=os.environ["START"], timeout=timedelta(seconds=60),
             heartbeat_timeout=float(os.environ.get("HEARTBEAT", 60)),
+            init_timeout=float(os.environ.get("INIT_TIMEOUT", 600)),
         ),
     )
     trainer.fit(Model(), torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4))
@@ -264,6 +270,23 @@ def test_torchrun_stops_a_rank_between_collectives(tmp_path):
     run = _run(tmp_path, command, START="auto", FAIL_RANK="1", FAIL_MODE="raise", RANK_0_BUSY="1")
     _assert_reported(run, "rank 1 of 2 (pp 0, dp 1, tp 0) failed: ValueError: boom")
     assert "lightning-mgpu: rank 0 of 2 (pp 0, dp 0, tp 0) stopped: rank 1 failed: ValueError: boom" in run.stderr
+
+
+@pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes
+def test_torchrun_a_rank_that_never_arrives_ends_the_job_within_init_timeout(tmp_path):
+    """Rank 2 of 3 never reaches the process group: ranks 0 and 1 wait in its initialization until their bound
+    (``init_timeout=4``), and each says so in one line (the first to end makes torchrun SIGTERM the other, which
+    is inside gloo's C++ then and says it all the same)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3"]
+    command += ["--master_port", str(free_port()), "train.py"]
+    run = _run(tmp_path, command, START="auto", FAIL_RANK="2", FAIL_MODE="absent", DEVICES="3", INIT_TIMEOUT="4")
+    assert run.returncode != 0 and run.exit_after_failure_s < MAX_EXIT_S, run.stderr[-3000:]
+    for rank in (0, 1):
+        lines = [line for line in run.stderr.splitlines() if line.startswith(f"lightning-mgpu: rank {rank} of 3 ")]
+        assert len(lines) == 1, run.stderr[-3000:]
+        assert "process-group initialization" in lines[0], lines
+    expired = "still in process-group initialization after 4 s (init_timeout=4 s): a rank of this round has not"
+    assert expired in run.stderr, run.stderr[-3000:]
 
 
 @pytest.mark.slow  # the slow tier: end to end: a launcher's failure handling, with real processes

@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None, extra_callbacks: tuple[L.Callback, ...] 
     parser.add_argument(
         "--heartbeat-timeout", type=float, default=60.0, help="seconds of silence after which a rank is taken for lost"
     )
+    parser.add_argument(
+        "--init-timeout", type=float, default=600.0, help="seconds a run's start (process group to first loop) may take"
+    )
     args = parser.parse_args(argv)
 
     L.seed_everything(SEED, verbose=False)
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None, extra_callbacks: tuple[L.Callback, ...] 
             global_batch_size=args.global_batch_size,
             timeout=args.timeout,
             heartbeat_timeout=args.heartbeat_timeout,
+            init_timeout=args.init_timeout,
         ),
         max_steps=args.max_steps,
         callbacks=callbacks,

@@ -97,6 +97,18 @@ def coordinates(rank: int, mesh_shape: tuple[int, ...]) -> str:
     return ", ".join(reversed(place))
 
 
+def describe_rank(strategy: Any) -> Callable[[int], str]:
+    """A rank's coordinates in ``strategy``'s layout, or "no layout" while none is resolved."""
+
+    def describe(rank: int) -> str:
+        try:
+            return coordinates(rank, strategy.layout.mesh_shape)
+        except Exception:  # a layout that failed to resolve, or is not chosen yet: the rank number alone
+            return "no layout"
+
+    return describe
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:

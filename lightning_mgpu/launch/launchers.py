@@ -41,7 +41,7 @@ from lightning_mgpu._compat.lightning import (
 from lightning_mgpu.launch.failures import (
     FAILURE_DIR_ENV,
     RankFailedError,
-    coordinates,
+    describe_rank,
     format_report,
     new_failure_dir,
     read_records,
@@ -54,16 +54,6 @@ if TYPE_CHECKING:
 
 _PARENT_PID_ENV = "LIGHTNING_MGPU_PARENT_PID"  # given to the script launcher's children only
 _GRACE_S = 10.0  # how long the ranks left after a failure get to notice it and end by themselves
-
-
-def _describe_rank(strategy: Any) -> Callable[[int], str]:
-    def describe(rank: int) -> str:
-        try:
-            return coordinates(rank, strategy.layout.mesh_shape)
-        except Exception:  # a layout that failed to resolve: the rank number alone
-            return "no layout"
-
-    return describe
 
 
 # ----------------------------------------------------------------------------------------- python train.py (popen)
@@ -153,7 +143,7 @@ class HybridSubprocessScriptLauncher(SubprocessScriptLauncher):
                 self.num_processes * self.num_nodes,
                 read_records(self.failure_dir),
                 exit_codes,
-                _describe_rank(self._strategy),
+                describe_rank(self._strategy),
                 frozenset(stopped),
             )
             sys.stdout.flush()
@@ -238,7 +228,7 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
                 self.strategy.num_processes * self.strategy.num_nodes,
                 read_records(failure_dir),
                 {first + i: proc.exitcode for i, proc in enumerate(self.procs)},
-                _describe_rank(self.strategy),
+                describe_rank(self.strategy),
             )
             print(report, file=sys.stderr, flush=True)
             raise RankFailedError(headline) from None

@@ -20,6 +20,7 @@ from lightning_mgpu.backends.deepspeed import CHECKPOINT_KEY as DEEPSPEED_KEY
 from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner
 from lightning_mgpu.checkpoint.export import shard_bytes
 from lightning_mgpu.checkpoint.format import LiveModelState
+from lightning_mgpu.launch import StartupBound, startup
 from lightning_mgpu.layout import PP_AXIS, ParallelLayout
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 
@@ -33,6 +34,7 @@ class CheckpointHooks(ParallelStrategy):
     _checkpointer: sharded_checkpoint.Checkpointer
     _deepspeed: DeepSpeedEngineRunner | None
     _pipeline: PipelineEngine | None
+    _startup: StartupBound | None  # the run's start, until its first loop: a load at resume is part of it
 
     if TYPE_CHECKING:
 
@@ -87,14 +89,15 @@ class CheckpointHooks(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = attached_trainer(module) is None or module.trainer.state.fn == TrainerFn.FITTING
-        loaded = self.checkpointer.load(
-            checkpoint_path,
-            module,
-            list(self.optimizers),
-            strict=module.strict_loading,
-            weights_only=weights_only,
-            fitting=fitting,
-        )
+        with startup.phase(self._startup, startup.CHECKPOINT_LOAD, then=startup.RESTORE):
+            loaded = self.checkpointer.load(
+                checkpoint_path,
+                module,
+                list(self.optimizers),
+                strict=module.strict_loading,
+                weights_only=weights_only,
+                fitting=fitting,
+            )
         if self._deepspeed is not None and fitting:
             self._deepspeed.load_state_dict(loaded.get(DEEPSPEED_KEY))
         return loaded

@@ -42,11 +42,14 @@ from lightning_mgpu.launch import (
     Heartbeat,
     HybridMultiProcessingLauncher,
     HybridSubprocessScriptLauncher,
+    StartupBound,
     coordinates,
+    describe_rank,
     every_rank_failed,
     handle_rank_failure,
+    refuse_shared_store_restarts,
     restore_sigterm,
-    warn_about_restarts,
+    startup,
 )
 from lightning_mgpu.layout import (
     DP_AXIS,
@@ -179,6 +182,11 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
             ``None``: no heartbeat). Each rank's thread beats through the process group's store and watches the
             next rank; a rank stopped without failing (SIGSTOP, a frozen node) is then named and the job ended
             within this time instead of the collective ``timeout``, so that torchrun can restart it.
+        init_timeout: Seconds a run's start may take on each rank, from process-group initialization through the
+            first collectives, setup and the checkpoint load to its first training or evaluation loop (default
+            ``600``; ``None``: no bound). A rank still starting then prints the phase it waits in and the likely
+            cause and ends, so that a rank that never arrives (a node lost during a restart) ends the job in this
+            time, not silently after the collective ``timeout``. Raise it for checkpoints that take longer to read.
         accelerator: Lightning's accelerator (set by the Trainer).
         parallel_devices: Lightning's devices of this node (set by the Trainer).
         cluster_environment: Lightning's cluster environment (set by the Trainer: torchrun, SLURM, ...).
@@ -247,6 +255,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
         timeout: timedelta | int | float | None = default_pg_timeout,
         start_method: StartMethod = "auto",
         heartbeat_timeout: float | None = 60.0,
+        init_timeout: float | None = 600.0,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -296,8 +305,11 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
             find_unused_parameters=find_unused_parameters,
         )
         check_options(self.options, zero_stage, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
-        self._launch_options = LaunchOptions(process_group_backend, timeout, start_method, heartbeat_timeout)
+        self._launch_options = LaunchOptions(
+            process_group_backend, timeout, start_method, heartbeat_timeout, init_timeout
+        )
         self._heartbeat: Heartbeat | None = None
+        self._startup: StartupBound | None = None
         self._process_group_backend = process_group_backend
         self._timeout = cast(timedelta | None, self._launch_options.timeout)  # LaunchOptions made it a timedelta
         self._start_method = start_method
@@ -374,10 +386,17 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
         assert self.cluster_environment is not None
         self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        warn_about_restarts(self.global_rank)
-        init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
+        refuse_shared_store_restarts()
+        self._startup = self._start_bound()
+        with startup.phase(self._startup, startup.PROCESS_GROUP, then=startup.FIRST_COLLECTIVES):
+            init_dist_connection(
+                self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+            )
+        with startup.phase(self._startup, startup.FIRST_COLLECTIVES, then=startup.USER_HOOKS):
+            self._first_collectives()
+
+    def _first_collectives(self) -> None:
+        """The layout agreed, the mesh and its groups built, the heartbeat started: the first use of the group."""
         if self._layout is None:  # several layouts possible: the planner chooses, with the module at hand
             devices = (self.world_size, self.num_processes, self.root_device.type)
             precision = str(self.precision_plugin.precision)
@@ -398,6 +417,21 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
         if self.lightning_module is not None:
             set_device_mesh(self.lightning_module, ModuleMesh(self._device_mesh))
 
+    def _start_bound(self) -> StartupBound | None:
+        """This run's bound on its start (``init_timeout``), named by the layout's coordinates once they are known."""
+        seconds = self._launch_options.init_timeout
+        if seconds is None or self.world_size == 1:
+            return None
+        assert self.cluster_environment is not None
+        external = self.cluster_environment.creates_processes_externally  # torchrun/SLURM stop ranks by SIGTERM
+        describe = describe_rank(self)
+        return StartupBound(seconds, self.global_rank, self.world_size, describe, listen_for_sigterm=external).start()
+
+    def _end_startup(self) -> None:
+        if self._startup is not None:
+            self._startup.stop()
+            self._startup = None
+
     @property
     def plan(self) -> planner_auto.StrategyPlan | None:
         """What the planner chose for ``"auto"`` sizes, its prediction and the measured steps (``None``: no choice)."""
@@ -406,6 +440,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._end_startup()
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         if self.options.global_batch_size is not None:
@@ -417,6 +452,21 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
                 self._patches.add(undo)
 
     @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._end_startup()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._end_startup()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._end_startup()
+
+    @override
     def on_train_end(self) -> None:
         super().on_train_end()
         summary = self._plan.measured_beside_predicted() if self._plan is not None else None
@@ -425,6 +475,10 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        with startup.phase(self._startup, startup.SETUP, then=startup.RESTORE):
+            self._setup(trainer)
+
+    def _setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
         assert self.lightning_module is not None
@@ -509,6 +563,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
             self.precision_plugin.teardown()
             self.accelerator.teardown()
         finally:
+            self._end_startup()
             if self._heartbeat is not None:
                 self._heartbeat.stop()
                 self._heartbeat = None
