@@ -274,12 +274,12 @@ class HybridPrecision(Precision):
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
     @override
-    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # Lightning's Precision and Fabric's disagree
         return super().pre_backward(self.scale_loss(tensor), module)
 
     @override
     def optimizer_step(  # type: ignore[override]
-        self, optimizer: Optimizable, model: Any, closure: Callable[[], Any], **kwargs: Any
+        self, optimizer: Optimizable, model: Any, closure: Callable[[], Any], **kwargs: object
     ) -> Any:
         if self.scaler is None:
             output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)

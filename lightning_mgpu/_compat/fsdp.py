@@ -39,11 +39,11 @@ from torch import nn
 from lightning_mgpu._compat import changed, internal
 
 
-def replicate_with_fsdp(module: Any, **kwargs: Any) -> Any:
+def replicate_with_fsdp(module: nn.Module, **kwargs: object) -> Any:
     return internal("torch.distributed._composable.replicate_with_fsdp", "replicate")(module, **kwargs)
 
 
-def replicate_ddp(module: nn.Module, **kwargs: Any) -> Any:
+def replicate_ddp(module: nn.Module, **kwargs: object) -> Any:
     return internal("torch.distributed._composable.replicate", "replicate")(module, **kwargs)
 
 

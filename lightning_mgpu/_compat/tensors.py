@@ -54,7 +54,7 @@ tree_flatten = internal("torch.utils._pytree", "tree_flatten")
 TorchDispatchMode: type = internal("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
-def fake_tensor_mode(**kwargs: Any) -> Any:
+def fake_tensor_mode(**kwargs: object) -> Any:
     """A ``FakeTensorMode`` (imported on use: it pulls in much of torch's compiler stack)."""
     return internal("torch._subclasses.fake_tensor", "FakeTensorMode")(**kwargs)
 

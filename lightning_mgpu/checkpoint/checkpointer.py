@@ -29,6 +29,7 @@ from lightning_mgpu.checkpoint.lightning_dirs import LightningShardedReader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch.distributed import ProcessGroup
 
     from lightning_mgpu.layout import ParallelLayout
 
@@ -46,7 +47,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _all_gather_object(obj: Any) -> list[Any]:
+def _all_gather_object(obj: object) -> list[Any]:
     if not _distributed():
         return [obj]
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -54,7 +55,7 @@ def _all_gather_object(obj: Any) -> list[Any]:
     return gathered
 
 
-def _gather_object(obj: Any, group: Any | None = None) -> list[Any]:
+def _gather_object(obj: object, group: ProcessGroup | None = None) -> list[Any]:
     """Every rank's ``obj`` on global rank 0 (``[]`` elsewhere)."""
     if not _distributed():
         return [obj]
@@ -63,7 +64,7 @@ def _gather_object(obj: Any, group: Any | None = None) -> list[Any]:
     return gathered or []
 
 
-def _broadcast_object(obj: Any) -> Any:
+def _broadcast_object(obj: object) -> Any:
     if not _distributed():
         return obj
     container = [obj]
@@ -127,7 +128,9 @@ class _PendingSave:
     """An asynchronous save: DCP writes in a thread, every rank checksums its shards, then global rank 0 writes
     the manifest and publishes the directory."""
 
-    def __init__(self, future: Any, staging: Path, path: Path, writer: _RecordingWriter, group: Any) -> None:
+    def __init__(
+        self, future: Any, staging: Path, path: Path, writer: _RecordingWriter, group: ProcessGroup | None
+    ) -> None:
         self.path = path
         self._staging = staging
         self._writer = writer
@@ -185,7 +188,7 @@ class Checkpointer:
         self.checkpoint_format = checkpoint_format
         self.async_save = async_save
         self._pending: _PendingSave | None = None
-        self._async_group: Any | None = None
+        self._async_group: ProcessGroup | None = None
         self._resuming = False
         self._saved_data: dict[str, int] | None = None  # the resumed checkpoint's `resume.data_record`
 
@@ -267,7 +270,7 @@ class Checkpointer:
         fmt.publish(staging, path)
         _say_how_to_load_once(path)
 
-    def _checkpoint_group(self) -> Any | None:
+    def _checkpoint_group(self) -> ProcessGroup | None:
         # The background thread's collectives must not interleave with training's on the default group.
         if _distributed() and self._async_group is None:
             self._async_group = dist.new_group(backend="gloo")

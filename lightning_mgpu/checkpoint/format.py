@@ -101,7 +101,7 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_file(obj: Any, path: Path) -> None:
+def write_file(obj: object, path: Path) -> None:
     """``torch.save`` and flush to disk."""
     torch.save(obj, path)
     fsync(path)
@@ -422,10 +422,10 @@ class FlatReader(StorageReader):
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         return self.metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

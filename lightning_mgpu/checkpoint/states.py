@@ -13,7 +13,7 @@ import random
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,15 @@ from torch.optim import Optimizer
 
 from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, STATE_PREFIX, CheckpointError
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _GROUPS = "param_groups."
 
 
 def full_model_state_dict(
-    model: nn.Module, pp_group: Any | None = None, everywhere: bool = False
+    model: nn.Module, pp_group: ProcessGroup | None = None, everywhere: bool = False
 ) -> dict[str, torch.Tensor]:
     """The unsharded ``model.state_dict()`` on CPU, on global rank 0 (other ranks get ``{}``). Collective.
 
@@ -47,7 +50,7 @@ def full_model_state_dict(
     return _whole(model.state_dict(), pp_group, everywhere)
 
 
-def full_named_tensors(model: nn.Module, pp_group: Any | None = None) -> dict[str, torch.Tensor]:
+def full_named_tensors(model: nn.Module, pp_group: ProcessGroup | None = None) -> dict[str, torch.Tensor]:
     """Every parameter's and buffer's whole value on every rank, keyed by ``named_parameters``/``named_buffers``
     names, every name of a tied one: what puts the plain module's own tensors back, whatever its state-dict hooks
     call them. Collective.
@@ -61,7 +64,7 @@ def full_named_tensors(model: nn.Module, pp_group: Any | None = None) -> dict[st
 
 
 @torch.no_grad()
-def _whole(state: dict[str, Any], pp_group: Any | None, everywhere: bool) -> dict[str, torch.Tensor]:
+def _whole(state: dict[str, Any], pp_group: ProcessGroup | None, everywhere: bool) -> dict[str, torch.Tensor]:
     """``state`` with every DTensor gathered (in the same key order on the ranks of its mesh), merged over
     ``pp_group``; on global rank 0 only unless ``everywhere``, on CPU unless ``everywhere`` without stages."""
     from torch.distributed.tensor import DTensor

@@ -137,5 +137,5 @@ class StepRunner(nn.Module):
         self.module = module
 
     @override
-    def forward(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, method_name: str, *args: object, **kwargs: object) -> Any:
         return getattr(self.module, method_name)(*args, **kwargs)

@@ -80,7 +80,7 @@ def _fusable(group: dict[str, Any]) -> bool:
     )
 
 
-def install_step(optimizer: Optimizer, step: Callable[..., Any]) -> None:
+def install_step(optimizer: Optimizer, step: Callable[..., object]) -> None:
     """Make ``step`` the optimizer's ``step``, as a method of the optimizer itself.
 
     An LR scheduler built after this (Lightning's ``lr_find``, ``StochasticWeightAveraging``'s ``SWALR``, one made in
@@ -88,7 +88,7 @@ def install_step(optimizer: Optimizer, step: Callable[..., Any]) -> None:
     object would then run with the optimizer as its ``self``.
     """
 
-    def method(_optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def method(_optimizer: Optimizer, *args: object, **kwargs: object) -> Any:
         return step(*args, **kwargs)
 
     optimizer.step = types.MethodType(method, optimizer)  # type: ignore[method-assign]
@@ -106,7 +106,7 @@ class ShardLocalStep:
 
     def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = optimizer
-        self._unwrapped_step: Callable[..., Any] = optimizer.step
+        self._unwrapped_step: Callable[..., object] = optimizer.step
         self._own_step = vars(optimizer).get("step")  # an instance attribute already there (another wrapper)
         install_step(optimizer, self._step)
 

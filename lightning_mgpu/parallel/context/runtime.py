@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from lightning_mgpu._compat.attention import attn_implementation
 from lightning_mgpu.parallel.context.attention import alltoall_attention, block_attention, ring_attention
 from lightning_mgpu.parallel.context.order import local_positions, shard_sequence
 from lightning_mgpu.patches import PatchLog
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _SPLIT_STEPS = ("training_step", "validation_step", "test_step")
 # Buffers of rotary tables that a model slices by the (local) sequence length itself: they cannot follow the
@@ -56,7 +59,7 @@ def check_sequence_length(seq_len: int, cp: int) -> None:
 class ContextParallel:
     """The patches and per-step state of context parallelism over ``group`` (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, group: Any, mode: str, patches: PatchLog) -> None:
+    def __init__(self, module: nn.Module, group: ProcessGroup, mode: str, patches: PatchLog) -> None:
         check_module(module)
         self.group = group
         self.cp = dist.get_world_size(group)

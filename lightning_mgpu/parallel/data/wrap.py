@@ -45,6 +45,8 @@ from lightning_mgpu.parallel.data.unused_params import watch_trainable, watch_un
 from lightning_mgpu.parallel.local_step import install_step
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from lightning_mgpu.patches import PatchLog
 
 
@@ -101,7 +103,7 @@ def apply_data_parallel(
             reduce_in_step_only(root)
         broadcast_buffers_like_ddp(root, dp_mesh.get_group())
         return
-    wrap: Callable[..., Any]
+    wrap: Callable[..., object]
     if zero_stage <= 1:
         wrap = replicate_with_fsdp
     else:
@@ -343,7 +345,7 @@ class _OwnerReduce:
     Parameters without an owner (none yet, or another optimizer's) are all-reduced, as DDP's default hook does.
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: ProcessGroup) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.owner: dict[torch.Tensor, int] = {}
@@ -416,7 +418,7 @@ def _balance(params: list[torch.Tensor], num_ranks: int) -> dict[torch.Tensor, i
     return owner
 
 
-def reduce_metrics_over(module: torch.nn.Module, group: Any, patches: PatchLog | None = None) -> None:
+def reduce_metrics_over(module: torch.nn.Module, group: ProcessGroup, patches: PatchLog | None = None) -> None:
     """Make torchmetrics objects sync over the data-parallel group, not the whole world (undone by ``patches``)."""
     from torchmetrics import Metric
 

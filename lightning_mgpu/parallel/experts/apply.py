@@ -28,7 +28,7 @@ which then leaves them out) and divided by ``dp``, not by the replica count.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from lightning_mgpu._compat.dtensor import unflatten_mesh
 from lightning_mgpu._compat.tensors import restore_parameters, set_children, swap_parameters
 from lightning_mgpu.layout import DP_AXIS, EP_AXIS, EXPERT_REPLICA_AXIS, ParallelLayout
 from lightning_mgpu.options import ParallelOptions, refuse_compositions
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _FUSED = ("gate_up_proj", "down_proj")
 _TOTAL = "_lightning_mgpu_total_experts"
@@ -232,7 +235,7 @@ class _Routing:
     A stack, not a slot: activation checkpointing re-enters the forward during backward.
     """
 
-    def __init__(self, group: Any, ep: int, total: int) -> None:
+    def __init__(self, group: ProcessGroup, ep: int, total: int) -> None:
         self.group, self.ep, self.total = group, ep, total
         self.local = total // ep
         self.stack: list[tuple[dict[str, DTensor], torch.Tensor, torch.Tensor, list[int], list[int], int]] = []
@@ -274,7 +277,9 @@ class _Routing:
         return combined.index_add(0, tokens, weighted.to(output.dtype))
 
 
-def _all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
+def _all_to_all(
+    tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
+) -> torch.Tensor:
     """``all_to_all_single`` with autograd (the backward sends gradients the reverse way)."""
     from torch.distributed.nn.functional import all_to_all_single
 
@@ -366,7 +371,7 @@ class _TwoPassCalls:
         self,
         experts: nn.ModuleList,
         mine: dict[str, nn.Module],
-        group: Any,
+        group: ProcessGroup,
         ep: int,
         total: int,
         out_shape: tuple[int, ...],

@@ -53,14 +53,14 @@ class StepCapture:
         """``step()``'s result with ``call``'s module returning ``output``; its logs go into ``logs``."""
         calls = 0
 
-        def network(*args: Any, **kwargs: Any) -> Any:
+        def network(*args: object, **kwargs: object) -> Any:
             nonlocal calls
             calls += 1
             if calls > 1:
                 raise RuntimeError(_second_call(call.module))
             return output
 
-        def forward_of(module: nn.Module) -> Callable[..., Any]:
+        def forward_of(module: nn.Module) -> Callable[..., object]:
             return network if module is call.module else _refusing(module)
 
         with muted_logging(self.module, logs), _forwards(self.network_path, forward_of):
@@ -68,7 +68,7 @@ class StepCapture:
 
 
 @contextmanager
-def _forwards(modules: list[nn.Module], forward_of: Callable[[nn.Module], Callable[..., Any]]) -> Iterator[None]:
+def _forwards(modules: list[nn.Module], forward_of: Callable[[nn.Module], Callable[..., object]]) -> Iterator[None]:
     """Each of ``modules`` runs ``forward_of(module)`` in place of its ``forward`` inside the block."""
     saved = [(module, instance_attribute(module, "forward")) for module in modules]
     for module in modules:
@@ -81,15 +81,15 @@ def _forwards(modules: list[nn.Module], forward_of: Callable[[nn.Module], Callab
             restore_attribute(module, "forward", forward)
 
 
-def _capturing(module: nn.Module) -> Callable[..., Any]:
-    def network(*args: Any, **kwargs: Any) -> Any:
+def _capturing(module: nn.Module) -> Callable[..., object]:
+    def network(*args: object, **kwargs: object) -> Any:
         raise _NetworkCalled(NetworkCall(module, args, kwargs))
 
     return network
 
 
-def _refusing(module: nn.Module) -> Callable[..., Any]:
-    def network(*args: Any, **kwargs: Any) -> Any:
+def _refusing(module: nn.Module) -> Callable[..., object]:
+    def network(*args: object, **kwargs: object) -> Any:
         raise RuntimeError(_second_call(module))
 
     return network

@@ -237,7 +237,7 @@ def _trace_in_call(
     forward = block.forward
     traced: list[Any] = []
 
-    def tracing(*args: Any, **kwargs: Any) -> Any:
+    def tracing(*args: object, **kwargs: object) -> Any:
         traced.append(_traced(units, lambda: forward(*args, **kwargs), args, kwargs))
         raise _Traced
 
