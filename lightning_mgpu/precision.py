@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable, Generator
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager, nullcontext
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,9 @@ from lightning_mgpu._compat.lightning import (
 )
 from lightning_mgpu.parallel.blocks import is_float8_linear
 from lightning_mgpu.parallel.grads import clip_grad_norm_, clip_grad_value_
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 _PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-mixed"]
 SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-mixed")
@@ -210,7 +213,7 @@ class HybridPrecision(Precision):
         return cls.from_lightning(plugin, device_type)
 
     # ------------------------------------------------------------------------------------------------- policies
-    def mp_policy(self) -> Any | None:
+    def mp_policy(self) -> MixedPrecisionPolicy | None:
         """The FSDP2 ``MixedPrecisionPolicy`` for the data-parallel wrap, or ``None`` when FSDP2's default fits."""
         if self.param_dtype is None and self.reduce_dtype is None:
             return None

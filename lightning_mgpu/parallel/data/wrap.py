@@ -46,6 +46,7 @@ from lightning_mgpu.parallel.local_step import install_step
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
     from lightning_mgpu.patches import PatchLog
 
@@ -54,8 +55,8 @@ def apply_data_parallel(
     module: nn.Module,
     dp_mesh: DeviceMesh,
     zero_stage: int,
-    mp_policy: Any | None = None,
-    offload_policy: Any | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
     root: nn.Module | None = None,
     blocks: list[nn.Module] | None = None,
     reshard_blocks: bool | None = None,
@@ -188,7 +189,12 @@ def _bucketed(blocks: list[nn.Module], cap_bytes: int) -> list[list[nn.Module]]:
     return groups[:-1]
 
 
-def _plain_data_parallel(root: nn.Module, blocks: list[nn.Module] | None, mp_policy: Any, offload_policy: Any) -> bool:
+def _plain_data_parallel(
+    root: nn.Module,
+    blocks: list[nn.Module] | None,
+    mp_policy: MixedPrecisionPolicy | None,
+    offload_policy: OffloadPolicy | None,
+) -> bool:
     """Whether DDP can replicate ``root``: no pipeline stage, no offload, no tensor-parallel (DTensor) weight and no
     FSDP2 mixed-precision setting (``param_dtype``, ``reduce_dtype``, ``output_dtype``), which DDP would ignore."""
     casts = any(getattr(mp_policy, name, None) is not None for name in ("param_dtype", "reduce_dtype", "output_dtype"))

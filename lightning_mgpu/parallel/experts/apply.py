@@ -43,6 +43,7 @@ from lightning_mgpu.options import ParallelOptions, refuse_compositions
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 _FUSED = ("gate_up_proj", "down_proj")
 _TOTAL = "_lightning_mgpu_total_experts"
@@ -161,8 +162,8 @@ def apply_expert_parallel(
     mesh: DeviceMesh,
     ep: int,
     zero_stage: int,
-    mp_policy: Any | None = None,
-    offload_policy: Any | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
     replicate: bool = False,
 ) -> DeviceMesh:
     """Keep this rank's experts in every MoE layer, route tokens to them, and wrap them over their replicas.
