@@ -214,7 +214,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------------------ save
     def save(
         self,
-        checkpoint: dict[str, Any],
+        checkpoint: Mapping[str, object],
         filepath: str | os.PathLike,
         model: nn.Module,
         optimizers: list[Optimizer],
@@ -231,7 +231,8 @@ class Checkpointer:
             state[OPTIMIZER_KEY] = optimizer_states
             groups = [self.states.group_fqns(model, o, s) for o, s in zip(optimizers, optimizer_states)]
         gathered = _gather_object(_RankRecord(rng=states.collect_rng_states(), groups=groups))
-        meta = {k: v for k, v in checkpoint.items() if k not in (*state, OPTIMIZER_KEY, "loops")}
+        # Lightning's entries, read back by name (`meta[INFO_KEY]["format"]`): values of any type.
+        meta: dict[str, Any] = {k: v for k, v in checkpoint.items() if k not in (*state, OPTIMIZER_KEY, "loops")}
         meta[resume.DATA_KEY] = resume.data_record(attached_trainer(model), layout.data_parallel_size)
         if "loops" in checkpoint:
             meta["loops"] = copy.deepcopy(checkpoint["loops"])
@@ -275,7 +276,9 @@ class Checkpointer:
         if failure is not None:
             raise CheckpointError(f"Saving {path} failed on global rank 0: {failure}") from error
 
-    def _finish_on_rank_zero(self, staging: Path, path: Path, meta: dict[str, Any], parts: list[Any]) -> None:
+    def _finish_on_rank_zero(
+        self, staging: Path, path: Path, meta: dict[str, Any], parts: list[dict[str, dict[str, int | str]] | str]
+    ) -> None:
         if self.checkpoint_format == "full" and _fits_in_memory(staging, path):
             from lightning_mgpu.checkpoint.convert import write_full_file
 
@@ -319,7 +322,7 @@ class Checkpointer:
         strict: bool = True,
         weights_only: bool | None = None,
         fitting: bool = True,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any]:  # Lightning's checkpoint dict, whose entries its hooks read by name
         """Load a sharded directory or a full file (ours or any single-device Lightning checkpoint) into
         ``model`` and, when ``fitting``, ``optimizers`` and the RNGs; return Lightning's part. Collective."""
         self.wait(agree=True)
