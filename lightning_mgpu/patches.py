@@ -67,12 +67,12 @@ class PatchLog:
 
         self._undo.append(undo)
 
-    def set_attribute(self, obj: object, name: str, value: Any) -> None:
+    def set_attribute(self, obj: object, name: str, value: object) -> None:
         """``setattr(obj, name, value)``, undone by ``undo()``."""
         self.keep_attribute(obj, name)
         setattr(obj, name, value)
 
-    def set_process_wide(self, obj: object, name: str, value: Any) -> None:
+    def set_process_wide(self, obj: object, name: str, value: object) -> None:
         """``setattr`` on torch itself (``torch.nn.functional``): undone by ``undo()`` and also by
         ``undo_process_wide()``, when a run ends leaving the user's module parallelized, so that no other code in
         the process calls into a finished run."""

@@ -282,7 +282,7 @@ class HybridPrecision(Precision):
 
     @override
     def optimizer_step(  # type: ignore[override]
-        self, optimizer: Optimizable, model: Any, closure: Callable[[], Any], **kwargs: object
+        self, optimizer: Optimizable, model: Any, closure: Callable[[], object], **kwargs: object
     ) -> Any:
         if self.scaler is None:
             output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)

@@ -419,7 +419,7 @@ class FlatReader(StorageReader):
                 entries[key] = BytesStorageMetadata()
         self.metadata = Metadata(state_dict_metadata=entries)
 
-    def reset(self, checkpoint_id: Any = None) -> None:
+    def reset(self, checkpoint_id: object = None) -> None:
         pass
 
     def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
@@ -453,5 +453,5 @@ class FlatReader(StorageReader):
         return done
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: object) -> bool:
         return False

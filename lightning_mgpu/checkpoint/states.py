@@ -275,7 +275,7 @@ def native_to_flat(native: dict[str, Any], groups: list[list[str]]) -> dict[str,
         )
     flat: dict[str, Any] = {}
 
-    def add_state(prefix: str, value: Any) -> None:
+    def add_state(prefix: str, value: object) -> None:
         if isinstance(value, dict):
             for name, inner in value.items():
                 add_state(f"{prefix}.{name}", inner)

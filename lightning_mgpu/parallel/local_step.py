@@ -116,7 +116,7 @@ class ShardLocalStep:
         else:
             self.optimizer.step = self._own_step  # type: ignore[method-assign]
 
-    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def _step(self, closure: Callable[[], object] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -186,11 +186,11 @@ def _local_parameters(optimizer: Optimizer) -> tuple[_Swapped, list[list[torch.T
     return (swapped, local_groups) if swapped else None
 
 
-def _to_local(value: Any) -> Any:
+def _to_local(value: object) -> Any:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _as_dtensor_like(value: Any, before: Any, param: DTensor) -> Any:
+def _as_dtensor_like(value: object, before: Any, param: DTensor) -> Any:
     """A state value after the local step, as the DTensor step would have left it."""
     if isinstance(before, DTensor) and before.to_local() is value:
         return before  # updated in place through its local tensor

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -307,5 +307,5 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _positive(value: Any) -> bool:
+def _positive(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0

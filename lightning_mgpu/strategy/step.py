@@ -119,7 +119,7 @@ class StepHooks(ParallelStrategy):
             prepare_backward(self._data_parallel_roots, closure_loss)
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: object) -> Any:
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], object], model: Any = None, **kwargs: object) -> Any:
         if self._deepspeed is not None:
             assert self.lightning_module is not None
             return self._deepspeed.optimizer_step(optimizer, closure, self.lightning_module)

@@ -170,7 +170,7 @@ class _ReadRecorder(dict):
         self.read.add(key)
         return super().__contains__(key)
 
-    def get(self, key: Any, default: Any = None) -> Any:
+    def get(self, key: Any, default: object = None) -> Any:
         self.read.add(key)
         return super().get(key, default)
 

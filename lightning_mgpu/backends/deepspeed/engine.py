@@ -180,7 +180,7 @@ class DeepSpeedEngineRunner:
         self.engine.backward(loss, scale_wrt_gas=False)
         return Precision.post_backward(precision, loss, module)
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], module: pl.LightningModule) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], object], module: pl.LightningModule) -> Any:
         assert self.engine is not None
         self._stepping = True
         try:
@@ -312,7 +312,7 @@ def memory_per_rank(engine: Any, module: nn.Module, optimizer: Optimizer) -> dic
     }
 
 
-def _tensors(value: Any) -> list[Tensor]:
+def _tensors(value: object) -> list[Tensor]:
     if isinstance(value, Tensor):
         return [value]
     if isinstance(value, dict):

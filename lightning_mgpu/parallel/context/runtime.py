@@ -124,7 +124,7 @@ class ContextParallel:
 
         return (apply_to_collection(batch, Tensor, cut), *args[1:])
 
-    def finish(self, method_name: str, output: Any) -> Any:
+    def finish(self, method_name: str, output: object) -> Any:
         """After the step's forward: refuse a model whose attention this never saw, and give the loss the value of
         the whole sequence (each rank keeps its own gradient)."""
         if not self._active:
@@ -300,7 +300,7 @@ def check_module(module: nn.Module) -> None:
                 )
 
 
-def _causal_in_place_of_right_padding(batch: Any, batch_size: int, seq_len: int, cp: int) -> Any:
+def _causal_in_place_of_right_padding(batch: object, batch_size: int, seq_len: int, cp: int) -> Any:
     """A batch's right-padding ``attention_mask`` (Hugging Face's dict batches) made all ones.
 
     Under a causal mask, the tokens before the padding never see it: their outputs are the same with or without
@@ -363,7 +363,7 @@ def _parameters(module: nn.Module) -> set[str]:
         return set()
 
 
-def _sequence_length(batch: Any) -> int:
+def _sequence_length(batch: object) -> int:
     """The batch's sequence length: dim 1 of its first integer tensor of two or more dims (the token ids)."""
     found: list[Tensor] = []
     apply_to_collection(batch, Tensor, lambda t: found.append(t) if t.ndim >= 2 and not t.is_floating_point() else None)
@@ -375,7 +375,7 @@ def _sequence_length(batch: Any) -> int:
     return found[0].shape[1]
 
 
-def _batch_size(batch: Any) -> int:
+def _batch_size(batch: object) -> int:
     found: list[Tensor] = []
     apply_to_collection(batch, Tensor, lambda t: found.append(t) if t.ndim >= 2 and not t.is_floating_point() else None)
     return found[0].shape[0]

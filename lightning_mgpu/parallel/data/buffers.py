@@ -69,7 +69,7 @@ class BufferBroadcast:
                 for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
                     buffer.copy_(value.view_as(buffer))
 
-    def _after(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _after(self, module: nn.Module, args: Any, output: object) -> None:
         self.pending = torch.is_grad_enabled() and module not in _NOT_SYNCING and module not in _IN_SCHEDULE
 
 

@@ -320,7 +320,7 @@ class OptimizerStateSharding:
         owner counts them in the global norm."""
         return {id(p) for p, owner in self.owned_by.items() if owner != self._rank} | set(self._counted_before())
 
-    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def _step(self, closure: Callable[[], object] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -265,7 +265,7 @@ class _Routing:
         ones = torch.ones(local_index.shape[0], 1, dtype=weights.dtype, device=weights.device)
         return (inputs, local_index[:, None], ones, *args[3:])
 
-    def combine(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def combine(self, module: nn.Module, args: tuple, output: object) -> Any:
         if not self.stack:
             return output
         originals, tokens, weights, send, recv, num_tokens = self.stack.pop()
@@ -404,7 +404,7 @@ class _TwoPassCalls:
         self.rng = _rng_state()
         set_children(self.experts, self.proxies)
 
-    def replay(self, block: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def replay(self, block: nn.Module, args: tuple, kwargs: dict, output: object) -> Any:
         if self.answers is not None or output is None:  # the second pass, or the first one raised
             self._restore()
             return output

@@ -70,7 +70,7 @@ class _Swap:
                 self.namespace[_NAME] = self.gathered
             self.depth += 1
 
-    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def leave(self, module: nn.Module, args: tuple, output: object) -> None:
         if self.depth:
             self.depth -= 1
             if self.depth == 0:

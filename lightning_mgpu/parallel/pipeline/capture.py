@@ -44,12 +44,12 @@ class StepCapture:
         self.module = module
         self.network_path = network_path
 
-    def capture_all(self, steps: list[Callable[[], Any]]) -> list[NetworkCall]:
+    def capture_all(self, steps: list[Callable[[], object]]) -> list[NetworkCall]:
         """The network call of each of ``steps`` (one per microbatch), with logging muted once for all."""
         with muted_logging(self.module, None), _forwards(self.network_path, _capturing):
             return [_network_call(step) for step in steps]
 
-    def replay(self, call: NetworkCall, output: Any, step: Callable[[], Any], logs: StepLogs) -> Any:
+    def replay(self, call: NetworkCall, output: object, step: Callable[[], object], logs: StepLogs) -> Any:
         """``step()``'s result with ``call``'s module returning ``output``; its logs go into ``logs``."""
         calls = 0
 
@@ -102,7 +102,7 @@ def _second_call(module: nn.Module) -> str:
     )
 
 
-def _network_call(step: Callable[[], Any]) -> NetworkCall:
+def _network_call(step: Callable[[], object]) -> NetworkCall:
     try:
         step()
     except _NetworkCalled as called:

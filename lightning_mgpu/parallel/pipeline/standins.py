@@ -37,7 +37,7 @@ class ValueCheck:
     last: torch.Tensor | None = None
 
 
-def marked(value: Any, check: ValueCheck) -> Any:
+def marked(value: object, check: ValueCheck) -> Any:
     """``value``, or NaN of its shape while ``check.on`` (a floating-point tensor: other values cannot carry NaN)."""
     if check.on and torch.is_tensor(value) and value.is_floating_point():
         value = check.last = torch.full_like(value, float("nan"))

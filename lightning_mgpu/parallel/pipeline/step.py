@@ -103,7 +103,7 @@ class PipelineEngine:
         self.schedules = ScheduleCache(runtime, pp_group, device, self._loss)
 
     # --------------------------------------------------------------------------------------------------- steps
-    def training_step(self, batch: Any, batch_idx: int, *, accumulate_grad_batches: int) -> torch.Tensor:
+    def training_step(self, batch: object, batch_idx: int, *, accumulate_grad_batches: int) -> torch.Tensor:
         """Forward *and* backward of the step (the schedule interleaves them); Lightning's backward is skipped."""
         if batch_idx % accumulate_grad_batches == 0:
             self._clear_gradients()
@@ -133,7 +133,7 @@ class PipelineEngine:
                     loss = loss / self.grad_scaler.get_scale()
         return self.publisher.publish(self.module, self.relay, loss, step.logs, objects=False)
 
-    def evaluation_step(self, method: str, batch: Any, *args: object) -> Any:
+    def evaluation_step(self, method: str, batch: object, *args: object) -> Any:
         """Forward-only through the pipeline, then the user's step on the last stage with each microbatch's output."""
         microbatches, plan = self._split(batch)
         count = plan.count
@@ -175,7 +175,7 @@ class PipelineEngine:
         for param in params:
             param.grad = None
 
-    def _split(self, batch: Any) -> tuple[list[Any], MicrobatchPlan]:
+    def _split(self, batch: object) -> tuple[list[Any], MicrobatchPlan]:
         requested = self.num_microbatches or self.runtime.num_stages
         size = batch_size_of(batch)
         plan = plan_microbatches(self.schedule_name, requested, size, self.pp_size, self.runtime.num_stages)
