@@ -32,7 +32,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from lightning_mgpu.layout import ModuleMesh
 
 PATH = str | Path  # Lightning's `_PATH`
+DataFetcher: TypeAlias = "_DataFetcher"  # the fit loop's fetcher, for annotations outside _compat
 
 # ------------------------------------------------------------------------------------------------------ launchers
 _SubprocessScriptLauncher = internal(

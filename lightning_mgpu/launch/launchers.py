@@ -51,7 +51,6 @@ from lightning_mgpu.launch.failures import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import ClusterEnvironment
-    from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 
     from lightning_mgpu.layout import ParallelLayout
 
@@ -302,7 +301,7 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
             os._exit(1)
 
     @override
-    def collect_rank_zero_results(self, trainer: pl.Trainer, results: object) -> _WorkerOutput | None:
+    def collect_rank_zero_results(self, trainer: pl.Trainer, results: object) -> WorkerOutput | None:
         strategy = cast(LaunchedStrategy, trainer.strategy)  # a HybridStrategy
         state_dict = strategy.full_state_dict()  # collective: every rank takes part
         if strategy.global_rank != 0:

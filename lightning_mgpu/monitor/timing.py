@@ -39,7 +39,7 @@ from lightning_mgpu._compat.lightning import fetcher_profiler_hooks, set_fetcher
 from lightning_mgpu.layout import DP_AXIS, DP_CP_AXIS
 
 if TYPE_CHECKING:
-    from lightning.pytorch.loops.fetchers import _DataFetcher
+    from lightning_mgpu._compat.lightning import DataFetcher
 
 FORWARD_BACKWARD = "forward_backward"
 OPTIMIZER = "optimizer"
@@ -368,11 +368,11 @@ class DataFetchTimer:
 
     def __init__(self, recorder: StepRecorder) -> None:
         self.recorder = recorder
-        self._fetcher: _DataFetcher | None = None
+        self._fetcher: DataFetcher | None = None
         self._originals: tuple[Callable, Callable] = (_nothing, _nothing)
         self._wrappers: tuple[Callable, Callable] = (_nothing, _nothing)
 
-    def install(self, fetcher: _DataFetcher | None) -> None:
+    def install(self, fetcher: DataFetcher | None) -> None:
         hooks = fetcher_profiler_hooks(fetcher) if fetcher is not None else None
         if fetcher is None or hooks is None:
             return
