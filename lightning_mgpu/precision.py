@@ -49,6 +49,7 @@ from lightning_mgpu.parallel.blocks import is_float8_linear
 from lightning_mgpu.parallel.grads import clip_grad_norm_, clip_grad_value_
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 _PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-mixed"]
@@ -147,7 +148,7 @@ class HybridPrecision(Precision):
         self.device_type = device_type
         # Set by the strategy: the group over which gradient norms of different shards must be summed, and the
         # parameters (tied copies) whose gradients another member of that group counts.
-        self.grad_norm_group: Any | None = None
+        self.grad_norm_group: ProcessGroup | None = None
         self.grads_counted_elsewhere: Callable[[], AbstractSet[int]] = frozenset
 
     # ----------------------------------------------------------------------------------------------- construction

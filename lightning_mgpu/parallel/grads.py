@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def total_grad_norm(
     parameters: Iterable[torch.Tensor],
     norm_type: float = 2.0,
-    cross_stage_group: Any | None = None,
+    cross_stage_group: ProcessGroup | None = None,
     counted_elsewhere: AbstractSet[int] = frozenset(),
 ) -> torch.Tensor:
     """The global ``norm_type``-norm of all gradients.
@@ -51,7 +51,7 @@ def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
-    cross_stage_group: Any | None = None,
+    cross_stage_group: ProcessGroup | None = None,
     counted_elsewhere: AbstractSet[int] = frozenset(),
 ) -> torch.Tensor:
     """Scale gradients in place so that their global norm is at most ``max_norm``; return the norm before."""

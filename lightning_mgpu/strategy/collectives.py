@@ -28,8 +28,8 @@ class DataParallelCollectives(ParallelStrategy):
     in ``setup_environment``."""
 
     _device_mesh: DeviceMesh | None
-    _dp_group: Any
-    _reduce_group: Any  # dp, or dp x cp: the ranks that computed parts of a logged value
+    _dp_group: ProcessGroup
+    _reduce_group: ProcessGroup  # dp, or dp x cp: the ranks that computed parts of a logged value
 
     def _data_parallel_group(self, group: ProcessGroup | None) -> Any | None:
         if group is not None or self._device_mesh is None:
