@@ -203,12 +203,12 @@ class LaunchOptions:
 _DEVICE_ONLY_BACKENDS = {"nccl": "cuda", "xccl": "xpu"}
 
 
-def _seconds_or_none(name: str, value: Any, none_means: str) -> None:
+def _seconds_or_none(name: str, value: object, none_means: str) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0):
         raise ValueError(f"`{name}` must be a positive number of seconds or None ({none_means}), got {value!r}.")
 
 
-def _timeout(value: Any) -> timedelta | None:
+def _timeout(value: object) -> timedelta | None:
     """torch's ``init_process_group`` takes a timedelta only; seconds given as a number are converted."""
     if value is None:
         return None
@@ -283,18 +283,18 @@ def refuse_compositions(subject: str, combinations: dict[str, bool], why: str) -
         raise NotImplementedError(f"{subject} does not compose with {', '.join(named)} yet: {why}")
 
 
-def _one_of(name: str, value: Any, allowed: tuple) -> None:
+def _one_of(name: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"`{name}` must be one of {', '.join(map(repr, allowed))}, got {value!r}.")
 
 
-def _positive_int(value: Any) -> bool:
+def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _is_str_keyed_dict(value: Any) -> bool:
+def _is_str_keyed_dict(value: object) -> bool:
     return isinstance(value, dict) and all(isinstance(key, str) for key in value)
 
 
-def _is_list_of_str(value: Any) -> bool:
+def _is_list_of_str(value: object) -> bool:
     return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(v, str) for v in value)

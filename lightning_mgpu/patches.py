@@ -55,7 +55,7 @@ class PatchLog:
         self._undo.append(handle.remove)
         return handle
 
-    def keep_attribute(self, obj: Any, name: str) -> None:
+    def keep_attribute(self, obj: object, name: str) -> None:
         """Record ``obj.name`` as it is now (an instance attribute, or none), to be put back by ``undo()``."""
         before = vars(obj).get(name, _ABSENT)
 
@@ -67,12 +67,12 @@ class PatchLog:
 
         self._undo.append(undo)
 
-    def set_attribute(self, obj: Any, name: str, value: Any) -> None:
+    def set_attribute(self, obj: object, name: str, value: object) -> None:
         """``setattr(obj, name, value)``, undone by ``undo()``."""
         self.keep_attribute(obj, name)
         setattr(obj, name, value)
 
-    def set_process_wide(self, obj: Any, name: str, value: Any) -> None:
+    def set_process_wide(self, obj: object, name: str, value: object) -> None:
         """``setattr`` on torch itself (``torch.nn.functional``): undone by ``undo()`` and also by
         ``undo_process_wide()``, when a run ends leaving the user's module parallelized, so that no other code in
         the process calls into a finished run."""

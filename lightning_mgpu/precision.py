@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable, Generator
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager, nullcontext
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,10 @@ from lightning_mgpu._compat.lightning import (
 )
 from lightning_mgpu.parallel.blocks import is_float8_linear
 from lightning_mgpu.parallel.grads import clip_grad_norm_, clip_grad_value_
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 _PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-mixed"]
 SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-mixed")
@@ -144,7 +148,7 @@ class HybridPrecision(Precision):
         self.device_type = device_type
         # Set by the strategy: the group over which gradient norms of different shards must be summed, and the
         # parameters (tied copies) whose gradients another member of that group counts.
-        self.grad_norm_group: Any | None = None
+        self.grad_norm_group: ProcessGroup | None = None
         self.grads_counted_elsewhere: Callable[[], AbstractSet[int]] = frozenset
 
     # ----------------------------------------------------------------------------------------------- construction
@@ -210,7 +214,7 @@ class HybridPrecision(Precision):
         return cls.from_lightning(plugin, device_type)
 
     # ------------------------------------------------------------------------------------------------- policies
-    def mp_policy(self) -> Any | None:
+    def mp_policy(self) -> MixedPrecisionPolicy | None:
         """The FSDP2 ``MixedPrecisionPolicy`` for the data-parallel wrap, or ``None`` when FSDP2's default fits."""
         if self.param_dtype is None and self.reduce_dtype is None:
             return None
@@ -274,12 +278,12 @@ class HybridPrecision(Precision):
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
     @override
-    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # Lightning's Precision and Fabric's disagree
         return super().pre_backward(self.scale_loss(tensor), module)
 
     @override
     def optimizer_step(  # type: ignore[override]
-        self, optimizer: Optimizable, model: Any, closure: Callable[[], Any], **kwargs: Any
+        self, optimizer: Optimizable, model: Any, closure: Callable[[], object], **kwargs: object
     ) -> Any:
         if self.scaler is None:
             output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)

@@ -20,12 +20,15 @@
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mgpu._compat import changed
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def functional_collectives() -> ModuleType:
@@ -43,7 +46,7 @@ def fake_store() -> Any:
     return FakeStore()
 
 
-def all_to_all(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+def all_to_all(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Equal chunks of dim 0 exchanged within ``group``, differentiable (the backward is the reverse exchange)."""
     funcol = functional_collectives()
     exchanged = funcol.all_to_all_single_autograd(tensor, None, None, group)
@@ -57,7 +60,7 @@ def all_reduce(tensor: torch.Tensor, op: str, mesh: DeviceMesh) -> torch.Tensor:
     return reduced.wait() if isinstance(reduced, funcol.AsyncCollectiveTensor) else reduced
 
 
-def group_name(group: Any) -> str:
+def group_name(group: object) -> str:  # what functional collectives take: a group, a mesh, ranks, a name
     return str(functional_collectives()._resolve_group_name(group))
 
 

@@ -30,7 +30,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from torch.distributed.tensor import DTensor
 
 from lightning_mgpu._compat import changed, internal
 from lightning_mgpu._compat.c10d import functional_collectives
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 StridedShard: Any = internal("torch.distributed.tensor.placement_types", "_StridedShard")
 
@@ -71,18 +74,18 @@ class StyleHooks:
     output_layouts: Any
     use_local_output: bool
 
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return self.apply_style(module, device_mesh)
 
-    def apply_style(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+    def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return super()._apply(module, device_mesh)  # type: ignore[misc]
 
-    def prepare_input(self, module: nn.Module, inputs: Any, device_mesh: Any) -> Any:
+    def prepare_input(self, module: nn.Module, inputs: Any, device_mesh: DeviceMesh) -> Any:
         return self._prepare_input_fn(  # type: ignore[attr-defined]
             self.input_layouts, self.desired_input_layouts, module, inputs, device_mesh
         )
 
-    def prepare_output(self, module: nn.Module, outputs: Any, device_mesh: Any) -> Any:
+    def prepare_output(self, module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
         return self._prepare_output_fn(  # type: ignore[attr-defined]
             self.output_layouts, self.use_local_output, module, outputs, device_mesh
         )
@@ -110,7 +113,7 @@ def owned_local(dtensor: DTensor) -> torch.Tensor:
     return _OwnedLocal.apply(dtensor)
 
 
-def unflatten_mesh(mesh: Any, dim_name: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+def unflatten_mesh(mesh: DeviceMesh, dim_name: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
     """``mesh`` with its dimension ``dim_name`` split into ``names`` of ``sizes`` (a view sharing the groups)."""
     unflatten = getattr(mesh, "_unflatten", None)
     if unflatten is None:
@@ -118,7 +121,7 @@ def unflatten_mesh(mesh: Any, dim_name: str, sizes: tuple[int, ...], names: tupl
     return unflatten(dim_name, sizes, names)
 
 
-def flatten_mesh(mesh: Any, dim_names: tuple[str, ...], name: str) -> Any:
+def flatten_mesh(mesh: DeviceMesh, dim_names: tuple[str, ...], name: str) -> Any:
     """The dimensions ``dim_names`` of ``mesh`` as one dimension ``name``, sliceable from the root mesh afterwards
     (``root[name]``): one process group for all of them."""
     flatten = getattr(mesh[dim_names], "_flatten", None)

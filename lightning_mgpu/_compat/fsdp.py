@@ -39,11 +39,11 @@ from torch import nn
 from lightning_mgpu._compat import changed, internal
 
 
-def replicate_with_fsdp(module: Any, **kwargs: Any) -> Any:
+def replicate_with_fsdp(module: nn.Module, **kwargs: object) -> Any:
     return internal("torch.distributed._composable.replicate_with_fsdp", "replicate")(module, **kwargs)
 
 
-def replicate_ddp(module: nn.Module, **kwargs: Any) -> Any:
+def replicate_ddp(module: nn.Module, **kwargs: object) -> Any:
     return internal("torch.distributed._composable.replicate", "replicate")(module, **kwargs)
 
 
@@ -130,7 +130,7 @@ def rebuild_ddp(module: nn.Module, **kwargs: Any) -> Any:
     return state._ddp
 
 
-def prepare_ddp_backward(module: nn.Module, output: Any) -> None:
+def prepare_ddp_backward(module: nn.Module, output: object) -> None:
     """Ready the reducer of ``replicate_ddp(module)`` for a backward of ``output`` that runs inside the module's own
     forward, as Lightning's ``DDPStrategy`` does under manual optimization; the reducer then reduces every gradient
     of that backward (with ``find_unused_parameters``: marking the parameters ``output`` does not reach as unused).

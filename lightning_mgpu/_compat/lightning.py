@@ -28,16 +28,30 @@ equivalent for most of them:
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
 
 from lightning_mgpu._compat import changed, internal
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import Optimizable
+    from lightning.pytorch.loops.fetchers import _DataFetcher
+    from lightning.pytorch.plugins import LayerSync, Precision
+    from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_mgpu.layout import ModuleMesh
+
 PATH = str | Path  # Lightning's `_PATH`
+DataFetcher: TypeAlias = "_DataFetcher"  # the fit loop's fetcher, for annotations outside _compat
 
 # ------------------------------------------------------------------------------------------------------ launchers
 _SubprocessScriptLauncher = internal(
@@ -62,7 +76,7 @@ class ChildProcessObserver(_ChildProcessObserver):  # type: ignore[misc, valid-t
     """Lightning's watcher thread of the children; override ``check_children`` (True: stop watching)."""
 
     @property
-    def child_processes(self) -> list[Any]:
+    def child_processes(self) -> list[subprocess.Popen]:
         return self._child_processes
 
     def _run(self) -> bool:
@@ -81,19 +95,19 @@ class MultiProcessingLauncher(_MultiProcessingLauncher):  # type: ignore[misc, v
         return self._start_method
 
     @property
-    def strategy(self) -> Any:
+    def strategy(self) -> Strategy:
         return self._strategy
 
-    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+    def _wrapping_function(self, process_idx: int, *args: object, **kwargs: object) -> None:
         self.run_worker(process_idx, *args, **kwargs)
 
-    def run_worker(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+    def run_worker(self, process_idx: int, *args: object, **kwargs: object) -> None:
         super()._wrapping_function(process_idx, *args, **kwargs)
 
-    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: object) -> object:
         return self.collect_rank_zero_results(trainer, results)
 
-    def collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+    def collect_rank_zero_results(self, trainer: pl.Trainer, results: object) -> object:
         return super()._collect_rank_zero_results(trainer, results)
 
 
@@ -122,9 +136,10 @@ IS_INTERACTIVE: bool = internal("lightning.fabric.utilities.imports", "_IS_INTER
 
 
 # --------------------------------------------------------------------------------------------- strategy internals
-def layer_sync(strategy: Strategy) -> Any:
+def layer_sync(strategy: ParallelStrategy) -> LayerSync | None:
     """The ``LayerSync`` plugin the Trainer gave the strategy (``sync_batchnorm=True``), or None."""
-    return _attribute(strategy, "_layer_sync", "Strategy")
+    _check_attribute(strategy, "_layer_sync", "Strategy")
+    return strategy._layer_sync
 
 
 def reset_optimizers_and_schedulers(strategy: Strategy) -> None:
@@ -137,53 +152,56 @@ convert_fp_tensor = internal("lightning.fabric.plugins.precision.utils", "_conve
 DtypeContextManager = internal("lightning.fabric.plugins.precision.utils", "_DtypeContextManager")
 
 
-def after_closure(plugin: Any, model: Any, optimizer: Any) -> None:
+def after_closure(plugin: Precision, model: pl.LightningModule, optimizer: Optimizable) -> None:
     """``Precision._after_closure``: ``on_before_optimizer_step`` and gradient clipping, after the closure ran."""
     plugin._after_closure(model, optimizer)
 
 
 # ----------------------------------------------------------------------------------------------- trainer internals
-def set_device_mesh(module: Any, mesh: Any) -> None:
+def set_device_mesh(module: pl.LightningModule, mesh: DeviceMesh | ModuleMesh) -> None:
     """Make ``mesh`` what ``module.device_mesh`` returns (a user's ``configure_model`` may read it)."""
-    _attribute(module, "_device_mesh", "LightningModule")
-    module._device_mesh = mesh
+    _check_attribute(module, "_device_mesh", "LightningModule")
+    module._device_mesh = mesh  # type: ignore[assignment]  # a ModuleMesh stands in for the DeviceMesh it wraps
 
 
-def attached_trainer(module: Any) -> Any:
+def attached_trainer(module: object) -> pl.Trainer | None:
     """The Trainer ``module`` is attached to, or None (``module.trainer`` raises when there is none)."""
     from lightning.pytorch import LightningModule
 
     if not isinstance(module, LightningModule):
         return None
-    return _attribute(module, "_trainer", "LightningModule")
+    _check_attribute(module, "_trainer", "LightningModule")
+    return module._trainer
 
 
-def fit_data_source(trainer: Any) -> Any:
+def fit_data_source(trainer: pl.Trainer) -> _DataLoaderSource:
     """The fit loop's ``_DataLoaderSource`` (``instance``: what was given to ``fit``; ``dataloader()``)."""
-    return _attribute(trainer.fit_loop, "_data_source", "_FitLoop")
+    _check_attribute(trainer.fit_loop, "_data_source", "_FitLoop")
+    return trainer.fit_loop._data_source
 
 
-def fit_data_fetcher(trainer: Any) -> Any:
+def fit_data_fetcher(trainer: pl.Trainer) -> _DataFetcher | None:
     """The fit loop's current data fetcher (None before the first epoch)."""
-    return _attribute(trainer.fit_loop, "_data_fetcher", "_FitLoop")
+    _check_attribute(trainer.fit_loop, "_data_fetcher", "_FitLoop")
+    return trainer.fit_loop._data_fetcher
 
 
-def fetcher_profiler_hooks(fetcher: Any) -> tuple[Callable[[], None], Callable[[], None]] | None:
+def fetcher_profiler_hooks(fetcher: _DataFetcher) -> tuple[Callable[[], None], Callable[[], None]] | None:
     """The fetcher's ``(start, stop)`` hooks around waiting for a batch, or None for a fetcher without them."""
     if not hasattr(fetcher, "_start_profiler"):
         return None
     return fetcher._start_profiler, fetcher._stop_profiler
 
 
-def set_fetcher_profiler_hooks(fetcher: Any, start: Callable[[], None], stop: Callable[[], None]) -> None:
+def set_fetcher_profiler_hooks(fetcher: _DataFetcher, start: Callable[[], None], stop: Callable[[], None]) -> None:
     fetcher._start_profiler, fetcher._stop_profiler = start, stop
 
 
-def call_callback_hooks(trainer: Any, hook: str, *args: Any) -> None:
+def call_callback_hooks(trainer: pl.Trainer, hook: str, *args: object) -> None:
     internal("lightning.pytorch.trainer.call", "_call_callback_hooks")(trainer, hook, *args)
 
 
-def call_lightning_module_hook(trainer: Any, hook: str, *args: Any) -> Any:
+def call_lightning_module_hook(trainer: pl.Trainer, hook: str, *args: object) -> object:
     return internal("lightning.pytorch.trainer.call", "_call_lightning_module_hook")(trainer, hook, *args)
 
 
@@ -202,9 +220,9 @@ class RepeatedLog:
 
     def __init__(self) -> None:
         # name -> (result collection, key, its _ResultMetric, hook name, options) of the last full call
-        self._registered: dict[str, tuple[Any, str, Any, str, dict]] = {}
+        self._registered: dict[str, tuple[_ResultCollection, str, _ResultMetric, str | None, dict]] = {}
 
-    def log(self, module: Any, name: str, value: Any, options: dict) -> None:
+    def log(self, module: pl.LightningModule, name: str, value: torch.Tensor, options: dict) -> None:
         trainer, fx = module._trainer, module._current_fx_name
         if trainer is not None and self._repeat(trainer, fx, name, value, options):
             return
@@ -214,12 +232,12 @@ class RepeatedLog:
         if results is not None and options.get("add_dataloader_idx", True) and results.dataloader_idx is not None:
             key += f".{results.dataloader_idx}"
         metric = results.get(key) if results is not None else None
-        if metric is not None and torch.is_tensor(value):
+        if results is not None and metric is not None and torch.is_tensor(value):  # (a metric implies results)
             self._registered[name] = (results, key, metric, fx, dict(options))
         else:
             self._registered.pop(name, None)
 
-    def _repeat(self, trainer: Any, fx: str | None, name: str, value: Any, options: dict) -> bool:
+    def _repeat(self, trainer: pl.Trainer, fx: str | None, name: str, value: torch.Tensor, options: dict) -> bool:
         registered = self._registered.get(name)
         if registered is None or not torch.is_tensor(value) or value.numel() != 1:
             return False
@@ -230,7 +248,8 @@ class RepeatedLog:
             or results.get(key) is not metric
             or fx != registered_fx
             or options != registered_options
-            or trainer._logger_connector.should_reset_tensors(fx)
+            # (fx is the registered hook's name here: Lightning's full call refuses to log outside a hook)
+            or trainer._logger_connector.should_reset_tensors(fx)  # type: ignore[arg-type]
             or getattr(metric, "value", value).device != value.device
         ):
             return False
@@ -245,13 +264,13 @@ class RepeatedLog:
         self._registered.clear()
 
 
-def _attribute(owner: Any, name: str, where: str) -> Any:
+def _check_attribute(owner: object, name: str, where: str) -> None:
+    """Raise if Lightning's ``owner`` no longer has its private ``name`` (read by the caller right after)."""
     if name not in vars(owner) and not hasattr(type(owner), name):
         raise AttributeError(changed(f"{where}.{name}", "lightning", "the attribute is gone"))
-    return getattr(owner, name)
 
 
-def quiet_sigterm_notifier(trainer: Any) -> Callable[[], None] | None:
+def quiet_sigterm_notifier(trainer: pl.Trainer) -> Callable[[], None] | None:
     """Lightning's SIGTERM notifier of this run without its broadcast; returns the undo (None: nothing to change).
 
     Lightning's notifier broadcasts from rank 0 inside the signal handler so that every rank learns of a SIGTERM.
@@ -263,17 +282,19 @@ def quiet_sigterm_notifier(trainer: Any) -> Callable[[], None] | None:
     import signal
     import threading
 
-    connector = _attribute(trainer, "_signal_connector", "Trainer")
+    _check_attribute(trainer, "_signal_connector", "Trainer")
+    connector = trainer._signal_connector
     composed = signal.getsignal(signal.SIGTERM)
     handlers = getattr(composed, "signal_handlers", None)
-    notifier = _attribute(type(connector), "_sigterm_notifier_fn", "_SignalConnector")
+    _check_attribute(type(connector), "_sigterm_notifier_fn", "_SignalConnector")
+    notifier = type(connector)._sigterm_notifier_fn
     if not isinstance(handlers, list) or threading.current_thread() is not threading.main_thread():
         return None
     found = [i for i, h in enumerate(handlers) if getattr(h, "__func__", None) is notifier]
     if not found:
         return None
 
-    def notify(signum: int, frame: Any) -> None:
+    def notify(signum: int, frame: FrameType | None) -> None:
         if not connector.received_sigterm:
             launcher = trainer.strategy.launcher
             if launcher is not None:

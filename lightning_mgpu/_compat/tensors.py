@@ -54,7 +54,7 @@ tree_flatten = internal("torch.utils._pytree", "tree_flatten")
 TorchDispatchMode: type = internal("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
-def fake_tensor_mode(**kwargs: Any) -> Any:
+def fake_tensor_mode(**kwargs: object) -> Any:
     """A ``FakeTensorMode`` (imported on use: it pulls in much of torch's compiler stack)."""
     return internal("torch._subclasses.fake_tensor", "FakeTensorMode")(**kwargs)
 
@@ -116,11 +116,11 @@ def share_parameter_slots(module: nn.Module, source: nn.Module) -> None:
 
 class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
 
 
@@ -207,7 +207,7 @@ def plain_parameter_slots(module: nn.Module) -> None:
         module.__dict__["_parameters"] = dict(dict.items(slots))
 
 
-def _copy(value: Any) -> Any:
+def _copy(value: object) -> Any:
     return type(value)(value) if isinstance(value, (dict, set)) else value
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -27,9 +29,24 @@ from lightning_mgpu.checkpoint.flat_fragments import FragmentSavePlanner
 from lightning_mgpu.checkpoint.format import INFO_KEY, LAYOUT_KEY, MODEL_KEY, OPTIMIZER_KEY, CheckpointError
 from lightning_mgpu.checkpoint.lightning_dirs import LightningShardedReader
 
+_T = TypeVar("_T")
+
+
+class _RankRecord(TypedDict):
+    """What each rank adds to a save's metadata: its RNG states and the FQNs of its optimizers' param groups."""
+
+    rng: dict[str, object]
+    groups: list[list[list[str]]]
+
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future as TorchFuture
 
+    from lightning_mgpu.checkpoint.states import StateAccess
     from lightning_mgpu.layout import ParallelLayout
 
 
@@ -46,24 +63,24 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _all_gather_object(obj: Any) -> list[Any]:
+def _all_gather_object(obj: _T) -> list[_T]:
     if not _distributed():
         return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
+    gathered: list[_T | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
-    return gathered
+    return cast("list[_T]", gathered)  # every rank's `obj`
 
 
-def _gather_object(obj: Any, group: Any | None = None) -> list[Any]:
+def _gather_object(obj: _T, group: ProcessGroup | None = None) -> list[_T]:
     """Every rank's ``obj`` on global rank 0 (``[]`` elsewhere)."""
     if not _distributed():
         return [obj]
-    gathered: list[Any] | None = [None] * dist.get_world_size() if _rank() == 0 else None
+    gathered: list[_T | None] | None = [None] * dist.get_world_size() if _rank() == 0 else None
     dist.gather_object(obj, gathered, dst=0, group=group)
-    return gathered or []
+    return cast("list[_T]", gathered or [])  # every rank's `obj`
 
 
-def _broadcast_object(obj: Any) -> Any:
+def _broadcast_object(obj: _T) -> _T:
     if not _distributed():
         return obj
     container = [obj]
@@ -71,7 +88,7 @@ def _broadcast_object(obj: Any) -> Any:
     return container[0]
 
 
-def _broadcast_path(path: Any) -> Path:
+def _broadcast_path(path: str | os.PathLike) -> Path:
     return Path(_broadcast_object(str(path)))
 
 
@@ -98,13 +115,13 @@ class _RecordingWriter(FileSystemWriter):
 
     written: Sequence[str] = ()
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         future = super().write_data(plan, planner)
         self.written = sorted({result.storage_data.relative_path for result in future.wait()})
         return future
 
 
-def _checksum_written(staging: Path, writer: _RecordingWriter) -> Any:
+def _checksum_written(staging: Path, writer: _RecordingWriter) -> dict[str, dict[str, int | str]] | str:
     """This rank's part of the manifest: the records of the shards it wrote (from the page cache), or why not."""
     try:
         return {name: fmt.checksum(staging / name) for name in writer.written}
@@ -112,12 +129,13 @@ def _checksum_written(staging: Path, writer: _RecordingWriter) -> Any:
         return f"{type(error).__name__}: {error}"
 
 
-def _manifest(parts: list[Any], staging: Path) -> None:
+def _manifest(parts: list[dict[str, dict[str, int | str]] | str], staging: Path) -> None:
     """On global rank 0, once every rank's part is in: add the files rank 0 wrote last and write the manifest."""
     failed = [(rank, part) for rank, part in enumerate(parts) if isinstance(part, str)]
     if failed:
         raise CheckpointError(f"checksumming the shards of rank {failed[0][0]} failed: {failed[0][1]}")
-    records = {name: record for part in parts for name, record in part.items()}
+    checksums = cast("list[dict[str, dict[str, int | str]]]", parts)  # none failed
+    records = {name: record for part in checksums for name, record in part.items()}
     for name in (fmt.DCP_INDEX, fmt.METADATA_FILE):
         records[name] = fmt.checksum(staging / name)
     fmt.write_manifest(staging, records)
@@ -127,7 +145,9 @@ class _PendingSave:
     """An asynchronous save: DCP writes in a thread, every rank checksums its shards, then global rank 0 writes
     the manifest and publishes the directory."""
 
-    def __init__(self, future: Any, staging: Path, path: Path, writer: _RecordingWriter, group: Any) -> None:
+    def __init__(
+        self, future: Any, staging: Path, path: Path, writer: _RecordingWriter, group: ProcessGroup | None
+    ) -> None:
         self.path = path
         self._staging = staging
         self._writer = writer
@@ -136,7 +156,7 @@ class _PendingSave:
         self._done = threading.Event()
         future.add_done_callback(self._finish)
 
-    def _finish(self, future: Any) -> None:
+    def _finish(self, future: Future[None]) -> None:
         try:
             failure = None
             try:
@@ -162,7 +182,7 @@ class _PendingSave:
         part failed, so that no rank goes on into collectives the others have left."""
         self._done.wait()
         error = self._error
-        failures: list[tuple[int, Any]] = [(_rank(), error)] if error is not None else []
+        failures: list[tuple[int, BaseException | str]] = [(_rank(), error)] if error is not None else []
         if agree and _distributed():
             reports = _all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
             failures = [(rank, report) for rank, report in enumerate(reports) if report is not None]
@@ -176,24 +196,26 @@ class _PendingSave:
 class Checkpointer:
     """Save and load a LightningModule and its optimizers whatever the layout; owned by ``HybridStrategy``."""
 
-    def __init__(self, checkpoint_format: str = "full", async_save: bool = False, state_access: Any = None) -> None:
+    def __init__(
+        self, checkpoint_format: str = "full", async_save: bool = False, state_access: StateAccess | None = None
+    ) -> None:
         if async_save and checkpoint_format != "sharded":
             raise ValueError("`async_checkpoint=True` needs `checkpoint_format='sharded'`.")
         # How the live states are read and written: the `states` module, or an object with the same functions
         # for an engine that keeps its own partitions (`backends.deepspeed.DeepSpeedStates`).
-        self.states = state_access if state_access is not None else states
+        self.states: StateAccess = state_access if state_access is not None else states
         self.checkpoint_format = checkpoint_format
         self.async_save = async_save
         self._pending: _PendingSave | None = None
-        self._async_group: Any | None = None
+        self._async_group: ProcessGroup | None = None
         self._resuming = False
         self._saved_data: dict[str, int] | None = None  # the resumed checkpoint's `resume.data_record`
 
     # ------------------------------------------------------------------------------------------------------ save
     def save(
         self,
-        checkpoint: dict[str, Any],
-        filepath: Any,
+        checkpoint: Mapping[str, object],
+        filepath: str | os.PathLike,
         model: nn.Module,
         optimizers: list[Optimizer],
         layout: ParallelLayout,
@@ -205,10 +227,12 @@ class Checkpointer:
         live_key, state = _model_entries(checkpoint, self.states.model_state(model))
         groups: list[list[list[str]]] = []
         if with_optimizers:
-            state[OPTIMIZER_KEY] = [self.states.optimizer_state(model, optimizer) for optimizer in optimizers]
-            groups = [self.states.group_fqns(model, o, s) for o, s in zip(optimizers, state[OPTIMIZER_KEY])]
-        gathered = _gather_object({"rng": states.collect_rng_states(), "groups": groups})
-        meta = {k: v for k, v in checkpoint.items() if k not in (*state, OPTIMIZER_KEY, "loops")}
+            optimizer_states = [self.states.optimizer_state(model, optimizer) for optimizer in optimizers]
+            state[OPTIMIZER_KEY] = optimizer_states
+            groups = [self.states.group_fqns(model, o, s) for o, s in zip(optimizers, optimizer_states)]
+        gathered = _gather_object(_RankRecord(rng=states.collect_rng_states(), groups=groups))
+        # Lightning's entries, read back by name (`meta[INFO_KEY]["format"]`): values of any type.
+        meta: dict[str, Any] = {k: v for k, v in checkpoint.items() if k not in (*state, OPTIMIZER_KEY, "loops")}
         meta[resume.DATA_KEY] = resume.data_record(attached_trainer(model), layout.data_parallel_size)
         if "loops" in checkpoint:
             meta["loops"] = copy.deepcopy(checkpoint["loops"])
@@ -252,7 +276,9 @@ class Checkpointer:
         if failure is not None:
             raise CheckpointError(f"Saving {path} failed on global rank 0: {failure}") from error
 
-    def _finish_on_rank_zero(self, staging: Path, path: Path, meta: dict[str, Any], parts: list[Any]) -> None:
+    def _finish_on_rank_zero(
+        self, staging: Path, path: Path, meta: dict[str, Any], parts: list[dict[str, dict[str, int | str]] | str]
+    ) -> None:
         if self.checkpoint_format == "full" and _fits_in_memory(staging, path):
             from lightning_mgpu.checkpoint.convert import write_full_file
 
@@ -267,7 +293,7 @@ class Checkpointer:
         fmt.publish(staging, path)
         _say_how_to_load_once(path)
 
-    def _checkpoint_group(self) -> Any | None:
+    def _checkpoint_group(self) -> ProcessGroup | None:
         # The background thread's collectives must not interleave with training's on the default group.
         if _distributed() and self._async_group is None:
             self._async_group = dist.new_group(backend="gloo")
@@ -280,7 +306,7 @@ class Checkpointer:
         if pending is not None:
             pending.wait(agree)
 
-    def remove(self, filepath: Any) -> None:
+    def remove(self, filepath: str | os.PathLike) -> None:
         path = Path(filepath)
         if self._pending is not None and self._pending.path == path:
             self.wait(agree=True)
@@ -290,13 +316,13 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------------------ load
     def load(
         self,
-        filepath: Any,
+        filepath: str | os.PathLike,
         model: nn.Module,
         optimizers: list[Optimizer],
         strict: bool = True,
         weights_only: bool | None = None,
         fitting: bool = True,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any]:  # Lightning's checkpoint dict, whose entries its hooks read by name
         """Load a sharded directory or a full file (ours or any single-device Lightning checkpoint) into
         ``model`` and, when ``fitting``, ``optimizers`` and the RNGs; return Lightning's part. Collective."""
         self.wait(agree=True)
@@ -309,7 +335,7 @@ class Checkpointer:
             meta = fmt.load_file(path / fmt.METADATA_FILE, weights_only)
             # Lightning's ModelParallelStrategy/FSDPStrategy name the entries their way: read under ours.
             by_lightning = fmt.written_by_lightning(index)
-            reader: Any = LightningShardedReader(path) if by_lightning else FileSystemReader(path)
+            reader: FileSystemReader = LightningShardedReader(path) if by_lightning else FileSystemReader(path)
             self.states.load_states(reader, model, optimizers, strict, str(path), checkpoint_id=path)
             moved = _moved_model_keys(meta)
             if moved:  # whole, for the hook that moved them (every rank holds such copies whole, as under DDP)
@@ -332,7 +358,7 @@ class Checkpointer:
             self._resuming = True
         return meta
 
-    def process_dataloader(self, dataloader: Any, trainer: pl.Trainer, data_parallel_size: int) -> Any:
+    def process_dataloader(self, dataloader: object, trainer: pl.Trainer, data_parallel_size: int) -> object:
         """After a mid-epoch resume, the training loader continues where the checkpoint's epoch stopped, in samples
         (the data-parallel size or the per-rank batch may have changed since)."""
         if not self._resuming or trainer.state.stage != RunningStage.TRAINING:
@@ -385,7 +411,9 @@ def _say_how_to_load_once(path: Path) -> None:
     )
 
 
-def _model_entries(checkpoint: dict[str, Any], live: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+def _model_entries(
+    checkpoint: Mapping[str, object], live: Mapping[str, object]
+) -> tuple[str | None, dict[str, object]]:
     """The model states to write, by top-level key, and the key holding the live module's.
 
     Lightning's ``state_dict`` entry is a ``LiveModelState`` (``lightning_module_state_dict``) until a checkpoint
@@ -393,7 +421,7 @@ def _model_entries(checkpoint: dict[str, Any], live: dict[str, Any]) -> tuple[st
     ``state_dict``, which is then written as the hook left it, as under DDP. ``None``: no key holds it any more.
     """
     live_key = next((key for key, value in checkpoint.items() if isinstance(value, fmt.LiveModelState)), None)
-    entries = {} if live_key is None else {live_key: live}
+    entries: dict[str, object] = {} if live_key is None else {live_key: live}
     if live_key != MODEL_KEY:
         entries[MODEL_KEY] = checkpoint.get(MODEL_KEY) or {}
     return live_key, entries

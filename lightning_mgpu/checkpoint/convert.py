@@ -180,7 +180,7 @@ def _directory_leaves(path: Path, meta: dict[str, Any], weights_only: bool) -> t
     return skeleton, lambda leaf: _read_tensor(path, leaf)
 
 
-def _as_leaves(value: Any, path: str, table: dict[str, torch.Tensor]) -> Any:
+def _as_leaves(value: object, path: str, table: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         table[path] = value
         return stream.Leaf(path, tuple(value.shape), value.dtype)

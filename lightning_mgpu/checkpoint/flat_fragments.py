@@ -60,7 +60,7 @@ class FlatFragment:
         self.start = start
         self._boxes = {offsets: (offsets, sizes) for offsets, sizes in boxes(self.shape, start, start + data.numel())}
 
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
         properties = TensorProperties.create_from_tensor(self.data)
         return [
             WriteItem(

@@ -101,7 +101,7 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_file(obj: Any, path: Path) -> None:
+def write_file(obj: object, path: Path) -> None:
     """``torch.save`` and flush to disk."""
     torch.save(obj, path)
     fsync(path)
@@ -419,13 +419,13 @@ class FlatReader(StorageReader):
                 entries[key] = BytesStorageMetadata()
         self.metadata = Metadata(state_dict_metadata=entries)
 
-    def reset(self, checkpoint_id: Any = None) -> None:
+    def reset(self, checkpoint_id: object = None) -> None:
         pass
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         return self.metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -453,5 +453,5 @@ class FlatReader(StorageReader):
         return done
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: object) -> bool:
         return False

@@ -28,7 +28,7 @@ class LightningShardedReader(FileSystemReader):
         super().__init__(path)
         self._path = Path(path)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         metadata = super().read_metadata(*args, **kwargs)
         theirs = metadata.state_dict_metadata
         names = _our_names(theirs, _group_parameters(self._path, theirs))

@@ -10,7 +10,7 @@ torch, and a checkpoint saved after ``fit`` describes them under the plain FQNs.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,9 +21,12 @@ from lightning_mgpu.checkpoint.states import full_named_tensors
 from lightning_mgpu.parallel.experts import with_peers_listed_experts
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 
 def restore_plain(
-    snapshot: ModuleSnapshot, optimizers: list[Optimizer], patches: PatchLog, pp_group: Any | None = None
+    snapshot: ModuleSnapshot, optimizers: list[Optimizer], patches: PatchLog, pp_group: ProcessGroup | None = None
 ) -> None:
     """Put back ``snapshot.module`` with its trained values and re-point ``optimizers`` at it. Collective.
 

@@ -139,7 +139,7 @@ class FastForward:
         self.skip = skip
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[object]:
         if not self.skip:
             return iter(self.loader)
         skip, self.skip = self.skip, 0
@@ -155,7 +155,7 @@ class FastForward:
             raise AttributeError(name)
         return getattr(self.loader, name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         # Lightning sets e.g. `worker_init_fn` on the loader it is given: it belongs to the wrapped loader.
         if name in ("loader", "skip", "epoch"):
             object.__setattr__(self, name, value)
@@ -163,7 +163,7 @@ class FastForward:
             setattr(self.loader, name, value)
 
 
-def _skipping_iterator(loader: Any, skip: int) -> Iterator[Any]:
+def _skipping_iterator(loader: Any, skip: int) -> Iterator[object]:
     if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset):
         # Skip indices, not batches: nothing is loaded for the skipped part, worker processes included.
         attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
@@ -178,7 +178,7 @@ class _SkipFirst:
         self.sampler = sampler
         self.skip = skip
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[object]:
         return itertools.islice(iter(self.sampler), self.skip, None)
 
     def __len__(self) -> int:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 import operator
+import os
 import random
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -29,12 +30,44 @@ from torch.optim import Optimizer
 
 from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, STATE_PREFIX, CheckpointError
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.metadata import STORAGE_TYPES as StorageMeta
+
+_V = TypeVar("_V")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _GROUPS = "param_groups."
 
 
+class StateAccess(Protocol):
+    """How the checkpointer reads and writes the live states: this module itself, or an object with the same
+    functions for an engine that keeps its own partitions (``backends.deepspeed.DeepSpeedStates``)."""
+
+    def model_state(self, model: nn.Module) -> Mapping[str, object]: ...
+
+    def optimizer_state(
+        self, model: nn.Module, optimizer: Optimizer, initialize: bool = False
+    ) -> Mapping[str, object]: ...
+
+    def group_fqns(
+        self, model: nn.Module, optimizer: Optimizer, flat_state: Mapping[str, object]
+    ) -> list[list[str]]: ...
+
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]: ...
+
+    def load_states(
+        self,
+        reader: StorageReader,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        strict: bool,
+        where: str,
+        checkpoint_id: str | os.PathLike | None = None,
+    ) -> None: ...
+
+
 def full_model_state_dict(
-    model: nn.Module, pp_group: Any | None = None, everywhere: bool = False
+    model: nn.Module, pp_group: ProcessGroup | None = None, everywhere: bool = False
 ) -> dict[str, torch.Tensor]:
     """The unsharded ``model.state_dict()`` on CPU, on global rank 0 (other ranks get ``{}``). Collective.
 
@@ -47,7 +80,7 @@ def full_model_state_dict(
     return _whole(model.state_dict(), pp_group, everywhere)
 
 
-def full_named_tensors(model: nn.Module, pp_group: Any | None = None) -> dict[str, torch.Tensor]:
+def full_named_tensors(model: nn.Module, pp_group: ProcessGroup | None = None) -> dict[str, torch.Tensor]:
     """Every parameter's and buffer's whole value on every rank, keyed by ``named_parameters``/``named_buffers``
     names, every name of a tied one: what puts the plain module's own tensors back, whatever its state-dict hooks
     call them. Collective.
@@ -61,13 +94,15 @@ def full_named_tensors(model: nn.Module, pp_group: Any | None = None) -> dict[st
 
 
 @torch.no_grad()
-def _whole(state: dict[str, Any], pp_group: Any | None, everywhere: bool) -> dict[str, torch.Tensor]:
+def _whole(
+    state: Mapping[str, torch.Tensor], pp_group: ProcessGroup | None, everywhere: bool
+) -> dict[str, torch.Tensor]:
     """``state`` with every DTensor gathered (in the same key order on the ranks of its mesh), merged over
     ``pp_group``; on global rank 0 only unless ``everywhere``, on CPU unless ``everywhere`` without stages."""
     from torch.distributed.tensor import DTensor
 
     offload = pp_group is not None or not everywhere
-    whole = {}
+    whole: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         value = value.full_tensor() if isinstance(value, DTensor) else value
         whole[key] = value.detach().cpu() if offload and isinstance(value, torch.Tensor) else value
@@ -82,15 +117,15 @@ def _whole(state: dict[str, Any], pp_group: Any | None, everywhere: bool) -> dic
         dist.gather_object(whole, gathered, dst=ranks[0], group=pp_group)
         if dist.get_rank() != 0:
             return {}
-    return {key: value for part in gathered or [] for key, value in part.items()}
+    return {key: value for part in gathered or [] for key, value in part.items()}  # tensors, as `state` holds
 
 
-def model_state(model: nn.Module) -> dict[str, Any]:
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` (the model's hooks applied, values as the layout holds them) for DCP to save or fill."""
     return describable(model.state_dict())
 
 
-def describable(state: dict[str, Any]) -> dict[str, Any]:
+def describable(state: Mapping[str, _V]) -> dict[str, _V]:
     """DCP cannot describe a fused projection's tensor-parallel ``_StridedShard``: replicate those over ``tp``.
 
     Only the fused q|k|v weights are concerned (a small part of the model); every other placement is kept.
@@ -100,7 +135,7 @@ def describable(state: dict[str, Any]) -> dict[str, Any]:
     from lightning_mgpu._compat.dtensor import is_strided_shard
     from lightning_mgpu.layout import TP_AXIS
 
-    def convert(value: Any) -> Any:
+    def convert(value: _V) -> _V:
         if not isinstance(value, DTensor):
             return value
         names = value.device_mesh.mesh_dim_names or ()
@@ -108,7 +143,8 @@ def describable(state: dict[str, Any]) -> dict[str, Any]:
             Replicate() if is_strided_shard(p) and i < len(names) and names[i] == TP_AXIS else p
             for i, p in enumerate(value.placements)
         ]
-        return value if list(value.placements) == placements else value.redistribute(placements=placements)
+        # A DTensor stays one: what `state` holds.
+        return value if list(value.placements) == placements else cast(_V, value.redistribute(placements=placements))
 
     return {key: convert(value) for key, value in state.items()}
 
@@ -145,7 +181,7 @@ def _no_implicit_init(optimizer: Optimizer) -> Iterator[None]:
             sentinel.grad = None
 
 
-def optimizer_state(model: nn.Module, optimizer: Optimizer, initialize: bool = False) -> dict[str, Any]:
+def optimizer_state(model: nn.Module, optimizer: Optimizer, initialize: bool = False) -> dict[str, object]:
     """The optimizer's flattened state; with ``initialize`` (every rank together, on fresh optimizers), states
     are created first, to be loaded into."""
     if initialize:
@@ -163,7 +199,7 @@ def _fqns_of(model: nn.Module) -> dict[nn.Parameter, list[str]]:
     return names
 
 
-def group_fqns(model: nn.Module, optimizer: Optimizer, flat_state: dict[str, Any]) -> list[list[str]]:
+def group_fqns(model: nn.Module, optimizer: Optimizer, flat_state: Mapping[str, object]) -> list[list[str]]:
     """The FQN of every parameter of every param group, in the optimizer's order, as named in ``flat_state``."""
     present = {key[len(_GROUPS) :].rsplit(".", 1)[0] for key in flat_state if key.startswith(_GROUPS)}
     names = _fqns_of(model)
@@ -239,7 +275,7 @@ def native_to_flat(native: dict[str, Any], groups: list[list[str]]) -> dict[str,
         )
     flat: dict[str, Any] = {}
 
-    def add_state(prefix: str, value: Any) -> None:
+    def add_state(prefix: str, value: object) -> None:
         if isinstance(value, dict):
             for name, inner in value.items():
                 add_state(f"{prefix}.{name}", inner)
@@ -268,7 +304,7 @@ def load_states(
     optimizers: list[Optimizer],
     strict: bool,
     where: str,
-    checkpoint_id: Any | None = None,
+    checkpoint_id: str | os.PathLike | None = None,
 ) -> None:
     """Fill ``model`` and ``optimizers`` from ``reader`` (resharding to the current layout). Collective.
 
@@ -305,7 +341,8 @@ def load_states(
     for optimizer, template, loaded, without in zip(optimizers, templates, request.get(OPTIMIZER_KEY, []), stateless):
         template.update(loaded)
         with _no_implicit_init(optimizer):
-            set_optimizer_state_dict(model, optimizer, template, options=_FLAT)
+            # The flattened form (options=_FLAT), which torch's annotation leaves out:
+            set_optimizer_state_dict(model, optimizer, template, options=_FLAT)  # type: ignore[arg-type]
         _restore_state_placements(optimizer)
         # Parameters that had no state when saved (never stepped, or steps skipped by the loss scaler) get none.
         for param in [p for p, s in optimizer.state.items() if p in without or not s]:
@@ -313,7 +350,7 @@ def load_states(
 
 
 def _params_without_saved_state(
-    template: dict[str, Any], available: set[str], prefix: str, optimizer: Optimizer, model: nn.Module, where: str
+    template: Mapping[str, object], available: set[str], prefix: str, optimizer: Optimizer, model: nn.Module, where: str
 ) -> set[nn.Parameter]:
     """The parameters the checkpoint has no optimizer state for; an error if it has only part of one's state."""
     fqns = {fqn for groups in group_fqns(model, optimizer, template) for fqn in groups}
@@ -333,7 +370,9 @@ def _params_without_saved_state(
     return {param for param, names in _fqns_of(model).items() if without.intersection(names)}
 
 
-def check_model_fits(index: dict[str, Any], model_sd: dict[str, Any], strict: bool, where: str) -> None:
+def check_model_fits(
+    index: Mapping[str, StorageMeta], model_sd: Mapping[str, object], strict: bool, where: str
+) -> None:
     """Compare the model with the checkpoint's index before reading any data, on every rank together. Collective.
 
     Shapes are global (a DTensor's ``shape``) on both sides, so every layout compares alike. A rank holds only
@@ -343,9 +382,10 @@ def check_model_fits(index: dict[str, Any], model_sd: dict[str, Any], strict: bo
     """
     saved = {key[len(MODEL_KEY) + 1 :]: value for key, value in index.items() if key.startswith(MODEL_KEY + ".")}
     mismatched = [
-        f"{key} is {list(value.shape)} in the model, {list(saved[key].size)} in the checkpoint"
+        f"{key} is {list(value.shape)} in the model, {list(saved[key].size)} in the checkpoint"  # type: ignore[union-attr]
         for key, value in model_sd.items()
-        if isinstance(value, torch.Tensor) and hasattr(saved.get(key), "size") and value.shape != saved[key].size
+        # (hasattr: a tensor's entry, which has a size; mypy does not narrow on it)
+        if isinstance(value, torch.Tensor) and hasattr(saved.get(key), "size") and value.shape != saved[key].size  # type: ignore[union-attr]
     ]
     missing = [key for key in model_sd if key not in saved] if strict else []
     bits = int("".join("1" if key in model_sd else "0" for key in saved) or "0", 2)  # same order on every rank
@@ -407,9 +447,9 @@ def some(keys: list[str], limit: int = 8) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------- RNG
-def collect_rng_states() -> dict[str, Any]:
+def collect_rng_states() -> dict[str, object]:
     """Torch (CPU and CUDA), Python and NumPy RNG states, in types ``torch.load(weights_only=True)`` accepts."""
-    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    states: dict[str, object] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         states["torch.cuda"] = torch.cuda.get_rng_state_all()
     try:

@@ -104,7 +104,7 @@ def write_safetensors(out: Path, leaves: dict[str, Leaf], fill: Fill, metadata: 
     return len(leaves)
 
 
-def _tensors_as_leaves(value: Any, kept: dict[Leaf, torch.Tensor]) -> Any:
+def _tensors_as_leaves(value: object, kept: dict[Leaf, torch.Tensor]) -> Any:
     """``value`` with its real tensors made leaves too (kept aside), so that every storage record is a leaf's."""
     if isinstance(value, torch.Tensor):
         leaf = Leaf(f"<kept {len(kept)}>", tuple(value.shape), value.dtype)
@@ -117,7 +117,7 @@ def _tensors_as_leaves(value: Any, kept: dict[Leaf, torch.Tensor]) -> Any:
     return value
 
 
-def _replace_leaves(value: Any, found: list[Leaf], make: Callable[[Leaf], Any]) -> Any:
+def _replace_leaves(value: object, found: list[Leaf], make: Callable[[Leaf], Any]) -> Any:
     """``value`` with every ``Leaf`` made a tensor, the leaves listed in the order ``pickle`` will meet them."""
     if isinstance(value, Leaf):
         found.append(value)
@@ -186,7 +186,7 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(cast(Any, flat.numpy()))
 
 
-def iterate_leaves(value: Any) -> Iterator[Leaf]:
+def iterate_leaves(value: object) -> Iterator[Leaf]:
     """Every ``Leaf`` in a nested structure."""
     if isinstance(value, Leaf):
         yield value

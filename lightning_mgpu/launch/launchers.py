@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
@@ -52,8 +52,30 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import ClusterEnvironment
 
+    from lightning_mgpu.layout import ParallelLayout
+
 _PARENT_PID_ENV = "LIGHTNING_MGPU_PARENT_PID"  # given to the script launcher's children only
 _GRACE_S = 10.0  # how long the ranks left after a failure get to notice it and end by themselves
+
+
+class LaunchedStrategy(Protocol):
+    """What the launchers read of the ``HybridStrategy`` that made them."""
+
+    num_nodes: int
+
+    @property
+    def layout(self) -> ParallelLayout: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
+    @property
+    def node_rank(self) -> int: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
 # ----------------------------------------------------------------------------------------- python train.py (popen)
@@ -83,7 +105,7 @@ class HybridSubprocessScriptLauncher(SubprocessScriptLauncher):
         cluster_environment: ClusterEnvironment,
         num_processes: int,
         num_nodes: int,
-        strategy: Any,
+        strategy: LaunchedStrategy,
         timeout: timedelta | None,
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
@@ -94,7 +116,7 @@ class HybridSubprocessScriptLauncher(SubprocessScriptLauncher):
         self._reported = False
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: object, trainer: pl.Trainer | None = None, **kwargs: object) -> object:
         # Lightning's `launch` with our watcher in place of `_launch_process_observer`.
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:  # False again after the first launch
@@ -112,7 +134,7 @@ class HybridSubprocessScriptLauncher(SubprocessScriptLauncher):
         return function(*args, **kwargs)
 
     @override
-    def kill(self, signum: Any) -> None:
+    def kill(self, signum: signal.Signals) -> None:
         # Lightning ends the children this way after a KeyboardInterrupt (Ctrl-C): not a failure to report.
         self._reported = True
         super().kill(signum)
@@ -215,7 +237,7 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
         return self.start_method == "fork"
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: object, trainer: pl.Trainer | None = None, **kwargs: object) -> object:
         failure_dir = new_failure_dir()
         previous = os.environ.get(FAILURE_DIR_ENV)
         os.environ[FAILURE_DIR_ENV] = failure_dir  # read by the workers, which inherit or copy the environment
@@ -223,12 +245,13 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except (ProcessRaisedException, ProcessExitedException):
             # torch's join has ended every process by now (SIGTERM, SIGKILL after 30 s).
-            first = self.strategy.node_rank * self.strategy.num_processes
+            strategy = cast(LaunchedStrategy, self.strategy)  # the HybridStrategy that made this launcher
+            first = strategy.node_rank * strategy.num_processes
             headline, report = format_report(
-                self.strategy.num_processes * self.strategy.num_nodes,
+                strategy.num_processes * strategy.num_nodes,
                 read_records(failure_dir),
                 {first + i: proc.exitcode for i, proc in enumerate(self.procs)},
-                describe_rank(self.strategy),
+                describe_rank(strategy),
             )
             print(report, file=sys.stderr, flush=True)
             raise RankFailedError(headline) from None
@@ -240,7 +263,7 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
             shutil.rmtree(failure_dir, ignore_errors=True)
 
     @override
-    def run_worker(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+    def run_worker(self, process_idx: int, *args: object, **kwargs: object) -> None:
         if self.start_method == "fork":
             # A forked child that uses the parent's already-started OpenMP pool can hang (a notebook has usually
             # run torch ops before `fit`): one intra-op thread per process is safe, and right when processes
@@ -258,7 +281,8 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
             # (A rank stopped by torch's SIGTERM ends in Lightning's SIGTERMException: recorded as an echo.) From
             # here on SIGTERM is ignored: Lightning's handler would run a collective with the failed ranks.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            rank = self.strategy.node_rank * self.strategy.num_processes + process_idx
+            strategy = cast(LaunchedStrategy, self.strategy)  # the HybridStrategy that made this launcher
+            rank = strategy.node_rank * strategy.num_processes + process_idx
             record, written = record_failure(error, rank, os.environ.get(FAILURE_DIR_ENV))
             if not written:
                 print(record.traceback, file=sys.stderr)
@@ -267,8 +291,8 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
             os._exit(1)
 
     @override
-    def collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> WorkerOutput | None:
-        strategy: Any = trainer.strategy  # a HybridStrategy
+    def collect_rank_zero_results(self, trainer: pl.Trainer, results: object) -> WorkerOutput | None:
+        strategy = cast(LaunchedStrategy, trainer.strategy)  # a HybridStrategy
         state_dict = strategy.full_state_dict()  # collective: every rank takes part
         if strategy.global_rank != 0:
             return None
@@ -281,7 +305,7 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
         return WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
     @override
-    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, object]:
         """Lightning's extras plus the checkpoint callback's paths: only ``best_model_path`` travels by default, so
         ``trainer.checkpoint_callback.last_model_path`` would be empty in a notebook after a forked ``fit``."""
         extra = super().get_extra_results(trainer)
@@ -294,7 +318,7 @@ class HybridMultiProcessingLauncher(MultiProcessingLauncher):
         return extra
 
     @override
-    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:  # Lightning's type
         super().update_main_process_results(trainer, extra)
         callback = trainer.checkpoint_callback
         if callback is None or _CHECKPOINT_PATHS not in extra:

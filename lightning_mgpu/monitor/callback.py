@@ -173,7 +173,7 @@ class ScalingMonitor(Callback):
 
     @override
     def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
     ) -> None:
         recorder = self._recorder
         if recorder is None or not recorder.active:
@@ -197,7 +197,7 @@ class ScalingMonitor(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object, batch: object, batch_idx: int
     ) -> None:
         recorder = self._recorder
         if recorder is None:

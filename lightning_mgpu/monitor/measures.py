@@ -44,7 +44,7 @@ def _measured_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 51
     return 2 * n**3 / best
 
 
-def batch_size_and_tokens(batch: Any) -> tuple[int, int]:
+def batch_size_and_tokens(batch: object) -> tuple[int, int]:
     """Samples in ``batch`` (dim 0 of its first tensor) and tokens (elements of its first integer tensor with a
     sequence dimension; otherwise one per sample)."""
     from lightning_mgpu._compat.tensors import tree_leaves

@@ -22,12 +22,13 @@ Timers are CUDA events on the current stream on GPU (resolved once per measured 
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Final, cast
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ from lightning_mgpu._compat.c10d import functional_collectives, group_name, pipe
 from lightning_mgpu._compat.lightning import fetcher_profiler_hooks, set_fetcher_profiler_hooks
 from lightning_mgpu.layout import DP_AXIS, DP_CP_AXIS
 
+if TYPE_CHECKING:
+    from lightning_mgpu._compat.lightning import DataFetcher
+
 FORWARD_BACKWARD = "forward_backward"
 OPTIMIZER = "optimizer"
 OTHER = "other"
@@ -45,7 +49,14 @@ BUBBLE = "bubble"
 COMPUTE = "compute"
 # What a phase's unclaimed time is called in the split.
 _PHASE_CATEGORY = {FORWARD_BACKWARD: COMPUTE, OPTIMIZER: OPTIMIZER, OTHER: OTHER}
-_UNTIMED = object()  # what `open` returns outside a measured step or on another thread: `close` ignores it
+
+
+class _Untimed(enum.Enum):
+    TOKEN = "untimed"
+
+
+_UNTIMED: Final = _Untimed.TOKEN  # what `open` returns outside a measured step or on another thread: `close` ignores
+Mark = torch.cuda.Event | float  # a CUDA event on GPU, `time.perf_counter()` elsewhere
 
 # Collectives of torch.distributed timed as blocking calls (isend/irecv are left alone: P2POp checks identity).
 _DIST_CALLS = (
@@ -90,15 +101,17 @@ class Clock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
 
-    def mark(self) -> Any:
+    def mark(self) -> Mark:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
         return time.perf_counter()
 
-    def seconds(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+    def seconds(self, start: Mark, end: Mark) -> float:
+        if self.cuda:
+            return cast(torch.cuda.Event, start).elapsed_time(cast(torch.cuda.Event, end)) / 1e3
+        return cast(float, end) - cast(float, start)
 
     def synchronize(self) -> None:
         if self.cuda:
@@ -114,12 +127,12 @@ class StepRecorder:
         self.phase = OTHER
         self._depth = 0
         self._calls = 0
-        self._marks: list[tuple[str, Any]] = []
-        self._intervals: list[tuple[str, str, Any, Any]] = []
-        self._overlaps: list[tuple[str, Any, Any]] = []
+        self._marks: list[tuple[str, Mark]] = []
+        self._intervals: list[tuple[str, str, Mark, Mark]] = []
+        self._overlaps: list[tuple[str, Mark, Mark]] = []
         self._thread = threading.get_ident()
 
-    def begin(self, start: Any) -> None:
+    def begin(self, start: Mark) -> None:
         """Measure the step that started at ``start`` (a mark taken when the previous step ended)."""
         self.active, self.phase, self._depth, self._calls = True, OTHER, 0, 0
         self._marks, self._intervals, self._overlaps = [(OTHER, start)], [], []
@@ -130,7 +143,7 @@ class StepRecorder:
         if self.active:
             self._marks.append((phase, self.clock.mark()))
 
-    def open(self) -> Any | None:
+    def open(self) -> Mark | _Untimed | None:
         """Start an interval; nested ones (a collective calling another, or its own ``wait``) count once."""
         if not self.active or threading.get_ident() != self._thread:
             return _UNTIMED
@@ -138,7 +151,7 @@ class StepRecorder:
         self._calls += 1
         return self.clock.mark() if self._depth == 1 else None
 
-    def close(self, start: Any | None, category: str) -> Any | None:
+    def close(self, start: Mark | _Untimed | None, category: str) -> Mark | None:
         """End an interval; returns its end mark when it was timed (an outermost one in a measured step)."""
         if start is _UNTIMED:
             return None
@@ -149,12 +162,12 @@ class StepRecorder:
         self._intervals.append((self.phase, category, start, end))
         return end
 
-    def overlap(self, axis: str, issued: Any, waited: Any) -> None:
+    def overlap(self, axis: str, issued: Mark, waited: Mark) -> None:
         """An asynchronous collective's issue returned at ``issued``; its wait began at ``waited``."""
         if self.active:
             self._overlaps.append((axis, issued, waited))
 
-    def finish(self, end: Any) -> dict[str, Any]:
+    def finish(self, end: Mark) -> dict[str, float | dict[str, float] | int]:
         """The step's wall time, its parts (seconds, adding up to the wall), overlapped communication per axis and
         the number of timed calls (collectives, waits and fetches, nested ones included)."""
         self.active = False
@@ -189,9 +202,9 @@ class CollectiveTimer:
         self._axes = axes  # process group name -> axis name
         self._world_axis = world_axis
         self._by_group: dict[int, str] = {}
-        self._works: dict[int, tuple[str, bool, Any]] = {}  # id(work) -> (axis, is a receive, issue's end mark)
-        self._pending: dict[int, tuple[str, Any]] = {}  # id(funcol output) -> (axis, issue's end mark)
-        self._undo: list[tuple[Any, str, Any]] = []
+        self._works: dict[int, tuple[str, bool, Mark | None]] = {}  # id(work) -> (axis, is a receive, issue's end)
+        self._pending: dict[int, tuple[str, Mark | None]] = {}  # id(funcol output) -> (axis, issue's end mark)
+        self._undo: list[tuple[object, str, object]] = []
 
     # ------------------------------------------------------------------------------------------ install / remove
     def install(self) -> None:
@@ -216,12 +229,12 @@ class CollectiveTimer:
         self._works.clear()
         self._pending.clear()
 
-    def _patch(self, owner: Any, name: str, wrapper: Callable) -> None:
+    def _patch(self, owner: object, name: str, wrapper: Callable) -> None:
         self._undo.append((owner, name, getattr(owner, name)))
         setattr(owner, name, wrapper)
 
     # ----------------------------------------------------------------------------------------------- attribution
-    def axis_of(self, group: Any) -> str:
+    def axis_of(self, group: object) -> str:
         if group is None:
             return self._world_axis
         key = id(group)
@@ -241,11 +254,13 @@ class CollectiveTimer:
         recorder = self.recorder
 
         @functools.wraps(original)
-        def timed(*args: Any, **kwargs: Any) -> Any:
+        def timed(*args: object, **kwargs: object) -> object:
             if not recorder.active or torch.compiler.is_compiling():
                 return original(*args, **kwargs)
             if p2p:
-                ops = args[0] if args else kwargs.get("p2p_ops", kwargs.get("p2p_op_list", []))
+                ops = cast(
+                    "list[dist.P2POp]", args[0] if args else kwargs.get("p2p_ops", kwargs.get("p2p_op_list", []))
+                )
                 axis = self.axis_of(ops[0].group) if ops else self._world_axis
             else:
                 axis = self.axis_of(_group_argument(args, kwargs))
@@ -263,7 +278,7 @@ class CollectiveTimer:
 
         return timed
 
-    def _remember_p2p(self, ops: list, works: Any, axis: str, issued: Any) -> None:
+    def _remember_p2p(self, ops: list[dist.P2POp], works: object, axis: str, issued: Mark) -> None:
         works = list(works) if isinstance(works, (list, tuple)) else [works]
         receives = [op.op.__name__ == "irecv" for op in ops]
         for k, work in enumerate(works):
@@ -276,7 +291,7 @@ class CollectiveTimer:
         index = names.index("group") if "group" in names else None
 
         @functools.wraps(original)
-        def timed(*args: Any, **kwargs: Any) -> Any:
+        def timed(*args: object, **kwargs: object) -> object:
             if not recorder.active or torch.compiler.is_compiling():
                 return original(*args, **kwargs)
             group = kwargs.get("group", args[index] if index is not None and len(args) > index else None)
@@ -297,7 +312,7 @@ class CollectiveTimer:
         recorder = self.recorder
 
         @functools.wraps(original)
-        def timed(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        def timed(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
             if not recorder.active or torch.compiler.is_compiling():
                 return original(tensor, *args, **kwargs)
             axis, issued = self._issued_before(tensor)
@@ -306,11 +321,11 @@ class CollectiveTimer:
                 return original(tensor, *args, **kwargs)
             finally:
                 if recorder.close(start, f"comm_{axis}") is not None and issued is not None:
-                    recorder.overlap(axis, issued, start)
+                    recorder.overlap(axis, issued, cast(Mark, start))  # timed by `close`: a mark
 
         return timed
 
-    def _issued_before(self, tensor: Any) -> tuple[str, Any]:
+    def _issued_before(self, tensor: torch.Tensor) -> tuple[str, Mark | None]:
         """The issue of the functional collective ``tensor`` waits for; the oldest one in flight when autograd
         wrapped its output in another tensor object."""
         found = self._pending.pop(id(tensor), None)
@@ -327,7 +342,7 @@ class CollectiveTimer:
         recorder = self.recorder
 
         @functools.wraps(original)
-        def timed(work: Any, *args: Any, **kwargs: Any) -> Any:
+        def timed(work: dist.Work, *args: object, **kwargs: object) -> object:
             if not recorder.active:
                 return original(work, *args, **kwargs)
             axis, receive, issued = self._works.pop(id(work), ("other", False, None))
@@ -339,7 +354,7 @@ class CollectiveTimer:
                 # context parallelism waits for a key/value block in flight (communication).
                 waited = BUBBLE if receive and axis == "pp" else f"comm_{axis}"
                 if recorder.close(start, waited) is not None and issued is not None:
-                    recorder.overlap(axis, issued, start)
+                    recorder.overlap(axis, issued, cast(Mark, start))  # timed by `close`: a mark
 
         return timed
 
@@ -353,20 +368,20 @@ class DataFetchTimer:
 
     def __init__(self, recorder: StepRecorder) -> None:
         self.recorder = recorder
-        self._fetcher: Any | None = None
+        self._fetcher: DataFetcher | None = None
         self._originals: tuple[Callable, Callable] = (_nothing, _nothing)
         self._wrappers: tuple[Callable, Callable] = (_nothing, _nothing)
 
-    def install(self, fetcher: Any) -> None:
+    def install(self, fetcher: DataFetcher | None) -> None:
         hooks = fetcher_profiler_hooks(fetcher) if fetcher is not None else None
-        if hooks is None:
+        if fetcher is None or hooks is None:
             return
         if fetcher is self._fetcher and hooks[0] is self._wrappers[0]:
             return
         self.remove()
         recorder = self.recorder
         before, after = hooks
-        token: list[Any] = [None]
+        token: list[Mark | _Untimed | None] = [None]
 
         def start() -> None:
             before()
@@ -382,7 +397,7 @@ class DataFetchTimer:
     def remove(self) -> None:
         fetcher = self._fetcher
         hooks = fetcher_profiler_hooks(fetcher) if fetcher is not None else None  # one with hooks, as installed
-        if hooks is not None and hooks[0] is self._wrappers[0]:
+        if fetcher is not None and hooks is not None and hooks[0] is self._wrappers[0]:
             set_fetcher_profiler_hooks(fetcher, *self._originals)
         self._fetcher = None
 
@@ -423,7 +438,7 @@ def _short_axis(name: str) -> str:
     return lowered
 
 
-def _group_argument(args: tuple, kwargs: dict) -> Any:
+def _group_argument(args: tuple, kwargs: dict) -> object:
     group = kwargs.get("group")
     if group is not None:
         return group
@@ -433,5 +448,5 @@ def _group_argument(args: tuple, kwargs: dict) -> Any:
     return None
 
 
-def _funcol_group_name(group: Any) -> str | None:
+def _funcol_group_name(group: object) -> str | None:
     return group_name(group)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
@@ -26,6 +26,7 @@ from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 def parallelize(
@@ -33,7 +34,7 @@ def parallelize(
     layout: ParallelLayout,
     mesh: DeviceMesh,
     options: ParallelOptions,
-    mp_policy: Any | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
     root: nn.Module | None = None,
     example: ExampleStep | None = None,
 ) -> PipelineRuntime | None:
@@ -137,5 +138,5 @@ class StepRunner(nn.Module):
         self.module = module
 
     @override
-    def forward(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, method_name: str, *args: object, **kwargs: object) -> object:
         return getattr(self.module, method_name)(*args, **kwargs)

@@ -77,7 +77,7 @@ def _saved_ops() -> set[Any]:
 _SAVED_OPS: set[Any] = set()
 
 
-def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def _selective_policy(ctx: object, op: Any, *args: object, **kwargs: object) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -150,7 +150,7 @@ def is_checkpointed(module: nn.Module) -> bool:
 
 
 def _checkpointed_forward(
-    self: nn.Module, *args: Any, context_fn: Callable[[], Any] | None = None, **kwargs: Any
+    self: nn.Module, *args: object, context_fn: Callable[[], object] | None = None, **kwargs: object
 ) -> Any:
     inner = getattr(self, _INNER_FORWARD)
     if not torch.is_grad_enabled():

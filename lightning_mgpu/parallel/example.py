@@ -21,13 +21,13 @@ from lightning_mgpu._compat.tensors import module_structure, set_module_structur
 
 
 class LogRecord(Protocol):
-    def record(self, name: str, value: Any, kwargs: dict) -> None: ...
+    def record(self, name: str, value: object, kwargs: dict) -> None: ...
 
 
 class ExampleStep:
     """``module.<method>(batch, 0)`` on the batch ``fetch()`` returns (fetched on the first run only)."""
 
-    def __init__(self, module: nn.Module, method: str, fetch: Callable[[], Any]) -> None:
+    def __init__(self, module: nn.Module, method: str, fetch: Callable[[], object]) -> None:
         self.module = module
         self.method = method
         self._fetch = fetch
@@ -93,11 +93,11 @@ def instance_attribute(module: nn.Module, name: str) -> Any:
 def muted_logging(module: nn.Module, record: LogRecord | None) -> Generator[None, None, None]:
     """Route ``self.log``/``self.log_dict`` into ``record`` (or nowhere) inside the block; put them back after."""
 
-    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+    def log(name: str, value: object, *args: object, **kwargs: object) -> None:
         if record is not None:
             record.record(name, value, kwargs)
 
-    def log_dict(dictionary: Any, *args: Any, **kwargs: Any) -> None:
+    def log_dict(dictionary: Any, *args: object, **kwargs: object) -> None:
         from torchmetrics import MetricCollection
 
         if isinstance(dictionary, MetricCollection):  # as Lightning: its metrics, under their collection names

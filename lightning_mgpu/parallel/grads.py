@@ -5,17 +5,20 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 
 def total_grad_norm(
     parameters: Iterable[torch.Tensor],
     norm_type: float = 2.0,
-    cross_stage_group: Any | None = None,
+    cross_stage_group: ProcessGroup | None = None,
     counted_elsewhere: AbstractSet[int] = frozenset(),
 ) -> torch.Tensor:
     """The global ``norm_type``-norm of all gradients.
@@ -48,7 +51,7 @@ def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
-    cross_stage_group: Any | None = None,
+    cross_stage_group: ProcessGroup | None = None,
     counted_elsewhere: AbstractSet[int] = frozenset(),
 ) -> torch.Tensor:
     """Scale gradients in place so that their global norm is at most ``max_norm``; return the norm before."""
@@ -80,7 +83,7 @@ def clip_grad_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> N
         grad.clamp_(-clip_value, clip_value)
 
 
-def _combine_across(norm: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
+def _combine_across(norm: torch.Tensor, norm_type: float, group: ProcessGroup) -> torch.Tensor:
     if norm_type == float("inf"):
         dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
         return norm

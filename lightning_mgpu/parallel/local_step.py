@@ -80,7 +80,7 @@ def _fusable(group: dict[str, Any]) -> bool:
     )
 
 
-def install_step(optimizer: Optimizer, step: Callable[..., Any]) -> None:
+def install_step(optimizer: Optimizer, step: Callable[..., object]) -> None:
     """Make ``step`` the optimizer's ``step``, as a method of the optimizer itself.
 
     An LR scheduler built after this (Lightning's ``lr_find``, ``StochasticWeightAveraging``'s ``SWALR``, one made in
@@ -88,7 +88,7 @@ def install_step(optimizer: Optimizer, step: Callable[..., Any]) -> None:
     object would then run with the optimizer as its ``self``.
     """
 
-    def method(_optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def method(_optimizer: Optimizer, *args: object, **kwargs: object) -> Any:
         return step(*args, **kwargs)
 
     optimizer.step = types.MethodType(method, optimizer)  # type: ignore[method-assign]
@@ -106,7 +106,7 @@ class ShardLocalStep:
 
     def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = optimizer
-        self._unwrapped_step: Callable[..., Any] = optimizer.step
+        self._unwrapped_step: Callable[..., object] = optimizer.step
         self._own_step = vars(optimizer).get("step")  # an instance attribute already there (another wrapper)
         install_step(optimizer, self._step)
 
@@ -116,7 +116,7 @@ class ShardLocalStep:
         else:
             self.optimizer.step = self._own_step  # type: ignore[method-assign]
 
-    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def _step(self, closure: Callable[[], object] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -186,11 +186,11 @@ def _local_parameters(optimizer: Optimizer) -> tuple[_Swapped, list[list[torch.T
     return (swapped, local_groups) if swapped else None
 
 
-def _to_local(value: Any) -> Any:
+def _to_local(value: object) -> Any:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _as_dtensor_like(value: Any, before: Any, param: DTensor) -> Any:
+def _as_dtensor_like(value: object, before: Any, param: DTensor) -> Any:
     """A state value after the local step, as the DTensor step would have left it."""
     if isinstance(before, DTensor) and before.to_local() is value:
         return before  # updated in place through its local tensor

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -26,6 +26,9 @@ from lightning_mgpu.planner.cost import Estimate, estimate
 from lightning_mgpu.planner.job import PRECISIONS, Training
 from lightning_mgpu.planner.model_spec import spec_from_module
 from lightning_mgpu.planner.search import _structural_problem, explain, layout_from_options, search
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +263,7 @@ def plan_strategy_layout(
     return StrategyPlan(best, result, why + note + ".", per_replica)
 
 
-def batch_per_replica(module: Any) -> int | None:
+def batch_per_replica(module: pl.LightningModule) -> int | None:
     """The per-rank batch size the fit will use, where it can be read without running user code: the DataLoader
     given to ``fit``, or a ``batch_size`` on the module, its hparams or its datamodule (as Lightning's tuner reads
     it). ``None`` when unknown."""
@@ -304,5 +307,5 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _positive(value: Any) -> bool:
+def _positive(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0

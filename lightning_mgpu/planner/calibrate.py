@@ -57,12 +57,12 @@ DOCUMENTED = {
 }
 
 
-def _best_time(fn: Callable[[], Any], repeats: int = 5) -> float:
+def _best_time(fn: Callable[[], object], repeats: int = 5) -> float:
     """The least disturbed wall time of ``fn`` (other jobs only ever add time)."""
     return _best_times(fn, repeats)[0]
 
 
-def _best_times(fn: Callable[[], Any], repeats: int = 5) -> tuple[float, float]:
+def _best_times(fn: Callable[[], object], repeats: int = 5) -> tuple[float, float]:
     """(wall, CPU) seconds of ``fn``, each the least of ``repeats`` runs after a warm-up. CPU time is this process's
     own work, which other jobs on the machine do not change; wall time includes waiting for cores and peers."""
     fn()
@@ -229,7 +229,7 @@ def _local(probe: _Probe) -> dict[str, float]:
     }
 
 
-def _isolated(fn: Callable[[], Any]) -> Any:
+def _isolated(fn: Callable[[], object]) -> Any:
     """Run ``fn`` with one intra-op thread and the random state restored afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

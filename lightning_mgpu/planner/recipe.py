@@ -147,12 +147,12 @@ def _accumulation(layout: Layout, training: Training) -> int:
     return training.global_batch // (layout.dp * layout.loader_batch_size)
 
 
-def _python(value: Any) -> str:
+def _python(value: object) -> str:
     """A literal as the docs write them (double-quoted strings)."""
     return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
-def _yaml(value: Any) -> str:
+def _yaml(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)

@@ -40,7 +40,7 @@ def check_trainer_layout(
 
 
 def agreed_plan(
-    module: Any,
+    module: Any,  # the strategy's lightning_module: typed Optional by Lightning, set by now
     choices: list[ParallelLayout],
     options: ParallelOptions,
     precision: str,

@@ -25,6 +25,8 @@ from lightning_mgpu.strategy.setup import data_parallel_roots, shard_gathered
 from lightning_mgpu.strategy.weights import check_first_loss
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
     from lightning_mgpu.planner.auto import StrategyPlan
 
 
@@ -49,13 +51,13 @@ class StepHooks(ParallelStrategy):
         """The modules data parallelism wrapped: the step runner, or this rank's pipeline stages."""
         return data_parallel_roots(self._pipeline, self.model)
 
-    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    def _step(self, method_name: str, *args: object, **kwargs: object) -> Any:
         context = self._tensor_parallel_context(method_name)
         parallel = (self.model, self._pipeline, self._context)
         return run_step(*parallel, self.lightning_module, context, method_name, args, kwargs)
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+    def training_step(self, *args: object, **kwargs: object) -> Any:
         if self._plan is not None:
             self._plan.step_clock.tick()
         with self.precision_plugin.train_step_context():
@@ -66,17 +68,17 @@ class StepHooks(ParallelStrategy):
         return output
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+    def validation_step(self, *args: object, **kwargs: object) -> Any:
         with self.precision_plugin.val_step_context():
             return self._step("validation_step", *args, **kwargs)
 
     @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+    def test_step(self, *args: object, **kwargs: object) -> Any:
         with self.precision_plugin.test_step_context():
             return self._step("test_step", *args, **kwargs)
 
     @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+    def predict_step(self, *args: object, **kwargs: object) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._step("predict_step", *args, **kwargs)
 
@@ -96,7 +98,7 @@ class StepHooks(ParallelStrategy):
         _shard_after_evaluation(self._data_parallel_roots)
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: object, **kwargs: object) -> Tensor:
         if self._pipeline is not None:
             # The schedule already ran backward inside `training_step`; callbacks still get on_after_backward.
             assert self.lightning_module is not None
@@ -117,7 +119,7 @@ class StepHooks(ParallelStrategy):
             prepare_backward(self._data_parallel_roots, closure_loss)
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], object], model: Any = None, **kwargs: object) -> Any:
         if self._deepspeed is not None:
             assert self.lightning_module is not None
             return self._deepspeed.optimizer_step(optimizer, closure, self.lightning_module)
@@ -167,7 +169,7 @@ def run_step(
     model: nn.Module | None,
     pipeline: PipelineEngine | None,
     context_parallel: ContextParallel | None,
-    module: Any,
+    module: Any,  # the strategy's lightning_module: typed Optional by Lightning, set by now
     context: AbstractContextManager,
     method_name: str,
     args: tuple,
@@ -184,7 +186,7 @@ def run_step(
 def _run(
     model: nn.Module | None,
     pipeline: PipelineEngine | None,
-    module: Any,
+    module: pl.LightningModule,
     context: AbstractContextManager,
     method_name: str,
     args: tuple,

@@ -119,7 +119,7 @@ def check_finite(module: nn.Module) -> None:
         )
 
 
-def check_first_loss(output: Any) -> None:
+def check_first_loss(output: object) -> None:
     """The first training loss after the strategy filled the weights is a number, or the run stops here."""
     loss = output.get("loss") if isinstance(output, dict) else output
     if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not torch.isfinite(loss.detach()).all():

@@ -158,7 +158,7 @@ _PROBE_BATCH = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gra
 class _ReadRecorder(dict):
     """A config dict that records which keys DeepSpeed's parser asks for (however it asks)."""
 
-    def __init__(self, *args: Any) -> None:
+    def __init__(self, *args: object) -> None:
         super().__init__(*args)
         self.read: set[Any] = set()
 
@@ -170,7 +170,7 @@ class _ReadRecorder(dict):
         self.read.add(key)
         return super().__contains__(key)
 
-    def get(self, key: Any, default: Any = None) -> Any:
+    def get(self, key: Any, default: object = None) -> Any:
         self.read.add(key)
         return super().get(key, default)
 

@@ -46,6 +46,7 @@ from lightning_mgpu.options import ParallelOptions
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch.distributed import ProcessGroup
 
     from lightning_mgpu.layout import ParallelLayout
 
@@ -105,7 +106,7 @@ class DeepSpeedEngineRunner:
         trainer: pl.Trainer,
         layout: ParallelLayout,
         precision: str,
-        dp_group: Any,
+        dp_group: ProcessGroup,
     ) -> nn.Module:
         """Wrap ``runner`` (and the single optimizer, when fitting) in a DeepSpeed engine; return the engine."""
         import deepspeed
@@ -179,7 +180,7 @@ class DeepSpeedEngineRunner:
         self.engine.backward(loss, scale_wrt_gas=False)
         return Precision.post_backward(precision, loss, module)
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], module: pl.LightningModule) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], object], module: pl.LightningModule) -> Any:
         assert self.engine is not None
         self._stepping = True
         try:
@@ -244,7 +245,7 @@ CHECKPOINT_KEY = "deepspeed_engine"
 class _DataParallelGroups:
     """DeepSpeed's ``mpu`` interface: the engine reduces and partitions over the job's data-parallel group."""
 
-    def __init__(self, dp_group: Any) -> None:
+    def __init__(self, dp_group: ProcessGroup) -> None:
         import torch.distributed as dist
 
         self._group = dp_group
@@ -311,7 +312,7 @@ def memory_per_rank(engine: Any, module: nn.Module, optimizer: Optimizer) -> dic
     }
 
 
-def _tensors(value: Any) -> list[Tensor]:
+def _tensors(value: object) -> list[Tensor]:
     if isinstance(value, Tensor):
         return [value]
     if isinstance(value, dict):

@@ -22,7 +22,9 @@ An object of :class:`DeepSpeedStates` stands in for the ``states`` module in ``C
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +39,11 @@ from lightning_mgpu.checkpoint import states
 from lightning_mgpu.checkpoint.flat_fragments import FlatFragment, FragmentLoadPlanner
 from lightning_mgpu.checkpoint.format import MODEL_KEY, OPTIMIZER_KEY, STATE_PREFIX, CheckpointError
 
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from torch.distributed.checkpoint.metadata import STORAGE_TYPES as StorageMeta
+
+_V = TypeVar("_V")
 _GROUPS = "param_groups."
 # Where DeepSpeed's optimizers keep the flat fp32 partitions the user's optimizer steps: ZeRO-1/2, ZeRO-3, bf16 at 0.
 _FP32_PARTITIONS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
@@ -97,7 +104,7 @@ def _shape(param: Any) -> torch.Size:  # a DeepSpeed-partitioned parameter carri
     return param.ds_shape if hasattr(param, "ds_id") else param.shape
 
 
-def _is_scalar(value: Any) -> bool:
+def _is_scalar(value: object) -> bool:
     return not torch.is_tensor(value) or value.dim() == 0
 
 
@@ -105,7 +112,7 @@ class EngineRunner(Protocol):
     """What is read of the runner that built the engine (``engine.DeepSpeedEngineRunner``), here
     and by ``release``: a protocol, so the states do not import the engine."""
 
-    engine: Any  # None once released
+    engine: Any  # a DeepSpeedEngine, None once released (read where `_released` says it is there)
     optimizer: Optimizer | None
     param_groups: list[list[nn.Parameter]]
 
@@ -123,7 +130,7 @@ class DeepSpeedStates:
         return self.runner.engine is None
 
     # ------------------------------------------------------------------------------------------------------ save
-    def model_state(self, model: nn.Module) -> dict[str, Any]:
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor] | dict[str, torch.Tensor | FlatFragment]:
         """Every entry of ``model.state_dict()``, parameters as this rank's pieces of their fp32 masters."""
         if self._released:
             return states.model_state(model)
@@ -136,10 +143,10 @@ class DeepSpeedStates:
             return states.model_state(model)
         return self._model_entries(model, _full_param)
 
-    def _model_entries(self, model: nn.Module, value_of: Any) -> dict[str, Any]:
+    def _model_entries(self, model: nn.Module, value_of: Callable[[nn.Parameter], _V]) -> dict[str, torch.Tensor | _V]:
         params = dict(model.named_parameters(remove_duplicate=False))
-        values: dict[nn.Parameter, Any] = {}
-        state = {}
+        values: dict[nn.Parameter, _V] = {}
+        state: dict[str, torch.Tensor | _V] = {}
         for key, value in model.state_dict().items():
             param = params.get(key)
             if param is None:
@@ -150,12 +157,12 @@ class DeepSpeedStates:
             state[key] = values[param]
         return state
 
-    def optimizer_state(self, model: nn.Module, optimizer: Optimizer, initialize: bool = False) -> dict[str, Any]:
+    def optimizer_state(self, model: nn.Module, optimizer: Optimizer, initialize: bool = False) -> dict[str, object]:
         """The torch backend's flattened optimizer state, per parameter FQN, as this rank's pieces."""
         zero = None if self._released else self.runner.engine.optimizer
         return self._optimizer_entries(model, optimizer, initialize, lambda p, key: _local_fragment(p, zero, key))
 
-    def full_optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    def full_optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, object]:
         """The torch backend's flattened optimizer state, per parameter FQN, whole. Collective."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
@@ -163,14 +170,20 @@ class DeepSpeedStates:
             model, optimizer, False, lambda p, key: safe_get_full_optimizer_state(p, key).reshape(_shape(p))
         )
 
-    def _optimizer_entries(self, model: nn.Module, optimizer: Optimizer, initialize: bool, value_of: Any) -> Any:
+    def _optimizer_entries(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        initialize: bool,
+        value_of: Callable[[nn.Parameter, str], FlatFragment | torch.Tensor],
+    ) -> dict[str, object]:
         if self._released:
             return states.optimizer_state(model, optimizer, initialize)
         _relink_optimizer_states(self.runner.engine)
 
         names = self._fqns(model)
         tensor_keys, scalars = self._state_layout(optimizer)
-        flat: dict[str, Any] = {}
+        flat: dict[str, object] = {}
         for group, params in zip(optimizer.param_groups, self.runner.param_groups):
             hparams = {k: v for k, v in group.items() if k != "params"}
             for param in params:
@@ -187,7 +200,7 @@ class DeepSpeedStates:
                     flat.update({f"{STATE_PREFIX}{fqn}.{key}": value for key, value in own.items()})
         return flat
 
-    def group_fqns(self, model: nn.Module, optimizer: Optimizer, flat_state: dict[str, Any]) -> list[list[str]]:
+    def group_fqns(self, model: nn.Module, optimizer: Optimizer, flat_state: Mapping[str, object]) -> list[list[str]]:
         if self._released:
             return states.group_fqns(model, optimizer, flat_state)
         names = self._fqns(model)
@@ -206,7 +219,7 @@ class DeepSpeedStates:
         optimizers: list[Optimizer],
         strict: bool,
         where: str,
-        checkpoint_id: Any | None = None,
+        checkpoint_id: str | os.PathLike | None = None,
     ) -> None:
         """Read what any layout saved into DeepSpeed's partitions, each rank its own pieces. Collective."""
         index = reader.read_metadata().state_dict_metadata
@@ -246,13 +259,13 @@ class DeepSpeedStates:
         _refresh_zero3_partitions(self.runner.engine)
 
     def _read_piecewise(
-        self, model: nn.Module, optimizers: int, index: dict[str, Any]
-    ) -> dict[str, tuple[Any, str | None]]:
+        self, model: nn.Module, optimizers: int, index: Mapping[str, StorageMeta]
+    ) -> dict[str, tuple[nn.Parameter, str | None]]:
         """The checkpoint keys each rank reads only its own piece of, and into what: ``(parameter, None)`` for its
         fp32 master, ``(parameter, state name)`` for an optimizer state: every state DeepSpeed partitions, ZeRO-3's
         parameters, and ZeRO-1/2's fp32 ones whole (each rank holds the module whole) straight into the module.
         A tied parameter's second name is not read at all."""
-        pieces: dict[str, tuple[Any, str | None]] = {}
+        pieces: dict[str, tuple[nn.Parameter, str | None]] = {}
         names = self._fqns(model)
         for param, fqn in names.items():
             if _piecewise(param) and f"{MODEL_KEY}.{fqn}" in index:
@@ -390,14 +403,14 @@ def _piece(param: Any, zero: Any, name: str | None) -> tuple[Any, Any]:
     return _local_fragment(param, zero, name), lambda: None
 
 
-def _read(request: dict[str, Any], reader: StorageReader, checkpoint_id: Any, where: str) -> None:
+def _read(request: dict[str, Any], reader: StorageReader, checkpoint_id: str | os.PathLike | None, where: str) -> None:
     try:
         dcp.load(request, checkpoint_id=checkpoint_id, storage_reader=reader, planner=FragmentLoadPlanner())
     except Exception as error:
         raise CheckpointError(f"Loading {where} failed: {error}") from error
 
 
-def _strip(entries: dict[str, Any], prefix: str) -> dict[str, Any]:
+def _strip(entries: Mapping[str, _V], prefix: str) -> dict[str, _V]:
     """The entries under ``prefix``, keyed without it."""
     return {key[len(prefix) :]: value for key, value in entries.items() if key.startswith(prefix)}
 
@@ -406,13 +419,13 @@ def _is_module_param(tensor: torch.Tensor, runner: EngineRunner) -> bool:
     return any(tensor is param for params in runner.param_groups for param in params)
 
 
-def _empty(entry: Any) -> Any:
+def _empty(entry: StorageMeta) -> torch.Tensor | None:
     if isinstance(entry, TensorStorageMetadata):
         return torch.empty(entry.size, dtype=entry.properties.dtype)
     return None  # bytes: DCP replaces the placeholder with the saved object
 
 
-def _relink_optimizer_states(engine: Any) -> None:
+def _relink_optimizer_states(engine: DeepSpeedEngine | None) -> None:
     """Point every parameter's fragment at its group's current optimizer states.
 
     DeepSpeed's ZeRO-1/2 (and bf16) optimizer links the fragments once, right after stepping its *first* param
@@ -422,7 +435,7 @@ def _relink_optimizer_states(engine: Any) -> None:
     relink_optimizer_states(getattr(engine, "optimizer", None))
 
 
-def _refresh_zero3_partitions(engine: Any) -> None:
+def _refresh_zero3_partitions(engine: DeepSpeedEngine | None) -> None:
     """ZeRO-3 copies its fp32 partitions into the module's partitions after each step; do the same after a load."""
     optimizer = getattr(engine, "optimizer", None)
     low = getattr(optimizer, "fp16_partitioned_groups_flat", None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,9 +33,12 @@ from lightning_mgpu._compat.c10d import all_to_all
 from lightning_mgpu.parallel.context.kernels import kernel_for
 from lightning_mgpu.parallel.context.order import chunk_ids
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 
 def ring_attention(
-    query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None, group: Any
+    query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None, group: ProcessGroup
 ) -> Tensor:
     """Attention of this rank's queries to every rank's keys and values (``(B, H, T_local, D)`` each; keys and values
     may have fewer heads, grouped-query attention)."""
@@ -43,7 +46,7 @@ def ring_attention(
 
 
 def alltoall_attention(
-    query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None, group: Any, sdpa: Any
+    query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None, group: ProcessGroup, sdpa: Any
 ) -> Tensor:
     """Ulysses: heads scattered, the whole sequence gathered, ``sdpa`` on it (:func:`block_attention` in training,
     or any function called like SDPA), and back."""
@@ -87,7 +90,7 @@ class _BlockAttention(torch.autograd.Function):
         return *(g.to(t.dtype) for g, t in zip(grads, (query, key, value))), None, None
 
 
-def _heads_to_sequence(tensor: Tensor, cp: int, group: Any) -> Tensor:
+def _heads_to_sequence(tensor: Tensor, cp: int, group: ProcessGroup) -> Tensor:
     """``(B, H, T_local, D)`` -> ``(B, H / cp, cp * T_local, D)``: head group ``g`` to rank ``g``, tokens in rank
     order."""
     b, h, t, d = tensor.shape
@@ -96,7 +99,7 @@ def _heads_to_sequence(tensor: Tensor, cp: int, group: Any) -> Tensor:
     return received.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)
 
 
-def _sequence_to_heads(tensor: Tensor, cp: int, group: Any) -> Tensor:
+def _sequence_to_heads(tensor: Tensor, cp: int, group: ProcessGroup) -> Tensor:
     """The inverse of :func:`_heads_to_sequence`."""
     b, h, tokens, d = tensor.shape
     t = tokens // cp
@@ -114,7 +117,15 @@ def _natural_order(cp: int, chunk: int, device: torch.device) -> Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None, group: Any):  # type: ignore[no-untyped-def]
+    def forward(  # type: ignore[no-untyped-def]
+        ctx: Any,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        is_causal: bool,
+        scale: float | None,
+        group: ProcessGroup,
+    ):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         half = query.shape[2] // 2
         queries = (query[:, :, :half], query[:, :, half:])
@@ -185,7 +196,7 @@ def _split_block(block: Tensor, key: Tensor, value: Tensor) -> tuple[tuple[Tenso
     return (k[:, :, :half], k[:, :, half:]), (v[:, :, :half], v[:, :, half:])
 
 
-def _pass_on(tensor: Tensor, group: Any) -> Any:
+def _pass_on(tensor: Tensor, group: ProcessGroup) -> Any:
     """Send ``tensor`` to the next rank of the ring and receive the previous rank's; returns a wait for the result,
     so that the transfer overlaps the attention of the block at hand."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)

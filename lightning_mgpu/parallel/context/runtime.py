@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from lightning_mgpu._compat.attention import attn_implementation
 from lightning_mgpu.parallel.context.attention import alltoall_attention, block_attention, ring_attention
 from lightning_mgpu.parallel.context.order import local_positions, shard_sequence
 from lightning_mgpu.patches import PatchLog
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _SPLIT_STEPS = ("training_step", "validation_step", "test_step")
 # Buffers of rotary tables that a model slices by the (local) sequence length itself: they cannot follow the
@@ -56,7 +59,7 @@ def check_sequence_length(seq_len: int, cp: int) -> None:
 class ContextParallel:
     """The patches and per-step state of context parallelism over ``group`` (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, group: Any, mode: str, patches: PatchLog) -> None:
+    def __init__(self, module: nn.Module, group: ProcessGroup, mode: str, patches: PatchLog) -> None:
         check_module(module)
         self.group = group
         self.cp = dist.get_world_size(group)
@@ -121,7 +124,7 @@ class ContextParallel:
 
         return (apply_to_collection(batch, Tensor, cut), *args[1:])
 
-    def finish(self, method_name: str, output: Any) -> Any:
+    def finish(self, method_name: str, output: object) -> Any:
         """After the step's forward: refuse a model whose attention this never saw, and give the loss the value of
         the whole sequence (each rank keeps its own gradient)."""
         if not self._active:
@@ -297,7 +300,7 @@ def check_module(module: nn.Module) -> None:
                 )
 
 
-def _causal_in_place_of_right_padding(batch: Any, batch_size: int, seq_len: int, cp: int) -> Any:
+def _causal_in_place_of_right_padding(batch: object, batch_size: int, seq_len: int, cp: int) -> Any:
     """A batch's right-padding ``attention_mask`` (Hugging Face's dict batches) made all ones.
 
     Under a causal mask, the tokens before the padding never see it: their outputs are the same with or without
@@ -360,7 +363,7 @@ def _parameters(module: nn.Module) -> set[str]:
         return set()
 
 
-def _sequence_length(batch: Any) -> int:
+def _sequence_length(batch: object) -> int:
     """The batch's sequence length: dim 1 of its first integer tensor of two or more dims (the token ids)."""
     found: list[Tensor] = []
     apply_to_collection(batch, Tensor, lambda t: found.append(t) if t.ndim >= 2 and not t.is_floating_point() else None)
@@ -372,7 +375,7 @@ def _sequence_length(batch: Any) -> int:
     return found[0].shape[1]
 
 
-def _batch_size(batch: Any) -> int:
+def _batch_size(batch: object) -> int:
     found: list[Tensor] = []
     apply_to_collection(batch, Tensor, lambda t: found.append(t) if t.ndim >= 2 and not t.is_floating_point() else None)
     return found[0].shape[0]

@@ -15,13 +15,16 @@ import weakref
 from collections import defaultdict
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_mgpu._compat.tensors import persistent_buffer_names
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 # Roots whose gradient reduction is off (the non-final micro-steps of gradient accumulation), set by
 # `set_gradient_sync`: DDP sends no buffers after a forward under `no_sync`.
@@ -42,7 +45,7 @@ class BufferBroadcast:
     """Forward hooks on a data-parallel root: DDP broadcasts before a forward that follows one with gradients
     enabled and their reduction on."""
 
-    def __init__(self, root: nn.Module, group: Any) -> None:
+    def __init__(self, root: nn.Module, group: ProcessGroup) -> None:
         self.root = root
         self.group = group
         self.src = dist.get_global_rank(group, 0)
@@ -66,7 +69,7 @@ class BufferBroadcast:
                 for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
                     buffer.copy_(value.view_as(buffer))
 
-    def _after(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _after(self, module: nn.Module, args: Any, output: object) -> None:
         self.pending = torch.is_grad_enabled() and module not in _NOT_SYNCING and module not in _IN_SCHEDULE
 
 
@@ -86,7 +89,7 @@ def once_per_step(stages: Iterable[nn.Module]) -> Generator[None, None, None]:
                 _BROADCASTS[stage].pending = stage not in _NOT_SYNCING
 
 
-def broadcast_buffers_like_ddp(root: nn.Module, group: Any) -> None:
+def broadcast_buffers_like_ddp(root: nn.Module, group: ProcessGroup) -> None:
     """Give ``root`` DDP's buffer broadcast over ``group`` (nothing to do for one rank or no persistent buffer)."""
     if dist.get_world_size(group) > 1 and persistent_buffer_names(root):
         BufferBroadcast(root, group)

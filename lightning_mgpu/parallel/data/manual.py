@@ -83,7 +83,9 @@ def refuse_outputs_fsdp_cannot_follow(module: nn.Module, units: Iterable[Any], z
     parts = [part for unit in units for part in (unit if isinstance(unit, list) else [unit])]
     for part in parts:
 
-        def check(sub: nn.Module, args: Any, output: Any, name: str = names.get(part, type(part).__name__)) -> None:
+        def check(
+            sub: nn.Module, args: tuple, output: object, name: str = names.get(part, type(part).__name__)
+        ) -> None:
             if not torch.is_grad_enabled() or not any(p.requires_grad for p in sub.parameters()):
                 return
             if any(torch.is_tensor(leaf) and leaf.requires_grad for leaf in tree_leaves(output)):

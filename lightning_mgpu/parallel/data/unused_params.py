@@ -18,13 +18,16 @@ routed experts start with the search on.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_mgpu._compat.fsdp import ddp_of, ddp_syncs_gradients, rebuild_ddp, reducer_finalized
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _ATTRIBUTE = "_lightning_mgpu_unused_search"
 
@@ -36,7 +39,9 @@ class UnusedParameterSearch:
     ends (``finish_backward``, from the strategy's ``backward``).
     """
 
-    def __init__(self, root: nn.Module, group: Any, ddp_kwargs: dict[str, Any], comm_hook: tuple[Any, Any] | None):
+    def __init__(
+        self, root: nn.Module, group: ProcessGroup, ddp_kwargs: dict[str, Any], comm_hook: tuple[Any, Any] | None
+    ):
         self.root = root
         self.group = group
         self.ddp_kwargs = ddp_kwargs
@@ -137,7 +142,7 @@ class TrainableWatch:
 
 
 def watch_unused_parameters(
-    root: nn.Module, group: Any, ddp_kwargs: dict[str, Any], comm_hook: tuple[Any, Any] | None
+    root: nn.Module, group: ProcessGroup, ddp_kwargs: dict[str, Any], comm_hook: tuple[Any, Any] | None
 ) -> None:
     """Attach an ``UnusedParameterSearch`` to a DDP root built with ``ddp_kwargs`` (undone with the root's hooks
     and attributes when the strategy restores the module)."""

@@ -45,6 +45,9 @@ from lightning_mgpu.parallel.data.unused_params import watch_trainable, watch_un
 from lightning_mgpu.parallel.local_step import install_step
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
     from lightning_mgpu.patches import PatchLog
 
 
@@ -52,8 +55,8 @@ def apply_data_parallel(
     module: nn.Module,
     dp_mesh: DeviceMesh,
     zero_stage: int,
-    mp_policy: Any | None = None,
-    offload_policy: Any | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
     root: nn.Module | None = None,
     blocks: list[nn.Module] | None = None,
     reshard_blocks: bool | None = None,
@@ -101,7 +104,7 @@ def apply_data_parallel(
             reduce_in_step_only(root)
         broadcast_buffers_like_ddp(root, dp_mesh.get_group())
         return
-    wrap: Callable[..., Any]
+    wrap: Callable[..., object]
     if zero_stage <= 1:
         wrap = replicate_with_fsdp
     else:
@@ -186,7 +189,12 @@ def _bucketed(blocks: list[nn.Module], cap_bytes: int) -> list[list[nn.Module]]:
     return groups[:-1]
 
 
-def _plain_data_parallel(root: nn.Module, blocks: list[nn.Module] | None, mp_policy: Any, offload_policy: Any) -> bool:
+def _plain_data_parallel(
+    root: nn.Module,
+    blocks: list[nn.Module] | None,
+    mp_policy: MixedPrecisionPolicy | None,
+    offload_policy: OffloadPolicy | None,
+) -> bool:
     """Whether DDP can replicate ``root``: no pipeline stage, no offload, no tensor-parallel (DTensor) weight and no
     FSDP2 mixed-precision setting (``param_dtype``, ``reduce_dtype``, ``output_dtype``), which DDP would ignore."""
     casts = any(getattr(mp_policy, name, None) is not None for name in ("param_dtype", "reduce_dtype", "output_dtype"))
@@ -312,7 +320,7 @@ class OptimizerStateSharding:
         owner counts them in the global norm."""
         return {id(p) for p, owner in self.owned_by.items() if owner != self._rank} | set(self._counted_before())
 
-    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def _step(self, closure: Callable[[], object] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -343,7 +351,7 @@ class _OwnerReduce:
     Parameters without an owner (none yet, or another optimizer's) are all-reduced, as DDP's default hook does.
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: ProcessGroup) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.owner: dict[torch.Tensor, int] = {}
@@ -416,7 +424,7 @@ def _balance(params: list[torch.Tensor], num_ranks: int) -> dict[torch.Tensor, i
     return owner
 
 
-def reduce_metrics_over(module: torch.nn.Module, group: Any, patches: PatchLog | None = None) -> None:
+def reduce_metrics_over(module: torch.nn.Module, group: ProcessGroup, patches: PatchLog | None = None) -> None:
     """Make torchmetrics objects sync over the data-parallel group, not the whole world (undone by ``patches``)."""
     from torchmetrics import Metric
 

@@ -28,7 +28,7 @@ which then leaves them out) and divided by ``dp``, not by the replica count.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,10 @@ from lightning_mgpu._compat.dtensor import unflatten_mesh
 from lightning_mgpu._compat.tensors import restore_parameters, set_children, swap_parameters
 from lightning_mgpu.layout import DP_AXIS, EP_AXIS, EXPERT_REPLICA_AXIS, ParallelLayout
 from lightning_mgpu.options import ParallelOptions, refuse_compositions
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 _FUSED = ("gate_up_proj", "down_proj")
 _TOTAL = "_lightning_mgpu_total_experts"
@@ -158,8 +162,8 @@ def apply_expert_parallel(
     mesh: DeviceMesh,
     ep: int,
     zero_stage: int,
-    mp_policy: Any | None = None,
-    offload_policy: Any | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
     replicate: bool = False,
 ) -> DeviceMesh:
     """Keep this rank's experts in every MoE layer, route tokens to them, and wrap them over their replicas.
@@ -232,7 +236,7 @@ class _Routing:
     A stack, not a slot: activation checkpointing re-enters the forward during backward.
     """
 
-    def __init__(self, group: Any, ep: int, total: int) -> None:
+    def __init__(self, group: ProcessGroup, ep: int, total: int) -> None:
         self.group, self.ep, self.total = group, ep, total
         self.local = total // ep
         self.stack: list[tuple[dict[str, DTensor], torch.Tensor, torch.Tensor, list[int], list[int], int]] = []
@@ -261,7 +265,7 @@ class _Routing:
         ones = torch.ones(local_index.shape[0], 1, dtype=weights.dtype, device=weights.device)
         return (inputs, local_index[:, None], ones, *args[3:])
 
-    def combine(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def combine(self, module: nn.Module, args: tuple, output: object) -> Any:
         if not self.stack:
             return output
         originals, tokens, weights, send, recv, num_tokens = self.stack.pop()
@@ -274,7 +278,9 @@ class _Routing:
         return combined.index_add(0, tokens, weighted.to(output.dtype))
 
 
-def _all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
+def _all_to_all(
+    tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
+) -> torch.Tensor:
     """``all_to_all_single`` with autograd (the backward sends gradients the reverse way)."""
     from torch.distributed.nn.functional import all_to_all_single
 
@@ -366,7 +372,7 @@ class _TwoPassCalls:
         self,
         experts: nn.ModuleList,
         mine: dict[str, nn.Module],
-        group: Any,
+        group: ProcessGroup,
         ep: int,
         total: int,
         out_shape: tuple[int, ...],
@@ -398,7 +404,7 @@ class _TwoPassCalls:
         self.rng = _rng_state()
         set_children(self.experts, self.proxies)
 
-    def replay(self, block: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def replay(self, block: nn.Module, args: tuple, kwargs: dict, output: object) -> Any:
         if self.answers is not None or output is None:  # the second pass, or the first one raised
             self._restore()
             return output

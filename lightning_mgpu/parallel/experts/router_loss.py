@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _NAME = "load_balancing_loss_func"
 _SIGNATURE = ["gate_logits", "num_experts", "top_k", "attention_mask"]
@@ -42,7 +45,7 @@ def find_router_losses(module: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def apply_global_router_loss(module: nn.Module, group: Any) -> list[RemovableHandle]:
+def apply_global_router_loss(module: nn.Module, group: ProcessGroup) -> list[RemovableHandle]:
     """Make every Hugging Face load-balancing loss inside ``module`` one process's over ``group`` (the data-parallel
     ranks) during training forwards. Returns the hooks' handles: removing them undoes it."""
     handles = []
@@ -56,9 +59,9 @@ def apply_global_router_loss(module: nn.Module, group: Any) -> list[RemovableHan
 class _Swap:
     """The modeling file's ``load_balancing_loss_func`` replaced for the length of one training forward."""
 
-    def __init__(self, namespace: dict[str, Any], group: Any) -> None:
+    def __init__(self, namespace: dict[str, Any], group: ProcessGroup) -> None:
         self.namespace, self.group = namespace, group
-        self.original: Callable[..., Any] = namespace[_NAME]
+        self.original: Callable[..., object] = namespace[_NAME]
         self.depth = 0
 
     def enter(self, module: nn.Module, args: tuple) -> None:
@@ -67,13 +70,13 @@ class _Swap:
                 self.namespace[_NAME] = self.gathered
             self.depth += 1
 
-    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def leave(self, module: nn.Module, args: tuple, output: object) -> None:
         if self.depth:
             self.depth -= 1
             if self.depth == 0:
                 self.namespace[_NAME] = self.original
 
-    def gathered(self, *args: Any, **kwargs: Any) -> Any:
+    def gathered(self, *args: object, **kwargs: object) -> Any:
         bound = inspect.signature(self.original).bind(*args, **kwargs)
         logits, mask = bound.arguments.get("gate_logits"), bound.arguments.get("attention_mask")
         if isinstance(logits, tuple) and logits:
@@ -88,13 +91,13 @@ class _Swap:
         return self.original(*bound.args, **bound.kwargs)
 
 
-def _gather_rows(rows: torch.Tensor, group: Any) -> list[int]:
+def _gather_rows(rows: torch.Tensor, group: ProcessGroup) -> list[int]:
     out = [torch.zeros_like(rows) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, rows, group=group)
     return [int(r) for r in out]
 
 
-def _gather(tensor: torch.Tensor, counts: list[int], dim: int, group: Any) -> torch.Tensor:
+def _gather(tensor: torch.Tensor, counts: list[int], dim: int, group: ProcessGroup) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along ``dim`` (sizes ``counts``): a zero-padded autograd all-reduce."""
     from torch.distributed.nn.functional import all_reduce
 

@@ -169,7 +169,7 @@ def _parent_method(cls: type, current: Any, name: str) -> Any:
     return next((c.__dict__[name] for c in mro[owner + 1 :] if inspect.isfunction(c.__dict__.get(name))), None)
 
 
-def _child(module: Any, name: str) -> Any:
+def _child(module: nn.Module, name: str) -> Any:
     """The submodule, parameter or buffer ``name`` of ``module``, or ``None``."""
     if not isinstance(module, nn.Module):
         return None

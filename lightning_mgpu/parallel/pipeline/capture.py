@@ -44,23 +44,23 @@ class StepCapture:
         self.module = module
         self.network_path = network_path
 
-    def capture_all(self, steps: list[Callable[[], Any]]) -> list[NetworkCall]:
+    def capture_all(self, steps: list[Callable[[], object]]) -> list[NetworkCall]:
         """The network call of each of ``steps`` (one per microbatch), with logging muted once for all."""
         with muted_logging(self.module, None), _forwards(self.network_path, _capturing):
             return [_network_call(step) for step in steps]
 
-    def replay(self, call: NetworkCall, output: Any, step: Callable[[], Any], logs: StepLogs) -> Any:
+    def replay(self, call: NetworkCall, output: object, step: Callable[[], object], logs: StepLogs) -> Any:
         """``step()``'s result with ``call``'s module returning ``output``; its logs go into ``logs``."""
         calls = 0
 
-        def network(*args: Any, **kwargs: Any) -> Any:
+        def network(*args: object, **kwargs: object) -> Any:
             nonlocal calls
             calls += 1
             if calls > 1:
                 raise RuntimeError(_second_call(call.module))
             return output
 
-        def forward_of(module: nn.Module) -> Callable[..., Any]:
+        def forward_of(module: nn.Module) -> Callable[..., object]:
             return network if module is call.module else _refusing(module)
 
         with muted_logging(self.module, logs), _forwards(self.network_path, forward_of):
@@ -68,7 +68,7 @@ class StepCapture:
 
 
 @contextmanager
-def _forwards(modules: list[nn.Module], forward_of: Callable[[nn.Module], Callable[..., Any]]) -> Iterator[None]:
+def _forwards(modules: list[nn.Module], forward_of: Callable[[nn.Module], Callable[..., object]]) -> Iterator[None]:
     """Each of ``modules`` runs ``forward_of(module)`` in place of its ``forward`` inside the block."""
     saved = [(module, instance_attribute(module, "forward")) for module in modules]
     for module in modules:
@@ -81,15 +81,15 @@ def _forwards(modules: list[nn.Module], forward_of: Callable[[nn.Module], Callab
             restore_attribute(module, "forward", forward)
 
 
-def _capturing(module: nn.Module) -> Callable[..., Any]:
-    def network(*args: Any, **kwargs: Any) -> Any:
+def _capturing(module: nn.Module) -> Callable[..., object]:
+    def network(*args: object, **kwargs: object) -> Any:
         raise _NetworkCalled(NetworkCall(module, args, kwargs))
 
     return network
 
 
-def _refusing(module: nn.Module) -> Callable[..., Any]:
-    def network(*args: Any, **kwargs: Any) -> Any:
+def _refusing(module: nn.Module) -> Callable[..., object]:
+    def network(*args: object, **kwargs: object) -> Any:
         raise RuntimeError(_second_call(module))
 
     return network
@@ -102,7 +102,7 @@ def _second_call(module: nn.Module) -> str:
     )
 
 
-def _network_call(step: Callable[[], Any]) -> NetworkCall:
+def _network_call(step: Callable[[], object]) -> NetworkCall:
     try:
         step()
     except _NetworkCalled as called:

@@ -57,7 +57,7 @@ class CarriedValues:
         self._calls[name] += 1
         return call
 
-    def placeholder_output(self, name: str, output: Any) -> Any:
+    def placeholder_output(self, name: str, output: object) -> Any:
         """A placeholder's zeros, with the values received in place of those that are carried (recorded while
         discovering)."""
         call = self.next_call(name)
@@ -69,7 +69,7 @@ class CarriedValues:
             return output
         return self._received_in(name, call, leaves, output)
 
-    def module_output(self, name: str, output: Any) -> Any:
+    def module_output(self, name: str, output: object) -> Any:
         """A forward hook on the real module ``name`` (on the ranks holding the first stage): on the first stage its
         carried tensors are kept to be sent; on a later stage of the same rank (V schedules) the values received
         replace them, as a placeholder's would."""
@@ -80,7 +80,7 @@ class CarriedValues:
                 self.computed[(name, call, index)] = tensor
         return self._received_in(name, call, leaves, output)
 
-    def _received_in(self, name: str, call: int, leaves: list[torch.Tensor], output: Any) -> Any:
+    def _received_in(self, name: str, call: int, leaves: list[torch.Tensor], output: object) -> Any:
         swap = {id(t): self.received[(name, call, i)] for i, t in enumerate(leaves) if (name, call, i) in self.received}
         if not swap:
             return output

@@ -65,7 +65,7 @@ def plan_microbatches(schedule: str, requested: int, batch_size: int, pp_size: i
     return MicrobatchPlan(max(d for d in divisors if d <= requested), _ANY_COUNT_SCHEDULE[_placement(schedule)])
 
 
-def batch_size_of(batch: Any) -> int:
+def batch_size_of(batch: object) -> int:
     """The number of samples in ``batch``: the shared dim 0 of its tensors."""
     return _batch_size(tree_leaves(batch))
 
@@ -80,7 +80,7 @@ def _batch_size(leaves: list[Any]) -> int:
     return sizes.pop()
 
 
-def split_microbatches(batch: Any, count: int) -> list[Any]:
+def split_microbatches(batch: object, count: int) -> list[Any]:
     """Cut every tensor of ``batch`` into ``count`` equal chunks along dim 0; other leaves are shared."""
     leaves, spec = tree_flatten(batch)
     size = _batch_size(leaves)

@@ -40,6 +40,7 @@ from lightning_mgpu._compat.pipelining import (
 from lightning_mgpu._compat.tensors import tree_map
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torchmetrics import Metric
 
 
@@ -210,7 +211,7 @@ def _whole_batch_value(metric: Metric, inputs: list[tuple[tuple, dict]]) -> Any:
 class Publisher:
     """Sends one step's result and logs from the last stage to its pipeline group (see the module docstring)."""
 
-    def __init__(self, group: Any, source: int, device: torch.device) -> None:
+    def __init__(self, group: ProcessGroup, source: int, device: torch.device) -> None:
         self.group = group
         self.source = source
         self.device = device

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,12 +17,15 @@ from lightning_mgpu._compat.pipelining import forward_only_schedule, stage_class
 from lightning_mgpu.parallel.pipeline.microbatches import MicrobatchPlan, tensor_leaves
 from lightning_mgpu.parallel.pipeline.split import PipelineRuntime
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 
 class ScheduleCache:
     """This rank's schedules, built on first use; ``loss_fn(output, target)`` is the last stage's loss."""
 
     def __init__(
-        self, runtime: PipelineRuntime, group: Any, device: torch.device, loss_fn: Callable[..., torch.Tensor]
+        self, runtime: PipelineRuntime, group: ProcessGroup, device: torch.device, loss_fn: Callable[..., torch.Tensor]
     ) -> None:
         self.runtime = runtime
         self.group = group

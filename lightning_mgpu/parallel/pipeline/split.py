@@ -25,7 +25,7 @@ block's ``forward``) is recorded and undone by ``PipelineRuntime.unsplit``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from lightning_mgpu.parallel.pipeline.standins import (
     replace_module,
 )
 from lightning_mgpu.parallel.pipeline.ties import TiedGradients, find_cross_stage_ties
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class _StageDone(Exception):
@@ -342,7 +345,7 @@ class PipelineRuntime:
             parent.register_buffer(name, param.detach(), persistent=False)
             self._demoted.append((parent, name, param))
 
-    def agree_carried(self, group: Any) -> None:
+    def agree_carried(self, group: ProcessGroup) -> None:
         """Decide with the pipeline group (a collective, at the first step, once the calls are captured) which values
         the first stage sends besides the activation; the ranks holding the first stage then keep them as their
         modules compute them.
@@ -446,7 +449,7 @@ def _gate(block: nn.Module, index: int, runtime: PipelineRuntime) -> None:
     """Make an owned block run only inside its own stage, swap in the received activation, end the stage."""
     forward = block.forward
 
-    def gated(*args: Any, **kwargs: Any) -> Any:
+    def gated(*args: object, **kwargs: object) -> Any:
         stage = runtime.active
         if stage is None:
             return forward(*args, **kwargs)

@@ -37,7 +37,7 @@ class ValueCheck:
     last: torch.Tensor | None = None
 
 
-def marked(value: Any, check: ValueCheck) -> Any:
+def marked(value: object, check: ValueCheck) -> Any:
     """``value``, or NaN of its shape while ``check.on`` (a floating-point tensor: other values cannot carry NaN)."""
     if check.on and torch.is_tensor(value) and value.is_floating_point():
         value = check.last = torch.full_like(value, float("nan"))
@@ -90,7 +90,7 @@ class PassThrough(_StandsForBlock):
         self._check = check
         self._original = [meta_copy(original)] if original is not None else []  # in a list: not a submodule
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         return marked(first_input(args, kwargs), self._check)
 
 
@@ -106,7 +106,7 @@ class ArgumentRecorder(_StandsForBlock):
         self._carried = carried
         self._done = done
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         if self._carried is not None:
             self._carried.block_arguments(args, kwargs)
         if self._done is not None:
@@ -130,7 +130,7 @@ class Placeholder(nn.Module):
         self._carried = carried
         self._outputs: dict[Any, Any] = {}
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
         device = tensors[0].device if tensors else None
         autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)) if device else None
@@ -154,7 +154,7 @@ class Placeholder(nn.Module):
 class Unreachable(nn.Module):
     """An epilogue module (norm, head) owned by the last stage; earlier stages end before reaching it."""
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         raise RuntimeError("lightning-mgpu: a pipeline stage ran past its last block; please report this.")
 
 

@@ -24,7 +24,7 @@ Contract: one network call per step, before which the step does nothing with sid
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ from lightning_mgpu.parallel.pipeline.plan import V_SCHEDULES, stage_owner
 from lightning_mgpu.parallel.pipeline.publish import MetricRelay, Publisher, StepLogs
 from lightning_mgpu.parallel.pipeline.schedules import ScheduleCache
 from lightning_mgpu.parallel.pipeline.split import PipelineRuntime
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class _TrainingStep:
@@ -66,7 +69,7 @@ class PipelineEngine:
         runtime: PipelineRuntime,
         schedule_name: str,
         num_microbatches: int | None,
-        pp_group: Any,
+        pp_group: ProcessGroup,
         device: torch.device,
     ) -> None:
         self.module = module
@@ -100,7 +103,7 @@ class PipelineEngine:
         self.schedules = ScheduleCache(runtime, pp_group, device, self._loss)
 
     # --------------------------------------------------------------------------------------------------- steps
-    def training_step(self, batch: Any, batch_idx: int, *, accumulate_grad_batches: int) -> torch.Tensor:
+    def training_step(self, batch: object, batch_idx: int, *, accumulate_grad_batches: int) -> torch.Tensor:
         """Forward *and* backward of the step (the schedule interleaves them); Lightning's backward is skipped."""
         if batch_idx % accumulate_grad_batches == 0:
             self._clear_gradients()
@@ -130,7 +133,7 @@ class PipelineEngine:
                     loss = loss / self.grad_scaler.get_scale()
         return self.publisher.publish(self.module, self.relay, loss, step.logs, objects=False)
 
-    def evaluation_step(self, method: str, batch: Any, *args: Any) -> Any:
+    def evaluation_step(self, method: str, batch: object, *args: object) -> Any:
         """Forward-only through the pipeline, then the user's step on the last stage with each microbatch's output."""
         microbatches, plan = self._split(batch)
         count = plan.count
@@ -172,7 +175,7 @@ class PipelineEngine:
         for param in params:
             param.grad = None
 
-    def _split(self, batch: Any) -> tuple[list[Any], MicrobatchPlan]:
+    def _split(self, batch: object) -> tuple[list[Any], MicrobatchPlan]:
         requested = self.num_microbatches or self.runtime.num_stages
         size = batch_size_of(batch)
         plan = plan_microbatches(self.schedule_name, requested, size, self.pp_size, self.runtime.num_stages)
@@ -186,7 +189,7 @@ class PipelineEngine:
             )
         return split_microbatches(batch, plan.count), plan
 
-    def _start(self, microbatches: list[Any], method: str, *args: Any) -> None:
+    def _start(self, microbatches: list[Any], method: str, *args: object) -> None:
         step = getattr(self.module, method)
         self.runtime.start_step(self.capture.capture_all([functools.partial(step, mb, *args) for mb in microbatches]))
         if self.runtime.carried.keys is None:  # the first step: what the first stage sends besides the activation
@@ -248,7 +251,7 @@ class PipelineEngine:
         self._guarded.append((optimizer, vars(optimizer).get("zero_grad")))
         zero_grad = optimizer.zero_grad
 
-        def guarded(*args: Any, **kwargs: Any) -> None:
+        def guarded(*args: object, **kwargs: object) -> None:
             if self.gradients_pending:
                 self.gradients_pending = False
                 return

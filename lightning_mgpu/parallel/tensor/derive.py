@@ -178,7 +178,7 @@ class _DataFlow(TorchFunctionMode):
             for tensor in (t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)):
                 self.mark(tensor, frozenset((source,)))
 
-    def of(self, value: Any) -> frozenset:
+    def of(self, value: object) -> frozenset:
         tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
         return frozenset().union(*(self.sources.get(id(t), frozenset()) for t in tensors))
 
@@ -201,14 +201,14 @@ class _DataFlow(TorchFunctionMode):
     def output_of(self, name: str) -> Any:
         """Forward hook (removed after the trace): what a projection module returns, e.g. after Conv1D's ``view``."""
 
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: Any, output: object) -> None:
             if isinstance(output, torch.Tensor):
                 self.outputs[id(output)] = name
 
         return hook
 
 
-def _equal_parts_of_last_dim(tensor: Any, result: Any) -> bool:
+def _equal_parts_of_last_dim(tensor: Any, result: object) -> bool:
     """Whether ``result`` is ``tensor`` cut into 2+ equal parts along its last dimension (a fused ``[q | k | v]``
     or ``[gate | up]`` split with ``split``/``chunk``)."""
     if not isinstance(tensor, torch.Tensor) or not isinstance(result, (tuple, list)) or len(result) < 2:
@@ -237,7 +237,7 @@ def _trace_in_call(
     forward = block.forward
     traced: list[Any] = []
 
-    def tracing(*args: Any, **kwargs: Any) -> Any:
+    def tracing(*args: object, **kwargs: object) -> Any:
         traced.append(_traced(units, lambda: forward(*args, **kwargs), args, kwargs))
         raise _Traced
 

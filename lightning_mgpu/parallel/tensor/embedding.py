@@ -60,7 +60,7 @@ def reduce_lookups_in_forward(module: nn.Module, placements: tuple) -> nn.Module
         mode.__enter__()
         active.append(mode)
 
-    def leave(mod: nn.Module, args: Any, output: Any) -> None:
+    def leave(mod: nn.Module, args: Any, output: object) -> None:
         if active:  # always called, also when the forward raised: the mode never outlives it
             active.pop().__exit__(None, None, None)
 

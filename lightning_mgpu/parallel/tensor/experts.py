@@ -224,7 +224,7 @@ class _LocalShardsCall:
         self.stack.append((swap_parameters(module, local), layout))
         return args, kwargs
 
-    def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def leave(self, module: nn.Module, args: tuple, output: object) -> Any:
         if not self.stack:
             return output
         originals, layout = self.stack.pop()
@@ -236,7 +236,7 @@ class _LocalShardsCall:
             return summed.redistribute(placements=layout)
         return summed.redistribute(placements=[Replicate()]).to_local()
 
-    def _replicated(self, value: Any) -> Any:
+    def _replicated(self, value: object) -> Any:
         """The whole tensor on this rank; a floating-point one's gradient is this rank's partial share."""
         if not torch.is_tensor(value):
             return value

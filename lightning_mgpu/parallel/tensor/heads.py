@@ -157,7 +157,7 @@ class _LocalParameters:
         local = {name: p.to_local() for name, p in params.items() if isinstance(p, DTensor)}
         self.stack.append(swap_parameters(module, local))
 
-    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def leave(self, module: nn.Module, args: tuple, output: object) -> None:
         if self.stack:
             restore_parameters(module, self.stack.pop())
 

@@ -44,7 +44,7 @@ def marking_shards(output_fn: Callable) -> Callable:
     """A column-parallel projection's output function that marks its plain output (this rank's shard), so that the
     modules reading it can be recognised."""
 
-    def marked(module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
+    def marked(module: nn.Module, outputs: object, device_mesh: DeviceMesh) -> Any:
         output = output_fn(module, outputs, device_mesh)
         if torch.is_tensor(output) and not isinstance(output, DTensor):
             setattr(view_base(output), _SHARD_MARK, True)
@@ -107,7 +107,7 @@ class _ShardParameters:
                 param.register_hook(self._sum)
         return None
 
-    def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def after(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> Any:
         width = self._gathered.pop() if self._gathered else 0
         if not width or not torch.is_tensor(output) or output.shape[-1] != width:
             return None

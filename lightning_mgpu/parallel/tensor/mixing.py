@@ -44,7 +44,7 @@ class ShapeSwitch:
         self.global_shapes = False
 
     def output_fn(self, global_fn: OutputFn, local_fn: OutputFn) -> OutputFn:
-        def chosen(module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
+        def chosen(module: nn.Module, outputs: object, device_mesh: DeviceMesh) -> Any:
             return (global_fn if self.global_shapes else local_fn)(module, outputs, device_mesh)
 
         return chosen

@@ -85,7 +85,7 @@ class _LocalHeadsCalls:
         mode.__enter__()
         self.modes.append(mode)
 
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+    def leave(self, module: nn.Module, args: Any, output: object) -> None:
         if self.modes:
             self.modes.pop().__exit__(None, None, None)
 

@@ -111,7 +111,7 @@ def _scan(args: tuple, kwargs: dict) -> tuple[DTensor | None, bool]:
     return dtensor, plain
 
 
-def _is_plain(value: Any) -> bool:
+def _is_plain(value: object) -> bool:
     # 0-d tensors DTensor already treats as scalars.
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0
 
@@ -247,7 +247,7 @@ class GlobalShapeRegion:
         mode.__enter__()
         self.modes.append(mode)
 
-    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+    def exit(self, module: nn.Module, args: Any, output: object) -> None:
         if self.modes:
             self.modes.pop().__exit__(None, None, None)
 

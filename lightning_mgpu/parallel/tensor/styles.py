@@ -73,7 +73,7 @@ class _Colwise(StyleHooks, ColwiseParallel):
             if fused
             else {"weight": Shard(dim), "bias": Shard(0)}
         )
-        output_fn: Callable[..., Any]
+        output_fn: Callable[..., object]
         if fused:  # strided-shard output: to_local gives [q | k | v] of this rank's heads
             output_fn = _keep_output if self.global_shapes else _local_output
         else:
@@ -125,11 +125,11 @@ class _SharedInput:
         self.converted: DTensor | None = None
         self.grad_enabled = False
 
-    def open(self, *args: Any) -> None:
+    def open(self, *args: object) -> None:
         self.open_calls += 1
         self.source = self.converted = None
 
-    def close(self, *args: Any) -> None:
+    def close(self, *args: object) -> None:
         self.open_calls = max(0, self.open_calls - 1)
         self.source = self.converted = None
 
