@@ -429,7 +429,10 @@ def run_refusals(directory: Path, cycles: int, settings: Settings | None = None,
 
 def _every_rank_refused(job: Job) -> bool:
     """Every rank of some round printed the refusal (a round of both nodes: 4 ranks; of one: 2)."""
-    pattern = re.compile(r"lightning-mgpu: rank (\d+) of (\d+) .*failed: ElasticStoreError: torchrun may restart")
+    # Each rank refuses by itself; the ranks whose refusal came after another's say so ("stopped: another rank
+    # failed or stopped (ElasticStoreError: ...)"), still naming the refusal.
+    refusal = r"(?:failed: |\()ElasticStoreError: torchrun may restart"
+    pattern = re.compile(r"lightning-mgpu: rank (\d+) of (\d+) .*" + refusal)
     ranks: dict[int, set[int]] = defaultdict(set)
     for match in pattern.finditer(job.logs(tail=None)):
         ranks[int(match[2])].add(int(match[1]))

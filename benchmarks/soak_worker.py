@@ -34,6 +34,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from lightning_mgpu.demo.data import TextDataset
 
 REPO = Path(__file__).resolve().parents[1]
+GLOBAL_BATCH = 16  # the soak's global_batch_size (benchmarks/soak_restarts.py)
 STALL_S = 3600.0  # "for good": the soak (or torchrun after it) ends the process long before
 
 
@@ -109,6 +110,13 @@ class Soak(L.Callback):
         """Stalls inside the data loader and inside a checkpoint's write and read (this process only)."""
         soak = self
         fetch, write, read = TextDataset.__getitem__, FileSystemWriter.write_data, FileSystemReader.read_data
+        length = TextDataset.__len__
+
+        def whole_global_batches(dataset: TextDataset) -> int:
+            # Epochs of whole global batches: the soak crosses epochs, and an epoch's last partial batch is padded
+            # by the DistributedSampler to the world size (as under DDP), so at dp 2 and dp 4 it would hold other
+            # samples than one process's: that step could match no reference.
+            return length(dataset) // GLOBAL_BATCH * GLOBAL_BATCH
 
         def getitem(dataset: TextDataset, index: int) -> Any:
             fault, soak._stall_next_fetch = soak._stall_next_fetch, None
@@ -127,6 +135,7 @@ class Soak(L.Callback):
             return read(reader, plan, planner)
 
         TextDataset.__getitem__ = getitem  # type: ignore[method-assign]
+        TextDataset.__len__ = whole_global_batches  # type: ignore[method-assign]
         FileSystemWriter.write_data = write_data  # type: ignore[method-assign, assignment]
         FileSystemReader.read_data = read_data  # type: ignore[method-assign, assignment]
 

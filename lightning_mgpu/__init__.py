@@ -67,6 +67,21 @@ def _register_names(registry: Any, strategy: Any = _hybrid_strategy) -> None:
 
 def _register_in(module: ModuleType) -> None:
     _register_names(sys.modules[f"{module.__name__}.strategies"].StrategyRegistry)
+    from lightning_mgpu._compat.lightning import read_directories_in_load_from_checkpoint
+
+    read_directories_in_load_from_checkpoint(_read_sharded)
+
+
+def _read_sharded(path: Any) -> Any:
+    """``MyModule.load_from_checkpoint(path)`` on a sharded checkpoint of this package: its states joined in memory,
+    as ``lightning-mgpu consolidate`` writes them (``None`` for any other directory)."""
+    from lightning_mgpu.checkpoint.format import is_sharded_checkpoint
+
+    if not is_sharded_checkpoint(path):
+        return None
+    from lightning_mgpu.checkpoint import consolidate
+
+    return consolidate(path)
 
 
 class _RegisterAfterLightning:

@@ -342,6 +342,17 @@ def test_every_kind_of_save_resumes_bit_identically(request, tmp_path, layout):
     assert consolidate(tmp_path / "after_fit3.ckpt")["epoch"] == 0  # where its data stopped, not the next epoch
 
 
+def test_load_from_checkpoint_reads_a_sharded_directory(uninterrupted):
+    """``MyModule.load_from_checkpoint(path)`` on what a sharded save wrote (a directory): the weights
+    ``consolidate`` joins, in the unmodified LightningModule."""
+    directory, _ = uninterrupted
+    loaded = ResumeModule.load_from_checkpoint(directory / "step6.ckpt")
+    joined = consolidate(directory / "step6.ckpt")["state_dict"]
+    assert loaded.state_dict().keys() == joined.keys()
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, joined[key]), key
+
+
 # ------------------------------------------------------------------------------------------------------ full format
 def test_full_format_is_one_plain_file_that_resumes_in_another_layout(uninterrupted, tmp_path):
     directory, reference = uninterrupted

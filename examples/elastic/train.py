@@ -50,6 +50,7 @@ class MicroBatchRecord(L.Callback):
         # A run per process: a node joining restarts the others without counting a restart.
         self.path = Path(directory) / f"rank{os.environ.get('RANK', '0')}-pid{os.getpid()}.jsonl"
         self.enabled = True
+        self.steps_before = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         # One rank per data-parallel replica records: its tensor/pipeline peers see the same samples.
@@ -57,14 +58,17 @@ class MicroBatchRecord(L.Callback):
         place = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
         self.enabled = all(index == 0 for axis, index in place.items() if not axis.startswith("dp"))
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.steps_before = trainer.global_step
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self.enabled:
             return
         x = batch[0]
         ids = [hashlib.sha1(row.cpu().numpy().tobytes()).hexdigest()[:12] for row in x]
-        # The step this micro-batch belongs to: the optimizer has taken `global_step` steps before it finishes.
-        stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
-        step = trainer.global_step - 1 if stepped else trainer.global_step
+        # The step this micro-batch belongs to: the optimizer's steps taken before it began (also where an epoch's
+        # last micro-batch ends an accumulation early).
+        step = self.steps_before
         loss = float(outputs["loss"]) * trainer.accumulate_grad_batches  # Lightning hands it divided by those
         line = {"step": step, "ids": ids, "loss": loss, "world": trainer.world_size, "rank": trainer.global_rank}
         line["time"] = time.time()
@@ -125,6 +129,9 @@ def main(argv: list[str] | None = None, extra_callbacks: tuple[L.Callback, ...] 
             timeout=args.timeout,
             heartbeat_timeout=args.heartbeat_timeout,
             init_timeout=args.init_timeout,
+            # Each rank writes its own shards: no save gathers the model on one host, and a restart reads only
+            # its slices (the default "full" file is for load_from_checkpoint after training).
+            checkpoint_format="sharded",
         ),
         max_steps=args.max_steps,
         callbacks=callbacks,

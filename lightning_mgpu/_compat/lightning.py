@@ -21,6 +21,9 @@ equivalent for most of them:
   data), and ``trainer.call``'s hook dispatchers.
 - Signal internals (``quiet_sigterm_notifier``): the trainer's ``_signal_connector`` and the ``_HandlersCompose``
   it registers for SIGTERM; its ``_sigterm_notifier_fn`` runs a ``dist.broadcast`` inside the signal handler.
+- Checkpoint loading (``read_directories_in_load_from_checkpoint``): ``lightning.pytorch.core.saving.pl_load``,
+  the function ``LightningModule.load_from_checkpoint`` opens its path with (as a file: a sharded directory failed
+  with ``IsADirectoryError``); no public hook of the loader reads anything else.
 - Logging internals (``RepeatedLog``): the trainer's result collection (``trainer._results``: ``update_metrics``,
   ``_extract_batch_size``), the logger connector's ``should_reset_tensors``/``_current_fx`` and the module's
   ``_current_fx_name``, to repeat a ``self.log`` call without rebuilding what the first call registered.
@@ -28,6 +31,7 @@ equivalent for most of them:
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -309,3 +313,24 @@ def quiet_sigterm_notifier(trainer: pl.Trainer) -> Callable[[], None] | None:
             handlers[handlers.index(notify)] = original
 
     return undo
+
+
+def read_directories_in_load_from_checkpoint(read: Callable[[Path], dict[str, object] | None]) -> None:
+    """``load_from_checkpoint`` given a directory asks ``read`` first (``None``: not ours, Lightning opens it as it
+    does); everything else goes to Lightning's own loader. Process-wide, once."""
+    import importlib
+
+    names = vars(importlib.import_module("lightning.pytorch.core.saving"))  # pl_load: an import, not re-exported
+    load = names["pl_load"]
+    if getattr(load, "_lightning_mgpu_reads_directories", False):
+        return
+
+    def pl_load(path_or_url: object, map_location: object = None, weights_only: bool | None = None) -> object:
+        if isinstance(path_or_url, str | os.PathLike) and Path(path_or_url).is_dir():
+            found = read(Path(path_or_url))
+            if found is not None:
+                return found
+        return load(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load._lightning_mgpu_reads_directories = True  # type: ignore[attr-defined]  # a marker: patched once
+    names["pl_load"] = pl_load

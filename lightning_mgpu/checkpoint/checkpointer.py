@@ -398,16 +398,17 @@ _TOLD_HOW_TO_LOAD: set[str] = set()
 
 
 def _say_how_to_load_once(path: Path) -> None:
-    """A sharded checkpoint is a directory, which ``LightningModule.load_from_checkpoint`` cannot open (it fails with
-    ``IsADirectoryError`` and no hint, and no public hook of Lightning's loader can change that): said once per
-    directory of checkpoints, where the save happens."""
+    """A sharded checkpoint is a directory, which ``LightningModule.load_from_checkpoint`` opens only where this
+    package is imported (elsewhere Lightning fails with ``IsADirectoryError`` and no hint): said once per directory
+    of checkpoints, where the save happens."""
     if str(path.parent) in _TOLD_HOW_TO_LOAD:
         return
     _TOLD_HOW_TO_LOAD.add(str(path.parent))
     rank_zero_info(
         f"{path} is a sharded checkpoint (a directory): `trainer.fit/validate/test(ckpt_path=...)` and"
-        " `HybridStrategy(pretrained=...)` read it in any layout; `MyModule.load_from_checkpoint` reads one file,"
-        f" which `lightning-mgpu consolidate {path} model.ckpt` writes (or save with checkpoint_format='full')."
+        " `HybridStrategy(pretrained=...)` read it in any layout, and `MyModule.load_from_checkpoint` where"
+        " lightning_mgpu is imported; elsewhere Lightning reads one file, which"
+        f" `lightning-mgpu consolidate {path} model.ckpt` writes (or save with checkpoint_format='full')."
     )
 
 

@@ -29,6 +29,19 @@ def test_an_internal_that_is_gone_fails_loudly_naming_it_and_the_version():
         _compat.internal("torch.nn", "_no_such_internal")
 
 
+def test_load_from_checkpoint_reads_a_directory_through_the_patched_loader(tmp_path):
+    """``load_from_checkpoint`` opens its path through ``core.saving.pl_load`` (patched once, when Lightning loads
+    beside this package); a directory the reader does not know goes on to Lightning's own loader."""
+    import inspect
+
+    from lightning.pytorch.core import saving
+
+    assert "pl_load(checkpoint_path" in inspect.getsource(saving._load_from_checkpoint)
+    assert getattr(saving.pl_load, "_lightning_mgpu_reads_directories", False)  # importing lightning_mgpu did it
+    with pytest.raises(IsADirectoryError):  # not a sharded checkpoint: Lightning's own error
+        saving.pl_load(tmp_path)
+
+
 def test_amp_scaler_hooks_unscale_kernel_and_sparse_values():
     calls = []
 
