@@ -8,7 +8,9 @@ elastic is all in this script's Trainer:
   (gradient accumulation makes up the difference), and ``"auto"`` sizes are planned again for the new world;
 - ``ModelCheckpoint(every_n_train_steps=k, save_last=True)`` and ``fit(ckpt_path="last")``: a restart continues
   from the latest complete checkpoint, resharded to the new layout, and the interrupted epoch continues at its next
-  unseen sample (the position is kept in samples, not in per-rank batches).
+  unseen sample (the position is kept in samples, not in per-rank batches). Under SLURM, where the requeue signal
+  (``--signal=SIGUSR1@90``) made Lightning save ``hpc_ckpt_<n>.ckpt`` after the last ``last.ckpt``, that one
+  (``ckpt_path="hpc"``): Lightning's ``"last"`` looks at ``ModelCheckpoint``'s files only.
 
 Started by ``torchrun.sh`` (torchrun's elastic agent: ``--nnodes=MIN:MAX --max-restarts=K``) or ``slurm.sbatch``
 (``--requeue``) next to this file. ``--record-dir DIR`` writes each rank's micro-batches (step, sample ids, loss)
@@ -74,6 +76,15 @@ class MicroBatchRecord(L.Callback):
         line["time"] = time.time()
         with self.path.open("a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def resume_from(trainer: L.Trainer, checkpoint_dir: Path) -> str:
+    """``"hpc"`` where SLURM's requeue saved a checkpoint after the last ``last.ckpt``, else ``"last"``."""
+    requeued = sorted(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"), key=lambda p: p.stat().st_mtime)
+    last = checkpoint_dir / "last.ckpt"
+    if requeued and (not last.exists() or requeued[-1].stat().st_mtime > last.stat().st_mtime):
+        return "hpc"
+    return "last"
 
 
 def nodes_and_devices() -> tuple[int, int]:
@@ -142,7 +153,8 @@ def main(argv: list[str] | None = None, extra_callbacks: tuple[L.Callback, ...] 
         limit_val_batches=0,
     )
     torch.set_num_threads(1)
-    trainer.fit(build_module(), build_datamodule(args.batch_size), ckpt_path="last")
+    resume = resume_from(trainer, Path(args.checkpoint_dir))
+    trainer.fit(build_module(), build_datamodule(args.batch_size), ckpt_path=resume)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ equivalent for most of them:
 - Trainer internals: ``LightningModule._trainer`` (``.trainer`` raises when detached), the fit loop's data source
   and data fetcher, the fetcher's profiler hooks (``_start_profiler``/``_stop_profiler``: where a batch waits for
   data), and ``trainer.call``'s hook dispatchers.
-- Signal internals (``quiet_sigterm_notifier``): the trainer's ``_signal_connector`` and the ``_HandlersCompose``
-  it registers for SIGTERM; its ``_sigterm_notifier_fn`` runs a ``dist.broadcast`` inside the signal handler.
+- Signal internals (``quiet_sigterm_notifier``, ``defer_slurm_requeue``): the trainer's ``_signal_connector`` and
+  the ``_HandlersCompose`` it registers for SIGTERM and SLURM's requeue signal; its ``_sigterm_notifier_fn`` runs a
+  ``dist.broadcast`` and its ``_slurm_sigusr_handler_fn`` a checkpoint save (collectives) inside the signal handler.
 - Checkpoint loading (``read_directories_in_load_from_checkpoint``): ``lightning.pytorch.core.saving.pl_load``,
   the function ``LightningModule.load_from_checkpoint`` opens its path with (as a file: a sharded directory failed
   with ``IsADirectoryError``); no public hook of the loader reads anything else.
@@ -313,6 +314,55 @@ def quiet_sigterm_notifier(trainer: pl.Trainer) -> Callable[[], None] | None:
             handlers[handlers.index(notify)] = original
 
     return undo
+
+
+class DeferredRequeue:
+    """SLURM's requeue signal (``--signal=SIGUSR1@90``) noted in the handler, and Lightning's requeue (save a
+    checkpoint, ``scontrol requeue``) run later, where every rank runs it at the same point (``run``).
+
+    Lightning saves inside the signal handler, wherever each rank was: SLURM signals every task at once, but a rank
+    in the data loader or a callback handles it at once while the others are inside a step's collectives, which
+    then pair with the save's (gloo: "Received data size doesn't match expected size", the job aborted).
+    """
+
+    def __init__(self, handlers: list[object], index: int, signum: int) -> None:
+        self.requested = False
+        self._handlers, self._original, self._signum = handlers, handlers[index], signum
+        handlers[index] = self._note
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+
+    def run(self) -> None:
+        self.requested = False
+        self._original(self._signum, None)  # type: ignore[operator]  # Lightning's bound handler
+
+    def undo(self) -> None:
+        if self._note in self._handlers:
+            self._handlers[self._handlers.index(self._note)] = self._original
+
+
+def defer_slurm_requeue(trainer: pl.Trainer) -> DeferredRequeue | None:
+    """Lightning's SLURM requeue handler of this run replaced by a note (None: SLURM auto-requeue is off)."""
+    import signal
+    import threading
+
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    _check_attribute(trainer, "_signal_connector", "Trainer")
+    environment = getattr(trainer.strategy, "cluster_environment", None)  # a ParallelStrategy's
+    if not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    signum = environment.requeue_signal or signal.SIGUSR1
+    handlers = getattr(signal.getsignal(signum), "signal_handlers", None)
+    _check_attribute(type(trainer._signal_connector), "_slurm_sigusr_handler_fn", "_SignalConnector")
+    requeue = type(trainer._signal_connector)._slurm_sigusr_handler_fn
+    if not isinstance(handlers, list):
+        return None
+    found = [i for i, h in enumerate(handlers) if getattr(h, "__func__", None) is requeue]
+    return DeferredRequeue(handlers, found[0], signum) if found else None
 
 
 def read_directories_in_load_from_checkpoint(read: Callable[[Path], dict[str, object] | None]) -> None:

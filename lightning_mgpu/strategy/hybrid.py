@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
@@ -28,8 +29,10 @@ from lightning_mgpu._compat.c10d import default_store
 from lightning_mgpu._compat.dtensor import equal_over_mesh
 from lightning_mgpu._compat.lightning import (
     IS_INTERACTIVE,
+    DeferredRequeue,
     StrategyHooks,
     default_process_group_backend,
+    defer_slurm_requeue,
     init_dist_connection,
     optimizers_to_device,
     quiet_sigterm_notifier,
@@ -309,6 +312,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
             process_group_backend, timeout, start_method, heartbeat_timeout, init_timeout
         )
         self._heartbeat: Heartbeat | None = None
+        self._requeue: DeferredRequeue | None = None
         self._startup: StartupBound | None = None
         self._process_group_backend = process_group_backend
         self._timeout = cast(timedelta | None, self._launch_options.timeout)  # LaunchOptions made it a timedelta
@@ -450,6 +454,18 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
             undo = quiet_sigterm_notifier(trainer)  # torchrun/SLURM signal every rank: no broadcast in the handler
             if undo is not None:
                 self._patches.add(undo)
+            self._requeue = defer_slurm_requeue(trainer)
+            if self._requeue is not None:
+                self._patches.add(self._requeue.undo)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._requeue is not None:  # SLURM's requeue signal, acted on by every rank at the same step boundary
+            requested = torch.tensor(float(self._requeue.requested), device=self.root_device)
+            dist.all_reduce(requested, op=dist.ReduceOp.MAX)
+            if requested.item():
+                self._requeue.run()
 
     @override
     def on_validation_start(self) -> None:
