@@ -37,7 +37,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
@@ -318,31 +318,44 @@ def quiet_sigterm_notifier(trainer: pl.Trainer) -> Callable[[], None] | None:
 
 class DeferredRequeue:
     """SLURM's requeue signal (``--signal=SIGUSR1@90``) noted in the handler, and Lightning's requeue (save a
-    checkpoint, ``scontrol requeue``) run later, where every rank runs it at the same point (``run``).
+    checkpoint, ``scontrol requeue``) run later by every rank at the same step (``at_step_start``).
 
     Lightning saves inside the signal handler, wherever each rank was: SLURM signals every task at once, but a rank
     in the data loader or a callback handles it at once while the others are inside a step's collectives, which
-    then pair with the save's (gloo: "Received data size doesn't match expected size", the job aborted).
+    then pair with the save's (gloo: "Received data size doesn't match expected size", the job aborted). The first
+    rank to see the signal names a step two ahead in the process group's store (ranks are at most one step apart:
+    a step's collectives hold them together); every rank reads the store at each step's start (no collective, no
+    device synchronization) and requeues at that step.
     """
 
-    def __init__(self, handlers: list[object], index: int, signum: int) -> None:
-        self.requested = False
+    _runs = 0  # fits of this process: every rank runs the same sequence, so they agree on the key
+
+    def __init__(self, handlers: list[object], index: int, signum: int, store: Any) -> None:
+        DeferredRequeue._runs += 1
+        self._key = f"lightning_mgpu/slurm_requeue/{DeferredRequeue._runs}"
+        self._store, self._requested, self._published, self._done = store, False, False, False
         self._handlers, self._original, self._signum = handlers, handlers[index], signum
         handlers[index] = self._note
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True
+        self._requested = True  # no store call here: the main thread may be inside one
 
-    def run(self) -> None:
-        self.requested = False
-        self._original(self._signum, None)  # type: ignore[operator]  # Lightning's bound handler
+    def at_step_start(self, step: int) -> None:
+        if self._done:
+            return
+        if self._requested and not self._published:
+            self._store.compare_set(self._key, "", str(step + 2))  # the first rank's step wins
+            self._published = True
+        if self._store.check([self._key]) and step >= int(self._store.get(self._key)):
+            self._done = True
+            self._original(self._signum, None)  # type: ignore[operator]  # Lightning's bound handler
 
     def undo(self) -> None:
         if self._note in self._handlers:
             self._handlers[self._handlers.index(self._note)] = self._original
 
 
-def defer_slurm_requeue(trainer: pl.Trainer) -> DeferredRequeue | None:
+def defer_slurm_requeue(trainer: pl.Trainer, store: Any) -> DeferredRequeue | None:
     """Lightning's SLURM requeue handler of this run replaced by a note (None: SLURM auto-requeue is off)."""
     import signal
     import threading
@@ -362,7 +375,7 @@ def defer_slurm_requeue(trainer: pl.Trainer) -> DeferredRequeue | None:
     if not isinstance(handlers, list):
         return None
     found = [i for i, h in enumerate(handlers) if getattr(h, "__func__", None) is requeue]
-    return DeferredRequeue(handlers, found[0], signum) if found else None
+    return DeferredRequeue(handlers, found[0], signum, store) if found else None
 
 
 def read_directories_in_load_from_checkpoint(read: Callable[[Path], dict[str, object] | None]) -> None:

@@ -16,7 +16,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
@@ -454,18 +453,16 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
             undo = quiet_sigterm_notifier(trainer)  # torchrun/SLURM signal every rank: no broadcast in the handler
             if undo is not None:
                 self._patches.add(undo)
-            self._requeue = defer_slurm_requeue(trainer)
+            self._requeue = defer_slurm_requeue(trainer, default_store())
             if self._requeue is not None:
                 self._patches.add(self._requeue.undo)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._requeue is not None:  # SLURM's requeue signal, acted on by every rank at the same step boundary
-            requested = torch.tensor(float(self._requeue.requested), device=self.root_device)
-            dist.all_reduce(requested, op=dist.ReduceOp.MAX)
-            if requested.item():
-                self._requeue.run()
+        if self._requeue is not None:  # SLURM's requeue signal, acted on by every rank at the same step
+            assert self.lightning_module is not None
+            self._requeue.at_step_start(self.lightning_module.trainer.global_step)
 
     @override
     def on_validation_start(self) -> None:
