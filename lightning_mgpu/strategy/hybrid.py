@@ -8,7 +8,6 @@ the layout's checks and planned choice (``layout_choice``), the module made para
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 from collections.abc import Callable
@@ -17,49 +16,30 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
-from lightning_mgpu._compat.c10d import default_store
 from lightning_mgpu._compat.dtensor import equal_over_mesh
 from lightning_mgpu._compat.lightning import (
-    IS_INTERACTIVE,
     DeferredRequeue,
-    StrategyHooks,
-    default_process_group_backend,
-    defer_slurm_requeue,
-    init_dist_connection,
     optimizers_to_device,
-    quiet_sigterm_notifier,
     reset_optimizers_and_schedulers,
-    set_device_mesh,
 )
 from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner, DeepSpeedStates
 from lightning_mgpu.checkpoint.plain import restore_plain
 from lightning_mgpu.launch import (
     Heartbeat,
-    HybridMultiProcessingLauncher,
-    HybridSubprocessScriptLauncher,
     StartupBound,
-    coordinates,
-    describe_rank,
-    every_rank_failed,
-    handle_rank_failure,
-    refuse_shared_store_restarts,
     restore_sigterm,
     startup,
 )
 from lightning_mgpu.layout import (
-    DP_AXIS,
     PP_AXIS,
-    ModuleMesh,
     ParallelLayout,
     Size,
-    gradient_mesh,
     minimum_world_size,
 )
 from lightning_mgpu.layout_checks import check_options
@@ -76,7 +56,7 @@ from lightning_mgpu.strategy.batch import keep_global_batch
 from lightning_mgpu.strategy.callbacks import check_callbacks
 from lightning_mgpu.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_mgpu.strategy.collectives import DataParallelCollectives
-from lightning_mgpu.strategy.layout_choice import agreed_plan
+from lightning_mgpu.strategy.launch_hooks import LaunchHooks
 from lightning_mgpu.strategy.layout_hooks import LayoutHooks
 from lightning_mgpu.strategy.step import StepHooks
 from lightning_mgpu.strategy.weights import WeightsHooks, check_pretrained
@@ -88,7 +68,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, WeightsHooks, DataParallelCollectives):
+class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, WeightsHooks, DataParallelCollectives):
     """Data, tensor, pipeline, context and expert parallelism with ZeRO stages 0-3 for an unchanged LightningModule.
 
     The sizes multiply to ``devices x num_nodes``: ``world = pp x dp x cp x tp``, tensor parallelism innermost (one
@@ -355,86 +335,6 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         self._precision_plugin = HybridPrecision.handed_over(precision_plugin, self.accelerator)
 
-    # ---------------------------------------------------------------------------------------------- launch / setup
-    @override
-    def configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
-            return
-        start_method = self._start_method
-        if start_method == "auto":
-            start_method = "fork" if IS_INTERACTIVE else "popen"
-        if start_method == "popen":
-            self._launcher = HybridSubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes, self, self._timeout
-            )
-        else:
-            self._launcher = HybridMultiProcessingLauncher(self, start_method=start_method)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        # Which rank failed and why, for the one report (launch/failures.py) the launcher's main process prints.
-        mesh_shape = self._layout.mesh_shape if self._layout is not None else (1, self.world_size, 1)
-        report = getattr(self._launcher, "report_failure", None)
-        self._failed = self._interrupted = True  # teardown then runs no collective (the module is not gathered back)
-        handle_rank_failure(exception, self.global_rank, self.world_size, mesh_shape, report)
-        # ... unless every rank failed in this run: none is left in a collective, the module comes back plain.
-        self._failed = not every_rank_failed(exception, self.world_size)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        refuse_shared_store_restarts()
-        self._startup = self._start_bound()
-        with startup.phase(self._startup, startup.PROCESS_GROUP, then=startup.FIRST_COLLECTIVES):
-            init_dist_connection(
-                self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-            )
-        with startup.phase(self._startup, startup.FIRST_COLLECTIVES, then=startup.USER_HOOKS):
-            self._first_collectives()
-
-    def _first_collectives(self) -> None:
-        """The layout agreed, the mesh and its groups built, the heartbeat started: the first use of the group."""
-        if self._layout is None:  # several layouts possible: the planner chooses, with the module at hand
-            devices = (self.world_size, self.num_processes, self.root_device.type)
-            precision = str(self.precision_plugin.precision)
-            args = (self._layout_choices, self.options, precision, devices, self.global_rank, self.broadcast)
-            self._plan = agreed_plan(self.lightning_module, *args)
-            self._layout = self._plan.layout
-            self._check_layout(self._layout)
-        self._device_mesh = self.layout.build_mesh(self.root_device.type, self.options.data_parallel_shard_size)
-        self._dp_group = self._device_mesh[DP_AXIS].get_group()  # looked up once: slicing a mesh is not free
-        # Logged values average over every rank that computed part of them: dp, and cp's sequence shards.
-        self._reduce_group = gradient_mesh(self._device_mesh).get_group()
-        beat = self._launch_options.heartbeat_timeout
-        if beat is not None and self.world_size > 1:
-            shape = self.layout.mesh_shape
-            describe = functools.partial(coordinates, mesh_shape=shape)
-            self._heartbeat = Heartbeat(default_store(), self.global_rank, self.world_size, beat, describe).start()
-        # A user's `configure_model` may read `self.device_mesh`, by its names or Lightning's ModelParallelStrategy's.
-        if self.lightning_module is not None:
-            set_device_mesh(self.lightning_module, ModuleMesh(self._device_mesh))
-
-    def _start_bound(self) -> StartupBound | None:
-        """This run's bound on its start (``init_timeout``), named by the layout's coordinates once they are known."""
-        seconds = self._launch_options.init_timeout
-        if seconds is None or self.world_size == 1:
-            return None
-        assert self.cluster_environment is not None
-        external = self.cluster_environment.creates_processes_externally  # torchrun/SLURM stop ranks by SIGTERM
-        describe = describe_rank(self)
-        return StartupBound(seconds, self.global_rank, self.world_size, describe, listen_for_sigterm=external).start()
-
-    def _end_startup(self) -> None:
-        if self._startup is not None:
-            self._startup.stop()
-            self._startup = None
-
     @property
     def plan(self) -> planner_auto.StrategyPlan | None:
         """What the planner chose for ``"auto"`` sizes, its prediction and the measured steps (``None``: no choice)."""
@@ -448,36 +348,7 @@ class HybridStrategy(StrategyHooks, LayoutHooks, StepHooks, CheckpointHooks, Wei
         trainer = self.lightning_module.trainer
         if self.options.global_batch_size is not None:
             keep_global_batch(trainer, self.options.global_batch_size, self.layout.data_parallel_size)
-        assert self.cluster_environment is not None
-        if self.world_size > 1 and self.cluster_environment.creates_processes_externally:
-            undo = quiet_sigterm_notifier(trainer)  # torchrun/SLURM signal every rank: no broadcast in the handler
-            if undo is not None:
-                self._patches.add(undo)
-            self._requeue = defer_slurm_requeue(trainer, default_store())
-            if self._requeue is not None:
-                self._patches.add(self._requeue.undo)
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self._requeue is not None:  # SLURM's requeue signal, acted on by every rank at the same step
-            assert self.lightning_module is not None
-            self._requeue.at_step_start(self.lightning_module.trainer.global_step)
-
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._end_startup()
-
-    @override
-    def on_test_start(self) -> None:
-        super().on_test_start()
-        self._end_startup()
-
-    @override
-    def on_predict_start(self) -> None:
-        super().on_predict_start()
-        self._end_startup()
+        self._watch_signals(trainer)
 
     @override
     def on_train_end(self) -> None:
