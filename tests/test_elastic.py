@@ -252,13 +252,22 @@ def test_restarts_on_torchruns_shared_store_are_refused_before_the_process_group
 
 
 # ------------------------------------------------------------------------------------- SLURM's requeue: slurm.sbatch
-# Stand-ins for what slurm.sbatch calls: `scontrol show hostnames` names this machine and `scontrol requeue` records
-# the request for the test's scheduler; `srun` starts SLURM_NTASKS tasks with srun's variables, each marked with
-# its node (the scheduler kills a node's tasks as a node failure does).
-_FAKE_SCONTROL = """#!/usr/bin/env bash
+# Stand-ins for what slurm.sbatch calls: `scontrol show hostnames` names this machine; `scontrol requeue` records
+# the request for the test's scheduler and, as SLURM does, ends the running job's tasks at once (SIGTERM; the test
+# sends SIGKILL after KillWait); `srun` starts SLURM_NTASKS tasks with srun's variables, each marked with its node
+# (the scheduler kills a node's tasks as a node failure does).
+_FAKE_SCONTROL = f"""#!/usr/bin/env bash
 case "$1" in
     show) echo 127.0.0.1 ;;
-    requeue) echo "$2" >> "$FAKE_SLURM_DIR/requeued" ;;
+    requeue)
+        echo "$2" >> "$FAKE_SLURM_DIR/requeued"
+        for environ in /proc/[0-9]*/environ; do
+            pid=${{environ#/proc/}}; pid=${{pid%/environ}}
+            [[ $pid == "$$" || $pid == "$PPID" ]] && continue  # this stand-in and the shell that runs it
+            if tr '\\0' '\\n' < "$environ" 2>/dev/null | grep -qx "{MARKER}=$SLURM_JOB_MARK-node[0-9]*"; then
+                kill -TERM "$pid" 2>/dev/null
+            fi
+        done ;;
     *) echo "scontrol stand-in: '$*' is not simulated" >&2; exit 1 ;;
 esac
 """
@@ -407,8 +416,7 @@ def test_slurms_time_limit_signal_requeues_the_job_at_a_step_boundary_and_it_res
     job.signal(signal.SIGUSR1)
     job.wait_for("requeued")
     assert (tmp_path / "requeued").read_text().split() == ["4242"]
-    job.signal(signal.SIGTERM)
-    time.sleep(5)  # SLURM's KillWait (30 s by default)
+    time.sleep(5)  # SLURM's KillWait (30 s by default) after the requeue's SIGTERM
     job.signal(signal.SIGKILL)
     job.end()
     job.submit(nodes=2)
