@@ -6,7 +6,8 @@
   unfreezes because the reducer is rebuilt (Lightning's ``DDPStrategy`` leaves them unreduced, each rank training
   on its own half of the batch). Under pp 2 the first stage holds only frozen layers until then.
 - A Hugging Face Llama with its embeddings and first block frozen, under ZeRO 0/3, tp 2 and pp 2.
-- LoRA adapters from ``peft`` on the attention projections, under ZeRO 0/1/3 and pp 2; refused under tp.
+- LoRA adapters from ``peft`` on the attention's q/v projections under ZeRO 0/1/3, tp 2 and pp 2, and on every
+  projection of the blocks (beside column- and row-parallel ones) under tp 2, also with sequence parallelism.
 
 Each run trains 12 steps (3 epochs) against one process on the global batch: losses within 1e-5 relative, weights
 within 1e-4; optimizer state exists only for trainable parameters on every rank.
@@ -23,7 +24,13 @@ from lightning.pytorch.callbacks import BackboneFinetuning
 
 from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.equivalence import assert_same_training
-from tests.helpers.finetuning import FrozenEmbeddingsLM, ImageDataModule, LoraLM, TransferLearningModel
+from tests.helpers.finetuning import (
+    LLAMA_PROJECTIONS,
+    FrozenEmbeddingsLM,
+    ImageDataModule,
+    LoraLM,
+    TransferLearningModel,
+)
 from tests.helpers.modules import RandomTokenDataModule
 from tests.helpers.tiers import case
 
@@ -57,6 +64,7 @@ MODELS = {  # name: (module, data, callbacks)
     "backbone": (partial(TransferLearningModel, norm="group"), ImageDataModule, _backbone_callbacks),
     "frozen": (FrozenEmbeddingsLM, RandomTokenDataModule, _state_only),
     "lora": (LoraLM, RandomTokenDataModule, _state_only),
+    "lora_all": (partial(LoraLM, target_modules=LLAMA_PROJECTIONS), RandomTokenDataModule, _state_only),
 }
 LAYOUTS = {
     "z0": {},
@@ -64,14 +72,16 @@ LAYOUTS = {
     "z2": {"zero_stage": 2},
     "z3": {"zero_stage": 3},
     "tp2": {"tensor_parallel_size": 2},
+    "tp2sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
     "pp2": {"pipeline_parallel_size": 2},
 }
 CASES = {
     "backbone": ["z0", "z1", "z2", "z3", "pp2"],
-    "frozen": ["z0", "z3", "tp2", "pp2"],
-    "lora": ["z0", "z1", "z3", "pp2"],
+    "frozen": ["z0", "z3", "tp2", "tp2sp", "pp2"],
+    "lora": ["z0", "z1", "z3", "tp2", "pp2"],
+    "lora_all": ["tp2", "tp2sp"],
 }
-QUICK = {"backbone/z0", "backbone/z3", "backbone/pp2", "frozen/tp2", "lora/z3"}
+QUICK = {"backbone/z0", "backbone/z3", "backbone/pp2", "frozen/tp2", "lora/z3", "lora_all/tp2"}
 NAMES = [f"{model}/{layout}" for model, layouts in CASES.items() for layout in layouts]
 
 
@@ -110,9 +120,11 @@ def test_fine_tuning_trains_like_one_process(name):
         assert extra["stateful_frozen"] == 0, (rank, extra)
 
 
-def test_lora_under_tensor_parallelism_is_refused_naming_the_layouts_that_work():
+def test_lora_adapters_tensor_parallelism_cannot_split_are_refused_by_name():
+    """DoRA's magnitude vector (a per-output-feature scale of the whole weight) is not split beside a sharded
+    projection: refused before the mesh is used, naming the layer and what works."""
     from lightning_mgpu.parallel.tensor.apply import apply_tensor_parallel
 
-    module = LoraLM()
-    with pytest.raises(NotImplementedError, match=r"LoRA adapters \(.*q_proj.*zero_stage 0-3.*pipeline"):
-        apply_tensor_parallel(module, None, "auto", sequence_parallel=False)  # refused before the mesh is used
+    module = LoraLM(use_dora=True)
+    with pytest.raises(NotImplementedError, match=r"q_proj.*DoRA magnitudes.*use_dora=False"):
+        apply_tensor_parallel(module, None, "auto", sequence_parallel=False)

@@ -53,7 +53,7 @@ MATRIX = {
     "gpt2": DENSE,
     "qwen3-moe": [*DENSE, "ep2", "dp4-ep2"],
     "bert": [layout for layout in DENSE if layout != "cp2"],  # its [CLS] pooler under cp: refused (below)
-    "llama+lora": ["dp2-z0", "dp2-z3", "pp2"],  # LoRA under tp: refused (tests/test_finetuning.py)
+    "llama+lora": ["dp2-z0", "dp2-z3", "tp2", "pp2", "pp2-tp2"],
     # The Llama's weights from the other sources: a sharded checkpoint of this strategy, a Lightning file.
     "llama@sharded": ["tp2", "pp2-tp2"],
     "llama@torch": ["dp2-z3", "pp2"],

@@ -86,14 +86,20 @@ class FrozenEmbeddingsLM(L.LightningModule):
 
 
 class LoraLM(FrozenEmbeddingsLM):
-    """LoRA adapters on the attention projections (``peft.get_peft_model``): the base weights frozen."""
+    """LoRA adapters (``peft.get_peft_model``) on the attention's q and v projections (``peft``'s default for
+    Llama), or on ``target_modules``: the base weights frozen."""
 
-    def __init__(self, lr: float = 1e-2) -> None:
+    def __init__(self, lr: float = 1e-2, target_modules: tuple[str, ...] = ("q_proj", "v_proj"), **lora: Any) -> None:
         super().__init__(lr=lr)
         from peft import LoraConfig, get_peft_model
 
         self.model.requires_grad_(True)
-        self.model = get_peft_model(self.model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=list(target_modules), **lora)
+        self.model = get_peft_model(self.model, config)
+
+
+# Every projection of a Llama block: adapters beside column-parallel (q, k, v, gate, up) and row-parallel (o, down).
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class ImageDataModule(L.LightningDataModule):

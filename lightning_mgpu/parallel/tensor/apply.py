@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_mgpu.parallel.blocks import tied_parameters
 from lightning_mgpu.parallel.example import ExampleStep
+from lightning_mgpu.parallel.tensor.adapters import adapter_projections, through_adapters
 from lightning_mgpu.parallel.tensor.checks import check_divisible, parent_name
 from lightning_mgpu.parallel.tensor.experts import place_experts
 from lightning_mgpu.parallel.tensor.heads import per_head_outputs, shard_per_head_parameters, split_per_head_inputs
@@ -79,19 +80,6 @@ def _retie(module: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
             module.get_submodule(module_name).register_parameter(param_name, params[0])
 
 
-def _refuse_adapters(module: nn.Module) -> None:
-    """LoRA layers (``peft``: a ``base_layer`` beside ``lora_A``/``lora_B``) need the adapter split to match the
-    projection's (A replicated and B column-parallel beside a column-parallel base, the reverse beside a row-parallel
-    one), which no plan here makes yet."""
-    wrapped = [name for name, sub in module.named_modules() if hasattr(sub, "base_layer") and hasattr(sub, "lora_A")]
-    if wrapped:
-        raise NotImplementedError(
-            f"tensor_parallel_size > 1 with LoRA adapters ({len(wrapped)} layers, e.g. {wrapped[0]}) is not supported"
-            " yet. Train the adapters with data parallelism (zero_stage 0-3: the frozen base weights sharded at"
-            " ZeRO-3) or pipeline parallelism."
-        )
-
-
 # ----------------------------------------------------------------------------------------------------- apply
 def apply_tensor_parallel(
     module: nn.Module,
@@ -108,11 +96,10 @@ def apply_tensor_parallel(
         return
     if _already_parallelized(module):
         return  # the user's configure_model applied its own plan with `self.device_mesh`
-    _refuse_adapters(module)
     plan = auto_plan(module, sequence_parallel, example) if tp_plan == "auto" else dict(cast(dict[str, str], tp_plan))
     if loss_parallel:
         plan = _with_vocab_parallel_head(module, plan)
-    matched = with_network_copies(module, _match(module, plan))
+    matched = through_adapters(module, with_network_copies(module, _match(module, plan)))
     tp = tp_mesh.size()
     check_divisible(module, matched, tp)
     regions, local = _regions(module, matched)
@@ -120,11 +107,14 @@ def apply_tensor_parallel(
     switches = shape_switches(module, set(local.values()))
     for fqn, region in local.items():
         cast(_Colwise, styles[fqn]).switch = switches.get(region)
+    adapters = adapter_projections(module, matched)
     for fqn in per_head_outputs(module, matched, set(local.values())):  # reduce-scattered to the rank's heads
-        styles[fqn] = _Rowwise(output_layouts=Shard(-1))
+        if fqn not in adapters:
+            styles[fqn] = _Rowwise(output_layouts=Shard(-1))
     place_experts(module, plan, matched, styles, tp, sequence_parallel)
     _share_inputs(module, matched, styles)
     tied = tied_parameters(module)
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     parallelize_module(module, tp_mesh, {fqn: s for fqn, s in styles.items() if s is not None})
     for name in sorted(set(regions.values())):
         install_global_shape_region(module.get_submodule(name))
@@ -135,9 +125,19 @@ def apply_tensor_parallel(
     plain = set(local.values()) - set(move_mixing_regions(module, switches, local, tp_mesh, sequence_parallel))
     split_per_head_inputs(module, plain, tp_mesh)
     watch_shard_parameters(module, sorted(plain), set(matched), tp_mesh)
+    _keep_frozen(module, frozen)
     for child in module.modules():
         if any(isinstance(p, DTensor) for p in child.parameters(recurse=False)):
             child.register_forward_pre_hook(_arm_gradient_layout)
+
+
+def _keep_frozen(module: nn.Module, frozen: set[str]) -> None:
+    """Frozen parameters stay frozen: torch's styles re-register each parameter they distribute as a new
+    ``nn.Parameter``, which requires a gradient (``SequenceParallel`` does so for the norms), so a frozen layer
+    under sequence parallelism would train its norms."""
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if name in frozen and param.requires_grad:
+            param.requires_grad_(False)
 
 
 def _share_inputs(module: nn.Module, matched: dict[str, str], styles: dict[str, ParallelStyle | None]) -> None:

@@ -128,10 +128,14 @@ def auto_plan(module: nn.Module, sequence_parallel: bool = False, example: Examp
 
 
 def _hugging_face_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The Hugging Face models in ``module`` that declare a tensor-parallel plan, outermost first. A model's class
+    names its ``base_model_prefix``: wrappers that forward attributes to the model they hold (``peft``'s
+    ``PeftModel`` and ``LoraModel``) are looked through, so the plan's names are the model's own."""
     models: list[tuple[str, nn.Module]] = []
     for name, child in module.named_modules():
         plan = getattr(getattr(child, "config", None), "base_model_tp_plan", None)
-        if plan and hasattr(child, "base_model_prefix") and not any(name.startswith(p + ".") for p, _ in models):
+        declared = isinstance(getattr(type(child), "base_model_prefix", None), str)
+        if plan and declared and not any(name.startswith(p + ".") for p, _ in models):
             models.append((name, child))
     return models
 
