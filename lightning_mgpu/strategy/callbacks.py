@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveragi
 
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.parallel.data import stages
 
 # Callbacks that copy the whole module when the run starts (`setup`, before the strategy parallelizes it) and
 # average that copy with the module's parameters, paired by position.
@@ -39,8 +40,8 @@ def _what_splits_parameters(layout: ParallelLayout, options: ParallelOptions) ->
         return f"pipeline_parallel_size={layout.pipeline_parallel_size} each rank holds only its stages' parameters"
     if layout.tensor_parallel_size > 1:
         return f"tensor_parallel_size={layout.tensor_parallel_size} each rank holds shards of them (DTensors)"
-    if layout.zero_stage >= 2 and layout.gradient_ranks > 1:
-        return f"zero_stage={layout.zero_stage} each rank holds shards of them (DTensors)"
+    if stages.shards_parameters(layout):
+        return "ZeRO-2/3 each rank holds shards of them (DTensors)"
     if options.expert_parallel_size > 1:
         return f"expert_parallel_size={options.expert_parallel_size} each rank holds only its experts"
     return ""

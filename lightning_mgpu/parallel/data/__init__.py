@@ -6,9 +6,11 @@ ZeRO-1's optimizer-state partition; ``set_gradient_sync``, ``reduce_metrics_over
 watch (``finish_backward``, ``stop_watching``) and ``prepare_backward`` (manual optimization's backward inside the
 root's forward) serve the strategy's step; ``sharded_by_user`` tells a module the user's ``configure_model`` wrapped
 with ``fully_shard`` itself (Lightning's ModelParallelStrategy style); ``use_gloo_comms`` gives FSDP2 gloo
-collectives at their analytic volume.
+collectives at their analytic volume. ``stages`` says what a ZeRO stage means to the rest of the run (what is
+partitioned or sharded, what stays whole): the one place that interprets the stage number.
 """
 
+from lightning_mgpu.parallel.data import stages
 from lightning_mgpu.parallel.data.buffers import once_per_step
 from lightning_mgpu.parallel.data.checks import check
 from lightning_mgpu.parallel.data.gloo_comms import use_gloo_comms
@@ -32,6 +34,7 @@ __all__ = [
     "reduce_metrics_over",
     "set_gradient_sync",
     "sharded_by_user",
+    "stages",
     "stop_watching",
     "use_gloo_comms",
 ]
