@@ -4,7 +4,7 @@
 Over a grid of models (heads, key/value heads, layers, vocabulary, experts) and cluster sizes, each ranked layout's
 printed ``HybridStrategy(...)`` call is evaluated and given to a ``Trainer`` (the checks of the launching process),
 the strategy it built compared with the ranked layout, and the strategy's own setup run on the real module (built
-on the meta device, on torch's fake process group: ``planner.rehearse.rehearse_rank``) for its first and last
+on the meta device, on torch's fake process group: ``rehearsal.rehearse_rank``) for its first and last
 ranks, where setup checks the module (sharded sizes, the pipeline cut, the experts). The setups run in a forked
 process per case: a fake process group leaves state behind that later forked jobs of this worker would inherit.
 """
@@ -25,7 +25,7 @@ from lightning_mgpu import HybridStrategy, ParallelLayout
 from lightning_mgpu.demo import GPTLightningModule
 from lightning_mgpu.parallel import pipeline
 from lightning_mgpu.planner import Training, build_on_meta, parse_fix, preset, recipe, search, spec_from_module
-from lightning_mgpu.planner.rehearse import rehearse_rank
+from lightning_mgpu.rehearsal import rehearse_rank
 from tests.helpers.distributed import run_distributed
 from tests.helpers.tiers import case
 

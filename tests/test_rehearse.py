@@ -22,14 +22,14 @@ from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.planner.job import Layout, Training
 from lightning_mgpu.planner.model_spec import build_on_meta, spec_from_module
-from lightning_mgpu.planner.rehearse import (
+from lightning_mgpu.rehearsal import (
     RehearsalError,
+    StepBatch,
     beside_the_planner,
     positions,
     predicted_bytes,
     rehearse,
 )
-from lightning_mgpu.planner.rehearse_step import StepBatch
 from tests.helpers.batched import Run, fit_each, result
 from tests.helpers.modules import RandomTokenDataModule
 from tests.helpers.tiers import case
@@ -139,14 +139,14 @@ class StateBytes(L.Callback):
         self.results: dict[str, Any] = {}
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        from lightning_mgpu.planner.rehearse import _local_bytes, _unique
+        from lightning_mgpu.rehearsal.run import _local_bytes, _unique
 
         parameters = _unique(pl_module.parameters())
         self.results["parameter_bytes"] = sum(_local_bytes(p) for p in parameters)
         self.results["gradient_bytes"] = sum(_local_bytes(p.grad) for p in parameters if p.grad is not None)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        from lightning_mgpu.planner.rehearse import _state_bytes
+        from lightning_mgpu.rehearsal.run import _state_bytes
 
         self.results["optimizer_bytes"] = _state_bytes(trainer.optimizers[0])
         self.results["rank"] = trainer.global_rank
@@ -308,7 +308,7 @@ def test_the_load_of_a_140_gb_checkpoint_is_rehearsed_from_its_headers(tmp_path)
     maps onto the module, and each rank reads exactly its slices (half its fp32 parameter bytes, in bf16); a
     checkpoint with one wrong shape is refused as the strategy refuses it, naming the entry."""
     from lightning_mgpu.checkpoint.pretrained import open_weights
-    from lightning_mgpu.planner.rehearse import Pretrained
+    from lightning_mgpu.rehearsal import Pretrained
 
     total = _sparse_hugging_face_checkpoint(tmp_path, LLAMA_70B)
     assert total > 130 * 10**9

@@ -13,8 +13,8 @@ from lightning_mgpu.planner.cluster import GB, PRESETS, ClusterSpec, Efficiency,
 from lightning_mgpu.planner.cost import Estimate
 from lightning_mgpu.planner.job import PRECISIONS, SCHEDULES, Training
 from lightning_mgpu.planner.model_spec import ModelSpec, spec_from_path
-from lightning_mgpu.planner.rehearse import run_rehearsal
 from lightning_mgpu.planner.search import Plan, check_fit_hint, explain, parse_fix, search
+from lightning_mgpu.rehearsal import run_rehearsal
 
 # flag: help
 _MODEL_FLAGS = {

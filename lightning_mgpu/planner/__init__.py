@@ -2,9 +2,13 @@
 
 ``model_spec`` describes the model (from flags or a real module on the meta device), ``cluster`` the machines and
 the achieved fractions of their peaks, ``job`` the training setup and the planned layout, ``cost`` the memory and
-time model, ``search`` the enumeration and ranking, ``calibrate`` the ``--calibrate`` measurements, ``rehearse``
-the ``--rehearse`` runs, ``auto`` the entry point for ``"auto"`` sizes (``choose_layout``). The
-``lightning-mgpu plan`` command line is ``lightning_mgpu.cli.plan``.
+time model, ``search`` the enumeration and ranking, ``calibrate`` the ``--calibrate`` measurements, ``auto`` the
+entry point for ``"auto"`` sizes (``choose_layout``). The ``lightning-mgpu plan`` command line is
+``lightning_mgpu.cli.plan``.
+
+A lower layer: the strategy calls it when the Trainer is built (``auto``), so nothing here imports
+``lightning_mgpu.strategy``. The ``--rehearse`` runs, which drive the strategy's setup path, are
+``lightning_mgpu.rehearsal``, above the strategy beside the command line.
 """
 
 from lightning_mgpu.planner.auto import choose_layout, local_cluster

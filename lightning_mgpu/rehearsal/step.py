@@ -7,7 +7,7 @@ under a dispatch mode that records every collective (eager ``c10d`` ops and the 
 the process group it ran on. The fake process group returns at once.
 
 ``configured`` and ``optimizers_of`` build the module and its optimizers as the Trainer would, for this pass and
-the bytes pass (``rehearse``). Pipeline stages are not stepped: the schedule's first step exchanges tensor shapes
+the bytes pass (``rehearsal.run``). Pipeline stages are not stepped: the schedule's first step exchanges tensor shapes
 with the neighbouring stages' real processes. Nor is a step a model cannot take on data-free tensors (a branch on
 values): its note says why, and the rank's bytes stand.
 """

@@ -40,7 +40,7 @@ from lightning_mgpu.planner.cluster import ClusterSpec
 from lightning_mgpu.planner.cost import STATE_KINDS, state_bytes
 from lightning_mgpu.planner.job import Layout, Training
 from lightning_mgpu.planner.model_spec import ModelSpec, build_on_meta, load_class
-from lightning_mgpu.planner.rehearse_step import (
+from lightning_mgpu.rehearsal.step import (
     Collectives,
     StepBatch,
     configured,
@@ -77,7 +77,7 @@ class RankReport:
     layers: list[str] = field(default_factory=list)
     seconds: float = 0.0
     # One training step's collectives by axis and kind ({"tp": {"all_reduce": {"calls": 18, "bytes": ...}}}); None
-    # with the reason in ``collectives_note`` where not counted (see ``rehearse_step``).
+    # with the reason in ``collectives_note`` where not counted (see ``rehearsal.step``).
     collectives: Collectives | None = None
     collectives_note: str = ""
     # With pretrained weights: the bytes this rank reads from the checkpoint (DCP's read plan, headers only).
@@ -124,7 +124,7 @@ def rehearse(
     """Play ``ranks`` (default: :func:`positions`) of a job of ``layout.world_size`` processes in ``workers`` forked
     processes (default: the CPU cores, at most 4). ``build`` makes the LightningModule (called on the meta device in
     each worker, once per rank). ``step_batch``: also count the collectives of one training step on such a batch of
-    token ids (``rehearse_step``). ``pretrained``: check the checkpoint's names and shapes against the module and
+    token ids (``rehearsal.step``). ``pretrained``: check the checkpoint's names and shapes against the module and
     each rank's slices against its layout, from headers only. Raises :class:`RehearsalError` with the first failing
     rank's error."""
     ranks = positions(layout, options.expert_parallel_size) if ranks is None else ranks
