@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, cast
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.trainer.states import RunningStage, TrainerStatus
@@ -339,7 +340,7 @@ class Checkpointer:
             self.states.load_states(reader, model, optimizers, strict, str(path), checkpoint_id=path)
             moved = _moved_model_keys(meta)
             if moved:  # whole, for the hook that moved them (every rank holds such copies whole, as under DDP)
-                meta.update(load_without_process_group(path, moved))
+                meta.update(_laid_out_as_live(load_without_process_group(path, moved), model))
         else:
             meta = fmt.load_file(path, weights_only)
             if MODEL_KEY not in meta:
@@ -348,6 +349,7 @@ class Checkpointer:
             self.states.load_states(fmt.FlatReader(flat), model, optimizers, strict, str(path))
             kept = _moved_model_keys(meta)
             meta = {k: v for k, v in meta.items() if k not in (MODEL_KEY, OPTIMIZER_KEY) or k in kept}
+            meta.update(_laid_out_as_live({k: meta[k] for k in kept if k in meta}, model))
         resume.align_loops_with_data(meta)  # for checkpoints saved by an earlier version
         data_record = meta.pop(resume.DATA_KEY, None)
         if fitting:
@@ -424,7 +426,8 @@ def _model_entries(
     live_key = next((key for key, value in checkpoint.items() if isinstance(value, fmt.LiveModelState)), None)
     entries: dict[str, object] = {} if live_key is None else {live_key: live}
     if live_key != MODEL_KEY:
-        entries[MODEL_KEY] = checkpoint.get(MODEL_KEY) or {}
+        moved = checkpoint.get(MODEL_KEY) or {}
+        entries[MODEL_KEY] = states.describable(moved) if isinstance(moved, Mapping) else moved
     return live_key, entries
 
 
@@ -434,6 +437,29 @@ def _moved_model_keys(meta: dict[str, Any]) -> set[str]:
     model states only the live module receives."""
     live_key = meta.get(INFO_KEY, {}).get("live_model_key", MODEL_KEY)
     return set() if live_key == MODEL_KEY else {MODEL_KEY} | ({live_key} if live_key else set())
+
+
+def _laid_out_as_live(entries: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
+    """The moved model states with each whole tensor laid out as the live module's DTensor of the same name, for
+    the hook that loads them into the module and into a copy laid out as it (``WeightAveraging``'s average,
+    ``strategy/averaging.py``): a DTensor takes a DTensor of its placements. Each rank cuts its own shards."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    live = model.state_dict()
+    if not any(isinstance(value, DTensor) for value in live.values()):
+        return dict(entries)
+
+    def laid_out(name: str, value: object) -> object:
+        target = live.get(name)
+        if not isinstance(target, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            return value
+        value = value.to(target.device)
+        return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+
+    return {
+        key: {name: laid_out(name, value) for name, value in entry.items()} if isinstance(entry, Mapping) else entry
+        for key, entry in entries.items()
+    }
 
 
 def _fit_goes_on(model: nn.Module) -> bool:
