@@ -103,7 +103,10 @@ def _laid_out_as(own: torch.Tensor, target: DTensor, n_averaged: int, parameter:
         else:  # resumed or reused: the averages are the copy's, whole on every rank
             whole = own.full_tensor() if isinstance(own, DTensor) else own
             value = distribute_tensor(
-                whole.detach().to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None
+                whole.detach().to(target.device, target.dtype),
+                target.device_mesh,
+                target.placements,
+                src_data_rank=None,
             )
     return nn.Parameter(value, requires_grad=False) if parameter else value
 

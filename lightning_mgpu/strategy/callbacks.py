@@ -36,8 +36,7 @@ def _check_averaging(averaging: Any, layout: ParallelLayout, options: ParallelOp
             f"{name} keeps a whole copy of the module, made before the strategy parallelizes it, and averages it"
             f" with the module's parameters paired by position; under {split}, which that copy cannot be paired"
             " with (Lightning's own weight averaging refuses FSDP and DeepSpeed for the same reason). Train with"
-            f" {keeps}, or without {name}."
-            + (_SWA_SHARDED if split == _what_shards_parameters(layout) else "")
+            f" {keeps}, or without {name}." + (_SWA_SHARDED if split == _what_shards_parameters(layout) else "")
         )
 
 

@@ -12,6 +12,7 @@ import gc
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
@@ -52,8 +53,8 @@ from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
 from lightning_mgpu.strategy import setup as module_setup
-from lightning_mgpu.strategy.batch import keep_global_batch
 from lightning_mgpu.strategy.averaging import AveragedCopies
+from lightning_mgpu.strategy.batch import keep_global_batch
 from lightning_mgpu.strategy.callbacks import check_callbacks
 from lightning_mgpu.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_mgpu.strategy.collectives import DataParallelCollectives
@@ -404,8 +405,7 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
         reduce_metrics_over(self.lightning_module, self._reduce_group, self._patches)
         if self._deepspeed is None:  # (DeepSpeed refused in `check_callbacks`)
             callbacks = trainer.callbacks  # type: ignore[attr-defined]
-            roots = self._data_parallel_roots
-            reshard = lambda: module_setup.shard_gathered(roots)  # noqa: E731
+            reshard = partial(module_setup.shard_gathered, self._data_parallel_roots)
             self._averaged.repoint(callbacks, self.lightning_module, reshard, self._patches)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
