@@ -11,6 +11,7 @@ copy's own tensors (emptied while the run trains) are put back at teardown, hold
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_mgpu._compat.lightning import weight_averaging_copy, weight_averaging_device, weight_averaging_transfers
+from lightning_mgpu._compat.tensors import module_structure, set_module_structure
 from lightning_mgpu.patches import PatchLog
 
 
@@ -80,18 +82,21 @@ def _repoint_copy(
     targets = dict(module.named_buffers(remove_duplicate=False)) | dict(module.named_parameters(remove_duplicate=False))
     made: dict[int, torch.Tensor] = {}  # by the module's tensor: tied parameters stay tied
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for prefix, sub in copy.named_modules(remove_duplicate=False):
-        for store in (sub._parameters, sub._buffers):
-            for name, own in list(store.items()):
+    for prefix, sub in copy.named_modules():
+        before = module_structure(sub)
+        children, parameters, buffers = module_structure(sub)
+        for store in (parameters, buffers):
+            for name, own in store.items():
                 target = targets.get(f"{prefix}.{name}" if prefix else name)
-                if own is None or target is None or not isinstance(target, DTensor):
+                if own is None or not isinstance(target, DTensor):
                     continue
                 if id(target) not in made:
-                    made[id(target)] = _laid_out_as(own, target, n_averaged, store is sub._parameters)
+                    made[id(target)] = _laid_out_as(own, target, n_averaged, store is parameters)
                     pairs.append((own, made[id(target)]))
                     own.data = own.data.new_empty(0)  # the copy's whole tensor holds no memory while it trains
-                patches.add(_put_back(store, name, own))
                 store[name] = made[id(target)]
+        set_module_structure(sub, children, parameters, buffers)
+        patches.add(partial(set_module_structure, sub, *before))
     _check_same_pairing(copy, module)
     return pairs
 
@@ -109,13 +114,6 @@ def _laid_out_as(own: torch.Tensor, target: DTensor, n_averaged: int, parameter:
                 src_data_rank=None,
             )
     return nn.Parameter(value, requires_grad=False) if parameter else value
-
-
-def _put_back(store: dict[str, Any], name: str, own: torch.Tensor) -> Callable[[], None]:
-    def undo() -> None:
-        store[name] = own
-
-    return undo
 
 
 def _check_same_names(copy: nn.Module, module: nn.Module) -> None:
