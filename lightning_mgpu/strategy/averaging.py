@@ -44,6 +44,7 @@ class AveragedCopies:
         run ``before_transfers`` first (FSDP groups an evaluation left gathered are sharded again)."""
         from lightning.pytorch.callbacks import WeightAveraging
 
+        self._originals.clear()  # an earlier run's, not gathered (it failed, or left the module parallelized)
         for callback in callbacks:
             if not isinstance(callback, WeightAveraging):
                 continue
