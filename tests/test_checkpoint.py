@@ -889,3 +889,104 @@ def test_transformer_round_trips_between_3d_layouts(tmp_path, saved, resumed):
     )
     _losses_match(reference, second.losses, 3, CROSS_LAYOUT_RTOL)
     _assert_same_states(tmp_path / "step3.ckpt", resave_dir / "resaved.ckpt")
+
+
+class _AveragedMLP(L.LightningModule):
+    """Two residual blocks of Linear layers (splittable by tensor parallelism), validated each epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)) for _ in range(2)
+        )
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _averaged_fits(directory: Path, strategy_kwargs: dict, dp: int) -> dict[str, Any]:
+    """EMA over 2 epochs saving each epoch's end, then a resume from epoch 0's checkpoint: its losses and final
+    (averaged) weights."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from torch.distributed.tensor import DTensor
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g))
+
+    def fit(callbacks: list, ckpt_path: Path | None = None) -> dict[str, Any]:
+        module, losses, ema = _AveragedMLP(), [], EMAWeightAveraging(decay=0.5)
+        record = L.pytorch.callbacks.LambdaCallback(
+            on_train_batch_end=lambda trainer, *_: losses.append(float(trainer.callback_metrics["train_loss"]))
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=HybridStrategy(**strategy_kwargs),
+            max_epochs=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=[ema, record, *callbacks],
+        )
+        loader = DataLoader(data, batch_size=16 // dp)
+        trainer.fit(module, loader, loader, ckpt_path=ckpt_path)
+        weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        # Given back as made: the callback's own methods, its copy's plain tensors holding the average.
+        assert not {"_swap_models", "_copy_average_to_current"} & set(vars(ema))
+        averaged = ema._average_model.module.state_dict()
+        assert not any(isinstance(v, DTensor) for v in averaged.values())
+        torch.testing.assert_close(averaged, weights, rtol=0, atol=0)
+        return {"losses": losses, "weights": weights}
+
+    every = ModelCheckpoint(dirpath=directory, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    uninterrupted = fit([every])
+    saved = directory / "epoch=0.ckpt"
+    whole = consolidate(saved) if saved.is_dir() else torch.load(saved, weights_only=True)
+    average, current = whole["state_dict"], whole["current_model_state"]
+    resumed = fit([], ckpt_path=saved)
+    return {
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+        "apart": max((average[k] - current[k]).abs().max() for k in average),
+    }
+
+
+@pytest.mark.parametrize(
+    "strategy_kwargs, dp",
+    [
+        ({"tensor_parallel_size": 2, "checkpoint_format": "sharded"}, 1),
+        ({"tensor_parallel_size": 2, "tp_plan": {"blocks.*.0": "colwise", "blocks.*.2": "rowwise"}}, 1),
+        ({"zero_stage": 3, "checkpoint_format": "sharded"}, 2),
+        ({"zero_stage": 2}, 2),
+    ],
+    ids=["tp2-sharded", "tp2-plan-full", "zero3-sharded", "zero2-full"],
+)
+def test_weight_averaging_resumes_the_average_and_the_current_weights(tmp_path, strategy_kwargs, dp):
+    """EMAWeightAveraging's checkpoint holds the average (``state_dict``) and the current weights
+    (``current_model_state``), both sharded as the module; a resume from epoch 0 continues with the current weights
+    (the same losses) and ends with the uninterrupted run's average."""
+    result = run_distributed(_averaged_fits, 2, tmp_path, strategy_kwargs, dp)[0]
+    uninterrupted, resumed = result["uninterrupted"], result["resumed"]
+    steps = len(uninterrupted["losses"]) // 2
+    torch.testing.assert_close(resumed["losses"], uninterrupted["losses"][steps:], rtol=1e-6, atol=0)
+    torch.testing.assert_close(resumed["weights"], uninterrupted["weights"], rtol=1e-6, atol=1e-7)
+    assert result["apart"] > 1e-3  # the saved average is not the current weights

@@ -25,6 +25,10 @@ equivalent for most of them:
 - Checkpoint loading (``read_directories_in_load_from_checkpoint``): ``lightning.pytorch.core.saving.pl_load``,
   the function ``LightningModule.load_from_checkpoint`` opens its path with (as a file: a sharded directory failed
   with ``IsADirectoryError``); no public hook of the loader reads anything else.
+- Weight averaging (``strategy/averaging.py``): ``WeightAveraging._average_model`` (the ``AveragedModel`` its
+  ``setup`` deep-copies from the module before the strategy parallelizes it; no public accessor), its ``_device``,
+  and ``_swap_models``/``_copy_average_to_current``, the two methods that copy values between the copy and the
+  module.
 - Logging internals (``RepeatedLog``): the trainer's result collection (``trainer._results``: ``update_metrics``,
   ``_extract_batch_size``), the logger connector's ``should_reset_tensors``/``_current_fx`` and the module's
   ``_current_fx_name``, to repeat a ``self.log`` call without rebuilding what the first call registered.
@@ -208,6 +212,29 @@ def call_callback_hooks(trainer: pl.Trainer, hook: str, *args: object) -> None:
 
 def call_lightning_module_hook(trainer: pl.Trainer, hook: str, *args: object) -> object:
     return internal("lightning.pytorch.trainer.call", "_call_lightning_module_hook")(trainer, hook, *args)
+
+
+# ------------------------------------------------------------------------------------------------ weight averaging
+WEIGHT_AVERAGING_TRANSFERS = ("_swap_models", "_copy_average_to_current")
+
+
+def weight_averaging_copy(callback: object) -> torch.optim.swa_utils.AveragedModel | None:
+    """The ``AveragedModel`` a ``WeightAveraging`` callback built in ``setup`` (None outside ``fit``)."""
+    _check_attribute(callback, "_average_model", "WeightAveraging")
+    return callback._average_model  # type: ignore[attr-defined]
+
+
+def weight_averaging_device(callback: object) -> torch.device | int | None:
+    """The device a ``WeightAveraging`` callback was asked to keep its copy on (None: the module's)."""
+    _check_attribute(callback, "_device", "WeightAveraging")
+    return callback._device  # type: ignore[attr-defined]
+
+
+def weight_averaging_transfers(callback: object) -> dict[str, Callable[..., None]]:
+    """The callback's bound methods that copy values between its averaged copy and the module, by name."""
+    for name in WEIGHT_AVERAGING_TRANSFERS:
+        _check_attribute(callback, name, "WeightAveraging")
+    return {name: getattr(callback, name) for name in WEIGHT_AVERAGING_TRANSFERS}
 
 
 # ----------------------------------------------------------------------------------------------- logging internals

@@ -339,7 +339,7 @@ class Checkpointer:
             self.states.load_states(reader, model, optimizers, strict, str(path), checkpoint_id=path)
             moved = _moved_model_keys(meta)
             if moved:  # whole, for the hook that moved them (every rank holds such copies whole, as under DDP)
-                meta.update(load_without_process_group(path, moved))
+                meta.update(states.laid_out_as_live(load_without_process_group(path, moved), model))
         else:
             meta = fmt.load_file(path, weights_only)
             if MODEL_KEY not in meta:
@@ -348,6 +348,7 @@ class Checkpointer:
             self.states.load_states(fmt.FlatReader(flat), model, optimizers, strict, str(path))
             kept = _moved_model_keys(meta)
             meta = {k: v for k, v in meta.items() if k not in (MODEL_KEY, OPTIMIZER_KEY) or k in kept}
+            meta.update(states.laid_out_as_live({k: meta[k] for k in kept if k in meta}, model))
         resume.align_loops_with_data(meta)  # for checkpoints saved by an earlier version
         data_record = meta.pop(resume.DATA_KEY, None)
         if fitting:
@@ -424,7 +425,8 @@ def _model_entries(
     live_key = next((key for key, value in checkpoint.items() if isinstance(value, fmt.LiveModelState)), None)
     entries: dict[str, object] = {} if live_key is None else {live_key: live}
     if live_key != MODEL_KEY:
-        entries[MODEL_KEY] = checkpoint.get(MODEL_KEY) or {}
+        moved = checkpoint.get(MODEL_KEY) or {}
+        entries[MODEL_KEY] = states.describable(moved) if isinstance(moved, Mapping) else moved
     return live_key, entries
 
 

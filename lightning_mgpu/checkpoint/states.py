@@ -472,3 +472,26 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
         name, keys, pos, has_gauss, cached = states["numpy"]
         np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def laid_out_as_live(entries: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
+    """The moved model states with each whole tensor laid out as the live module's DTensor of the same name, for
+    the hook that loads them into the module and into a copy laid out as it (``WeightAveraging``'s average,
+    ``strategy/averaging.py``): a DTensor takes a DTensor of its placements. Each rank cuts its own shards."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    live = model.state_dict()
+    if not any(isinstance(value, DTensor) for value in live.values()):
+        return dict(entries)
+
+    def laid_out(name: str, value: object) -> object:
+        target = live.get(name)
+        if not isinstance(target, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            return value
+        value = value.to(target.device)
+        return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+
+    return {
+        key: {name: laid_out(name, value) for name, value in entry.items()} if isinstance(entry, Mapping) else entry
+        for key, entry in entries.items()
+    }

@@ -12,6 +12,7 @@ import gc
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
@@ -52,6 +53,7 @@ from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
 from lightning_mgpu.strategy import setup as module_setup
+from lightning_mgpu.strategy.averaging import AveragedCopies
 from lightning_mgpu.strategy.batch import keep_global_batch
 from lightning_mgpu.strategy.callbacks import check_callbacks
 from lightning_mgpu.strategy.checkpoint_hooks import CheckpointHooks
@@ -319,6 +321,7 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
         self._restores = restore_module_on_teardown is not False  # this run's choice (None: decided in `setup`)
         self._patches = PatchLog()
         self._snapshot: ModuleSnapshot | None = None
+        self._averaged = AveragedCopies()  # weight-averaging callbacks' copies, laid out as the parallel module
         self._failed = False
         self._interrupted = False  # an exception ended the run (a step may have stopped inside a forward)
 
@@ -400,6 +403,10 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
                 self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains
         self._patches.add_process_wide(equal_over_mesh())  # torch.equal of DTensors: no world-wide collective
         reduce_metrics_over(self.lightning_module, self._reduce_group, self._patches)
+        if self._deepspeed is None:  # (DeepSpeed refused in `check_callbacks`)
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]
+            reshard = partial(module_setup.shard_gathered, self._data_parallel_roots)
+            self._averaged.repoint(callbacks, self.lightning_module, reshard, self._patches)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -475,6 +482,7 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
             # (ZeRO-2/3, and FSDP2's replicate beside tp or pp): the module then held the gathered copies, not the
             # parameters the optimizers step and point at.
             module_setup.shard_gathered(self._data_parallel_roots)
+        self._averaged.gather()  # before restore_plain undoes the patches that re-pointed the copies
         restore_plain(snapshot, list(self.optimizers), self._patches, pp_group)
         self.model, self._runner, self._pipeline, self._context = self.lightning_module, None, None, None
         gc.collect()  # DDP's reducer (its autograd hooks on the parameters) goes with the step runner

@@ -753,6 +753,50 @@ def test_lightning_internals(tmp_path):
     _expect(isinstance(lc.IS_INTERACTIVE, bool), "_IS_INTERACTIVE", "lightning", "")
 
 
+def test_weight_averaging_internals():
+    """``WeightAveraging``'s ``_average_model`` (built in ``setup``), ``_device``, and the methods its hooks call
+    through the instance (``strategy/averaging.py`` lays out the copy and guards these): the average's
+    ``update_parameters`` after a step, ``_swap_models`` around validation, ``_copy_average_to_current`` at the end;
+    the swap pairs ``parameters()`` then ``buffers()`` by position."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from torch.optim.swa_utils import AveragedModel
+
+    callback, model = EMAWeightAveraging(decay=0.5), _Tiny()
+    _expect(lc.weight_averaging_copy(callback) is None, "WeightAveraging._average_model", "lightning", "set early")
+    _expect(lc.weight_averaging_device(callback) is None, "WeightAveraging._device", "lightning", "")
+    callback.setup(None, model, "fit")
+    averaged = lc.weight_averaging_copy(callback)
+    _expect(isinstance(averaged, AveragedModel), "WeightAveraging._average_model", "lightning", str(type(averaged)))
+    calls = []
+    for name, method in lc.weight_averaging_transfers(callback).items():
+        setattr(callback, name, lambda *args, name=name, method=method: (calls.append(name), method(*args)))
+    update = averaged.update_parameters
+    averaged.update_parameters = lambda module: (calls.append("update"), update(module))
+    trainer = SimpleNamespace(global_step=1, current_epoch=0)
+    callback.on_train_batch_end(trainer, model, None, None, 0)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    callback.on_validation_epoch_start(trainer, model)
+    swapped = [p.detach().clone() for p in model.parameters()]
+    callback.on_validation_epoch_end(trainer, model)
+    callback.on_train_end(trainer, model)
+    _expect(
+        calls == ["update", "_swap_models", "_swap_models", "_copy_average_to_current"],
+        "WeightAveraging's hooks",
+        "lightning",
+        str(calls),
+    )
+    _expect(
+        not torch.equal(swapped[0], before[0]) and torch.equal(swapped[1], before[1]),
+        "WeightAveraging._swap_models",
+        "lightning",
+        "no longer pairs parameters by position",
+    )
+
+
 def test_lightning_hands_the_strategy_a_plugin_that_names_its_precision():
     """``HybridPrecision.handed_over`` reads only the plugin Lightning built (its public ``precision``; no call
     stack). On CPU Lightning turns ``"16-mixed"`` into ``"bf16-mixed"`` and warns: that is what runs, and if

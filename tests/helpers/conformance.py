@@ -85,18 +85,31 @@ def cells(subjects: Sequence[Subject], quick: set[tuple[str, str]]) -> list[Cell
 
 
 # ------------------------------------------------------------------------------------------------------ features
-_AVERAGING_REFUSED = (
+_AVERAGING_PIPELINED = (
     "the callback pairs a whole copy of the module, made before the strategy parallelizes it, with the module's"
-    " parameters by position: under ZeRO-2/3 and tensor parallelism these are shards, under pipeline parallelism"
-    " each rank holds its stages only (Lightning's own weight averaging refuses FSDP and DeepSpeed alike); it"
-    " trains at ZeRO-0/1 with data parallelism alone"
+    " parameters by position: under pipeline parallelism each rank holds its stages only, which that copy cannot be"
+    " paired with; it trains under data parallelism (ZeRO 0-3) and tensor parallelism, where the copy is laid out"
+    " as the parallelized module"
+)
+_SWA_SHARDED = (
+    "`StochasticWeightAveraging` pairs a whole copy of the module, made before the strategy parallelizes it, with"
+    " the module's parameters by position and saves that copy in the callback's own state, which one rank writes:"
+    " under ZeRO-2/3 and tensor parallelism the parameters are shards, under pipeline parallelism each rank holds"
+    " its stages only (Lightning refuses FSDP and DeepSpeed alike); it trains at ZeRO-0/1 with data parallelism"
+    " alone, and `EMAWeightAveraging`/`WeightAveraging` train under every layout but pipelining"
 )
 
 
-def _averaging(layout: str) -> tuple[Expect, str, str]:
+def _stochastic_averaging(layout: str) -> tuple[Expect, str, str]:
     if layout in ("dp2 ZeRO-0", "dp2 ZeRO-1"):
         return "equal", "", ""
-    return "refused", _AVERAGING_REFUSED, "keeps a whole copy of the module"
+    return "refused", _SWA_SHARDED, "keeps a whole copy of the module"
+
+
+def _averaging(layout: str) -> tuple[Expect, str, str]:
+    if "pp2" in layout:
+        return "refused", _AVERAGING_PIPELINED, "keeps a whole copy of the module"
+    return "equal", "", ""
 
 
 _LR_FIND_RANK_ZERO = (
@@ -138,7 +151,7 @@ FEATURES: list[Subject] = [
     Subject("accumulation_scheduler", "`GradientAccumulationScheduler`", "schedules"),
     Subject("clip_value", '`gradient_clip_val` with `gradient_clip_algorithm="value"`', "clip_value"),
     Subject("accumulate", "`accumulate_grad_batches`", "clip_value"),
-    Subject("swa", "`StochasticWeightAveraging`", "swa", _averaging),
+    Subject("swa", "`StochasticWeightAveraging`", "swa", _stochastic_averaging),
     Subject(
         "ema",
         "`EMAWeightAveraging` (Lightning's `WeightAveraging`), its checkpoints loaded and resumed",
@@ -178,6 +191,7 @@ _QUICK_FEATURES = {
     ("accumulate", "tp2"),
     ("ema", "dp2 ZeRO-0"),
     ("ema", "dp2 ZeRO-3"),
+    ("ema", "tp2"),
     ("swa", "pp2"),
     ("lr_find", "dp2 ZeRO-1"),
     ("scale_batch_size", "dp2 ZeRO-0"),
