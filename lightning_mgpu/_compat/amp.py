@@ -11,8 +11,6 @@ uncoalesced sparse gradient in place (``values()`` needs a coalesced copy, which
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -46,6 +44,6 @@ class ScalerHooks(ShardedGradScaler):
     ) -> dict[torch.device, Tensor]:
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
 
-    def unscale_locally(self, optimizer: Optimizer) -> Any:
+    def unscale_locally(self, optimizer: Optimizer) -> None:
         """``GradScaler.unscale_`` without the sharded scaler's all-reduce (one process: nothing to agree on)."""
         return torch.amp.GradScaler.unscale_(self, optimizer)

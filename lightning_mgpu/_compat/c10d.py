@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,7 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_mgpu._compat import changed
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
+    from torch._ops import _OpNamespace
+    from torch.distributed import ProcessGroup, Store
 
 
 def functional_collectives() -> ModuleType:
@@ -37,7 +38,7 @@ def functional_collectives() -> ModuleType:
     return funcol
 
 
-def fake_store() -> Any:
+def fake_store() -> Store:
     """A store for ``init_process_group("fake", ...)`` that needs no other rank (see the module docstring)."""
     try:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -71,10 +72,10 @@ def pipelining_p2p() -> tuple[ModuleType, str] | None:
     return (schedules, "_batch_p2p") if hasattr(schedules, "_batch_p2p") else None
 
 
-FUNCTIONAL_OPS: Any = getattr(torch.ops, "_c10d_functional", None)
+FUNCTIONAL_OPS: _OpNamespace | None = getattr(torch.ops, "_c10d_functional", None)
 
 
-def default_store() -> Any:
+def default_store() -> Store:
     """The default process group's ``Store`` (``add``, ``compare_set``, ...)."""
     from torch.distributed import distributed_c10d
 

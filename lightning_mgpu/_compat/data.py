@@ -8,14 +8,13 @@ it afterwards; the copy writes the attribute and resets the cached iterator (``_
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 from torch.utils.data import DataLoader
 
 from lightning_mgpu._compat import changed
 
 
-def with_sampler(loader: DataLoader, attribute: str, sampler: Any) -> DataLoader:
+def with_sampler(loader: DataLoader, attribute: str, sampler: object) -> DataLoader:
     """A copy of ``loader`` whose ``attribute`` (``"sampler"`` or ``"batch_sampler"``) is ``sampler``."""
     if "_iterator" not in loader.__dict__:
         raise AttributeError(changed("DataLoader._iterator", "torch", "the cached iterator moved"))

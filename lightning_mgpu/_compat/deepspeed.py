@@ -25,18 +25,18 @@ _LINKED = "_hp_optimizer_states_linked"
 _LINK = "_lazy_init_hp_params_optimizer_state"
 
 
-def has_fragment_mapping(param: Any) -> bool:
+def has_fragment_mapping(param: object) -> bool:
     """Whether DeepSpeed's ZeRO-1/2 (or bf16) optimizer maps this parameter to its flat fp32 partitions."""
     return hasattr(param, _MAPPING)
 
 
-def fragment_mapping(param: Any) -> Any | None:
+def fragment_mapping(param: object) -> Any | None:  # Any: DeepSpeed's untyped `tensor_fragment`
     """The parameter's fragment mapping (``hp_fragment``, ``get_optim_state_fragment(key)``, ``update_hp()``,
     ``lp_fragment_address``), or None where this rank's partition holds none of it."""
     return getattr(param, _MAPPING, None)
 
 
-def relink_optimizer_states(zero_optimizer: Any) -> None:
+def relink_optimizer_states(zero_optimizer: object) -> None:
     """Point every parameter's fragment at its param group's current optimizer states (local: views)."""
     if zero_optimizer is not None and hasattr(zero_optimizer, _LINK):
         setattr(zero_optimizer, _LINKED, False)

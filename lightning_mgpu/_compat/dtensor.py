@@ -30,7 +30,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,23 +41,26 @@ from lightning_mgpu._compat import changed, internal
 from lightning_mgpu._compat.c10d import functional_collectives
 
 if TYPE_CHECKING:
+    from torch._ops import OpOverload
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import Placement, _StridedShard
+    from typing_extensions import TypeIs
 
-StridedShard: Any = internal("torch.distributed.tensor.placement_types", "_StridedShard")
+StridedShard: type[_StridedShard] = internal("torch.distributed.tensor.placement_types", "_StridedShard")
 
 
-def strided_shard(dim: int, chunks: int) -> Any:
+def strided_shard(dim: int, chunks: int) -> _StridedShard:
     """Shard ``dim`` chunk by chunk: each of ``chunks`` equal chunks is sharded over the mesh dimension."""
     return StridedShard(dim, split_factor=chunks)
 
 
-def is_strided_shard(placement: Any) -> bool:
+def is_strided_shard(placement: Placement) -> TypeIs[_StridedShard]:
     return isinstance(placement, StridedShard)
 
 
-def strided_chunks(placement: Any) -> int:
+def strided_chunks(placement: Placement) -> int:
     """The number of chunks a ``StridedShard`` splits its dimension into (1 for any other placement)."""
-    return placement.split_factor if isinstance(placement, StridedShard) else 1
+    return cast(int, placement.split_factor) if isinstance(placement, StridedShard) else 1
 
 
 class StyleHooks:
@@ -68,7 +71,8 @@ class StyleHooks:
     style's layouts: the ``input_fn``/``output_fn`` that ``distribute_module`` takes.
     """
 
-    # The torch style's settings these hooks read (set by its __init__).
+    # The torch style's settings these hooks read (set by its __init__; Any: each torch style infers its own tuple
+    # types for them, which a declaration here would have to match in every style it mixes into).
     input_layouts: Any
     desired_input_layouts: Any
     output_layouts: Any
@@ -80,12 +84,14 @@ class StyleHooks:
     def apply_style(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return super()._apply(module, device_mesh)  # type: ignore[misc]
 
-    def prepare_input(self, module: nn.Module, inputs: Any, device_mesh: DeviceMesh) -> Any:
+    def prepare_input(self, module: nn.Module, inputs: tuple[object, ...], device_mesh: DeviceMesh) -> DTensor:
         return self._prepare_input_fn(  # type: ignore[attr-defined]
             self.input_layouts, self.desired_input_layouts, module, inputs, device_mesh
         )
 
-    def prepare_output(self, module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
+    # Any: an `output_fn` for `distribute_module`, which declares its hooks as returning None (and uses what they
+    # return).
+    def prepare_output(self, module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) -> Any:
         return self._prepare_output_fn(  # type: ignore[attr-defined]
             self.output_layouts, self.use_local_output, module, outputs, device_mesh
         )
@@ -113,7 +119,7 @@ def owned_local(dtensor: DTensor) -> torch.Tensor:
     return _OwnedLocal.apply(dtensor)
 
 
-def unflatten_mesh(mesh: DeviceMesh, dim_name: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+def unflatten_mesh(mesh: DeviceMesh, dim_name: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """``mesh`` with its dimension ``dim_name`` split into ``names`` of ``sizes`` (a view sharing the groups)."""
     unflatten = getattr(mesh, "_unflatten", None)
     if unflatten is None:
@@ -121,7 +127,7 @@ def unflatten_mesh(mesh: DeviceMesh, dim_name: str, sizes: tuple[int, ...], name
     return unflatten(dim_name, sizes, names)
 
 
-def flatten_mesh(mesh: DeviceMesh, dim_names: tuple[str, ...], name: str) -> Any:
+def flatten_mesh(mesh: DeviceMesh, dim_names: tuple[str, ...], name: str) -> DeviceMesh:
     """The dimensions ``dim_names`` of ``mesh`` as one dimension ``name``, sliceable from the root mesh afterwards
     (``root[name]``): one process group for all of them."""
     flatten = getattr(mesh[dim_names], "_flatten", None)
@@ -160,7 +166,7 @@ def equal_over_mesh() -> Callable[[], None]:
     return undo
 
 
-def _equal_over_mesh(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _equal_over_mesh(op_call: OpOverload, args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
     first, second = args[0], args[1]
     if not (isinstance(first, DTensor) and isinstance(second, DTensor)):
         message = "got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor"

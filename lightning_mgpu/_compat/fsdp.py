@@ -32,18 +32,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from lightning_mgpu._compat import changed, internal
 
+if TYPE_CHECKING:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
 
-def replicate_with_fsdp(module: nn.Module, **kwargs: object) -> Any:
+
+def replicate_with_fsdp(module: nn.Module, **kwargs: object) -> nn.Module:
     return internal("torch.distributed._composable.replicate_with_fsdp", "replicate")(module, **kwargs)
 
 
-def replicate_ddp(module: nn.Module, **kwargs: object) -> Any:
+def replicate_ddp(module: nn.Module, **kwargs: object) -> nn.Module:
     return internal("torch.distributed._composable.replicate", "replicate")(module, **kwargs)
 
 
@@ -103,7 +107,7 @@ def is_torch_added_attribute(name: str) -> bool:
     return name.startswith(_ADDED_PREFIX) or name in _ADDED_NAMES
 
 
-def ddp_of(module: nn.Module) -> Any | None:
+def ddp_of(module: nn.Module) -> DistributedDataParallel | None:
     """The ``DistributedDataParallel`` object behind ``replicate_ddp(module)``; None until its first forward builds
     it (torch keeps it in the composable state, ``_ReplicateState._ddp``)."""
     state = internal("torch.distributed._composable.replicate", "replicate").state(module)
@@ -115,7 +119,7 @@ def ddp_syncs_gradients(module: nn.Module) -> bool:
     return not internal("torch.distributed._composable.replicate", "replicate").state(module)._no_sync
 
 
-def rebuild_ddp(module: nn.Module, **kwargs: Any) -> Any:
+def rebuild_ddp(module: nn.Module, **kwargs: Any) -> DistributedDataParallel:
     """Replace the ``DistributedDataParallel`` object behind ``replicate_ddp(module)`` by one built with ``kwargs``.
 
     A reducer's settings (``find_unused_parameters``) are fixed when it is built. The old reducer's gradient hooks
@@ -149,7 +153,7 @@ def skip_ddp_post_forward_reduction(module: nn.Module) -> None:
         ddp.require_backward_grad_sync = False
 
 
-def reducer_finalized(ddp: Any) -> bool:
+def reducer_finalized(ddp: DistributedDataParallel) -> bool:
     """Whether the last backward that synchronized gradients reduced every bucket (``Reducer._check_reducer_finalized``
     raises otherwise: a parameter got no gradient, or the step's loss was not backpropagated)."""
     try:
@@ -159,7 +163,7 @@ def reducer_finalized(ddp: Any) -> bool:
     return True
 
 
-def ranks_that_used(ddp: Any) -> Any:
+def ranks_that_used(ddp: DistributedDataParallel) -> torch.Tensor:
     """Per parameter of the reducer, how many ranks gave it a gradient in the last synchronized step (the map DDP
     all-reduces when it looks for unused parameters: ``Reducer._get_local_used_map``)."""
     return ddp.reducer._get_local_used_map()

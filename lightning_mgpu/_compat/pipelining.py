@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
@@ -35,10 +35,18 @@ from typing_extensions import override
 
 from lightning_mgpu._compat import InternalChanged, changed, internal
 
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    from torchmetrics import Metric
+
+# One computation of a schedule: (kind, stage, microbatch); an overlapped pair is listed as its two parts.
+Computation = tuple[str, int, int]
+
 _METADATA_HOOKS = ("_forward_metadata_inference", "_backward_metadata_inference")
 
 
-def forward_only_schedule(stage: PipelineStage, n_microbatches: int) -> Any:
+def forward_only_schedule(stage: PipelineStage, n_microbatches: int) -> PipelineScheduleSingle:
     """A schedule running only forwards over one stage per rank."""
     return internal("torch.distributed.pipelining.schedules", "_ScheduleForwardOnly")(stage, n_microbatches)
 
@@ -48,7 +56,9 @@ def forward_only_schedule(stage: PipelineStage, n_microbatches: int) -> Any:
 _KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 
 
-def schedule_actions(schedule: str, pp_size: int, microbatches: int, stages_per_rank: int) -> list[list[Any]]:
+def schedule_actions(
+    schedule: str, pp_size: int, microbatches: int, stages_per_rank: int
+) -> list[list[Computation | list[Computation]]]:
     """Each pipeline rank's computations in the order torch's ``schedule`` runs them, as ``(kind, stage,
     microbatch)`` with kind ``F``, ``B`` (whole backward), ``I`` (input gradients) or ``W`` (weight gradients);
     an overlapped forward-backward (DualPipeV) becomes a list of its two parts. Communication and gradient
@@ -68,14 +78,14 @@ def schedule_actions(schedule: str, pp_size: int, microbatches: int, stages_per_
     return ranks
 
 
-def _part(action: Any) -> tuple[str, int, int] | None:
+def _part(action: Any) -> Computation | None:  # Any: torch's `_Action`, read as torch 2.13 builds it
     kind = _KINDS.get(getattr(action.computation_type, "name", ""))
     if kind is None:
         return None
     return kind, int(action.stage_index), int(action.microbatch_index)
 
 
-def stage_class_with_shape_trial(trial: Callable[[nn.Module], AbstractContextManager[Any]]) -> type[PipelineStage]:
+def stage_class_with_shape_trial(trial: Callable[[nn.Module], AbstractContextManager[object]]) -> type[PipelineStage]:
     """A ``PipelineStage`` that runs torch's shape-inference trial inside ``trial(submodule)``.
 
     The trial runs the stage once on the first microbatch's inputs; the runtime must tell it from a real
@@ -100,31 +110,32 @@ def stage_class_with_shape_trial(trial: Callable[[nn.Module], AbstractContextMan
 _METRIC_ATTRIBUTES = ("_defaults", "_update_count", "_forward_cache", "_computed", "_to_sync", "_should_unsync")
 
 
-def metric_states(metric: Any) -> dict[str, Any]:
+def metric_states(metric: Metric) -> dict[str, list | torch.Tensor]:
     """The metric's state names and their defaults (``add_state``)."""
     return metric._defaults
 
 
-def metric_progress(metric: Any) -> tuple[int, Any]:
+def metric_progress(metric: Metric) -> tuple[int, object]:
     """``(update count, last forward value)``."""
     return metric._update_count, metric._forward_cache
 
 
-def set_metric_progress(metric: Any, update_count: int, forward_value: Any) -> None:
+# Any: torchmetrics declares `_forward_cache` as None (its initial value).
+def set_metric_progress(metric: Any, update_count: int, forward_value: object) -> None:
     """Set the update count and forward value, dropping a cached ``compute()`` result."""
     metric._update_count, metric._forward_cache, metric._computed = update_count, forward_value, None
 
 
-def set_metric_forward_value(metric: Any, forward_value: Any) -> None:
+def set_metric_forward_value(metric: Any, forward_value: object) -> None:  # Any: as above
     metric._forward_cache = forward_value
 
 
-def sync_as_in_forward(metric: Any) -> None:
+def sync_as_in_forward(metric: Metric) -> None:
     """Make the next ``compute()`` sync as torchmetrics' own ``forward`` does: only with ``dist_sync_on_step``."""
     metric._to_sync, metric._should_unsync = metric.dist_sync_on_step, False
 
 
-def forward_hook_functions(module: nn.Module) -> list[Any]:
+def forward_hook_functions(module: nn.Module) -> list[Callable[..., object]]:
     """The forward hooks registered on ``module`` (nothing public lists them)."""
     return list(module._forward_hooks.values())
 

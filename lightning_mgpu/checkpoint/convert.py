@@ -48,7 +48,7 @@ def consolidate_directory(path: Path, meta: dict[str, Any], weights_only: bool =
 
 
 def consolidate_directory_from(
-    flat: dict[str, Any], meta: dict[str, Any], weights_only: bool, path: Path
+    flat: dict[str, object], meta: dict[str, Any], weights_only: bool, path: Path
 ) -> dict[str, Any]:
     """The full checkpoint from a sharded directory's entries by their DCP keys (``state_dict.<fqn>``,
     ``optimizer_states.<i>.<flat key>``; values or placeholders) and its ``meta``."""
@@ -65,7 +65,7 @@ def consolidate_directory_from(
     if weights_only:
         info = {k: v for k, v in info.items() if k in ("format_version", "format", "hf_models")}
     full[INFO_KEY] = info
-    optimizers: dict[int, dict[str, Any]] = {}
+    optimizers: dict[int, dict[str, object]] = {}
     for key, value in flat.items():
         if key.startswith(OPTIMIZER_KEY + "."):
             index, rest = key[len(OPTIMIZER_KEY) + 1 :].split(".", 1)
@@ -173,7 +173,7 @@ def _directory_leaves(path: Path, meta: dict[str, Any], weights_only: bool) -> t
     wanted = [k for k in metadata if not weights_only or k.startswith(MODEL_KEY + ".")]
     tensors = {k: md for k in wanted if isinstance(md := metadata[k], TensorStorageMetadata)}
     small = _read_entries(path, [k for k in wanted if k not in tensors])  # hyperparameters: a few bytes each
-    flat: dict[str, Any] = {**small}
+    flat: dict[str, object] = {**small}
     for key, md in tensors.items():
         flat[key] = stream.Leaf(key, tuple(md.size), md.properties.dtype)
     skeleton = consolidate_directory_from(flat, meta, weights_only, path)
@@ -191,12 +191,12 @@ def _as_leaves(value: object, path: str, table: dict[str, torch.Tensor]) -> Any:
     return value
 
 
-def _read_entries(path: Path, keys: list[str]) -> dict[str, Any]:
+def _read_entries(path: Path, keys: list[str]) -> dict[str, object]:
     if not keys:
         return {}
     import torch.distributed.checkpoint as dcp
 
-    state: dict[str, Any] = dict.fromkeys(keys)
+    state: dict[str, object] = dict.fromkeys(keys)
     dcp.load(state, storage_reader=FileSystemReader(path), no_dist=True)
     return state
 
@@ -211,7 +211,7 @@ def _read_tensor(path: Path, leaf: stream.Leaf) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------- inspect
-def _describe_layout(record: Any) -> str:
+def _describe_layout(record: object) -> str:
     """A saved layout record (``checkpointer.layout_record``) as ``ParallelLayout.describe`` says it."""
     from lightning_mgpu.layout import ParallelLayout
 

@@ -24,9 +24,10 @@ Modes (``activation_checkpointing=`` of :class:`~lightning_mgpu.HybridStrategy`)
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -37,12 +38,16 @@ from lightning_mgpu._compat.c10d import FUNCTIONAL_OPS
 from lightning_mgpu._compat.tensors import TorchDispatchMode, tree_leaves
 from lightning_mgpu.parallel.blocks import find_blocks
 
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+    from torch.multiprocessing.reductions import StorageWeakRef
+
 Mode = bool | str | list[type] | tuple[type, ...]
 
 _INNER_FORWARD = "_mgpu_checkpointed_forward"
 
 
-def _saved_ops() -> set[Any]:
+def _saved_ops() -> set[OpOverload]:
     """Ops whose outputs "selective" keeps: the expensive ones (matmuls, attention) and communication."""
     aten = torch.ops.aten
     names = [
@@ -66,7 +71,7 @@ def _saved_ops() -> set[Any]:
             (c10d, "all_gather_into_tensor"),
             (c10d, "all_to_all_single"),
         ]
-    ops: set[Any] = set()
+    ops: set[OpOverload] = set()
     for namespace, name in names:
         packet = getattr(namespace, name, None)
         if packet is not None:
@@ -74,14 +79,14 @@ def _saved_ops() -> set[Any]:
     return ops
 
 
-_SAVED_OPS: set[Any] = set()
+_SAVED_OPS: set[OpOverload] = set()
 
 
-def _selective_policy(ctx: object, op: Any, *args: object, **kwargs: object) -> CheckpointPolicy:
+def _selective_policy(ctx: object, op: OpOverload, *args: object, **kwargs: object) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_context() -> tuple[Any, Any]:
+def _selective_context() -> tuple[AbstractContextManager[object], AbstractContextManager[object]]:
     if not _SAVED_OPS:
         _SAVED_OPS.update(_saved_ops())
     return create_selective_checkpoint_contexts(_selective_policy)
@@ -151,10 +156,11 @@ def is_checkpointed(module: nn.Module) -> bool:
 
 def _checkpointed_forward(
     self: nn.Module, *args: object, context_fn: Callable[[], object] | None = None, **kwargs: object
-) -> Any:
+) -> object:
     inner = getattr(self, _INNER_FORWARD)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # evaluation: nothing is saved anyway
+    # Any: unpacked into `checkpoint`'s typed keyword parameters.
     extra: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
     return checkpoint(inner, *args, use_reentrant=False, **extra, **_without_cache(self, kwargs))
 
@@ -162,7 +168,7 @@ def _checkpointed_forward(
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 
 
-def _without_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _without_cache(block: nn.Module, kwargs: dict[str, object]) -> dict[str, Any]:  # Any: as `extra`
     """A block's keyword arguments without its key/value cache, as transformers' own gradient checkpointing drops
     it: the recomputation in backward would append the keys to the cache a second time."""
     dropped = [k for k in _CACHE_ARGUMENTS if kwargs.get(k) is not None]
@@ -201,17 +207,17 @@ class ActivationMemory:
                 return out
 
         self._mode = _Mode()
-        self._storages: dict[int, tuple[Any, int]] = {}
+        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak_bytes = 0
 
     def __enter__(self) -> ActivationMemory:
         self._mode.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._mode.__exit__(*exc)
 
-    def _record(self, out: Any) -> None:
+    def _record(self, out: object) -> None:
         from torch.distributed.tensor import DTensor
         from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -230,7 +236,7 @@ class ActivationMemory:
                 self._storages[key] = (StorageWeakRef(storage), storage.nbytes())
         self.peak_bytes = max(self.peak_bytes, self.held_bytes())
 
-    def held_bytes(self, exclude: Any = ()) -> int:
+    def held_bytes(self, exclude: Iterable[torch.Tensor] = ()) -> int:
         """Bytes of the recorded storages still alive, leaving out tensors in ``exclude`` (e.g. parameters)."""
         from torch.distributed.tensor import DTensor
 

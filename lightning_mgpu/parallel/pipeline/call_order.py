@@ -18,7 +18,7 @@ import ast
 import functools
 import inspect
 import textwrap
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ class _Walk:
     def visited_methods(self, module: nn.Module) -> set[str]:
         return {name for owner, name in self._methods if owner == id(module)}
 
-    def method(self, module: nn.Module, prefix: str, function: Any) -> None:
+    def method(self, module: nn.Module, prefix: str, function: Callable[..., object]) -> None:
         """Walk ``function`` (a method of ``module``, whose qualified name is ``prefix``) in source order."""
         key = (id(module), getattr(function, "__qualname__", repr(function)))
         if key in self._methods:
@@ -77,7 +77,9 @@ class _Walk:
 class _Visitor(ast.NodeVisitor):
     """Visits one function body, resolving ``self.a.b`` chains against the module tree."""
 
-    def __init__(self, walk: _Walk, module: nn.Module, prefix: str, self_name: str, function: Any) -> None:
+    def __init__(
+        self, walk: _Walk, module: nn.Module, prefix: str, self_name: str, function: Callable[..., object]
+    ) -> None:
         self.walk = walk
         self.module = module
         self.prefix = prefix
@@ -138,9 +140,9 @@ class _Visitor(ast.NodeVisitor):
             return
         self.walk.record(self._resolve(chain)[1])
 
-    def _resolve(self, chain: list[str]) -> tuple[Any, str, list[str]]:
+    def _resolve(self, chain: list[str]) -> tuple[nn.Module | torch.Tensor | None, str, list[str]]:
         """The deepest module or parameter ``chain`` names, its qualified name, and the attribute names left over."""
-        target: Any = self.module
+        target: nn.Module | torch.Tensor | None = self.module
         name = self.prefix
         for index, part in enumerate(chain):
             child = _child(target, part)
@@ -160,7 +162,7 @@ def _is_super_call(node: ast.expr) -> bool:
     )
 
 
-def _parent_method(cls: type, current: Any, name: str) -> Any:
+def _parent_method(cls: type, current: Callable[..., object], name: str) -> Callable[..., object] | None:
     """``name`` as ``super()`` finds it from the class that defines ``current``, or ``None``."""
     mro = cls.__mro__
     owner = next((i for i, c in enumerate(mro) if c.__dict__.get(getattr(current, "__name__", "")) is current), None)
@@ -169,7 +171,7 @@ def _parent_method(cls: type, current: Any, name: str) -> Any:
     return next((c.__dict__[name] for c in mro[owner + 1 :] if inspect.isfunction(c.__dict__.get(name))), None)
 
 
-def _child(module: nn.Module, name: str) -> Any:
+def _child(module: object, name: str) -> nn.Module | torch.Tensor | None:
     """The submodule, parameter or buffer ``name`` of ``module``, or ``None``."""
     if not isinstance(module, nn.Module):
         return None
@@ -200,7 +202,7 @@ def _chain(node: ast.expr, self_name: str) -> list[str] | None:
 
 
 @functools.lru_cache(maxsize=1024)  # one parse per function, not per block instance
-def _parse(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+def _parse(function: Callable[..., object]) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
     function = inspect.unwrap(function)
     try:
         source = textwrap.dedent(inspect.getsource(function))

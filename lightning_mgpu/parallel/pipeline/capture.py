@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import NoReturn
 
 from torch import nn
 
@@ -49,11 +49,11 @@ class StepCapture:
         with muted_logging(self.module, None), _forwards(self.network_path, _capturing):
             return [_network_call(step) for step in steps]
 
-    def replay(self, call: NetworkCall, output: object, step: Callable[[], object], logs: StepLogs) -> Any:
+    def replay(self, call: NetworkCall, output: object, step: Callable[[], object], logs: StepLogs) -> object:
         """``step()``'s result with ``call``'s module returning ``output``; its logs go into ``logs``."""
         calls = 0
 
-        def network(*args: object, **kwargs: object) -> Any:
+        def network(*args: object, **kwargs: object) -> object:
             nonlocal calls
             calls += 1
             if calls > 1:
@@ -82,14 +82,14 @@ def _forwards(modules: list[nn.Module], forward_of: Callable[[nn.Module], Callab
 
 
 def _capturing(module: nn.Module) -> Callable[..., object]:
-    def network(*args: object, **kwargs: object) -> Any:
+    def network(*args: object, **kwargs: object) -> NoReturn:
         raise _NetworkCalled(NetworkCall(module, args, kwargs))
 
     return network
 
 
 def _refusing(module: nn.Module) -> Callable[..., object]:
-    def network(*args: object, **kwargs: object) -> Any:
+    def network(*args: object, **kwargs: object) -> NoReturn:
         raise RuntimeError(_second_call(module))
 
     return network

@@ -18,7 +18,6 @@ placeholder's output before passing it to a block is still refused by the stage'
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import torch
 
@@ -57,7 +56,7 @@ class CarriedValues:
         self._calls[name] += 1
         return call
 
-    def placeholder_output(self, name: str, output: object) -> Any:
+    def placeholder_output(self, name: str, output: object) -> object:
         """A placeholder's zeros, with the values received in place of those that are carried (recorded while
         discovering)."""
         call = self.next_call(name)
@@ -69,7 +68,7 @@ class CarriedValues:
             return output
         return self._received_in(name, call, leaves, output)
 
-    def module_output(self, name: str, output: object) -> Any:
+    def module_output(self, name: str, output: object) -> object:
         """A forward hook on the real module ``name`` (on the ranks holding the first stage): on the first stage its
         carried tensors are kept to be sent; on a later stage of the same rank (V schedules) the values received
         replace them, as a placeholder's would."""
@@ -80,7 +79,7 @@ class CarriedValues:
                 self.computed[(name, call, index)] = tensor
         return self._received_in(name, call, leaves, output)
 
-    def _received_in(self, name: str, call: int, leaves: list[torch.Tensor], output: object) -> Any:
+    def _received_in(self, name: str, call: int, leaves: list[torch.Tensor], output: object) -> object:
         swap = {id(t): self.received[(name, call, i)] for i, t in enumerate(leaves) if (name, call, i) in self.received}
         if not swap:
             return output

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -70,7 +69,7 @@ def batch_size_of(batch: object) -> int:
     return _batch_size(tree_leaves(batch))
 
 
-def _batch_size(leaves: list[Any]) -> int:
+def _batch_size(leaves: list[object]) -> int:
     sizes = {t.shape[0] for t in leaves if torch.is_tensor(t) and t.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(
@@ -80,7 +79,7 @@ def _batch_size(leaves: list[Any]) -> int:
     return sizes.pop()
 
 
-def split_microbatches(batch: object, count: int) -> list[Any]:
+def split_microbatches(batch: object, count: int) -> list[object]:
     """Cut every tensor of ``batch`` into ``count`` equal chunks along dim 0; other leaves are shared."""
     leaves, spec = tree_flatten(batch)
     size = _batch_size(leaves)
@@ -97,5 +96,5 @@ def split_microbatches(batch: object, count: int) -> list[Any]:
     ]
 
 
-def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+def tensor_leaves(tree: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if torch.is_tensor(t)]

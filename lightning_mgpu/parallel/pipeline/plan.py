@@ -8,7 +8,6 @@ options check it before any process starts and the runtime (``pipeline``) applie
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import nn
 
@@ -116,7 +115,7 @@ def check_stage_count(num_stages: int, num_blocks: int, where: str) -> None:
         )
 
 
-def plan_split(module: nn.Module, num_stages: int, pipeline_split: Any) -> PipelineSplit:
+def plan_split(module: nn.Module, num_stages: int, pipeline_split: str | list[str]) -> PipelineSplit:
     container_fqn, container = _stage_container(module, pipeline_split)
     _refuse_split_network_copies(module, container_fqn)
     check_stage_count(num_stages, len(container), repr(container_fqn))
@@ -153,7 +152,7 @@ def _refuse_split_network_copies(module: nn.Module, container_fqn: str) -> None:
 
 
 def _stage_container(
-    module: nn.Module, pipeline_split: Any
+    module: nn.Module, pipeline_split: str | list[str]
 ) -> tuple[str, nn.ModuleList | nn.Sequential | nn.ModuleDict]:
     """The ModuleList/Sequential whose children are cut into stages.
 
@@ -206,7 +205,7 @@ def _around(module: nn.Module, container_fqn: str) -> tuple[tuple[list[str], lis
     blocks_at = order.get(container_fqn)
     before: tuple[list[str], list[str]] = ([], [])
     after: tuple[list[str], list[str]] = ([], [])
-    node: Any = module
+    node = module
     prefix = ""
     for part in container_fqn.split("."):
         seen = False

@@ -21,7 +21,7 @@ import copy
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -43,15 +43,19 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torchmetrics import Metric
 
+# A value `self.log` takes besides a Metric.
+Logged = torch.Tensor | int | float
+_Tree = TypeVar("_Tree")
+
 
 @dataclass
 class StepLogs:
     """What the user's step logged on the last stage during one step, across its microbatches."""
 
-    values: list[tuple[str, Any, dict]] = field(default_factory=list)  # tensors and numbers, one per microbatch
+    values: list[tuple[str, Logged, dict]] = field(default_factory=list)  # tensors and numbers, one per microbatch
     metrics: dict[str, tuple[nn.Module, dict]] = field(default_factory=dict)  # name -> (Metric, log kwargs)
 
-    def record(self, name: str, value: Any, kwargs: dict) -> None:
+    def record(self, name: str, value: object, kwargs: dict) -> None:
         from torchmetrics import Metric
 
         if isinstance(value, Metric):
@@ -66,7 +70,7 @@ class StepLogs:
 
     def means(self, device: torch.device) -> dict[str, tuple[torch.Tensor, dict]]:
         """Each logged name's mean over the microbatches, as a float64 scalar on ``device`` (no host sync)."""
-        grouped: dict[str, list[Any]] = {}
+        grouped: dict[str, list[Logged]] = {}
         options: dict[str, dict] = {}
         for name, value, kwargs in self.values:
             grouped.setdefault(name, []).append(value)
@@ -75,18 +79,19 @@ class StepLogs:
             return {name: (_mean(values, device), options[name]) for name, values in grouped.items()}
 
 
-def _mean(values: list[Any], device: torch.device) -> torch.Tensor:
+def _mean(values: list[Logged], device: torch.device) -> torch.Tensor:
     """The float64 mean of logged scalars. Plain one-element tensors of one dtype (the usual case: the same code
     logged them in every microbatch) are stacked as they are, in one op, and converted to float64 once; others one
     by one (stacking mixed dtypes would promote, e.g. int64 with float32 to float32, and round large integers)."""
     plain = all(type(value) is torch.Tensor and value.numel() == 1 for value in values)
-    if plain and len({value.dtype for value in values}) == 1:
-        stacked = torch.stack([value.reshape(()) for value in values])
+    tensors = cast(list[torch.Tensor], values)  # if `plain`
+    if plain and len({value.dtype for value in tensors}) == 1:
+        stacked = torch.stack([value.reshape(()) for value in tensors])
         return stacked.to(device=device, dtype=torch.float64).mean()
     return torch.stack([_as_tensor(value, device) for value in values]).mean()
 
 
-def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
+def _as_tensor(value: Logged, device: torch.device) -> torch.Tensor:
     if not torch.is_tensor(value):
         return torch.tensor(float(value), dtype=torch.float64, device=device)
     if isinstance(value, DTensor):
@@ -118,7 +123,7 @@ class MetricRelay:
         self._forward_inputs = {}
         self._recording = True
 
-    def _on_forward(self, metric: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _on_forward(self, metric: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         if self._recording:
             self._forward_inputs.setdefault(self.name_of(metric), []).append((args, kwargs))
 
@@ -178,7 +183,7 @@ class MetricRelay:
         self._hooks = []
 
 
-def _copy_state(value: Any) -> Any:
+def _copy_state(value: list | torch.Tensor) -> list | torch.Tensor:
     return list(value) if isinstance(value, list) else value.clone()
 
 
@@ -193,7 +198,7 @@ def _list_change(now: list, before: list) -> tuple[str, list]:
     return "replace", list(now)
 
 
-def _whole_batch_value(metric: Metric, inputs: list[tuple[tuple, dict]]) -> Any:
+def _whole_batch_value(metric: Metric, inputs: list[tuple[tuple, dict]]) -> object:
     """The value ``metric(batch)`` would have returned for the whole batch: a fresh copy fed every microbatch."""
     group = getattr(metric, "process_group", None)
     memo = {id(group): group} if group is not None else {}
@@ -221,7 +226,7 @@ class Publisher:
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
         self._log = RepeatedLog()
 
-    def publish(self, module: Any, relay: MetricRelay, result: Any, logs: StepLogs, objects: bool) -> Any:
+    def publish(self, module: Any, relay: MetricRelay, result: object, logs: StepLogs, objects: bool) -> Any:
         """Send the last stage's result, logs and metric changes; log them on every rank. Returns the result."""
         sending = dist.get_rank() == self.source
         result, means, metric_logs, changes = self.send(
@@ -239,7 +244,7 @@ class Publisher:
         """At teardown: drop the references to the trainer's result collections kept for repeated logging."""
         self._log.clear()
 
-    def send(self, result: Any, logs: StepLogs | None, relay: MetricRelay | None, objects: bool) -> tuple:
+    def send(self, result: object, logs: StepLogs | None, relay: MetricRelay | None, objects: bool) -> tuple:
         """Collective over the pipeline group. Returns ``(result, mean logs, metric logs, metric changes)``.
 
         ``objects=False`` allows the fast path for a scalar (or absent) result: a flat tensor of numbers, built and
@@ -257,7 +262,7 @@ class Publisher:
             if sending and _structure(payload) == self._structure:
                 assert payload is not None
                 result, means = payload[0], payload[1]
-                sent = self._zero if result is None else result.detach().to(torch.float64)
+                sent = self._zero if result is None else cast(torch.Tensor, result).detach().to(torch.float64)
                 numbers = torch.stack([self._one, sent, *(value for value, _ in means.values())])
             else:  # a receiver, or a sender whose payload needs objects: flag 0
                 numbers = torch.zeros(2 + len(self._structure[0]), dtype=torch.float64, device=self.device)
@@ -296,9 +301,9 @@ def _structure(payload: Any) -> tuple | None:
     return tuple(means), options, None if result is None else result.dtype
 
 
-def _to_cpu(tree: Any) -> Any:
+def _to_cpu(tree: _Tree) -> _Tree:
     return tree_map(lambda t: t.detach().cpu().clone() if torch.is_tensor(t) else t, tree)  # clone: no view's storage
 
 
-def _to_device(tree: Any, device: torch.device) -> Any:
+def _to_device(tree: _Tree, device: torch.device) -> _Tree:
     return tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, tree)

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from lightning_mgpu._compat.pipelining import forward_only_schedule, stage_class_with_shape_trial
 from lightning_mgpu.parallel.pipeline.microbatches import MicrobatchPlan, tensor_leaves
-from lightning_mgpu.parallel.pipeline.split import PipelineRuntime
+from lightning_mgpu.parallel.pipeline.split import PipelineRuntime, Stage
 
 if TYPE_CHECKING:
+    from torch import nn
     from torch.distributed import ProcessGroup
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 
 class ScheduleCache:
@@ -32,16 +34,16 @@ class ScheduleCache:
         self.device = device
         self.loss_fn = loss_fn
         self._stage_class = stage_class_with_shape_trial(_shape_trial)
-        self._schedules: dict[tuple, Any] = {}
+        self._schedules: dict[tuple, _PipelineSchedule] = {}
 
-    def get(self, plan: MicrobatchPlan, first_microbatch: Any, training: bool) -> Any:
+    def get(self, plan: MicrobatchPlan, first_microbatch: object, training: bool) -> _PipelineSchedule:
         key = (training, plan, tuple(tuple(t.shape) for t in tensor_leaves(first_microbatch)))
         schedule = self._schedules.get(key)
         if schedule is None:
             schedule = self._schedules[key] = self._build(plan, training)
         return schedule
 
-    def _build(self, plan: MicrobatchPlan, training: bool) -> Any:
+    def _build(self, plan: MicrobatchPlan, training: bool) -> _PipelineSchedule:
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         num_stages = self.runtime.num_stages
@@ -55,12 +57,13 @@ class ScheduleCache:
 
 
 @contextmanager
-def _shape_trial(stage: Any) -> Generator[None, None, None]:
+def _shape_trial(submodule: nn.Module) -> Generator[None, None, None]:
     """Mark ``stage`` (a ``pipeline.Stage``) and its runtime as running torch's shape-inference trial.
 
     The trial is a forward the user did not ask for: every buffer it changes (BatchNorm's running statistics and
     batch counter) is put back afterwards.
     """
+    stage = cast(Stage, submodule)  # what the runtime's stages run
     modules = [stage, *(call.module for call in stage.runtime.calls[:1])]
     buffers = {id(b): b for module in modules for b in module.buffers()}
     saved = [(buffer, buffer.clone()) for buffer in buffers.values()]

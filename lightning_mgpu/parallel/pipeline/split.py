@@ -24,14 +24,16 @@ block's ``forward``) is recorded and undone by ``PipelineRuntime.unsplit``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from lightning_mgpu._compat.tensors import contiguous_grad, share_parameter_slots, tree_leaves
 from lightning_mgpu.layout import PP_AXIS
@@ -59,7 +61,7 @@ if TYPE_CHECKING:
 class _StageDone(Exception):
     """Raised by a non-last stage's last block to end the network call with that block's output."""
 
-    def __init__(self, output: Any) -> None:
+    def __init__(self, output: object) -> None:
         super().__init__()
         self.output = output
 
@@ -112,7 +114,7 @@ class Stage(nn.Module):
         """The activation from the previous stage during this stage's forward (None on the first stage)."""
         return self._progress.received
 
-    def forward(self, x: torch.Tensor, *received: torch.Tensor) -> Any:
+    def forward(self, x: torch.Tensor, *received: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """``x``: the activation (on the first stage a placeholder); ``received``: the values later stages take from
         the first stage besides it (``carry.py``)."""
         progress = self._progress
@@ -143,7 +145,7 @@ class Stage(nn.Module):
             self.runtime.outputs[microbatch] = output
         return _main_tensor(output)
 
-    def _run(self, microbatch: int, x: torch.Tensor, received: tuple[torch.Tensor, ...] = ()) -> Any:
+    def _run(self, microbatch: int, x: torch.Tensor, received: tuple[torch.Tensor, ...] = ()) -> object:
         """The captured network call of ``microbatch`` through this stage: its last block's output, or on the last
         stage the network's output."""
         progress = self._progress
@@ -159,7 +161,7 @@ class Stage(nn.Module):
             self.runtime.active = None
             progress.received = None
 
-    def _run_checking_values(self, microbatch: int, x: torch.Tensor, received: tuple[torch.Tensor, ...]) -> Any:
+    def _run_checking_values(self, microbatch: int, x: torch.Tensor, received: tuple[torch.Tensor, ...]) -> object:
         """``_run`` with the stand-ins' values marked NaN: the output is the same unless the stage depends on them,
         which is refused. Once per stage (reading the check back is its one host sync), unless the received
         activation itself holds NaN: then nothing can be told, and the next forward checks again."""
@@ -203,7 +205,7 @@ class Stage(nn.Module):
             " pipeline_parallel_size=1 for this model (tensor and data parallelism run it as is)."
         )
 
-    def _several_outputs(self, output: Any) -> str:
+    def _several_outputs(self, output: object) -> str:
         split = self.runtime.split
         last = f"{split.container_fqn}.{self.block_range.stop - 1}"
         kinds = [type(v).__name__ if not torch.is_tensor(v) else f"Tensor{tuple(v.shape)}" for v in tree_leaves(output)]
@@ -237,7 +239,7 @@ class _StageProgress:
     received: torch.Tensor | None = None
 
 
-def _holds_nan(tree: Any) -> bool:
+def _holds_nan(tree: object) -> bool:
     """Whether any floating-point tensor in ``tree`` holds a NaN (reads one flag back from the device; a DTensor's
     local part)."""
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t
@@ -245,18 +247,18 @@ def _holds_nan(tree: Any) -> bool:
     return bool(torch.stack(flags).any()) if flags else False
 
 
-def _same_storage(value: Any, marked_output: torch.Tensor | None) -> bool:
+def _same_storage(value: object, marked_output: torch.Tensor | None) -> bool:
     """Whether ``value`` is ``marked_output`` or a view of it (a block's tuple output indexed, reshaped)."""
     if marked_output is None:
         return True  # no floating-point stand-in output before this block: nothing to compare
     return torch.is_tensor(value) and value.untyped_storage().data_ptr() == marked_output.untyped_storage().data_ptr()
 
 
-def _main_tensor(output: Any) -> torch.Tensor:
+def _main_tensor(output: object) -> torch.Tensor:
     """The tensor the schedule tracks for the last stage's output (logits of a Hugging Face output)."""
     if torch.is_tensor(output):
         return output
-    for value in output.values() if isinstance(output, dict) else output:
+    for value in output.values() if isinstance(output, dict) else cast(Iterable[object], output):
         if torch.is_tensor(value) and value.is_floating_point():
             return value
     raise TypeError("The network's output holds no floating-point tensor; pipeline parallelism needs one.")
@@ -269,22 +271,22 @@ class PipelineRuntime:
         self.split = split
         self.num_stages = num_stages
         self.calls: list[NetworkCall] = []
-        self.outputs: dict[int, Any] = {}
-        self.trial_output: Any = None  # the last stage's output in torch's shape-inference trial
+        self.outputs: dict[int, object] = {}
+        self.trial_output: object = None  # the last stage's output in torch's shape-inference trial
         self.inferring = False
         self.active: Stage | None = None
-        self.tied_gradients: Any | None = None  # TiedGradients, set by `split_pipeline`
+        self.tied_gradients: TiedGradients | None = None  # set by `split_pipeline`
         self.value_check = ValueCheck()  # shared by this rank's stand-ins and gates
         self.carried = CarriedValues()  # what later stages take from the first stage besides the activation
-        self._carry_hooks: list[Any] = []
+        self._carry_hooks: list[RemovableHandle] = []
         self.module = module
         owns_first, owns_last = 0 in my_stages, num_stages - 1 in my_stages
-        container: Any = module.get_submodule(split.container_fqn)  # a ModuleList/Sequential: indexed by block
+        container = module.get_submodule(split.container_fqn)  # a ModuleList/Sequential: indexed by block
         mine = {i for s in my_stages for i in split.blocks_of(s)}
         # What the split changed on the user's module, for `unsplit`: (fqn, stand-in, the module it replaced)
         # and (block, its instance `forward` before the gate, if it had one).
         self._replaced: list[tuple[str, nn.Module, nn.Module]] = []
-        self._gated: list[tuple[nn.Module, Any | None]] = []
+        self._gated: list[tuple[nn.Module, Callable[..., object] | None]] = []
         for index in range(split.num_blocks):
             fqn = f"{split.container_fqn}.{index}"
             if index in mine:
@@ -355,7 +357,7 @@ class PipelineRuntime:
         modules' data-parallel wrap cannot run outside a stage's forward)."""
         owns_first = any(stage.is_first for stage in self.stages)
         found = set() if owns_first else set().union(*(self.discover_carried(stage) for stage in self.stages))
-        gathered: list[Any] = [None] * dist.get_world_size(group)
+        gathered: list[Any] = [None] * dist.get_world_size(group)  # Any: what `all_gather_object` unpickles
         dist.all_gather_object(gathered, sorted(found), group=group)
         self.carried.keys = sorted({tuple(key) for keys in gathered for key in keys})
         if owns_first:
@@ -449,7 +451,7 @@ def _gate(block: nn.Module, index: int, runtime: PipelineRuntime) -> None:
     """Make an owned block run only inside its own stage, swap in the received activation, end the stage."""
     forward = block.forward
 
-    def gated(*args: object, **kwargs: object) -> Any:
+    def gated(*args: object, **kwargs: object) -> object:
         stage = runtime.active
         if stage is None:
             return forward(*args, **kwargs)

@@ -18,8 +18,9 @@ then refuses the model.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -37,14 +38,14 @@ class ValueCheck:
     last: torch.Tensor | None = None
 
 
-def marked(value: object, check: ValueCheck) -> Any:
+def marked(value: object, check: ValueCheck) -> object:
     """``value``, or NaN of its shape while ``check.on`` (a floating-point tensor: other values cannot carry NaN)."""
     if check.on and torch.is_tensor(value) and value.is_floating_point():
         value = check.last = torch.full_like(value, float("nan"))
     return value
 
 
-def first_input(args: tuple, kwargs: dict) -> Any:
+def first_input(args: tuple, kwargs: dict) -> object:
     """A block's hidden-state input: its first argument, positional or (for ``block(hidden_states=x)``) keyword."""
     return args[0] if args else next(iter(kwargs.values()))
 
@@ -52,7 +53,7 @@ def first_input(args: tuple, kwargs: dict) -> Any:
 def meta_copy(module: nn.Module) -> nn.Module:
     """``module`` copied onto the meta device: its structure and attributes without its values (the parameters
     and buffers are made on the meta device directly, never copied)."""
-    memo: dict[int, Any] = {}
+    memo: dict[int, torch.Tensor] = {}
     for param in module.parameters():
         memo[id(param)] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
     for buffer in module.buffers():
@@ -90,7 +91,7 @@ class PassThrough(_StandsForBlock):
         self._check = check
         self._original = [meta_copy(original)] if original is not None else []  # in a list: not a submodule
 
-    def forward(self, *args: object, **kwargs: object) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         return marked(first_input(args, kwargs), self._check)
 
 
@@ -100,13 +101,15 @@ class ArgumentRecorder(_StandsForBlock):
     on; the stage's last block ends the call (``done(output)`` makes the exception that does). The block itself is
     not called: none of its hooks (a data-parallel wrap's) run outside its stage's forward."""
 
-    def __init__(self, block: nn.Module, carried: CarriedValues | None, done: Any | None) -> None:
+    def __init__(
+        self, block: nn.Module, carried: CarriedValues | None, done: Callable[[object], BaseException] | None
+    ) -> None:
         super().__init__()
         self._original = [block]
         self._carried = carried
         self._done = done
 
-    def forward(self, *args: object, **kwargs: object) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         if self._carried is not None:
             self._carried.block_arguments(args, kwargs)
         if self._done is not None:
@@ -128,9 +131,9 @@ class Placeholder(nn.Module):
         self._check = check
         self._name = name  # the FQN it stands at, under which ``carried`` knows it
         self._carried = carried
-        self._outputs: dict[Any, Any] = {}
+        self._outputs: dict[tuple[object, object], object] = {}  # by (input shapes and dtypes, autocast)
 
-    def forward(self, *args: object, **kwargs: object) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
         device = tensors[0].device if tensors else None
         autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)) if device else None
@@ -154,7 +157,7 @@ class Placeholder(nn.Module):
 class Unreachable(nn.Module):
     """An epilogue module (norm, head) owned by the last stage; earlier stages end before reaching it."""
 
-    def forward(self, *args: object, **kwargs: object) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> NoReturn:
         raise RuntimeError("lightning-mgpu: a pipeline stage ran past its last block; please report this.")
 
 

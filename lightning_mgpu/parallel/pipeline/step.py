@@ -24,7 +24,7 @@ Contract: one network call per step, before which the step does nothing with sid
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,11 +48,15 @@ from lightning_mgpu.parallel.pipeline.split import PipelineRuntime
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from lightning_mgpu.precision import HybridPrecision, JobGradScaler
+
+_Tree = TypeVar("_Tree")
+
 
 class _TrainingStep:
     """What the schedule's loss function needs during one training step: the step's inputs and where it stands."""
 
-    def __init__(self, microbatches: list[Any], batch_idx: int, loss_scale: float) -> None:
+    def __init__(self, microbatches: list[object], batch_idx: int, loss_scale: float) -> None:
         self.microbatches = microbatches
         self.batch_idx = batch_idx
         self.loss_scale = loss_scale
@@ -89,7 +93,7 @@ class PipelineEngine:
         self.sync_gradients = True
         # The precision plugin's job-wide loss scaler (16-mixed): applied to each microbatch's loss here, since
         # the schedule runs backward itself. `share_with` sets it.
-        self.grad_scaler: Any | None = None
+        self.grad_scaler: JobGradScaler | None = None
         self._replanned: set[tuple[int, int]] = set()
         self._training: _TrainingStep | None = None  # set while a training step's schedule runs
         self._forward_only = False  # multi-stage schedules call the loss function even when run forward-only
@@ -175,7 +179,7 @@ class PipelineEngine:
         for param in params:
             param.grad = None
 
-    def _split(self, batch: object) -> tuple[list[Any], MicrobatchPlan]:
+    def _split(self, batch: object) -> tuple[list[object], MicrobatchPlan]:
         requested = self.num_microbatches or self.runtime.num_stages
         size = batch_size_of(batch)
         plan = plan_microbatches(self.schedule_name, requested, size, self.pp_size, self.runtime.num_stages)
@@ -189,7 +193,7 @@ class PipelineEngine:
             )
         return split_microbatches(batch, plan.count), plan
 
-    def _start(self, microbatches: list[Any], method: str, *args: object) -> None:
+    def _start(self, microbatches: list[object], method: str, *args: object) -> None:
         step = getattr(self.module, method)
         self.runtime.start_step(self.capture.capture_all([functools.partial(step, mb, *args) for mb in microbatches]))
         if self.runtime.carried.keys is None:  # the first step: what the first stage sends besides the activation
@@ -204,7 +208,7 @@ class PipelineEngine:
     def _targets(self, count: int) -> dict:
         return {"target": torch.zeros(count, device=self.device)} if self.owns_last else {}
 
-    def _replay(self, method: str, args: tuple, microbatch: int, logs: StepLogs) -> Any:
+    def _replay(self, method: str, args: tuple, microbatch: int, logs: StepLogs) -> object:
         call = self.runtime.calls[microbatch]
         step = lambda: getattr(self.module, method)(*args)
         if self.runtime.inferring:
@@ -230,7 +234,7 @@ class PipelineEngine:
         return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
 
     # ------------------------------------------------------------------------------------ the strategy's side
-    def share_with(self, precision_plugin: Any) -> None:
+    def share_with(self, precision_plugin: HybridPrecision) -> None:
         """What the precision plugin needs of the pipeline, and the other way round."""
         # Stages hold disjoint parameters (tied copies aside): gradient norms add up over the pipeline group.
         precision_plugin.grad_norm_group = self.group
@@ -275,7 +279,7 @@ class PipelineEngine:
         self._guarded = []
 
 
-def _merge(results: list) -> Any:
+def _merge(results: list) -> object:
     if all(r is None for r in results):
         return None
     if all(torch.is_tensor(r) for r in results):
@@ -285,7 +289,7 @@ def _merge(results: list) -> Any:
     return results
 
 
-def _outside_inference_mode(tree: Any) -> Any:
+def _outside_inference_mode(tree: _Tree) -> _Tree:
     """Normal (autograd-capable) copies of tensors made under Lightning's evaluation ``inference_mode``."""
     with torch.inference_mode(False):
         return tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, tree)

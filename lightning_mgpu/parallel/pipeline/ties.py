@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from lightning_mgpu.layout import PP_AXIS
 from lightning_mgpu.parallel.blocks import tied_parameters
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -69,8 +70,8 @@ class TiedGradients:
         pp_axis = mesh.mesh_dim_names.index(PP_AXIS)
         columns = mesh.mesh.movedim(pp_axis, 0).reshape(mesh.mesh.shape[pp_axis], -1)
         my_rank = dist.get_rank()
-        groups: dict[tuple[int, ...], Any] = {}
-        self._mine: list[tuple[CrossStageTie, Any]] = []
+        groups: dict[tuple[int, ...], ProcessGroup | None] = {}
+        self._mine: list[tuple[CrossStageTie, ProcessGroup | None]] = []
         for tie in ties:
             if len(tie.pp_ranks) > 1 and tie.pp_ranks not in groups:
                 for column in columns.t().tolist():

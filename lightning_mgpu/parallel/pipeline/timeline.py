@@ -16,10 +16,10 @@ schedule figures from it and the tests check the planner's bubble and activation
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from lightning_mgpu._compat.pipelining import schedule_actions
+from lightning_mgpu._compat.pipelining import Computation, schedule_actions
 from lightning_mgpu.parallel.pipeline.plan import SINGLE_STAGE_SCHEDULES
 from lightning_mgpu.parallel.pipeline.plan import stages_per_rank as default_stages_per_rank
 
@@ -45,7 +45,7 @@ class Timeline:
     microbatches: int
     stages_per_rank: int
     slots: tuple[Slot, ...]
-    actions: tuple[tuple[Any, ...], ...]  # each rank's actions as torch lists them
+    actions: tuple[tuple[Computation | list[Computation], ...], ...]  # each rank's actions as torch lists them
 
     @property
     def makespan(self) -> float:
@@ -72,6 +72,7 @@ def timeline(schedule: str, pp_size: int, microbatches: int, stages_per_rank: in
     """Play ``schedule`` on ``pp_size`` ranks for ``microbatches`` microbatches (see the module docstring)."""
     per_rank = default_stages_per_rank(schedule, stages_per_rank)
     if schedule in SINGLE_STAGE_SCHEDULES:
+        actions: Sequence[Sequence[Computation | list[Computation]]]
         actions = [_single_stage_order(schedule, rank, pp_size, microbatches) for rank in range(pp_size)]
     else:
         actions = schedule_actions(schedule, pp_size, microbatches, per_rank)
@@ -104,13 +105,13 @@ def timeline(schedule: str, pp_size: int, microbatches: int, stages_per_rank: in
     return Timeline(schedule, pp_size, microbatches, per_rank, tuple(slots), tuple(tuple(a) for a in actions))
 
 
-def _single_stage_order(schedule: str, rank: int, pp_size: int, microbatches: int) -> list[Any]:
+def _single_stage_order(schedule: str, rank: int, pp_size: int, microbatches: int) -> list[Computation]:
     forwards = [("F", rank, m) for m in range(microbatches)]
     backwards = [("B", rank, m) for m in range(microbatches)]
     if schedule == "GPipe":
         return forwards + backwards
     warmup = min(microbatches, pp_size - rank)
-    order: list[Any] = forwards[:warmup]
+    order = forwards[:warmup]
     for m in range(microbatches - warmup):
         order += [backwards[m], forwards[warmup + m]]
     return order + backwards[microbatches - warmup :]

@@ -12,7 +12,7 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from lightning_mgpu.parallel.tensor.multihead import MultiheadAttentionParallel
 from lightning_mgpu.parallel.tensor.parameters import distribute_parameters
 
 SEQUENCE_DIM = 1
+
+# The input and output hooks below return Any: `distribute_module` declares them as returning None, and uses what
+# they return (a DTensor, a local tensor, the module's inputs).
 
 
 def _output_dim(module: nn.Module) -> int:
@@ -120,7 +123,7 @@ class _SharedInput:
 
     def __init__(self) -> None:
         self.open_calls = 0
-        self.source: Any = None
+        self.source: torch.Tensor | None = None
         self.version = -1
         self.converted: DTensor | None = None
         self.grad_enabled = False
@@ -133,15 +136,15 @@ class _SharedInput:
         self.open_calls = max(0, self.open_calls - 1)
         self.source = self.converted = None
 
-    def hit(self, tensor: Any) -> bool:
+    def hit(self, tensor: object) -> bool:
         return (
             self.open_calls > 0
             and tensor is self.source
             and self.grad_enabled == torch.is_grad_enabled()
-            and version_counter(tensor) == self.version
+            and version_counter(cast(torch.Tensor, tensor)) == self.version  # it is `self.source`
         )
 
-    def keep(self, tensor: Any, converted: DTensor) -> None:
+    def keep(self, tensor: object, converted: DTensor) -> None:
         # Inference tensors (Lightning's evaluation under inference_mode) have no version counter: not shared.
         if self.open_calls > 0 and torch.is_tensor(tensor) and not tensor.is_inference():
             self.source, self.version, self.converted = tensor, version_counter(tensor), converted
@@ -190,7 +193,7 @@ class _LossParallelHead(_Colwise):
         super().__init__(output_layouts=Shard(-1), use_local_output=False, **kwargs)
 
     @override
-    def prepare_output(self, module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) -> Any:
+    def prepare_output(self, module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) -> torch.Tensor:
         if _loss_parallel_depth > 0:
             return super().prepare_output(module, outputs, device_mesh)
         return outputs.redistribute(placements=(Replicate(),)).to_local()
@@ -207,7 +210,7 @@ def keep_grad_placement(param: nn.Parameter) -> None:
         param.grad = param.grad.redistribute(placements=param.placements)
 
 
-def _arm_gradient_layout(module: nn.Module, args: Any) -> None:
+def _arm_gradient_layout(module: nn.Module, args: tuple[object, ...]) -> None:
     """Forward pre-hook: make sure the module's current DTensor parameters carry the gradient-layout hook.
 
     Armed at every forward rather than once, because ``module.to()`` swaps parameter tensors (dropping their hooks)
@@ -236,7 +239,7 @@ class _Rowwise(StyleHooks, RowwiseParallel):
         )
 
     @override
-    def prepare_output(self, module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
+    def prepare_output(self, module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) -> Any:
         if tuple(outputs.placements) != tuple(self.output_layouts):  # as torch's RowwiseParallel
             outputs = outputs.redistribute(placements=self.output_layouts, async_op=True)
         return owned_local(outputs) if self.use_local_output else outputs
@@ -274,7 +277,7 @@ class _ReplicatedOnLocalHeads(StyleHooks, ParallelStyle):
         return (DTensor.from_local(first, device_mesh, [Shard(first.dim() - 2)], run_check=False), *inputs[1:])
 
     @staticmethod
-    def _output_fn(module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
+    def _output_fn(module: nn.Module, outputs: object, device_mesh: DeviceMesh) -> Any:
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
