@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable, Generator
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,9 +49,13 @@ from lightning_mgpu.parallel.blocks import is_float8_linear
 from lightning_mgpu.parallel.grads import clip_grad_norm_, clip_grad_value_
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from lightning.pytorch.accelerators import Accelerator
     from torch.distributed import ProcessGroup
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+_Data = TypeVar("_Data")
 _PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-mixed"]
 SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-mixed")
 
@@ -197,7 +201,7 @@ class HybridPrecision(Precision):
             )
 
     @classmethod
-    def handed_over(cls, plugin: Precision | None, accelerator: Any = None) -> HybridPrecision | None:
+    def handed_over(cls, plugin: Precision | None, accelerator: Accelerator | None = None) -> HybridPrecision | None:
         """The plugin the Trainer hands the strategy (when it is built), translated then, so that a precision this
         plugin cannot run fails before any launch.
 
@@ -241,15 +245,15 @@ class HybridPrecision(Precision):
         return module
 
     @override
-    def tensor_init_context(self) -> Any:
+    def tensor_init_context(self) -> AbstractContextManager[None]:
         return DtypeContextManager(self.true_dtype) if self.true_dtype is not None else nullcontext()
 
     @override
-    def module_init_context(self) -> Any:
+    def module_init_context(self) -> AbstractContextManager[None]:
         return self.tensor_init_context()
 
     @override
-    def convert_input(self, data: Any) -> Any:
+    def convert_input(self, data: _Data) -> _Data:
         if self.true_dtype is None:
             return data
         return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=self.true_dtype)

@@ -41,7 +41,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins import LayerSync, Precision
     from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
+    from torch.distributed import Store
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_mgpu.layout import ModuleMesh
@@ -357,7 +358,7 @@ class DeferredRequeue:
 
     _runs = 0  # fits of this process: every rank runs the same sequence, so they agree on the key
 
-    def __init__(self, handlers: list[object], index: int, signum: int, store: Any) -> None:
+    def __init__(self, handlers: list[object], index: int, signum: int, store: Store) -> None:
         DeferredRequeue._runs += 1
         self._key = f"lightning_mgpu/slurm_requeue/{DeferredRequeue._runs}"
         self._store, self._requested, self._published, self._done = store, False, False, False
@@ -382,7 +383,7 @@ class DeferredRequeue:
             self._handlers[self._handlers.index(self._note)] = self._original
 
 
-def defer_slurm_requeue(trainer: pl.Trainer, store: Any) -> DeferredRequeue | None:
+def defer_slurm_requeue(trainer: pl.Trainer, store: Store) -> DeferredRequeue | None:
     """Lightning's SLURM requeue handler of this run replaced by a note (None: SLURM auto-requeue is off)."""
     import signal
     import threading

@@ -41,12 +41,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from lightning_mgpu._compat import changed, internal
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 tree_map = internal("torch.utils._pytree", "tree_map")
 tree_leaves = internal("torch.utils._pytree", "tree_leaves")
@@ -54,7 +57,7 @@ tree_flatten = internal("torch.utils._pytree", "tree_flatten")
 TorchDispatchMode: type = internal("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
-def fake_tensor_mode(**kwargs: object) -> Any:
+def fake_tensor_mode(**kwargs: object) -> FakeTensorMode:
     """A ``FakeTensorMode`` (imported on use: it pulls in much of torch's compiler stack)."""
     return internal("torch._subclasses.fake_tensor", "FakeTensorMode")(**kwargs)
 
@@ -71,12 +74,12 @@ def has_post_accumulate_grad_hook(param: torch.Tensor) -> bool:
     return bool(hooks)
 
 
-def has_backward_hook(tensor: torch.Tensor, hook: Any) -> bool:
+def has_backward_hook(tensor: torch.Tensor, hook: object) -> bool:
     """Whether ``hook`` (compared with ``==``, so a bound method matches) is registered on ``tensor``."""
-    hooks: Any = getattr(tensor, "_backward_hooks", changed)
+    hooks: object = getattr(tensor, "_backward_hooks", changed)
     if hooks is changed:
         raise AttributeError(changed("Tensor._backward_hooks", "torch", "the attribute is gone"))
-    return hook in (hooks or {}).values()
+    return hook in (cast("dict[int, object] | None", hooks) or {}).values()  # the hooks by handle id
 
 
 def view_base(tensor: torch.Tensor) -> torch.Tensor:
@@ -100,11 +103,11 @@ def swap_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict
     return originals
 
 
-def restore_parameters(module: nn.Module, originals: dict[str, Any]) -> None:
+def restore_parameters(module: nn.Module, originals: Mapping[str, torch.Tensor | None]) -> None:
     _slots(module, "_parameters").update(originals)
 
 
-def parameter_slots(module: nn.Module) -> dict[str, Any]:
+def parameter_slots(module: nn.Module) -> dict[str, torch.Tensor | None]:
     """The module's own registered parameters by name, including slots that hold ``None``."""
     return dict(_slots(module, "_parameters"))
 
@@ -140,12 +143,12 @@ def set_children(module: nn.Module, children: Mapping[str, nn.Module]) -> None:
 HOOK_ATTRIBUTES: tuple[str, ...] = tuple(name for name in vars(nn.Module()) if "hook" in name)
 
 
-def module_hooks(module: nn.Module) -> dict[str, Any]:
+def module_hooks(module: nn.Module) -> dict[str, object]:
     """Copies of every hook dictionary (and set, and flag) ``module`` keeps, by attribute name."""
     return {name: _copy(getattr(module, name)) for name in HOOK_ATTRIBUTES}
 
 
-def set_module_hooks(module: nn.Module, saved: Mapping[str, Any]) -> None:
+def set_module_hooks(module: nn.Module, saved: Mapping[str, object]) -> None:
     """Make ``module``'s hooks what :func:`module_hooks` returned; dictionaries and sets are refilled in place, so
     the handles of hooks registered before stay valid."""
     for name, value in saved.items():
@@ -163,7 +166,10 @@ def module_structure(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any],
 
 
 def set_module_structure(
-    module: nn.Module, children: Mapping[str, Any], parameters: Mapping[str, Any], buffers: Mapping[str, Any]
+    module: nn.Module,
+    children: Mapping[str, nn.Module | None],
+    parameters: Mapping[str, torch.Tensor | None],
+    buffers: Mapping[str, torch.Tensor | None],
 ) -> None:
     """Make the module's own children, parameters and buffers exactly these (what :func:`module_structure` returned)."""
     for name, saved in (("_modules", children), ("_parameters", parameters), ("_buffers", buffers)):
@@ -207,7 +213,7 @@ def plain_parameter_slots(module: nn.Module) -> None:
         module.__dict__["_parameters"] = dict(dict.items(slots))
 
 
-def _copy(value: object) -> Any:
+def _copy(value: object) -> object:
     return type(value)(value) if isinstance(value, (dict, set)) else value
 
 

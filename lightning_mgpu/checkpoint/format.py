@@ -35,12 +35,14 @@ import shutil
 import warnings
 import zipfile
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
+    STORAGE_TYPES,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -141,7 +143,7 @@ def check_exists(path: Path) -> None:
     raise FileNotFoundError(message)
 
 
-def checksum(path: Path) -> dict[str, Any]:
+def checksum(path: Path) -> dict[str, int | str]:
     """Size and CRC-32 of a file, read in chunks (a file just written comes from the page cache)."""
     crc, size = 0, 0
     with open(path, "rb", buffering=0) as file:
@@ -153,15 +155,15 @@ def checksum(path: Path) -> dict[str, Any]:
     return {"size": size, "crc32": f"{crc:08x}"}
 
 
-def write_manifest(directory: Path, records: dict[str, dict[str, Any]]) -> None:
+def write_manifest(directory: Path, records: dict[str, dict[str, int | str]]) -> None:
     """``manifest.json``: the files' records, and a CRC-32 of the manifest's own content."""
-    body: dict[str, Any] = {"algorithm": "crc32", "files": dict(sorted(records.items()))}
+    body: dict[str, object] = {"algorithm": "crc32", "files": dict(sorted(records.items()))}
     body["crc32"] = _own_crc(body)
     (directory / MANIFEST_FILE).write_text(json.dumps(body, indent=1))
     fsync(directory / MANIFEST_FILE)
 
 
-def _own_crc(body: dict[str, Any]) -> str:
+def _own_crc(body: Mapping[str, object]) -> str:
     content = json.dumps({k: v for k, v in body.items() if k != "crc32"}, sort_keys=True)
     return f"{zlib.crc32(content.encode()):08x}"
 
@@ -203,7 +205,7 @@ LIGHTNING_OPTIMIZER = re.compile(r"^optimizer_(\d+)\.(state|param_groups)\.(.+)$
 FSDP_MODEL_PREFIX = "model."
 
 
-def written_by_lightning(index: dict[str, Any]) -> bool:
+def written_by_lightning(index: Mapping[str, object]) -> bool:
     """Whether a DCP index (``state_dict_metadata``) is that of a Lightning strategy's sharded checkpoint."""
     if any(LIGHTNING_OPTIMIZER.match(key) for key in index):
         return True
@@ -410,7 +412,7 @@ class FlatReader(StorageReader):
     def __init__(self, flat: dict[str, Any]) -> None:
         super().__init__()
         self.flat = flat
-        entries: dict[str, Any] = {}
+        entries: dict[str, STORAGE_TYPES] = {}
         for key, value in flat.items():
             if isinstance(value, torch.Tensor):
                 chunk = ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=value.size())

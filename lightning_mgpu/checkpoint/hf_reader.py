@@ -13,6 +13,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -92,7 +93,7 @@ def _read_fully(fd: int, target: memoryview, offset: int, path: str) -> None:
         done += count
 
 
-def _outer_indices(starts: list[int], lengths: list[int]) -> Any:
+def _outer_indices(starts: list[int], lengths: list[int]) -> Iterator[tuple[int, ...]]:
     """Every index of the leading dimensions in row-major order (one empty index when there are none)."""
     if not starts:
         yield ()

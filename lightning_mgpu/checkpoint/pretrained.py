@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -32,6 +33,9 @@ from lightning_mgpu.checkpoint.flat_fragments import BoxFragment, FragmentLoadPl
 from lightning_mgpu.checkpoint.format import METADATA_FILE, MODEL_KEY, CheckpointError, FlatReader, load_file
 from lightning_mgpu.checkpoint.hf_reader import HuggingFaceReader
 from lightning_mgpu.checkpoint.states import by_block, describable, some
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 HF_INDEX = "model.safetensors.index.json"
 
@@ -125,7 +129,7 @@ def _torch_file(path: Path) -> WeightsSource:
     return WeightsSource(path, "torch file", {k: tuple(v.shape) for k, v in flat.items()}, _flat=flat)
 
 
-def _shapes(metadata: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def _shapes(metadata: Mapping[str, object]) -> dict[str, tuple[int, ...]]:
     return {key: tuple(md.size) for key, md in metadata.items() if isinstance(md, TensorStorageMetadata)}
 
 
@@ -290,7 +294,7 @@ def _hugging_face_conversions(
     return unsupported
 
 
-def _hugging_face_model(module: nn.Module, model_prefix: str) -> tuple[str, Any] | None:
+def _hugging_face_model(module: nn.Module, model_prefix: str) -> tuple[str, PreTrainedModel] | None:
     """The outermost ``PreTrainedModel`` holding the names under ``model_prefix`` (or the one below it)."""
     try:
         from transformers import PreTrainedModel
@@ -349,7 +353,9 @@ def _place_parts(found: list[tuple[Any, int, int, str]], entries: dict[str, tupl
     return parts
 
 
-def _assembly_mismatches(weights: WeightMap, shapes: dict[str, tuple[int, ...]], entries: dict[str, Any]) -> list[str]:
+def _assembly_mismatches(
+    weights: WeightMap, shapes: dict[str, tuple[int, ...]], entries: dict[str, tuple[int, ...]]
+) -> list[str]:
     """Assembled tensors whose pieces do not cover the model tensor exactly once."""
     wrong = []
     for key, parts in weights.parts.items():

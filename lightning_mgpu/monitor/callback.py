@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import fit_data_fetcher
@@ -89,8 +90,8 @@ class ScalingMonitor(Callback):
         self._activations: measures.SavedActivations | None = None
         self._seen = 0
         self._batch_stats = (0, 0)
-        self._steps: list[dict[str, Any]] = []
-        self._memory: dict[str, Any] = {"activations": 0}
+        self._steps: list[dict[str, object]] = []  # sent to global rank 0 as they are
+        self._memory: dict[str, int] = {"activations": 0}
         self._flops: float | None = None
         self._expert_tokens: ExpertTokenCounts | None = None
 
@@ -186,7 +187,9 @@ class ScalingMonitor(Callback):
             self._activations = measures.SavedActivations(pl_module).__enter__()
 
     @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
         recorder = self._recorder
         if recorder is None or not recorder.active:
             return
@@ -242,7 +245,7 @@ class ScalingMonitor(Callback):
     def _payload(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         device = pl_module.device
         local = getattr(trainer.strategy, "num_processes", 1) or 1
-        memory = {**self._memory, **measures.model_bytes(pl_module, list(trainer.optimizers))}
+        memory: dict[str, object] = {**self._memory, **measures.model_bytes(pl_module, list(trainer.optimizers))}
         memory["gradients"] = self._memory.get("gradients", memory["gradients"])
         memory.update(measures.peak_and_capacity(device, local))
         mesh = _device_mesh(trainer.strategy)
@@ -333,7 +336,7 @@ def _replicas(trainer: pl.Trainer) -> int:
         return 1
 
 
-def _pipeline_info(strategy: Strategy) -> dict[str, Any] | None:
+def _pipeline_info(strategy: Strategy) -> reporting.PipelineInfo | None:
     engine = getattr(strategy, "pipeline", None)
     if engine is None:
         return None

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import nn
 
 from lightning_mgpu.gpus import gpu_named
+
+if TYPE_CHECKING:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from torch.optim import Optimizer
 
 
 def device_peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
@@ -64,13 +69,13 @@ def parameters_held(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def local_bytes(tensor: Any) -> int:
+def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank stores for ``tensor`` (its local shard when it is a DTensor)."""
     local = _local(tensor)
     return local.numel() * local.element_size() if torch.is_tensor(local) else 0
 
 
-def model_bytes(module: nn.Module, optimizers: list[Any]) -> dict[str, int]:
+def model_bytes(module: nn.Module, optimizers: Sequence[Optimizer | LightningOptimizer]) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state on this rank."""
     params = list(module.parameters())
     optimizer_state = 0
@@ -85,7 +90,13 @@ def model_bytes(module: nn.Module, optimizers: list[Any]) -> dict[str, int]:
     }
 
 
-def peak_and_capacity(device: torch.device, local_processes: int) -> dict[str, Any]:
+class PeakMemory(TypedDict):
+    peak: int
+    peak_kind: str
+    capacity: int
+
+
+def peak_and_capacity(device: torch.device, local_processes: int) -> PeakMemory:
     """Peak memory of this rank and what it may use: the GPU's, or the host's RAM shared by its local ranks."""
     if device.type == "cuda" and torch.cuda.is_available():
         return {
@@ -129,7 +140,7 @@ class SavedActivations(AbstractContextManager):
         self._hooks.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
 
 
@@ -137,7 +148,7 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return _local(tensor).untyped_storage().data_ptr()
 
 
-def _local(tensor: Any) -> Any:
+def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (without autograd: ``to_local`` under no_grad is the stored tensor itself)."""
     from torch.distributed.tensor import DTensor
 

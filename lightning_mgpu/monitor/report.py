@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from lightning_mgpu.monitor.diagnose import diagnose
 from lightning_mgpu.parallel.pipeline import bubble_fraction
@@ -60,6 +60,44 @@ FIELDS = {
 }
 
 
+class PipelineInfo(TypedDict):
+    """The pipeline's shape, from the strategy (``context["pipeline"]``)."""
+
+    schedule: str
+    pp: int
+    stages: int
+    num_microbatches: int
+
+
+class ExpertLoad(TypedDict):
+    tokens: list[int]
+    max_over_mean: float | None
+
+
+class StepSummary(TypedDict):
+    step: int
+    wall_s: float
+    parts_s: dict[str, float]
+    timed_calls: int
+
+
+class RankSummary(TypedDict):
+    rank: int
+    step_s: float
+    parts_s: dict[str, float]
+
+
+class Throughput(TypedDict):
+    tokens_per_s: float
+    samples_per_s: float
+    model_parameters: int
+    flops_per_step: float
+    flops_per_s: float
+    peak_flops_per_device: float | None
+    peak_source: str | None
+    mfu: float | None
+
+
 def build_report(context: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Combine the context of global rank 0 with every rank's measurements (ordered by rank)."""
     steps = _steps(ranks)
@@ -96,7 +134,7 @@ def build_report(context: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[s
     return report
 
 
-def _experts(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+def _experts(ranks: list[dict[str, Any]]) -> dict[str, ExpertLoad] | None:
     """Per MoE layer: tokens routed to each expert, summed over the ranks (all training steps), and max / mean."""
     layers: dict[str, list[int]] = {}
     for rank in ranks:
@@ -108,9 +146,9 @@ def _experts(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
     } or None
 
 
-def _steps(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _steps(ranks: list[dict[str, Any]]) -> list[StepSummary]:
     common = set.intersection(*({s["step"] for s in r["steps"]} for r in ranks)) if ranks else set()
-    steps = []
+    steps: list[StepSummary] = []
     for index in sorted(common):
         records = [next(s for s in r["steps"] if s["step"] == index) for r in ranks]
         steps.append(
@@ -129,13 +167,13 @@ def _mean_parts(records: list[dict[str, float]]) -> dict[str, float]:
     return {name: sum(r.get(name, 0.0) for r in records) / len(records) for name in names} if records else {}
 
 
-def _rank_summary(rank: dict[str, Any]) -> dict[str, Any]:
+def _rank_summary(rank: dict[str, Any]) -> RankSummary:
     steps = rank["steps"]
     wall = sum(s["wall_s"] for s in steps) / len(steps) if steps else 0.0
     return {"rank": rank["rank"], "step_s": wall, "parts_s": _mean_parts([s["parts_s"] for s in steps])}
 
 
-def _throughput(context: dict[str, Any], ranks: list[dict[str, Any]], step_s: float) -> dict[str, Any]:
+def _throughput(context: dict[str, Any], ranks: list[dict[str, Any]], step_s: float) -> Throughput:
     first = ranks[0]["steps"] if ranks else []
     replicas = context["data_parallel_replicas"]
     samples = replicas * sum(s["samples"] for s in first) / len(first) if first else 0.0
@@ -165,7 +203,7 @@ def _communication(ranks: list[dict[str, Any]], parts: dict[str, float]) -> dict
     return {axis: {"exposed_s": parts.get(f"comm_{axis}", 0.0), "overlapped_s": hidden.get(axis, 0.0)} for axis in axes}
 
 
-def _pipeline(info: dict[str, Any] | None, parts: dict[str, float]) -> dict[str, Any] | None:
+def _pipeline(info: PipelineInfo | None, parts: dict[str, float]) -> dict[str, object] | None:
     if not info:
         return None
     busy = parts.get("bubble", 0.0) + parts.get("compute", 0.0) + parts.get("comm_pp", 0.0)

@@ -28,9 +28,9 @@ import json
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -39,6 +39,14 @@ from lightning_mgpu.launch import free_port
 from lightning_mgpu.layout import DP_AXIS, TP_AXIS
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
 from lightning_mgpu.planner.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import Schedule1F1B
+
+_T = TypeVar("_T")
 
 MAX_CALIBRATION_PARAMS = 200_000_000  # larger real modules are measured one block at a time
 BATCHES, LARGE = (1, 4, 8), 4  # batch sizes of the timed forward + backward passes; the one the workers run
@@ -229,7 +237,7 @@ def _local(probe: _Probe) -> dict[str, float]:
     }
 
 
-def _isolated(fn: Callable[[], object]) -> Any:
+def _isolated(fn: Callable[[], _T]) -> _T:
     """Run ``fn`` with one intra-op thread and the random state restored afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -240,7 +248,7 @@ def _isolated(fn: Callable[[], object]) -> Any:
         torch.set_num_threads(threads)
 
 
-_QUICK: dict[Any, Measurements] = {}
+_QUICK: dict[tuple[str | None, ModelSpec], Measurements] = {}  # by (the module's class, its shape)
 
 
 def _quick(model: ModelSpec, module: nn.Module | None) -> Measurements:
@@ -289,7 +297,7 @@ def _tp_degree(processes: int, heads: int) -> int:
     return min([t for t in range(2, processes + 1) if processes % t == 0 and heads % t == 0], default=1)
 
 
-def _worker(rank: int, world: int, port: int, queue: Any, probe: _Probe, heads: int) -> None:
+def _worker(rank: int, world: int, port: int, queue: Queue[Mapping[str, object]], probe: _Probe, heads: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -334,7 +342,7 @@ def _pipeline_probe(rank: int, world: int, few: int = 2, many: int = 6) -> float
     for count in (few, many):
         schedule = Schedule1F1B(stage, count, loss_fn=lambda out, y: (out - y).pow(2).mean())
 
-        def step(count: int = count, schedule: Any = schedule) -> None:
+        def step(count: int = count, schedule: Schedule1F1B = schedule) -> None:
             batch = 2 * count
             if index == 0:
                 schedule.step(inputs[:batch])
@@ -346,7 +354,12 @@ def _pipeline_probe(rank: int, world: int, few: int = 2, many: int = 6) -> float
 
 
 def _parallel_probes(
-    probe: _Probe, inputs: torch.Tensor, world: int, heads: int, plain_step: float, init_device_mesh: Any
+    probe: _Probe,
+    inputs: torch.Tensor,
+    world: int,
+    heads: int,
+    plain_step: float,
+    init_device_mesh: Callable[..., DeviceMesh],
 ) -> dict[str, float]:
     from lightning_mgpu.parallel.data import apply_data_parallel
     from lightning_mgpu.parallel.local_step import ShardLocalStep, steps_on_shards

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from lightning_mgpu.parallel import pipeline
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
@@ -38,7 +37,7 @@ class Estimate:
     problems: list[str] = field(default_factory=list)
     scaling_efficiency: float = float("nan")
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:  # for JSON
         result = asdict(self) | {"layout": self.layout.as_dict()}
         if result["scaling_efficiency"] != result["scaling_efficiency"]:  # NaN (not computed) is not JSON
             result["scaling_efficiency"] = None

@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -198,7 +199,7 @@ def _importable(name: str) -> bool:
         return False
 
 
-def check_arguments(cls: type, init_args: dict[str, Any], flag: str = "--init-args") -> None:
+def check_arguments(cls: type, init_args: Mapping[str, object], flag: str = "--init-args") -> None:
     """An argument ``cls`` does not take, or one it needs and lacks, named with the flag that gave them."""
     try:
         signature = inspect.signature(cls)
@@ -213,7 +214,7 @@ def check_arguments(cls: type, init_args: dict[str, Any], flag: str = "--init-ar
         ) from None
 
 
-def instantiate(cls: type, init_args: dict[str, Any], flag: str = "--init-args") -> Any:
+def instantiate(cls: type, init_args: Mapping[str, object], flag: str = "--init-args") -> Any:
     """``cls(**init_args)``; arguments it does not take or lacks, or values it refuses, named with the flag that
     gave them (the class's own message kept)."""
     check_arguments(cls, init_args, flag)
@@ -226,7 +227,7 @@ def instantiate(cls: type, init_args: dict[str, Any], flag: str = "--init-args")
         ) from error
 
 
-def build_on_meta(cls: type, init_args: dict[str, Any] | None = None) -> nn.Module:
+def build_on_meta(cls: type, init_args: Mapping[str, object] | None = None) -> nn.Module:
     """Instantiate ``cls(**init_args)`` on the meta device (no memory), running ``configure_model`` if it has one."""
     import torch
 
@@ -307,7 +308,7 @@ def spec_from_module(module: nn.Module, seq_len: int | None = None, **overrides:
     )
 
 
-def _routed_experts(blocks: nn.Module, layers: int) -> dict[str, Any]:
+def _routed_experts(blocks: nn.Module, layers: int) -> dict[str, int]:
     """``experts`` and ``expert_params`` (one block's routed experts, averaged over the blocks: some models keep
     dense blocks between MoE ones), as the expert-parallel split finds them; nothing for a dense model."""
     from lightning_mgpu.parallel.experts import find_expert_lists, find_experts
@@ -339,9 +340,9 @@ def spec_from_path(path: str, init_args: str | None = None, **overrides: Any) ->
     return spec_from_module(module, seq_len=seq_len, **overrides)
 
 
-def _configs(module: nn.Module) -> list[Any]:
+def _configs(module: nn.Module) -> list[object]:
     """Objects that may hold the shapes: the module and its submodules, their ``config``, ``hparams``."""
-    found: list[Any] = []
+    found: list[object] = []
     for sub in module.modules():
         for candidate in (getattr(sub, "config", None), sub, getattr(sub, "hparams", None)):
             if candidate is not None and all(candidate is not f for f in found):

@@ -160,9 +160,9 @@ class _ReadRecorder(dict):
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
-        self.read: set[Any] = set()
+        self.read: set[object] = set()
 
-    def __getitem__(self, key: Any) -> Any:
+    def __getitem__(self, key: object) -> Any:
         self.read.add(key)
         return super().__getitem__(key)
 
@@ -170,7 +170,7 @@ class _ReadRecorder(dict):
         self.read.add(key)
         return super().__contains__(key)
 
-    def get(self, key: Any, default: object = None) -> Any:
+    def get(self, key: object, default: object = None) -> Any:
         self.read.add(key)
         return super().get(key, default)
 
@@ -185,7 +185,7 @@ class _OneRank:
         return 1
 
 
-def _parse(config: dict[str, Any]) -> set[Any]:
+def _parse(config: dict[str, Any]) -> set[object]:
     """Run DeepSpeed's own config parser (``DeepSpeedConfig``) over ``config``; the top-level keys it read."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -254,7 +254,7 @@ def build_config(
     """
     check_config(config, zero_stage)
     user = copy.deepcopy(LIGHTNING_DEFAULTS) if config is None else load_config(config)
-    filled: dict[str, Any] = {
+    filled: dict[str, float | bool] = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulate_grad_batches,
         "train_batch_size": micro_batch_size * accumulate_grad_batches * data_parallel_size,

@@ -48,10 +48,10 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed import ProcessGroup
 
-    from lightning_mgpu.layout import ParallelLayout
+    from lightning_mgpu.layout import ParallelLayout, Size
 
 
-def check(options: ParallelOptions, zero_stage: int | str, tensor_size: Any, pipeline_size: Any) -> None:
+def check(options: ParallelOptions, zero_stage: int | str, tensor_size: Size, pipeline_size: Size) -> None:
     """``zero_backend='deepspeed'``: the DeepSpeed engine's layouts and config, judged before launch."""
     if options.zero_backend != "deepspeed":
         return
@@ -68,7 +68,7 @@ def check(options: ParallelOptions, zero_stage: int | str, tensor_size: Any, pip
         check_config(options.deepspeed_config, zero_stage)
 
 
-def composition_error(tensor_parallel_size: Any, pipeline_parallel_size: Any) -> str | None:
+def composition_error(tensor_parallel_size: Size, pipeline_parallel_size: Size) -> str | None:
     """Why a layout cannot run with the DeepSpeed engine (``None`` when it can); checked before launch."""
     if pipeline_parallel_size != 1 and pipeline_parallel_size != "auto":
         return (
@@ -97,7 +97,7 @@ class DeepSpeedEngineRunner:
         self._stepping = False  # inside Lightning's optimizer step: its backward ends the accumulation window
         self.param_groups: list[list[nn.Parameter]] = []  # the user's groups, before DeepSpeed flattens them
         self._release: DeepSpeedRelease | None = None
-        self._released_state: dict[str, Any] = {}
+        self._released_state: dict[str, object] = {}
 
     def initialize(
         self,
@@ -180,7 +180,7 @@ class DeepSpeedEngineRunner:
         self.engine.backward(loss, scale_wrt_gas=False)
         return Precision.post_backward(precision, loss, module)
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], object], module: pl.LightningModule) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], object], module: pl.LightningModule) -> object:
         assert self.engine is not None
         self._stepping = True
         try:
@@ -252,7 +252,7 @@ class _DataParallelGroups:
         self._rank = dist.get_rank(dp_group)
         self._size = dist.get_world_size(dp_group)
 
-    def get_data_parallel_group(self) -> Any:
+    def get_data_parallel_group(self) -> ProcessGroup:
         return self._group
 
     def get_data_parallel_rank(self) -> int:
@@ -261,7 +261,7 @@ class _DataParallelGroups:
     def get_data_parallel_world_size(self) -> int:
         return self._size
 
-    def get_model_parallel_group(self) -> Any:
+    def get_model_parallel_group(self) -> None:
         return None
 
     def get_model_parallel_rank(self) -> int:

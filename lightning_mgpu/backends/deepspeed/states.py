@@ -332,7 +332,7 @@ class DeepSpeedStates:
                         for state in optimizer.state.values():
                             state[key] = value.clone() if torch.is_tensor(value) else value
 
-    def _create_missing_states(self, optimizer: Optimizer, example: dict[str, Any]) -> None:
+    def _create_missing_states(self, optimizer: Optimizer, example: Mapping[str, object]) -> None:
         """Give DeepSpeed's flat fp32 partitions the states a saved parameter has (``example``), before they are
         filled: ZeRO-3 (and a fresh optimizer generally) creates them only at its first step."""
         zero = getattr(self.runner.engine, "optimizer", None)
@@ -360,7 +360,7 @@ class DeepSpeedStates:
             names.setdefault(param, name)
         return names
 
-    def _state_layout(self, optimizer: Optimizer) -> tuple[list[str], dict[str, Any]]:
+    def _state_layout(self, optimizer: Optimizer) -> tuple[list[str], dict[str, object]]:
         """The per-element state names (``exp_avg``, ...) of DeepSpeed's flat partitions, and the scalar states
         (``step``), which every partition of a step shares."""
         flats = [state for key, state in optimizer.state.items() if not _is_module_param(key, self.runner)]
@@ -377,7 +377,7 @@ def _piecewise(param: Any) -> bool:
     return has_fragment_mapping(param) and param.requires_grad and param.dtype == torch.float32
 
 
-def _piece(param: Any, zero: Any, name: str | None) -> tuple[Any, Any]:
+def _piece(param: Any, zero: Any, name: str | None) -> tuple[FlatFragment | torch.Tensor, Callable[[], object]]:
     """What DCP reads a piecewise key into, and what puts it in place after.
 
     ZeRO-3: a buffer of the rank's (padded) partition, handed over with DeepSpeed's ``safe_set_local_*`` (which

@@ -24,7 +24,9 @@ Contract: one network call per step, before which the step does nothing with sid
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,11 +48,20 @@ from lightning_mgpu.parallel.pipeline.schedules import ScheduleCache
 from lightning_mgpu.parallel.pipeline.split import PipelineRuntime
 
 if TYPE_CHECKING:
+    from torch.amp import GradScaler
     from torch.distributed import ProcessGroup
 
-    from lightning_mgpu.precision import HybridPrecision, JobGradScaler
-
 _Tree = TypeVar("_Tree")
+
+
+class _PipelinePrecision(Protocol):
+    """What ``share_with`` reads and sets on the precision plugin (``HybridPrecision``)."""
+
+    grad_norm_group: ProcessGroup | None
+    grads_counted_elsewhere: Callable[[], AbstractSet[int]]
+
+    @property
+    def scaler(self) -> GradScaler | None: ...
 
 
 class _TrainingStep:
@@ -93,7 +104,7 @@ class PipelineEngine:
         self.sync_gradients = True
         # The precision plugin's job-wide loss scaler (16-mixed): applied to each microbatch's loss here, since
         # the schedule runs backward itself. `share_with` sets it.
-        self.grad_scaler: JobGradScaler | None = None
+        self.grad_scaler: GradScaler | None = None
         self._replanned: set[tuple[int, int]] = set()
         self._training: _TrainingStep | None = None  # set while a training step's schedule runs
         self._forward_only = False  # multi-stage schedules call the loss function even when run forward-only
@@ -234,7 +245,7 @@ class PipelineEngine:
         return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
 
     # ------------------------------------------------------------------------------------ the strategy's side
-    def share_with(self, precision_plugin: HybridPrecision) -> None:
+    def share_with(self, precision_plugin: _PipelinePrecision) -> None:
         """What the precision plugin needs of the pipeline, and the other way round."""
         # Stages hold disjoint parameters (tied copies aside): gradient norms add up over the pipeline group.
         precision_plugin.grad_norm_group = self.group

@@ -30,7 +30,8 @@ logged so that it can be pinned as an explicit ``tp_plan``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -164,7 +165,7 @@ class _DataFlow(TorchFunctionMode):
         self.reads: dict[str, set] = {}
         self.outputs: dict[int, str] = {}  # a projection's own output tensor -> the projection
         self.chunks: dict[str, int] = {}  # a fused projection -> how many equal parts its output is split into
-        self._alive: list[Any] = []  # keeps traced tensors alive so that their ids stay theirs
+        self._alive: list[torch.Tensor] = []  # keeps traced tensors alive so that their ids stay theirs
 
     def mark(self, tensor: torch.Tensor, sources: frozenset) -> None:
         self.sources[id(tensor)] = self.sources.get(id(tensor), frozenset()) | sources
@@ -198,17 +199,17 @@ class _DataFlow(TorchFunctionMode):
                 self.mark(tensor, came_from)
         return result
 
-    def output_of(self, name: str) -> Any:
+    def output_of(self, name: str) -> Callable[[nn.Module, tuple[object, ...], object], None]:
         """Forward hook (removed after the trace): what a projection module returns, e.g. after Conv1D's ``view``."""
 
-        def hook(module: nn.Module, args: Any, output: object) -> None:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             if isinstance(output, torch.Tensor):
                 self.outputs[id(output)] = name
 
         return hook
 
 
-def _equal_parts_of_last_dim(tensor: Any, result: object) -> bool:
+def _equal_parts_of_last_dim(tensor: object, result: object) -> bool:
     """Whether ``result`` is ``tensor`` cut into 2+ equal parts along its last dimension (a fused ``[q | k | v]``
     or ``[gate | up]`` split with ``split``/``chunk``)."""
     if not isinstance(tensor, torch.Tensor) or not isinstance(result, (tuple, list)) or len(result) < 2:
@@ -235,9 +236,9 @@ def _trace_in_call(
     """Follow ``block``'s call inside the user's step on one batch (the step is ended right after the block)."""
     saved = instance_attribute(block, "forward")
     forward = block.forward
-    traced: list[Any] = []
+    traced: list[tuple[dict[str, set], frozenset, dict[str, int]]] = []
 
-    def tracing(*args: object, **kwargs: object) -> Any:
+    def tracing(*args: object, **kwargs: object) -> NoReturn:
         traced.append(_traced(units, lambda: forward(*args, **kwargs), args, kwargs))
         raise _Traced
 
@@ -258,7 +259,7 @@ class _Traced(Exception):
 
 
 def _traced(
-    units: dict[str, nn.Module], run: Any, args: tuple, kwargs: dict
+    units: dict[str, nn.Module], run: Callable[[], object], args: tuple, kwargs: dict
 ) -> tuple[dict[str, set], frozenset, dict[str, int]]:
     """``run()``, the block's call on ``args``/``kwargs``, followed by a ``_DataFlow``: each unit's input sources,
     the output's sources and the fused projections."""

@@ -80,12 +80,12 @@ class _LocalHeadsCalls:
         self.mesh = mesh
         self.modes: list[_LocalHeads] = []
 
-    def enter(self, module: nn.Module, args: Any) -> None:
+    def enter(self, module: nn.Module, args: tuple[object, ...]) -> None:
         mode = _LocalHeads(self.mesh)
         mode.__enter__()
         self.modes.append(mode)
 
-    def leave(self, module: nn.Module, args: Any, output: object) -> None:
+    def leave(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if self.modes:
             self.modes.pop().__exit__(None, None, None)
 
@@ -228,7 +228,7 @@ def _packed_projection(
     key: torch.Tensor,
     value: torch.Tensor,
     weight: torch.Tensor,
-    biases: tuple[torch.Tensor, ...] | None,
+    biases: Any,
     width: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v of this rank's heads from its rows ``[q | k | v]`` of ``in_proj_weight``: one projection per
@@ -254,7 +254,10 @@ def _parts(projected: torch.Tensor, count: int, width: int) -> tuple[torch.Tenso
 
 
 def _separate_projections(
-    entering: _Entering, inputs: tuple[torch.Tensor, ...], weights: tuple[Any, ...], biases: Any
+    entering: _Entering,
+    inputs: tuple[torch.Tensor, ...],
+    weights: tuple[Any, ...],
+    biases: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v of this rank's heads from separate weights (keys or values of another width), sharded by rows."""
     biases = biases or (None, None, None)

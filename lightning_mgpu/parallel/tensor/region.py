@@ -37,8 +37,9 @@ that DTensor can only do by redistributing is still correct, just slower (tests 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from types import GetSetDescriptorType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,9 @@ from torch.overrides import TorchFunctionMode
 from lightning_mgpu._compat.dtensor import is_strided_shard, strided_chunks
 from lightning_mgpu._compat.tensors import tree_map
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
 _SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes, torch.Tensor.chunk, torch.chunk)
 _MOMENTS = (torch.std, torch.Tensor.std, torch.var, torch.Tensor.var)
 _CONCATS = (torch.cat, torch.concat, torch.concatenate)
@@ -57,7 +61,7 @@ _SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal
 
 
 @torch.compiler.disable
-def _strided_layout(placement: Any) -> tuple[int, int]:
+def _strided_layout(placement: _StridedShard) -> tuple[int, int]:
     """``(split_factor, dim)`` of a ``_StridedShard``, read outside ``torch.compile``'s tracing (dynamo cannot read
     the attributes of torch's placement objects inside a torch-function mode): a graph break under compile=True."""
     return strided_chunks(placement), placement.dim
@@ -137,12 +141,12 @@ def _without_legacy_empties(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {**kwargs, "tensors": kept}
 
 
-def _split_fused(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+def _split_fused(func: Callable[..., object], args: tuple, kwargs: dict) -> tuple | None:
     """``split``/``chunk`` of a chunk-wise sharded fused projection into its chunks: cut from the local shard."""
     tensor = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
     if not isinstance(tensor, DTensor) or len(tensor.placements) != 1:
         return None
-    placement: Any = tensor.placements[0]  # a _StridedShard once checked: split_factor, dim
+    placement = tensor.placements[0]  # a _StridedShard once checked: split_factor, dim
     if not is_strided_shard(placement):
         return None
     chunked = func in (torch.Tensor.chunk, torch.chunk)
@@ -201,7 +205,7 @@ def _moment_over_shards(std: bool, args: tuple, kwargs: dict) -> torch.Tensor | 
     return variance.sqrt() if std else variance
 
 
-def _attention_on_local_heads(args: tuple, kwargs: dict) -> Any:
+def _attention_on_local_heads(args: tuple, kwargs: dict) -> DTensor:
     """``F.scaled_dot_product_attention`` per head on this rank's heads (heads are independent)."""
     bound = dict(zip(_SDPA_ARGUMENTS, args))
     bound.update(kwargs)
@@ -242,12 +246,12 @@ class GlobalShapeRegion:
     def __init__(self) -> None:
         self.modes: list[GlobalShapeMode] = []
 
-    def enter(self, module: nn.Module, args: Any) -> None:
+    def enter(self, module: nn.Module, args: tuple[object, ...]) -> None:
         mode = GlobalShapeMode()
         mode.__enter__()
         self.modes.append(mode)
 
-    def exit(self, module: nn.Module, args: Any, output: object) -> None:
+    def exit(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if self.modes:
             self.modes.pop().__exit__(None, None, None)
 
