@@ -38,6 +38,7 @@ from lightning_mgpu._compat import InternalChanged, changed, internal
 if TYPE_CHECKING:
     import torch
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    from torch.distributed.pipelining.schedules import _PipelineSchedule as _PipelineSchedule  # every schedule's base
     from torchmetrics import Metric
 
 # One computation of a schedule: (kind, stage, microbatch); an overlapped pair is listed as its two parts.

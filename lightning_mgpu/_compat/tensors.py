@@ -49,6 +49,9 @@ from torch import nn
 from lightning_mgpu._compat import changed, internal
 
 if TYPE_CHECKING:
+    from torch._ops import (
+        OpOverload as OpOverload,  # an operator's overload (torch.ops.aten.mm.default): no public name
+    )
     from torch._subclasses.fake_tensor import FakeTensorMode
 
 tree_map = internal("torch.utils._pytree", "tree_map")

@@ -39,8 +39,9 @@ from lightning_mgpu._compat.tensors import TorchDispatchMode, tree_leaves
 from lightning_mgpu.parallel.blocks import find_blocks
 
 if TYPE_CHECKING:
-    from torch._ops import OpOverload
     from torch.multiprocessing.reductions import StorageWeakRef
+
+    from lightning_mgpu._compat.tensors import OpOverload
 
 Mode = bool | str | list[type] | tuple[type, ...]
 

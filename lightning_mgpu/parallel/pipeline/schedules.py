@@ -20,7 +20,8 @@ from lightning_mgpu.parallel.pipeline.split import PipelineRuntime, Stage
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed import ProcessGroup
-    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    from lightning_mgpu._compat.pipelining import _PipelineSchedule
 
 
 class ScheduleCache:

@@ -52,7 +52,7 @@ from lightning_mgpu._compat.dtensor import is_strided_shard, strided_chunks
 from lightning_mgpu._compat.tensors import tree_map
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from lightning_mgpu._compat.dtensor import _StridedShard
 
 _SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes, torch.Tensor.chunk, torch.chunk)
 _MOMENTS = (torch.std, torch.Tensor.std, torch.var, torch.Tensor.var)
