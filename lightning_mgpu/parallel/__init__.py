@@ -12,7 +12,7 @@ from lightning_mgpu.layout import TP_AXIS, ParallelLayout, gradient_mesh, zero_m
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
 from lightning_mgpu.parallel.blocks import compile_blocks, is_float8_linear
-from lightning_mgpu.parallel.data import apply_data_parallel, sharded_by_user, stages
+from lightning_mgpu.parallel.data import apply_data_parallel, replicates_parameters, sharded_by_user
 from lightning_mgpu.parallel.example import ExampleStep
 from lightning_mgpu.parallel.experts import (
     apply_expert_parallel,
@@ -90,7 +90,7 @@ def parallelize(
             layout.zero_stage,
             mp_policy,
             offload_policy,
-            replicate=runtime is not None and stages.replicates_parameters(layout),
+            replicate=runtime is not None and replicates_parameters(layout),
         )
     if layout.gradient_ranks > 1 and runtime is None:
         # A Hugging Face load-balancing loss on the whole batch, as one process computes it (not each rank's own).

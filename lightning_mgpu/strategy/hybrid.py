@@ -47,7 +47,12 @@ from lightning_mgpu.layout_checks import check_options
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.context import ContextParallel
-from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, stages
+from lightning_mgpu.parallel.data import (
+    OptimizerStateSharding,
+    can_leave_gathered,
+    frees_after_forward,
+    reduce_metrics_over,
+)
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
@@ -373,7 +378,7 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
             callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by the Trainer, not declared
             check_callbacks(callbacks, self.layout, self.options)
         self.accelerator.setup(trainer)
-        fully_sharded = stages.frees_after_forward(self.layout) and self._deepspeed is None
+        fully_sharded = frees_after_forward(self.layout) and self._deepspeed is None
         self.precision_plugin.float8_all_gather = fully_sharded and self.precision_plugin.precision == "fp8-mixed"
         self.model = self.precision_plugin.convert_module(self.model)
         if self._runner is not None and self._runner.module is self.lightning_module:
@@ -475,7 +480,7 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
             self._patches.undo()
             return
         pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
-        if self._interrupted and stages.can_leave_gathered(self.layout):  # only sharded groups can be left so
+        if self._interrupted and can_leave_gathered(self.layout):  # only sharded groups can be left so
             module_setup.reshard(self._data_parallel_roots)
         else:
             # A run that ended with an evaluation (validation at the epoch's end) left FSDP2's root groups gathered
