@@ -64,6 +64,6 @@ def _what_places_parameters_elsewhere(layout: ParallelLayout, options: ParallelO
         return "zero_backend='deepspeed' the DeepSpeed engine keeps the parameters in its own partitions"
     if layout.pipeline_parallel_size > 1:
         return f"pipeline_parallel_size={layout.pipeline_parallel_size} each rank holds only its stages' parameters"
-    if options.expert_parallel_size > 1:
-        return f"expert_parallel_size={options.expert_parallel_size} each rank holds only its experts"
+    if layout.expert_parallel_size > 1:
+        return f"expert_parallel_size={layout.expert_parallel_size} each rank holds only its experts"
     return ""

@@ -37,12 +37,7 @@ from lightning_mgpu.launch import (
     restore_sigterm,
     startup,
 )
-from lightning_mgpu.layout import (
-    PP_AXIS,
-    ParallelLayout,
-    Size,
-    minimum_world_size,
-)
+from lightning_mgpu.layout import PP_AXIS, ParallelLayout, RequestedSizes, Size
 from lightning_mgpu.layout_checks import check_options
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
@@ -263,15 +258,18 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
         )
         # Validate everything that does not need the world size now, before any process is started; the rest when
         # the Trainer is built (`set_world_ranks`, the `precision_plugin` setter), still in the launching process.
-        self._requested_sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage)
-        self._context_parallel_size = context_parallel_size
+        self._requested_sizes = RequestedSizes(
+            data_parallel_size,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            zero_stage,
+            context_parallel_size,
+            expert_parallel_size,
+            data_parallel_shard_size,
+        )
         if checkpoint_format is None:  # a background save writes the shards; a file is joined on one rank after
             checkpoint_format = "sharded" if async_checkpoint else "full"
-        ParallelLayout.resolve(
-            minimum_world_size(*self._requested_sizes[:3], context_parallel_size),
-            *self._requested_sizes,
-            context_parallel_size=context_parallel_size,
-        )
+        self._requested_sizes.resolve(self._requested_sizes.smallest_world_size)
         self.options = ParallelOptions(
             zero_backend=zero_backend,
             tp_plan=tp_plan,
@@ -286,8 +284,6 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
             checkpoint_format=checkpoint_format,
             async_checkpoint=async_checkpoint,
             deepspeed_config=deepspeed_config,
-            expert_parallel_size=expert_parallel_size,
-            data_parallel_shard_size=data_parallel_shard_size,
             context_parallel_mode=context_parallel_mode,
             compile=compile,
             global_batch_size=global_batch_size,
