@@ -103,6 +103,10 @@ def follow_into_backward(module: nn.Module, tensors: Iterable[torch.Tensor]) -> 
     """FSDP2's pre-backward of ``module`` (``fully_shard``ed) hooked on ``tensors``, as its post-forward hooks the
     tensors it finds in the output: the first gradient reaching one gathers the parameters again and readies the
     reduction of their gradients at the backward's end (the hook does nothing more once the backward started)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"follow_into_backward needs a fully_shard-ed module, not {type(module).__name__}")
     state = module._get_fsdp_state()
     if not hasattr(state, "_pre_backward"):
         raise AttributeError(changed("FSDPState._pre_backward", "torch", "the method is gone"))
