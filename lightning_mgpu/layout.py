@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
@@ -52,10 +52,19 @@ def _check_size(name: str, value: object, allow_auto: bool) -> None:
         raise ValueError(f"`{name}` must be {valid}, got {value!r}.")
 
 
+def _check_shard_size(value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(
+            "`data_parallel_shard_size` must be a positive integer (ZeRO shards over groups of that many"
+            f" data-parallel ranks) or None (over all of them), got {value!r}."
+        )
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Degrees of data, tensor, pipeline and context parallelism plus the ZeRO stage, resolved: what
-    ``trainer.strategy.layout`` holds once the Trainer is built; ``dp * tp * pp * cp == world_size``.
+    """Every degree of the job, resolved: data, tensor, pipeline, context and expert parallelism, the ZeRO stage
+    and HSDP's shard groups; what ``trainer.strategy.layout`` holds once the Trainer is built;
+    ``dp * tp * pp * cp == world_size`` (``ep`` and ``dp_shard`` cut the data-parallel ranks, they add none).
 
     The mesh is ``(pp, dp, tp)`` (``(pp, dp, cp, tp)`` with context parallelism), tensor parallelism innermost:
     rank ``r`` sits at ``coordinates(r)``; ``describe()`` says the sizes in one line, as the strategy's messages do.
@@ -67,6 +76,10 @@ class ParallelLayout:
         pipeline_parallel_size: Pipeline stages the blocks are cut into.
         zero_stage: 0 (replicated), 1 (+ sharded optimizer states), 2 (+ gradients) or 3 (+ parameters).
         context_parallel_size: Ranks each sequence is split over.
+        expert_parallel_size: Data-parallel ranks each mixture-of-experts layer's experts are split over
+            (``dp = replicas x ep``, ``parallel.experts``).
+        data_parallel_shard_size: HSDP: ZeRO shards over groups of this many consecutive data-parallel ranks and
+            replicates across ``dp / shard`` of them (``parallel.data``); ``None``: over all of them.
 
     Example:
         ```python
@@ -83,6 +96,8 @@ class ParallelLayout:
     pipeline_parallel_size: int = 1
     zero_stage: int = 0
     context_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    data_parallel_shard_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_size("data_parallel_size", self.data_parallel_size, allow_auto=False)
@@ -90,6 +105,9 @@ class ParallelLayout:
         _check_size("tensor_parallel_size", self.tensor_parallel_size, allow_auto=False)
         _check_size("pipeline_parallel_size", self.pipeline_parallel_size, allow_auto=False)
         _check_zero_stage(self.zero_stage)
+        # How ep and the shard size fit dp is each parallelism's check (``layout_checks``), in its own words.
+        _check_size("expert_parallel_size", self.expert_parallel_size, allow_auto=False)
+        _check_shard_size(self.data_parallel_shard_size)
 
     @classmethod
     def resolve(
@@ -100,13 +118,16 @@ class ParallelLayout:
         pipeline_parallel_size: Size = 1,
         zero_stage: int | Literal["auto"] = 0,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        data_parallel_shard_size: int | None = None,
     ) -> ParallelLayout:
         """Fill in ``"auto"`` sizes from the world size and check that the product covers every process.
 
         ``"auto"`` on data parallel takes whatever tensor and pipeline parallel leave; ``"auto"`` on tensor or
         pipeline parallel means 1 (no split) unless every other size is fixed, in which case it takes the rest;
         ``zero_stage="auto"`` means 0. This is the rule without a model: where several layouts are possible,
-        ``HybridStrategy`` asks the planner at setup instead (``planner.auto``).
+        ``HybridStrategy`` asks the planner at setup instead (``planner.auto``). ``expert_parallel_size`` and
+        ``data_parallel_shard_size`` are kept as given.
         """
         _check_size("world_size", world_size, allow_auto=False)
         _check_size("context_parallel_size", context_parallel_size, allow_auto=False)
@@ -145,7 +166,13 @@ class ParallelLayout:
                     f" {divisors(world_size)}."
                 )
             sizes[absorber] = world_size // fixed
-        layout = cls(zero_stage=zero_stage, context_parallel_size=cp, **sizes)  # type: ignore[arg-type]
+        layout = cls(
+            zero_stage=zero_stage,
+            context_parallel_size=cp,
+            expert_parallel_size=expert_parallel_size,
+            data_parallel_shard_size=data_parallel_shard_size,
+            **sizes,  # type: ignore[arg-type]
+        )
         if layout.world_size != world_size * cp:
             with_cp = f" x context_parallel_size={cp}" if cp > 1 else ""
             raise ValueError(
@@ -178,6 +205,14 @@ class ParallelLayout:
         return self.context_parallel_size
 
     @property
+    def ep(self) -> int:
+        return self.expert_parallel_size
+
+    @property
+    def dp_shard(self) -> int | None:
+        return self.data_parallel_shard_size
+
+    @property
     def gradient_ranks(self) -> int:
         """Ranks that hold the same weights and average their gradients: ``dp x cp``."""
         return self.data_parallel_size * self.cp
@@ -204,14 +239,20 @@ class ParallelLayout:
 
     def describe(self) -> str:
         """The sizes in one line, as the strategy's messages and logs say them:
-        ``dp=2 x tp=2 x pp=2 (zero_stage=1)`` (the mesh drawn rank by rank: Choosing a layout)."""
+        ``dp=2 x tp=2 x pp=2 (zero_stage=1)`` (the mesh drawn rank by rank: Choosing a layout); expert parallelism
+        and HSDP's shard groups, which cut dp, beside the ZeRO stage when set: ``(zero_stage=1, ep=2)``."""
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        within = [f"zero_stage={self.zero_stage}"]
+        if self.ep > 1:
+            within.append(f"ep={self.ep}")
+        if self.dp_shard is not None:
+            within.append(f"dp_shard={self.dp_shard}")
         return (
             f"dp={self.data_parallel_size} x tp={self.tensor_parallel_size} x pp={self.pipeline_parallel_size}{cp}"
-            f" (zero_stage={self.zero_stage})"
+            f" ({', '.join(within)})"
         )
 
-    def build_mesh(self, device_type: str, data_parallel_shard_size: int | None = None) -> DeviceMesh:
+    def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the named ``(pp, dp, tp)`` mesh; needs an initialized default process group.
 
         With ``data_parallel_shard_size`` (HSDP) the mesh is ``(pp, dp_replicate, dp_shard, tp)``, ``dp_shard`` of
@@ -224,7 +265,7 @@ class ParallelLayout:
         world = torch.distributed.get_world_size()
         if world != self.world_size:
             raise RuntimeError(f"The layout {self.describe()} needs {self.world_size} processes, found {world}.")
-        shard = data_parallel_shard_size
+        shard = self.data_parallel_shard_size
         if self.cp > 1:  # gradients average over dp x cp: one flattened group for the data-parallel wrap
             mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_axes)
             flatten_mesh(mesh, (DP_AXIS, CP_AXIS), DP_CP_AXIS)
@@ -238,6 +279,38 @@ class ParallelLayout:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=(PP_AXIS, *HYBRID_SHARD_AXES, TP_AXIS))
         flatten_mesh(mesh, HYBRID_SHARD_AXES, DP_AXIS)
         return mesh
+
+
+class RequestedSizes(NamedTuple):
+    """The degrees as ``HybridStrategy`` takes them, before the world size is known (``"auto"`` where
+    :data:`Size` allows it); :meth:`resolve` on the Trainer's world size gives the run's :class:`ParallelLayout`
+    (or the planner chooses among ``planner.auto.layout_candidates(world_size, *requested)``)."""
+
+    data_parallel_size: Size = "auto"
+    tensor_parallel_size: Size = 1
+    pipeline_parallel_size: Size = 1
+    zero_stage: int | Literal["auto"] = 0
+    context_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    data_parallel_shard_size: int | None = None
+
+    def resolve(self, world_size: int) -> ParallelLayout:
+        return ParallelLayout.resolve(
+            world_size,
+            self.data_parallel_size,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.zero_stage,
+            self.context_parallel_size,
+            self.expert_parallel_size,
+            self.data_parallel_shard_size,
+        )
+
+    @property
+    def smallest_world_size(self) -> int:
+        """The world size these sizes need with every ``"auto"`` one 1, to validate them before it is known."""
+        sizes = (self.data_parallel_size, self.tensor_parallel_size, self.pipeline_parallel_size)
+        return minimum_world_size(*sizes, self.context_parallel_size)
 
 
 # What Lightning's ModelParallelStrategy calls its mesh's dimensions: a `configure_model` written for it reads

@@ -34,7 +34,7 @@ def check_options(
 
 
 def check_sizes(
-    options: ParallelOptions, precision: str, requested_sizes: tuple[Size, ...], layout: ParallelLayout
+    options: ParallelOptions, precision: str, requested_sizes: tuple[Size | None, ...], layout: ParallelLayout
 ) -> None:
     """The options and the Trainer's ``precision`` against one layout's sizes (raises naming the option and the
     fix)."""
@@ -44,7 +44,7 @@ def check_sizes(
     _check_with_sizes(options, *sizes)
     data.check(options, layout)
     context.check(options, layout)
-    if options.expert_parallel_size > 1:
+    if layout.expert_parallel_size > 1:
         check_expert_layout(options, layout)
     check_precision_layout(precision, layout.tensor_parallel_size)
 

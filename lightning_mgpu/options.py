@@ -31,7 +31,8 @@ CONTEXT_PARALLEL_MODES = ("ring", "alltoall")
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    """How each parallelizer works (the layout says how many ways)."""
+    """How each parallelizer works (the layout, ``ParallelLayout``, says how many ways along every axis: dp, tp, pp,
+    cp, ep, the ZeRO stage and HSDP's shard size)."""
 
     zero_backend: str = "torch"
     tp_plan: str | dict[str, str] | Callable[..., None] = "auto"
@@ -46,8 +47,6 @@ class ParallelOptions:
     checkpoint_format: str = "full"
     async_checkpoint: bool = False
     deepspeed_config: Any = None  # None, a dict or a JSON file's path (zero_backend="deepspeed")
-    expert_parallel_size: int = 1  # experts sharded over groups of this many data-parallel ranks (parallel/experts/)
-    data_parallel_shard_size: int | None = None  # HSDP: ZeRO shards over groups of this many dp ranks (parallel/data/)
     context_parallel_mode: str = "ring"  # how attention spans the sequence's shards (parallel/context/)
     compile: bool | dict[str, Any] = False  # torch.compile each block (True, or torch.compile's keyword arguments)
     global_batch_size: int | None = None  # samples per optimizer step on any world size (strategy/batch.py)
@@ -77,13 +76,6 @@ class ParallelOptions:
             raise ValueError(
                 "`find_unused_parameters` must be None (decided by the first step), True or False,"
                 f" got {self.find_unused_parameters!r}."
-            )
-        if not _positive_int(self.expert_parallel_size):
-            raise ValueError(f"`expert_parallel_size` must be a positive integer, got {self.expert_parallel_size!r}.")
-        if self.data_parallel_shard_size is not None and not _positive_int(self.data_parallel_shard_size):
-            raise ValueError(
-                "`data_parallel_shard_size` must be a positive integer (ZeRO shards over groups of that many"
-                f" data-parallel ranks) or None (over all of them), got {self.data_parallel_shard_size!r}."
             )
         if self.global_batch_size is not None and not _positive_int(self.global_batch_size):
             raise ValueError(

@@ -375,6 +375,8 @@ def test_full_format_is_one_plain_file_that_resumes_in_another_layout(uninterrup
         "tensor_parallel_size": 1,
         "pipeline_parallel_size": 1,
         "zero_stage": 2,
+        "expert_parallel_size": 1,
+        "data_parallel_shard_size": None,
         "world_size": 2,
     }
     # Weights-only loading into the unmodified LightningModule, and torch's own optimizer format.

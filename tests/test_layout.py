@@ -38,11 +38,30 @@ def test_resolve_auto_sizes(world, sizes, expected):
             dict(data_parallel_size=4, tensor_parallel_size=2),
             "= 8 processes, but the Trainer has 4.*data_parallel_size='auto'",
         ),
+        (4, dict(expert_parallel_size=0), r"`expert_parallel_size` must be a positive integer, got 0\."),
+        (4, dict(expert_parallel_size=True), "`expert_parallel_size` must be a positive integer, got True"),
+        (4, dict(data_parallel_shard_size=0), r"`data_parallel_shard_size` must be a positive integer.*or None.*got 0"),
+        (4, dict(data_parallel_shard_size="2"), "`data_parallel_shard_size` must be a positive integer.*got '2'"),
     ],
 )
 def test_invalid_layouts_name_argument_value_and_fix(world, sizes, match):
     with pytest.raises(ValueError, match=match):
         ParallelLayout.resolve(world, **sizes)
+
+
+def test_every_degree_is_the_layouts_own():
+    """Expert parallelism and HSDP's shard groups are kept as given (they cut dp, they add no ranks), said beside the
+    ZeRO stage only when set, and the mesh reads the shard size from the layout."""
+    plain = ParallelLayout.resolve(8, tensor_parallel_size=2, zero_stage=1)
+    assert (plain.ep, plain.dp_shard) == (1, None)
+    assert plain.describe() == "dp=4 x tp=2 x pp=1 (zero_stage=1)"
+    experts = ParallelLayout.resolve(8, zero_stage=1, expert_parallel_size=2)
+    assert (experts.data_parallel_size, experts.world_size, experts.ep, experts.dp_shard) == (8, 8, 2, None)
+    assert experts.describe() == "dp=8 x tp=1 x pp=1 (zero_stage=1, ep=2)"
+    hsdp = ParallelLayout.resolve(8, zero_stage=3, data_parallel_shard_size=4)
+    assert (hsdp.data_parallel_size, hsdp.world_size, hsdp.ep, hsdp.dp_shard) == (8, 8, 1, 4)
+    assert hsdp.describe() == "dp=8 x tp=1 x pp=1 (zero_stage=3, dp_shard=4)"
+    assert hsdp == ParallelLayout(8, 1, 1, 3, data_parallel_shard_size=4) != ParallelLayout(8, 1, 1, 3)
 
 
 def test_layout_is_frozen():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import lightning as L
@@ -72,13 +73,14 @@ def _assert_runs_as_ranked(layout, cluster, training) -> tuple[ParallelLayout, A
     """The printed call builds the ranked layout; returns what the strategy's setup is to run with."""
     trainer = _built(layout, cluster, training)
     strategy = trainer.strategy
-    assert strategy.layout == ParallelLayout(layout.dp, layout.tp, layout.pp, layout.zero_stage, layout.cp)
+    sizes = replace(strategy.layout, expert_parallel_size=1, data_parallel_shard_size=None)
+    assert sizes == ParallelLayout(layout.dp, layout.tp, layout.pp, layout.zero_stage, layout.cp)
     options = strategy.options
     assert options.global_batch_size == training.global_batch
     assert options.activation_checkpointing == {"none": False}.get(layout.checkpointing, layout.checkpointing)
     assert options.sequence_parallel == (layout.sequence_parallel and layout.tp > 1)
-    assert options.expert_parallel_size == layout.ep
-    assert (options.data_parallel_shard_size or layout.gradient_ranks) == layout.shard
+    assert strategy.layout.expert_parallel_size == layout.ep
+    assert (strategy.layout.data_parallel_shard_size or layout.gradient_ranks) == layout.shard
     if layout.pp > 1:
         assert (options.pipeline_schedule, options.num_microbatches) == (layout.schedule, layout.num_microbatches)
     block = yaml.safe_load(recipe.cli_yaml(layout, cluster, training))["trainer"]

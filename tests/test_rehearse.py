@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
 import lightning as L
@@ -47,7 +48,8 @@ def _fp32_bytes(kwargs: dict[str, Any]) -> int:
 
 def _stage_ranks(layout: ParallelLayout) -> list[int]:
     """Tensor-parallel rank 0 of every pipeline stage of replica 0."""
-    return [rank for rank in positions(layout) if rank % layout.tensor_parallel_size == 0]
+    first = positions(replace(layout, expert_parallel_size=1))  # not the other expert-parallel positions
+    return [rank for rank in first if rank % layout.tensor_parallel_size == 0]
 
 
 @pytest.mark.slow  # the slow tier: the rehearsal at scale (hundreds of simulated ranks, or the real 8-process job)
@@ -188,15 +190,15 @@ def test_a_mixtral_8x7b_shape_with_expert_parallelism_at_64_ranks():
     """tp 2 x pp 2 x dp 16 with ep 8 at ZeRO-1: every expert-parallel position of the first stage is played (they
     hold different experts: another kind of replica). Each holds 1/8 of its stage's experts, where without expert
     parallelism tensor parallelism splits them in 2: the difference is exactly that."""
-    layout = ParallelLayout(16, 2, 2, 1)
-    ranks = positions(layout, 8)
+    layout = ParallelLayout(16, 2, 2, 1, expert_parallel_size=8)
+    ranks = positions(layout)
     assert len(ranks) == 4 + 7  # the (pp, tp) coordinates of replica 0, then dp 1..7 of the first stage
     build = functools.partial(MixtralLM, **MIXTRAL_8X7B)
-    reports = rehearse(build, layout, ParallelOptions(expert_parallel_size=8), ranks=[0, 32, *ranks[4:]])
+    reports = rehearse(build, layout, ParallelOptions(), ranks=[0, 32, *ranks[4:]])
     first_stage = [r for r in reports if r.coordinate["pp"] == 0]
     assert len(first_stage) == 8 and len({r.parameter_bytes for r in first_stage}) == 1
     assert [len(r.layers) for r in reports if r.rank in (0, 32)] == [16, 16]
-    (without,) = rehearse(build, layout, ParallelOptions(), ranks=[0])
+    (without,) = rehearse(build, replace(layout, expert_parallel_size=1), ParallelOptions(), ranks=[0])
     whole = build_on_meta(MixtralLM, MIXTRAL_8X7B)
     experts = sum(p.numel() * 4 for n, p in whole.named_parameters() if ".experts." in n and ".layers.0." in n)
     expected = 16 * experts * (1 / 2 - 1 / 8)
@@ -220,9 +222,10 @@ def test_rehearsed_expert_parallel_bytes_equal_the_planners_at_64_ranks(pp, zero
     experts split over ep, sharded evenly over their dp / ep replicas (within each expert: a fused [experts, ...]
     weight's first dimension would leave Mixtral's 1 expert per rank whole on one replica), replicated at ZeRO 0-1
     under a pipeline; at ep 1 they are split by tensor parallelism and sharded with the rest, by whole experts."""
-    layout = ParallelLayout(64 // (2 * pp), 2, pp, zero_stage)
-    options = ParallelOptions(expert_parallel_size=ep)
-    reports = rehearse(functools.partial(MixtralLM, **MIXTRAL_8X7B), layout, options, ranks=_stage_ranks(layout))
+    layout = ParallelLayout(64 // (2 * pp), 2, pp, zero_stage, expert_parallel_size=ep)
+    reports = rehearse(
+        functools.partial(MixtralLM, **MIXTRAL_8X7B), layout, ParallelOptions(), ranks=_stage_ranks(layout)
+    )
     model = spec_from_module(build_on_meta(MixtralLM, MIXTRAL_8X7B))
     assert (model.experts, model.experts_per_token, model.fused_experts) == (8, 2, True)
     planned = Layout.of(tp=2, pp=pp, dp=layout.data_parallel_size, zero_stage=zero_stage, ep=ep)

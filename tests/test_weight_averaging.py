@@ -25,7 +25,7 @@ from tests.helpers.distributed import run_distributed
         (ParallelLayout(2, 2, 1, 3), {}, False, True),
         (ParallelLayout(1, 1, 2, 0), {}, True, True),
         (ParallelLayout(2, 1, 1, 2), {"zero_backend": "deepspeed"}, True, True),
-        (ParallelLayout(4, 1, 1, 3), {"expert_parallel_size": 2}, True, True),
+        (ParallelLayout(4, 1, 1, 3, expert_parallel_size=2), {}, True, True),
     ],
     ids=["zero1", "zero3", "tp2", "dp2xtp2", "pp2", "deepspeed", "experts"],
 )

@@ -25,6 +25,10 @@
 - ``reshard_fsdp``: ``FSDPParamGroup._training_state``: ``FSDPModule.reshard()`` keeps a group that is still in its
   forward gathered (unless it reshards after forward), and a forward left by an exception (a pipeline stage ends
   at its last block by raising out of that block's forward) never returns the group to idle; nothing public does.
+- ``follow_into_backward``: ``FSDPState._pre_backward`` (through ``FSDPModule._get_fsdp_state``), the tensor hook
+  FSDP2's post-forward registers on the gradient-needing tensors it finds in a forward's output (``tuple``,
+  ``list``, ``dict``, namedtuple and dataclass containers only: ``_common_utils.collect_grad_tensors``); nothing
+  public registers it on tensors a forward returns inside another object (a ``torch.distributions`` object).
 - ``is_torch_added_attribute``: the private attributes ``fully_shard``, ``replicate`` and ``distribute_module`` set
   on the modules they apply to (``__composable_api_state_key*``, ``_is_fsdp_managed_module``,
   ``_fsdp_use_orig_params``, ``_distribute_module_applied``); none of them has a public undo.
@@ -32,8 +36,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from lightning_mgpu._compat import changed, internal
@@ -95,6 +101,21 @@ def reshard_fsdp(module: nn.Module) -> None:
         if group._training_state == training_state.FORWARD:
             group._training_state = training_state.IDLE
     module.reshard()
+
+
+def follow_into_backward(module: nn.Module, tensors: Iterable[torch.Tensor]) -> None:
+    """FSDP2's pre-backward of ``module`` (``fully_shard``ed) hooked on ``tensors``, as its post-forward hooks the
+    tensors it finds in the output: the first gradient reaching one gathers the parameters again and readies the
+    reduction of their gradients at the backward's end (the hook does nothing more once the backward started)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"follow_into_backward needs a fully_shard-ed module, not {type(module).__name__}")
+    state = module._get_fsdp_state()
+    if not hasattr(state, "_pre_backward"):
+        raise AttributeError(changed("FSDPState._pre_backward", "torch", "the method is gone"))
+    for tensor in tensors:
+        tensor.register_hook(state._pre_backward)
 
 
 # What torch's composable APIs leave on the modules they apply to, as attribute names (checked on torch 2.13.0).

@@ -12,7 +12,7 @@ from lightning_mgpu.layout import TP_AXIS, ParallelLayout, gradient_mesh, zero_m
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
 from lightning_mgpu.parallel.blocks import compile_blocks, is_float8_linear
-from lightning_mgpu.parallel.data import apply_data_parallel, sharded_by_user, stages
+from lightning_mgpu.parallel.data import apply_data_parallel, replicates_parameters, sharded_by_user
 from lightning_mgpu.parallel.example import ExampleStep
 from lightning_mgpu.parallel.experts import (
     apply_expert_parallel,
@@ -52,7 +52,7 @@ def parallelize(
         if any(is_float8_linear(m) for m in module.modules()):
             raise NotImplementedError("fp8-mixed with tensor_parallel_size > 1 is not supported yet.")
         tp_plan = options.tp_plan
-        if options.expert_parallel_size > 1:
+        if layout.expert_parallel_size > 1:
             # experts: split over ep
             tp_plan = plan_without_experts(module, tp_plan, options.sequence_parallel, example)
         apply_tensor_parallel(module, mesh[TP_AXIS], tp_plan, options.sequence_parallel, options.loss_parallel, example)
@@ -75,10 +75,10 @@ def parallelize(
     casts = mp_policy is not None and getattr(mp_policy, "param_dtype", None) is not None
     # Under zero_backend="deepspeed" the DeepSpeed engine is the data-parallel wrap (built by the strategy).
     torch_data_parallel = options.zero_backend == "torch"
-    if options.expert_parallel_size > 1:
+    if layout.expert_parallel_size > 1:
         # Before the data-parallel wrap, which then leaves the experts (wrapped over their replicas) out.
         if runtime is not None:
-            sizes = f"expert_parallel_size={options.expert_parallel_size}, pipeline_parallel_size=" + str(
+            sizes = f"expert_parallel_size={layout.expert_parallel_size}, pipeline_parallel_size=" + str(
                 layout.pipeline_parallel_size
             )
             check_no_router_loss(module, f"{sizes}: the last stage would compute it from its own layers' logits only")
@@ -86,11 +86,11 @@ def parallelize(
         apply_expert_parallel(
             module,
             mesh,
-            options.expert_parallel_size,
+            layout.expert_parallel_size,
             layout.zero_stage,
             mp_policy,
             offload_policy,
-            replicate=runtime is not None and stages.replicates_parameters(layout),
+            replicate=runtime is not None and replicates_parameters(layout),
         )
     if layout.gradient_ranks > 1 and runtime is None:
         # A Hugging Face load-balancing loss on the whole batch, as one process computes it (not each rank's own).
@@ -108,7 +108,7 @@ def parallelize(
         find_unused = options.find_unused_parameters
         if find_unused is None and find_expert_lists(module):
             find_unused = True
-        hybrid_mesh = zero_mesh(mesh) if options.data_parallel_shard_size is not None else None
+        hybrid_mesh = zero_mesh(mesh) if layout.data_parallel_shard_size is not None else None
         for stage_root, blocks in roots:
             apply_data_parallel(
                 module,

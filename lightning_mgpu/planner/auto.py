@@ -139,16 +139,19 @@ def layout_candidates(
     pipeline_parallel_size: Size,
     zero_stage: Size,
     context_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
+    data_parallel_shard_size: int | None = None,
 ) -> list[ParallelLayout]:
     """Every layout the requested sizes allow on ``world_size`` processes; the old rule's (``"auto"`` sizes 1, dp
-    taking the rest, ZeRO 0) first, so that it is what a module the planner cannot read falls back to.
+    taking the rest, ZeRO 0) first, so that it is what a module the planner cannot read falls back to. Expert
+    parallelism and HSDP's shard size are kept as given in each (``layout_checks`` drops those they do not fit).
 
     Sharded parameters under a pipeline (ZeRO >= 2 with pp > 1) are offered only when the stage is given, as the
     planner's search does; at dp=1 ZeRO has nothing to shard and ``"auto"`` means 0.
     """
-    cp = context_parallel_size
+    cp, ep, shard = context_parallel_size, expert_parallel_size, data_parallel_shard_size
     first = ParallelLayout.resolve(
-        world_size, data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage, cp
+        world_size, data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage, cp, ep, shard
     )
     requested = {"dp": data_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
     found = [first]
@@ -160,7 +163,7 @@ def layout_candidates(
         for zero in stages:
             if zero >= 2 and pp > 1 and zero_stage == "auto":
                 continue
-            layout = ParallelLayout(dp, tp, pp, zero, cp)
+            layout = ParallelLayout(dp, tp, pp, zero, cp, ep, shard)
             if layout not in found:
                 found.append(layout)
     return found
@@ -220,7 +223,7 @@ def plan_strategy_layout(
     for candidate in candidates:
         tp, pp, dp = (candidate.tensor_parallel_size, candidate.pipeline_parallel_size, candidate.data_parallel_size)
         training = Training(global_batch=per_replica * dp, precision=precision)
-        cp, ep = candidate.context_parallel_size, options.expert_parallel_size
+        cp, ep = candidate.context_parallel_size, candidate.expert_parallel_size
         problem = _structural_problem(spec, cluster, training, tp, pp, dp, cp, ep)
         if problem:
             problems.append(f"{candidate.describe()}: {problem}")

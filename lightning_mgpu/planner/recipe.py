@@ -59,8 +59,14 @@ def check_with_strategy(model: ModelSpec, layout: Layout, training: Training) ->
 
 def warnings_for(layout: Layout, cluster: ClusterSpec) -> list[str]:
     """What the strategy would warn about the layout on this cluster (it runs it)."""
-    sizes = ParallelLayout(layout.dp, layout.tp, layout.pp, layout.zero_stage, layout.cp)  # described as it says
-    return layout_warnings(sizes, layout.world_size // cluster.nodes, cluster.nodes)
+    return layout_warnings(strategy_layout(layout), layout.world_size // cluster.nodes, cluster.nodes)
+
+
+def strategy_layout(layout: Layout) -> ParallelLayout:
+    """The strategy's layout for the planner's (described as the strategy says it): the sizes its arguments give."""
+    arguments = layout.strategy_arguments()
+    ep, shard = arguments.get("expert_parallel_size", 1), arguments.get("data_parallel_shard_size")
+    return ParallelLayout(layout.dp, layout.tp, layout.pp, layout.zero_stage, layout.cp, ep, shard)
 
 
 @functools.lru_cache(maxsize=4096)  # the search asks for the same arguments across microbatch sizes
@@ -78,13 +84,22 @@ def _check_arguments(kwargs: dict[str, Any], precision: str) -> None:
     sizes = {name: kwargs.pop(name) for name in _SIZES if name in kwargs}
     dp, tp, pp, zero = (sizes.get(name, 1) for name in _SIZES[:4])
     cp = sizes.get("context_parallel_size", 1)
+    ep, shard = sizes.get("expert_parallel_size", 1), sizes.get("data_parallel_shard_size")
+    layout = ParallelLayout.resolve(dp * tp * pp * cp, dp, tp, pp, zero, cp, ep, shard)
     options = ParallelOptions(**kwargs)
-    ParallelLayout.resolve(dp * tp * pp * cp, dp, tp, pp, zero, cp)
     check_options(options, zero, tp, pp, cp)
-    check_sizes(options, precision, (dp, tp, pp, zero), ParallelLayout(dp, tp, pp, zero, cp))
+    check_sizes(options, precision, (dp, tp, pp, zero), layout)
 
 
-_SIZES = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "zero_stage", "context_parallel_size")
+_SIZES = (
+    "data_parallel_size",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "zero_stage",
+    "context_parallel_size",
+    "expert_parallel_size",
+    "data_parallel_shard_size",
+)
 
 
 def _check_model(model: ModelSpec, layout: Layout) -> None:

@@ -89,7 +89,7 @@ class RankReport:
         return entry
 
 
-def positions(layout: ParallelLayout, expert_parallel_size: int = 1) -> list[int]:
+def positions(layout: ParallelLayout) -> list[int]:
     """The global ranks worth rehearsing: every ``(pp, tp)`` coordinate of data-parallel replica 0 (cp 0), then one
     rank (pp 0, tp 0) of each other context-parallel position and of each other expert-parallel position."""
     pp, dp, cp, tp = (
@@ -102,7 +102,7 @@ def positions(layout: ParallelLayout, expert_parallel_size: int = 1) -> list[int
 
     ranks = [rank(p, 0, 0, t) for p in range(pp) for t in range(tp)]
     ranks += [rank(0, 0, c, 0) for c in range(1, cp)]
-    ranks += [rank(0, d, 0, 0) for d in range(1, min(expert_parallel_size, dp))]
+    ranks += [rank(0, d, 0, 0) for d in range(1, min(layout.expert_parallel_size, dp))]
     return ranks
 
 
@@ -127,7 +127,7 @@ def rehearse(
     token ids (``rehearsal.step``). ``pretrained``: check the checkpoint's names and shapes against the module and
     each rank's slices against its layout, from headers only. Raises :class:`RehearsalError` with the first failing
     rank's error."""
-    ranks = positions(layout, options.expert_parallel_size) if ranks is None else ranks
+    ranks = positions(layout) if ranks is None else ranks
     workers = max(1, min(workers or min(os.cpu_count() or 1, 4), len(ranks)))
     shares = [ranks[i::workers] for i in range(workers)]
     context: Any = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
@@ -218,7 +218,7 @@ def rehearse_rank(
             module = configured(build)
         weights = pretrained.map(module) if pretrained is not None else None  # names and shapes, whole module
         blocks = _block_names(module)
-        mesh = layout.build_mesh("cpu", options.data_parallel_shard_size)
+        mesh = layout.build_mesh("cpu")
         precision = HybridPrecision.from_lightning(Precision(), "cpu")
         patches = PatchLog()
         runner, pipeline, _ = parallelize_for_run(
@@ -383,12 +383,18 @@ def run_rehearsal(
         raise ValueError(
             f"tp x pp x cp = {inner} does not divide the {cluster.gpus} GPUs (--gpus): fix --fix or --gpus."
         )
-    layout = ParallelLayout(cluster.gpus // inner, sizes["tp"], sizes["pp"], zero, sizes["cp"])
+    layout = ParallelLayout(
+        cluster.gpus // inner,
+        sizes["tp"],
+        sizes["pp"],
+        zero,
+        sizes["cp"],
+        sizes["ep"],
+        int(shard) if shard is not None else None,  # type: ignore[call-overload]
+    )
     options = ParallelOptions(
         sequence_parallel=bool(fixed.get("sequence_parallel", False)) and sizes["tp"] > 1,
         pipeline_schedule=str(fixed.get("schedule", "1F1B")),
-        expert_parallel_size=sizes["ep"],
-        data_parallel_shard_size=int(shard) if shard is not None else None,  # type: ignore[call-overload]
     )
     kwargs = json.loads(args.init_args) if args.init_args else {}  # valid JSON: spec_from_path read it already
     cls = load_class(args.module)
@@ -408,8 +414,9 @@ def run_rehearsal(
         raise ValueError(f"--rehearse: {layout.describe()} would fail: {error}") from None
     seconds = time.perf_counter() - start
     planner_layout = Layout.of(
-        tp=sizes["tp"], pp=sizes["pp"], dp=layout.data_parallel_size, zero_stage=zero, cp=sizes["cp"], ep=sizes["ep"],
-        sequence_parallel=options.sequence_parallel, dp_shard=options.data_parallel_shard_size,
+        tp=sizes["tp"], pp=sizes["pp"], dp=layout.data_parallel_size, zero_stage=zero, cp=sizes["cp"],
+        ep=layout.expert_parallel_size, sequence_parallel=options.sequence_parallel,
+        dp_shard=layout.data_parallel_shard_size,
     )  # fmt: skip
     rows = beside_the_planner(reports, predicted_bytes(model, training, planner_layout), sizes["pp"])
     if args.json:

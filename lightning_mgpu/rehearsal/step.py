@@ -92,7 +92,7 @@ def _step(
     from lightning_mgpu.strategy.step import run_step, step_context
 
     forget_meshes()  # the bytes pass's mesh has this one's shape: its cached specs would name its groups
-    mesh = layout.build_mesh("cpu", options.data_parallel_shard_size)  # real tensors: the mesh reads its ranks
+    mesh = layout.build_mesh("cpu")  # real tensors: the mesh reads its ranks
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:  # the parameters and the batch: shapes only; everything else runs as in the real job
         module = configured(build)

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveragi
 
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.parallel.data import stages
+from lightning_mgpu.parallel.data import shards_parameters
 
 # Callbacks that copy the whole module when the run starts (`setup`, before the strategy parallelizes it) and
 # average that copy with the module's parameters, paired by position.
@@ -53,7 +53,7 @@ def _what_shards_parameters(layout: ParallelLayout) -> str:
     """What leaves each rank with shards (DTensors) of every parameter ("" if nothing does)."""
     if layout.tensor_parallel_size > 1:
         return f"tensor_parallel_size={layout.tensor_parallel_size} each rank holds shards of them (DTensors)"
-    if stages.shards_parameters(layout):
+    if shards_parameters(layout):
         return "ZeRO-2/3 each rank holds shards of them (DTensors)"
     return ""
 
@@ -64,6 +64,6 @@ def _what_places_parameters_elsewhere(layout: ParallelLayout, options: ParallelO
         return "zero_backend='deepspeed' the DeepSpeed engine keeps the parameters in its own partitions"
     if layout.pipeline_parallel_size > 1:
         return f"pipeline_parallel_size={layout.pipeline_parallel_size} each rank holds only its stages' parameters"
-    if options.expert_parallel_size > 1:
-        return f"expert_parallel_size={options.expert_parallel_size} each rank holds only its experts"
+    if layout.expert_parallel_size > 1:
+        return f"expert_parallel_size={layout.expert_parallel_size} each rank holds only its experts"
     return ""

@@ -37,17 +37,17 @@ from lightning_mgpu.launch import (
     restore_sigterm,
     startup,
 )
-from lightning_mgpu.layout import (
-    PP_AXIS,
-    ParallelLayout,
-    Size,
-    minimum_world_size,
-)
+from lightning_mgpu.layout import PP_AXIS, ParallelLayout, RequestedSizes, Size
 from lightning_mgpu.layout_checks import check_options
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
 from lightning_mgpu.parallel import StepRunner
 from lightning_mgpu.parallel.context import ContextParallel
-from lightning_mgpu.parallel.data import OptimizerStateSharding, reduce_metrics_over, stages
+from lightning_mgpu.parallel.data import (
+    OptimizerStateSharding,
+    can_leave_gathered,
+    frees_after_forward,
+    reduce_metrics_over,
+)
 from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
@@ -258,15 +258,18 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
         )
         # Validate everything that does not need the world size now, before any process is started; the rest when
         # the Trainer is built (`set_world_ranks`, the `precision_plugin` setter), still in the launching process.
-        self._requested_sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size, zero_stage)
-        self._context_parallel_size = context_parallel_size
+        self._requested_sizes = RequestedSizes(
+            data_parallel_size,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            zero_stage,
+            context_parallel_size,
+            expert_parallel_size,
+            data_parallel_shard_size,
+        )
         if checkpoint_format is None:  # a background save writes the shards; a file is joined on one rank after
             checkpoint_format = "sharded" if async_checkpoint else "full"
-        ParallelLayout.resolve(
-            minimum_world_size(*self._requested_sizes[:3], context_parallel_size),
-            *self._requested_sizes,
-            context_parallel_size=context_parallel_size,
-        )
+        self._requested_sizes.resolve(self._requested_sizes.smallest_world_size)
         self.options = ParallelOptions(
             zero_backend=zero_backend,
             tp_plan=tp_plan,
@@ -281,8 +284,6 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
             checkpoint_format=checkpoint_format,
             async_checkpoint=async_checkpoint,
             deepspeed_config=deepspeed_config,
-            expert_parallel_size=expert_parallel_size,
-            data_parallel_shard_size=data_parallel_shard_size,
             context_parallel_mode=context_parallel_mode,
             compile=compile,
             global_batch_size=global_batch_size,
@@ -373,7 +374,7 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
             callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by the Trainer, not declared
             check_callbacks(callbacks, self.layout, self.options)
         self.accelerator.setup(trainer)
-        fully_sharded = stages.frees_after_forward(self.layout) and self._deepspeed is None
+        fully_sharded = frees_after_forward(self.layout) and self._deepspeed is None
         self.precision_plugin.float8_all_gather = fully_sharded and self.precision_plugin.precision == "fp8-mixed"
         self.model = self.precision_plugin.convert_module(self.model)
         if self._runner is not None and self._runner.module is self.lightning_module:
@@ -475,7 +476,7 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
             self._patches.undo()
             return
         pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
-        if self._interrupted and stages.can_leave_gathered(self.layout):  # only sharded groups can be left so
+        if self._interrupted and can_leave_gathered(self.layout):  # only sharded groups can be left so
             module_setup.reshard(self._data_parallel_roots)
         else:
             # A run that ended with an evaluation (validation at the epoch's end) left FSDP2's root groups gathered

@@ -119,7 +119,7 @@ class LaunchHooks(StrategyHooks, LayoutHooks):
             self._plan = agreed_plan(self.lightning_module, *args)
             self._layout = self._plan.layout
             self._check_layout(self._layout)
-        self._device_mesh = self.layout.build_mesh(self.root_device.type, self.options.data_parallel_shard_size)
+        self._device_mesh = self.layout.build_mesh(self.root_device.type)
         self._dp_group = self._device_mesh[DP_AXIS].get_group()  # looked up once: slicing a mesh is not free
         # Logged values average over every rank that computed part of them: dp, and cp's sequence shards.
         self._reduce_group = gradient_mesh(self._device_mesh).get_group()

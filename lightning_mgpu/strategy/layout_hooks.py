@@ -13,7 +13,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import layer_sync
-from lightning_mgpu.layout import DP_AXIS, ParallelLayout, Size
+from lightning_mgpu.layout import DP_AXIS, ParallelLayout, RequestedSizes
 from lightning_mgpu.layout_checks import check_sizes
 from lightning_mgpu.options import LaunchOptions, ParallelOptions
 from lightning_mgpu.parallel.context import ContextParallel
@@ -35,8 +35,7 @@ class LayoutHooks(ParallelStrategy):
     options: ParallelOptions
     _layout: ParallelLayout | None
     _layout_choices: list[ParallelLayout]
-    _requested_sizes: tuple[Size, Size, Size, Size]  # dp, tp, pp, zero stage as given
-    _context_parallel_size: int
+    _requested_sizes: RequestedSizes  # every degree as given ("auto" where allowed)
     _launch_options: LaunchOptions
     _device_mesh: DeviceMesh | None
     _pipeline: PipelineEngine | None
@@ -113,7 +112,7 @@ class LayoutHooks(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         if self.num_processes:
             world = self.num_nodes * self.num_processes
-            choices = planner_auto.layout_candidates(world, *self._requested_sizes, self._context_parallel_size)
+            choices = planner_auto.layout_candidates(world, *self._requested_sizes)
             precision = self.precision_plugin.precision
             check = functools.partial(check_sizes, self.options, precision, self._requested_sizes)
             self._layout_choices = planner_auto.valid_layouts(choices, check)

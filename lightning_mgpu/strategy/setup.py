@@ -19,7 +19,7 @@ from lightning_mgpu.layout import CP_AXIS, PP_AXIS, ParallelLayout, zero_shard_m
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import StepRunner, parallelize
 from lightning_mgpu.parallel.context import ContextParallel
-from lightning_mgpu.parallel.data import OptimizerStateSharding, stages, stop_watching
+from lightning_mgpu.parallel.data import OptimizerStateSharding, partitions_optimizer_states, stop_watching
 from lightning_mgpu.parallel.example import ExampleStep
 from lightning_mgpu.parallel.experts import expert_parameters
 from lightning_mgpu.parallel.local_step import ShardLocalStep, steps_on_shards
@@ -188,7 +188,7 @@ def wire_optimizers(
     for optimizer in optimizers if deepspeed is None else ():
         if steps_on_shards(optimizer):
             patches.add(ShardLocalStep(optimizer).remove)
-    if not stages.partitions_optimizer_states(layout) or deepspeed is not None:
+    if not partitions_optimizer_states(layout) or deepspeed is not None:
         return []
     local = expert_parameters(module)  # sharded over their own mesh: each rank steps its own
     shard_mesh = zero_shard_mesh(mesh)  # all of dp, or one hybrid-sharding group

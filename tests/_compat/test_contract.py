@@ -401,6 +401,7 @@ def _distributed_contract() -> dict:
     out["unapply"] = [_reapplies(mesh, forget) for forget in (False, True)]
     out["root"] = [_root_named_first(mesh, name) for name in (False, True)]
     out["reshard"] = [_resharded_after_a_raised_forward(mesh, helper) for helper in (False, True)]
+    out["follow"] = [_followed_into_backward(mesh, hook) for hook in (False, True)]
     out["prepare"] = []
     for find_unused in (True, False):  # manual optimization: the backward runs inside the replicated module's forward
         inside = _BackwardInside(use_spare=not find_unused)
@@ -539,6 +540,44 @@ def _resharded_after_a_raised_forward(mesh, helper: bool) -> bool:
     return isinstance(model.weight, DTensor)
 
 
+class _Actor(nn.Module):
+    """PPO's actor: its forward returns a ``Categorical``, whose tensors FSDP2 does not look into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.distributions.Categorical:
+        return torch.distributions.Categorical(logits=self.net(x))
+
+
+def _followed_into_backward(mesh, hook: bool) -> bool:
+    """A ZeRO-3 unit returning a distribution: its weight gets the gradient a plain copy gets only with
+    ``follow_into_backward`` hooked on the distribution's logits (else it gets none)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.actor = _Actor()
+    plain = _Actor()
+    plain.load_state_dict(root.actor.state_dict())
+    x, action = torch.ones(4, 2), torch.tensor([0, 1, 2, 1])
+    (-plain(x).log_prob(action).mean()).backward()
+    fully_shard(root.actor, mesh=mesh, reshard_after_forward=True)
+    fully_shard(root, mesh=mesh)
+    fsdp.init_fsdp_root(root)
+    pi = root.actor(x)
+    if hook:
+        fsdp.follow_into_backward(root.actor, [pi.logits])
+    try:
+        (-pi.log_prob(action).mean()).backward()
+    except RuntimeError:
+        return False
+    grad = root.actor.net.weight.grad
+    return isinstance(grad, DTensor) and torch.allclose(grad.full_tensor(), plain.net.weight.grad)
+
+
 def _reapplies(mesh, forget: bool) -> bool:
     """``fully_shard`` applies again to a module put back by hand, with its composable state forgotten or not."""
     from torch.distributed.fsdp import fully_shard
@@ -589,6 +628,12 @@ def test_distributed_shims_in_a_process_group():
         "FSDPParamGroup._training_state",
         "torch",
         f"sharded again after a raised forward, by reshard()/reshard_fsdp: {out['reshard']}",
+    )
+    _expect(
+        out["follow"] == [False, True],
+        "FSDPState._pre_backward",
+        "torch",
+        f"a unit's weight given its gradient through a distribution it returns, without/with the hook: {out['follow']}",
     )
     _expect(
         out["root"] == [False, True],

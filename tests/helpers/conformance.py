@@ -236,13 +236,6 @@ _UNFROZEN_DDP = (
     " tests/test_finetuning.py compares unfreezing with one process)",
     "",
 )
-_PPO_FSDP = (
-    "the actor returns a `torch.distributions` object (and sampled actions), no tensor FSDP2 can follow into"
-    " backward: ZeRO-2/3 make each submodule a manual step calls a unit, which would neither reduce the actor's"
-    " gradients nor gather its weights again (it crashed at ZeRO-3 and trained silently wrong at ZeRO-2); refused"
-    " at its first forward, before any update",
-    r"actor returned tuple\(Categorical, Tensor\), no tensor that needs a gradient",
-)
 _BATCHNORM_PP = (
     "BatchNorm normalizes over what one forward holds: under pipeline parallelism a microbatch of consecutive"
     " samples, where each DDP rank holds every other sample; no DDP run on the same processes computes these"
@@ -312,7 +305,7 @@ EXAMPLES: list[Subject] = [
         "ppo",
         "domain templates: PPO (manual optimization, rollouts of the policy in the data loader)",
         "ppo",
-        _expected(pp=_PP_MANUAL, refused={"dp2 ZeRO-2": _PPO_FSDP, "dp2 ZeRO-3": _PPO_FSDP}),
+        _expected(pp=_PP_MANUAL),
     ),
     Subject(
         "finetuning",

@@ -11,12 +11,12 @@ def check(options: ParallelOptions, layout: ParallelLayout) -> None:
     cp = layout.context_parallel_size
     if cp == 1:
         return
-    shard = options.data_parallel_shard_size
+    shard = layout.data_parallel_shard_size
     refuse_compositions(
         f"context_parallel_size={cp}",
         {
             "zero_backend='deepspeed'": options.zero_backend != "torch",
-            f"expert_parallel_size={options.expert_parallel_size}": options.expert_parallel_size > 1,
+            f"expert_parallel_size={layout.expert_parallel_size}": layout.expert_parallel_size > 1,
             f"data_parallel_shard_size={shard}": shard is not None,
         },
         "context parallelism averages gradients over dp x cp with the torch backend's data-parallel wrap, over all"

@@ -9,7 +9,7 @@ from lightning_mgpu.options import ParallelOptions, refuse_compositions
 def check(options: ParallelOptions, layout: ParallelLayout) -> None:
     """Hybrid sharding (``data_parallel_shard_size``): a shard size that divides ``dp``, a ZeRO stage that shards,
     and the compositions this version implements."""
-    shard, dp = options.data_parallel_shard_size, layout.data_parallel_size
+    shard, dp = layout.data_parallel_shard_size, layout.data_parallel_size
     if shard is None:
         return
     if dp % shard:
@@ -27,7 +27,7 @@ def check(options: ParallelOptions, layout: ParallelLayout) -> None:
         f"data_parallel_shard_size={shard}",
         {
             "zero_backend='deepspeed'": options.zero_backend != "torch",
-            f"expert_parallel_size={options.expert_parallel_size}": options.expert_parallel_size > 1,
+            f"expert_parallel_size={layout.expert_parallel_size}": layout.expert_parallel_size > 1,
         },
         "hybrid sharding runs on the torch backend (FSDP2 on a 2-D mesh), and expert parallelism already cuts the"
         " data-parallel ranks its own way. Remove data_parallel_shard_size, or use zero_backend='torch' and"

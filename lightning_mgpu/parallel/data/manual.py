@@ -19,14 +19,20 @@ root's forward neither has happened, so:
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_mgpu._compat.fsdp import is_ddp_replicated, prepare_ddp_backward, skip_ddp_post_forward_reduction
-from lightning_mgpu._compat.tensors import tree_leaves
+from lightning_mgpu._compat.fsdp import (
+    follow_into_backward,
+    is_ddp_replicated,
+    prepare_ddp_backward,
+    skip_ddp_post_forward_reduction,
+)
 
 # Containers a step indexes into rather than calls: their children are the units.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
@@ -72,34 +78,81 @@ def called_units(module: nn.Module, units: Iterable[Any], zero_stage: int) -> li
     return [unit[0] if len(unit) == 1 else unit for unit in found]
 
 
-def refuse_outputs_fsdp_cannot_follow(module: nn.Module, units: Iterable[Any], zero_stage: int) -> None:
-    """Each called unit's forward (with gradients on) must return a tensor FSDP2 can follow into backward: its
-    pre-backward gathers the parameters again (ZeRO-3 freed them after the forward) and its post-backward
-    reduces their gradients and reshards them. A unit returning only other objects (PPO's actor returns a
-    ``torch.distributions`` object, which holds its tensors inside) crashed in backward at ZeRO-3 and silently
-    trained its forward on stale gathered parameters with unreduced gradients at ZeRO-2: refused at its first
-    forward instead, saying what to change."""
+def follow_outputs_into_backward(module: nn.Module, units: Iterable[Any], zero_stage: int) -> None:
+    """Each called unit's forward (with gradients on) must return tensors FSDP2 can follow into backward: its
+    pre-backward, hooked on them, gathers the parameters again (ZeRO-3 freed them after the forward) and readies
+    the reduction of their gradients (and their resharding) at the backward's end.
+
+    FSDP2 looks for them in tuples, lists, dicts, namedtuples and dataclasses only. Tensors a forward returns inside
+    another object (PPO's actor returns a ``torch.distributions`` object, whose tensors are its attributes) are
+    found in the objects' attributes here and hooked the same way; the output is returned unchanged. Unfollowed,
+    such an output crashed in backward at ZeRO-3 and silently trained on stale gathered parameters with unreduced
+    gradients at ZeRO-2. A forward in which no tensor that needs a gradient is found is refused, at its first call,
+    saying what to change. The hooks are removed with the module's others when it is given back (``patches.py``).
+    """
     names = {sub: name for name, sub in module.named_modules()}
     parts = [part for unit in units for part in (unit if isinstance(unit, list) else [unit])]
     for part in parts:
 
-        def check(
+        def follow(
             sub: nn.Module, args: tuple, output: object, name: str = names.get(part, type(part).__name__)
         ) -> None:
             if not torch.is_grad_enabled() or not any(p.requires_grad for p in sub.parameters()):
                 return
-            if any(torch.is_tensor(leaf) and leaf.requires_grad for leaf in tree_leaves(output)):
+            seen, inside = grad_tensors(output)
+            if inside:
+                follow_into_backward(sub, inside)
+            if seen or inside:
                 return
             raise ValueError(
                 f"Under manual optimization data parallelism at zero_stage={zero_stage} makes each submodule a step"
                 " calls an FSDP2 unit, which gathers its parameters for the forward and reduces their gradients in"
-                f" the backward of its output's tensors; {name} returned {_kinds(output)}, no tensor that needs a"
-                " gradient (a torch.distributions object holds its tensors inside), so its gradients would not be"
-                f" reduced nor its parameters gathered again for backward. Return tensors from {name} (e.g. the"
-                " logits, building the distribution outside it), or use zero_stage=0 or 1."
+                f" the backward of its output's tensors; {name} returned {_kinds(output)}, in which no tensor that"
+                " needs a gradient was found (looked for in tuples, lists, dicts, dataclasses and the attributes of"
+                " other objects), so its gradients would not be reduced nor its parameters gathered again for"
+                f" backward. Return the tensors the loss is computed from in {name}'s output, or use zero_stage=0"
+                " or 1."
             )
 
-        part.register_forward_hook(check)
+        part.register_forward_hook(follow)
+
+
+# Objects whose attributes are not looked into: they are no forward's data.
+_OPAQUE = (nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+_MAX_DEPTH = 8
+
+
+def grad_tensors(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors that need a gradient in ``output``: those FSDP2 finds itself (in tuples, lists, dicts,
+    namedtuples and dataclasses, as ``torch.distributed.fsdp``'s ``collect_grad_tensors``) and those inside other
+    objects' attributes (``vars``), e.g. a ``torch.distributions`` object's parameters and their lazily computed
+    forms (``probs`` once read), each tensor once."""
+    seen: list[torch.Tensor] = []
+    inside: list[torch.Tensor] = []
+    visited: set[int] = set()
+
+    def walk(obj: Any, hidden: bool, depth: int) -> None:
+        if depth > _MAX_DEPTH or id(obj) in visited:
+            return
+        visited.add(id(obj))
+        if torch.is_tensor(obj):
+            if obj.requires_grad:
+                (inside if hidden else seen).append(obj)
+        elif isinstance(obj, (tuple, list)):
+            for item in obj:
+                walk(item, hidden, depth + 1)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                walk(item, hidden, depth + 1)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for field in dataclasses.fields(obj):
+                walk(getattr(obj, field.name, None), hidden, depth + 1)
+        elif isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(obj, _OPAQUE):
+            for item in list(vars(obj).values()):
+                walk(item, True, depth + 1)
+
+    walk(output, False, 0)
+    return seen, inside
 
 
 def _kinds(output: Any) -> str:

@@ -40,7 +40,7 @@ from lightning_mgpu.layout import DP_AXIS, DP_CP_AXIS, DP_SHARD_AXIS
 from lightning_mgpu.parallel.blocks import find_blocks
 from lightning_mgpu.parallel.data.buffers import broadcast_buffers_like_ddp, note_gradient_sync
 from lightning_mgpu.parallel.data.gloo_comms import use_gloo_comms
-from lightning_mgpu.parallel.data.manual import called_units, reduce_in_step_only, refuse_outputs_fsdp_cannot_follow
+from lightning_mgpu.parallel.data.manual import called_units, follow_outputs_into_backward, reduce_in_step_only
 from lightning_mgpu.parallel.data.unused_params import watch_trainable, watch_unused_parameters
 from lightning_mgpu.parallel.local_step import install_step
 
@@ -122,7 +122,7 @@ def apply_data_parallel(
         units = _bucketed(units, UNIT_BYTES)
     if manual_optimization:
         called = called_units(module, units, zero_stage)
-        refuse_outputs_fsdp_cannot_follow(module, called, zero_stage)
+        follow_outputs_into_backward(module, called, zero_stage)
         units = [*units, *called]
     for unit in units:
         wrap(unit, **kwargs)

@@ -107,7 +107,7 @@ def _routed_call(experts: nn.Module) -> bool:
 
 def check_expert_layout(options: ParallelOptions, layout: ParallelLayout) -> None:
     """When the Trainer is built: an ``ep`` that divides ``dp`` and compositions this version implements."""
-    ep, dp = options.expert_parallel_size, layout.data_parallel_size
+    ep, dp = layout.expert_parallel_size, layout.data_parallel_size
     if dp % ep:
         valid = [d for d in range(1, dp + 1) if dp % d == 0]
         raise ValueError(
