@@ -45,7 +45,6 @@ from torch import nn
 from lightning_mgpu._compat import changed, internal
 
 if TYPE_CHECKING:
-    import torch
     from torch.nn.parallel import DistributedDataParallel
 
 

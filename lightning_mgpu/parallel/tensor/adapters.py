@@ -71,8 +71,14 @@ def through_adapters(module: nn.Module, matched: dict[str, str]) -> dict[str, st
 def adapter_projections(module: nn.Module, matched: dict[str, str]) -> set[str]:
     """The entries of ``matched`` that are adapters (``<layer>.lora_A.<name>``, ``<layer>.lora_B.<name>``): their
     rank-r side is the adapter's bottleneck, never an attention's heads, whatever its width."""
-    layers = lora_layers(module)
-    return {n for n in matched if any(n.startswith((f"{layer}.lora_A.", f"{layer}.lora_B.")) for layer in layers)}
+    layers = set(lora_layers(module))
+    return {n for n in matched if n.count(".") >= 2 and _adapter_of(n) in layers}
+
+
+def _adapter_of(name: str) -> str | None:
+    """The LoRA layer ``<layer>.lora_A.<adapter>`` (or ``lora_B``) names, else None."""
+    layer, dict_name, _ = name.rsplit(".", 2)
+    return layer if dict_name in ("lora_A", "lora_B") else None
 
 
 def _adapter_names(layer: nn.Module, dict_name: str) -> list[str]:
