@@ -201,7 +201,7 @@ def test_a_planted_upward_import_is_reported():
     assert imports_of(
         "from lightning_mgpu import ParallelLayout, __version__\n", "lightning_mgpu.planner.cost", modules
     ) == {"lightning_mgpu.layout": 1}  # a public name is its own module's import, nothing more
-    assert "lightning_mgpu.strategy" in import_graph()["lightning_mgpu.rehearsal.run"]  # in rehearse_rank
+    assert "lightning_mgpu.strategy" in import_graph()["lightning_mgpu.rehearsal.step"]  # in _step
     assert _upward(import_graph(), (*LOWER, "lightning_mgpu.rehearsal"))
 
 

@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
-from typing_extensions import override
 
-from lightning_mgpu.layout import TP_AXIS, ParallelLayout, gradient_mesh, zero_mesh
+from lightning_mgpu.layout import CP_AXIS, PP_AXIS, TP_AXIS, ParallelLayout, gradient_mesh, zero_mesh
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
 from lightning_mgpu.parallel.blocks import compile_blocks, is_float8_linear
+from lightning_mgpu.parallel.context import ContextParallel
 from lightning_mgpu.parallel.data import apply_data_parallel, replicates_parameters, sharded_by_user
 from lightning_mgpu.parallel.example import ExampleStep
 from lightning_mgpu.parallel.experts import (
@@ -21,12 +21,19 @@ from lightning_mgpu.parallel.experts import (
     find_expert_lists,
     plan_without_experts,
 )
-from lightning_mgpu.parallel.pipeline import PipelineRuntime, split_pipeline
+from lightning_mgpu.parallel.pipeline import PipelineEngine, PipelineRuntime, split_pipeline
+from lightning_mgpu.parallel.run import DataParallelEngine, ParallelRun, StepRunner
 from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lightning_mgpu.parallel.run import RunPrecision
+    from lightning_mgpu.patches import PatchLog
+
+__all__ = ["DataParallelEngine", "ParallelRun", "StepRunner", "parallelize"]
 
 
 def parallelize(
@@ -34,17 +41,59 @@ def parallelize(
     layout: ParallelLayout,
     mesh: DeviceMesh,
     options: ParallelOptions,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    root: nn.Module | None = None,
+    precision: RunPrecision,
+    device: torch.device,
+    patches: PatchLog,
+    data_parallel: DataParallelEngine,
     example: ExampleStep | None = None,
-) -> PipelineRuntime | None:
-    """Apply every parallelism of ``layout`` to ``module`` in place: tensor, checkpointing, pipeline, data.
+) -> ParallelRun:
+    """Every parallelism of ``layout`` applied to ``module`` in place (tensor, checkpointing, compilation, pipeline,
+    experts, data), and the run that drives it: the step runner Lightning calls, the pipeline engine that runs the
+    schedule, the batch splitting and attention of context parallelism, and ``data_parallel``, the engine whose
+    wraps (torch's, applied here) or engine (DeepSpeed's, built once the optimizers exist) make the data-parallel
+    dimension. ``example`` runs the user's step on one batch, where ``tp_plan="auto"`` reads how the blocks are
+    called. Patches on the user's objects go into ``patches``."""
+    _refuse_manual_optimization_under_pipelining(module, layout)
+    runner = StepRunner(module)
+    stages = _apply(module, layout, mesh, options, precision.mp_policy(), runner, example)
+    run = ParallelRun(runner, data_parallel)
+    if layout.context_parallel_size > 1:
+        run.context = ContextParallel(module, mesh[CP_AXIS].get_group(), options.context_parallel_mode, patches)
+    if stages is not None:
+        pp_group = mesh[PP_AXIS].get_group()
+        schedule, microbatches = options.pipeline_schedule, options.num_microbatches
+        run.pipeline = PipelineEngine(module, stages, schedule, microbatches, pp_group, device)
+        run.pipeline.share_with(precision)
+        patches.add(run.pipeline.remove)
+    return run
 
-    ``mp_policy`` is the precision plugin's FSDP2 ``MixedPrecisionPolicy`` (``HybridPrecision.mp_policy()``) for the
-    data-parallel wrap. ``root`` is the module called once per step that the data-parallel root wrap goes on.
-    ``example`` runs the user's step on one batch, where ``tp_plan="auto"`` reads how the blocks are called.
-    With pipeline parallelism, returns this rank's stages; each stage is then the data-parallel root.
-    """
+
+def _refuse_manual_optimization_under_pipelining(module: nn.Module, layout: ParallelLayout) -> None:
+    """The schedule runs each microbatch's forward and backward itself, interleaved across stages: there is no
+    place for the step's own ``manual_backward`` and ``optimizer.step()``."""
+    if getattr(module, "automatic_optimization", True) or layout.pipeline_parallel_size == 1:
+        return
+    raise ValueError(
+        f"pipeline_parallel_size={layout.pipeline_parallel_size} runs forward and backward inside the pipeline"
+        " schedule (each microbatch's backward interleaved with other microbatches' forwards, on other stages), so"
+        " it needs automatic optimization; this module sets `automatic_optimization = False` and calls"
+        " `manual_backward` itself. Return the loss from training_step (automatic optimization), or use"
+        " pipeline_parallel_size=1: data parallelism (ZeRO 0-3, HSDP) and tensor parallelism support manual"
+        " optimization."
+    )
+
+
+def _apply(
+    module: nn.Module,
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    options: ParallelOptions,
+    mp_policy: MixedPrecisionPolicy | None,
+    root: nn.Module,
+    example: ExampleStep | None,
+) -> PipelineRuntime | None:
+    """Each parallelism's ``apply`` in torchtitan's order; with pipeline parallelism, this rank's stages (each then
+    a data-parallel root of its own; else ``root``, called once per step)."""
     # A configure_model that applied fully_shard itself (Lightning's ModelParallelStrategy style) keeps its own wrap;
     # asked first, before the experts' own fully_shard below.
     wrap = not sharded_by_user(module, layout.zero_stage, layout.pipeline_parallel_size)
@@ -124,19 +173,3 @@ def parallelize(
                 manual_optimization=not getattr(module, "automatic_optimization", True),
             )
     return runtime
-
-
-class StepRunner(nn.Module):
-    """Calls one LightningModule step per ``__call__``: the data-parallel root that the strategy runs each step.
-
-    Keeping the root outside the LightningModule means the user's own ``self(x)`` inside a step is a plain call
-    and keys of ``lightning_module.state_dict()`` stay the user's.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    @override
-    def forward(self, method_name: str, *args: object, **kwargs: object) -> object:
-        return getattr(self.module, method_name)(*args, **kwargs)

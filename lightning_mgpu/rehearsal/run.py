@@ -207,9 +207,10 @@ def rehearse_rank(
     from lightning.pytorch.plugins.precision import Precision
 
     from lightning_mgpu._compat.c10d import fake_store
+    from lightning_mgpu.backends.torch_data_parallel import TorchDataParallel
+    from lightning_mgpu.parallel import parallelize
     from lightning_mgpu.patches import PatchLog
     from lightning_mgpu.precision import HybridPrecision
-    from lightning_mgpu.strategy.setup import data_parallel_roots, parallelize_for_run, wire_optimizers
 
     start = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=fake_store())
@@ -221,12 +222,10 @@ def rehearse_rank(
         mesh = layout.build_mesh("cpu")
         precision = HybridPrecision.from_lightning(Precision(), "cpu")
         patches = PatchLog()
-        runner, pipeline, _ = parallelize_for_run(
-            module, layout, mesh, options, precision, torch.device("meta"), patches
-        )
+        device, engine = torch.device("meta"), TorchDataParallel()
+        run = parallelize(module, layout, mesh, options, precision, device, patches, engine)
         optimizers = optimizers_of(module)
-        roots = data_parallel_roots(pipeline, runner)
-        wire_optimizers(optimizers, module, layout, mesh, pipeline, roots, precision, patches, None)
+        run.wire_optimizers(optimizers, module, layout, mesh, precision, patches)
         parameters = _unique(module.parameters())
         for parameter in parameters:
             if parameter.requires_grad:

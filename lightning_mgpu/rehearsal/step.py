@@ -84,11 +84,12 @@ def _step(
 ) -> Collectives:
 
     from lightning_mgpu._compat.dtensor import forget_meshes
+    from lightning_mgpu.backends.torch_data_parallel import TorchDataParallel
     from lightning_mgpu.monitor.timing import mesh_axes
+    from lightning_mgpu.parallel import parallelize
     from lightning_mgpu.parallel.data import finish_backward
     from lightning_mgpu.patches import PatchLog
     from lightning_mgpu.precision import HybridPrecision
-    from lightning_mgpu.strategy.setup import data_parallel_roots, parallelize_for_run, wire_optimizers
     from lightning_mgpu.strategy.step import run_step, step_context
 
     forget_meshes()  # the bytes pass's mesh has this one's shape: its cached specs would name its groups
@@ -100,20 +101,18 @@ def _step(
     precision = HybridPrecision(batch.precision, "cpu")
     patches = PatchLog()
     device = torch.device("cpu")
-    runner, pipeline, context = parallelize_for_run(module, layout, mesh, options, precision, device, patches)
+    run = parallelize(module, layout, mesh, options, precision, device, patches, TorchDataParallel())
     optimizers = optimizers_of(module)
-    roots = data_parallel_roots(pipeline, runner)
-    wire_optimizers(optimizers, module, layout, mesh, pipeline, roots, precision, patches, None)
+    roots = run.roots
+    run.wire_optimizers(optimizers, module, layout, mesh, precision, patches)
     for root in roots:
         _reduce_buckets_eagerly(root, layout, mesh)
     recorder = _CollectiveRecorder(mesh_axes(mesh))
     with recorder, _undone(patches), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the bytes pass showed the module's warnings; `self.log` has no Trainer here
         with precision.train_step_context():
-            loss = run_step(
-                runner, None, context, module, step_context(layout, options, "training_step"), "training_step",
-                ((ids, ids), 0), {},
-            )  # fmt: skip
+            context = step_context(layout, options, "training_step")
+            loss = run_step(run, module, context, "training_step", ((ids, ids), 0), {})
         loss = loss["loss"] if isinstance(loss, dict) else loss
         with step_context(layout, options, "training_step"):
             loss.backward()

@@ -16,24 +16,24 @@ from typing_extensions import override
 
 from lightning_mgpu import checkpoint as sharded_checkpoint
 from lightning_mgpu._compat.lightning import PATH, attached_trainer
-from lightning_mgpu.backends.deepspeed import CHECKPOINT_KEY as DEEPSPEED_KEY
-from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner
 from lightning_mgpu.checkpoint.export import shard_bytes
 from lightning_mgpu.checkpoint.format import LiveModelState
 from lightning_mgpu.launch import StartupBound, startup
 from lightning_mgpu.layout import PP_AXIS, ParallelLayout
-from lightning_mgpu.parallel.pipeline import PipelineEngine
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_mgpu.backends import ZeroBackend
+    from lightning_mgpu.parallel import ParallelRun
+
 
 class CheckpointHooks(ParallelStrategy):
-    """Mixed into ``HybridStrategy``, which sets the checkpointer, the DeepSpeed runner and the pipeline engine."""
+    """Mixed into ``HybridStrategy``, which sets the checkpointer, the data-parallel engine and the run."""
 
     _checkpointer: sharded_checkpoint.Checkpointer
-    _deepspeed: DeepSpeedEngineRunner | None
-    _pipeline: PipelineEngine | None
+    _data_parallel: ZeroBackend
+    _run: ParallelRun | None
     _startup: StartupBound | None  # the run's start, until its first loop: a load at resume is part of it
 
     if TYPE_CHECKING:
@@ -80,8 +80,7 @@ class CheckpointHooks(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
         assert self.lightning_module is not None
-        if self._deepspeed is not None:  # the engine's loss scaler and step counters
-            checkpoint = {**checkpoint, DEEPSPEED_KEY: self._deepspeed.state_dict()}
+        checkpoint = {**checkpoint, **self._data_parallel.checkpoint_entries()}  # DeepSpeed's loss scaler, counters
         self.checkpointer.save(checkpoint, filepath, self.lightning_module, list(self.optimizers), self.layout)
 
     @override
@@ -98,8 +97,8 @@ class CheckpointHooks(ParallelStrategy):
                 weights_only=weights_only,
                 fitting=fitting,
             )
-        if self._deepspeed is not None and fitting:
-            self._deepspeed.load_state_dict(loaded.get(DEEPSPEED_KEY))
+        if fitting:
+            self._data_parallel.load_checkpoint_entries(loaded)
         return loaded
 
     @override
@@ -117,9 +116,10 @@ class CheckpointHooks(ParallelStrategy):
     def full_state_dict(self) -> dict[str, Tensor]:
         """The unsharded model weights on CPU on global rank 0 (``{}`` elsewhere). Call on every rank."""
         assert self.lightning_module is not None
-        if self._deepspeed is not None:
+        if self._data_parallel.state_access() is not None:  # an engine's own partitions (DeepSpeed)
             return self.checkpointer.states.full_model_state_dict(self.lightning_module)
-        pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
+        pipelined = self._run is not None and self._run.pipeline is not None
+        pp_group = self.device_mesh[PP_AXIS].get_group() if pipelined else None
         return sharded_checkpoint.full_model_state_dict(self.lightning_module, pp_group)
 
     def save_hf_checkpoint(self, path: PATH, max_shard_size: int | str = "5GB") -> Path:
@@ -128,7 +128,7 @@ class CheckpointHooks(ParallelStrategy):
         Hugging Face model, its ``config.json``, so that ``AutoModel...from_pretrained(path)`` loads it. Every rank
         writes the slices it holds; the model is never gathered on one rank. Call on every rank."""
         assert self.lightning_module is not None
-        if self._deepspeed is not None:
+        if self._data_parallel.state_access() is not None:
             raise NotImplementedError(
                 "save_hf_checkpoint with zero_backend='deepspeed': save with trainer.save_checkpoint(path), then"
                 " `lightning-mgpu consolidate path out --format safetensors`."

@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_mgpu import backends
 from lightning_mgpu import checkpoint as sharded_checkpoint
 from lightning_mgpu._compat.dtensor import equal_over_mesh
 from lightning_mgpu._compat.lightning import (
@@ -29,7 +30,6 @@ from lightning_mgpu._compat.lightning import (
     optimizers_to_device,
     reset_optimizers_and_schedulers,
 )
-from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner, DeepSpeedStates
 from lightning_mgpu.checkpoint.plain import restore_plain
 from lightning_mgpu.launch import (
     Heartbeat,
@@ -40,15 +40,8 @@ from lightning_mgpu.launch import (
 from lightning_mgpu.layout import PP_AXIS, ParallelLayout, RequestedSizes, Size
 from lightning_mgpu.layout_checks import check_options
 from lightning_mgpu.options import LaunchOptions, ParallelOptions, StartMethod
-from lightning_mgpu.parallel import StepRunner
-from lightning_mgpu.parallel.context import ContextParallel
-from lightning_mgpu.parallel.data import (
-    OptimizerStateSharding,
-    can_leave_gathered,
-    frees_after_forward,
-    reduce_metrics_over,
-)
-from lightning_mgpu.parallel.pipeline import PipelineEngine
+from lightning_mgpu.parallel import ParallelRun, parallelize
+from lightning_mgpu.parallel.data import can_leave_gathered, reduce_metrics_over
 from lightning_mgpu.patches import ModuleSnapshot, PatchLog
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.precision import HybridPrecision
@@ -304,13 +297,10 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
         self._layout_choices: list[ParallelLayout] = []
         self._plan: planner_auto.StrategyPlan | None = None
         self._device_mesh: DeviceMesh | None = None
-        self._optimizer_sharding: list[OptimizerStateSharding] = []
-        self._runner: StepRunner | None = None
-        self._pipeline: PipelineEngine | None = None
-        self._context: ContextParallel | None = None
-        # zero_backend="deepspeed": the data-parallel dimension runs through a DeepSpeed engine (built in `setup`).
-        self._deepspeed = DeepSpeedEngineRunner(deepspeed_config) if zero_backend == "deepspeed" else None
-        state_access = DeepSpeedStates(self._deepspeed) if self._deepspeed is not None else None
+        self._run: ParallelRun | None = None  # the parallel module of one fit/validate/..., made in `setup`
+        # The engine of the data-parallel dimension: torch's wraps, or a DeepSpeed engine (built in `setup`).
+        self._data_parallel = backends.zero_backend(self.options)
+        state_access = self._data_parallel.state_access()
         self._checkpointer = sharded_checkpoint.Checkpointer(checkpoint_format, async_checkpoint, state_access)
         self.num_nodes = 1
         self._pretrained = check_pretrained(pretrained)
@@ -374,14 +364,15 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
             callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by the Trainer, not declared
             check_callbacks(callbacks, self.layout, self.options)
         self.accelerator.setup(trainer)
-        fully_sharded = frees_after_forward(self.layout) and self._deepspeed is None
-        self.precision_plugin.float8_all_gather = fully_sharded and self.precision_plugin.precision == "fp8-mixed"
+        fp8_gathers = self._data_parallel.gathers_fp8_weights(self.layout)
+        self.precision_plugin.float8_all_gather = fp8_gathers and self.precision_plugin.precision == "fp8-mixed"
         self.model = self.precision_plugin.convert_module(self.model)
-        if self._runner is not None and self._runner.module is self.lightning_module:
-            self.model = self._runner  # kept parallelized by an earlier fit/validate (restore_module_on_teardown off)
-            module_setup.shard_gathered(self._data_parallel_roots)
-            if self._context is not None:
-                self._context.patch_functions(self._patches)  # undone when that run ended
+        run = self._run
+        if run is not None and run.runner.module is self.lightning_module:
+            self.model = run.model  # kept parallelized by an earlier fit/validate (restore_module_on_teardown off)
+            module_setup.shard_gathered(run.roots)
+            if run.context is not None:
+                run.context.patch_functions(self._patches)  # undone when that run ended
         else:
             self._failed = self._interrupted = False
             module, mesh, precision = self.lightning_module, self.device_mesh, self.precision_plugin
@@ -391,35 +382,27 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
             if not weights.built_empty:
                 self.model_to_device()
             self._restores = self._restore_module if self._restore_module is not None else not weights.built_empty
-            if self._restores and self._deepspeed is None:
+            if self._restores and self._data_parallel.restores_by_snapshot:
                 self._snapshot = ModuleSnapshot.take(self.lightning_module)
             example = module_setup.example_step(trainer, module, self.batch_to_device)
-            self._runner, self._pipeline, self._context = module_setup.parallelize_for_run(
-                module, self.layout, mesh, self.options, precision, self.root_device, self._patches, example
-            )
+            device, patches, engine = self.root_device, self._patches, self._data_parallel
+            run = parallelize(module, self.layout, mesh, self.options, precision, device, patches, engine, example)
+            self._run = run
             self._fill_weights(module, weights)
-            self.model = self._runner
-            module_setup.name_fsdp_roots(self._data_parallel_roots)
+            self.model = run.model
+            module_setup.name_fsdp_roots(run.roots)
             if self._snapshot is not None:
                 self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains
         self._patches.add_process_wide(equal_over_mesh())  # torch.equal of DTensors: no world-wide collective
         reduce_metrics_over(self.lightning_module, self._reduce_group, self._patches)
-        if self._deepspeed is None:  # (DeepSpeed refused in `check_callbacks`)
-            callbacks = trainer.callbacks  # type: ignore[attr-defined]
-            reshard = partial(module_setup.shard_gathered, self._data_parallel_roots)
-            self._averaged.repoint(callbacks, self.lightning_module, reshard, self._patches)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        reshard = partial(module_setup.shard_gathered, run.roots)
+        self._averaged.repoint(callbacks, self.lightning_module, reshard, self._patches)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-        if self._deepspeed is not None:
-            self.model = self._deepspeed.initialize(
-                self._runner,
-                self.optimizers,
-                trainer,
-                self.layout,
-                str(self.precision_plugin.precision),
-                self._dp_group,
-            )
+        precision_name = str(self.precision_plugin.precision)
+        self.model = run.wrap(self.optimizers, trainer, self.layout, precision_name, self._dp_group)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -427,14 +410,13 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         reset_optimizers_and_schedulers(self)
-        module_setup.unwire_optimizers(self._optimizer_sharding)
-        assert self.lightning_module is not None
-        with module_setup.optimizers_of_frozen_stages(self.lightning_module, self._pipeline):
+        run = self._run
+        assert self.lightning_module is not None and run is not None
+        run.unwire_optimizers()
+        with module_setup.optimizers_of_frozen_stages(self.lightning_module, run.pipeline):
             super().setup_optimizers(trainer)
-        run = (self.layout, self.device_mesh, self._pipeline, self._data_parallel_roots, self.precision_plugin)
-        self._optimizer_sharding = module_setup.wire_optimizers(
-            self.optimizers, self.lightning_module, *run, self._patches, self._deepspeed
-        )
+        module, mesh, precision = self.lightning_module, self.device_mesh, self.precision_plugin
+        run.wire_optimizers(self.optimizers, module, self.layout, mesh, precision, self._patches)
 
     @override
     def model_to_device(self) -> None:
@@ -445,7 +427,8 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
     def teardown(self) -> None:
         try:
             self._checkpointer.wait()  # a background save finishes (or raises) before `fit` returns
-            module_setup.unwire_optimizers(self._optimizer_sharding, watched_roots=self._data_parallel_roots)
+            if self._run is not None:
+                self._run.unwire_optimizers(stop_watching_roots=True)
             if self._restores:
                 self._restore_user_objects()
             else:
@@ -468,24 +451,25 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
         parallelized.
         """
         snapshot, self._snapshot = self._snapshot, None
-        if self._deepspeed is not None and not self._failed:  # collective: DeepSpeed's changes undone in place
-            assert self.lightning_module is not None
-            self._deepspeed.release(self.lightning_module)
-            self.model, self._runner = self.lightning_module, None
-        if snapshot is None or self._failed:
+        assert self.lightning_module is not None
+        if not self._data_parallel.restores_by_snapshot and not self._failed:
+            self._data_parallel.release(self.lightning_module)  # collective: DeepSpeed's changes undone in place
+            self.model, self._run = self.lightning_module, None
+        run = self._run
+        if snapshot is None or run is None or self._failed:
             self._patches.undo()
             return
-        pp_group = self.device_mesh[PP_AXIS].get_group() if self._pipeline is not None else None
+        pp_group = self.device_mesh[PP_AXIS].get_group() if run.pipeline is not None else None
         if self._interrupted and can_leave_gathered(self.layout):  # only sharded groups can be left so
-            module_setup.reshard(self._data_parallel_roots)
+            module_setup.reshard(run.roots)
         else:
             # A run that ended with an evaluation (validation at the epoch's end) left FSDP2's root groups gathered
             # (ZeRO-2/3, and FSDP2's replicate beside tp or pp): the module then held the gathered copies, not the
             # parameters the optimizers step and point at.
-            module_setup.shard_gathered(self._data_parallel_roots)
+            module_setup.shard_gathered(run.roots)
         self._averaged.gather()  # before restore_plain undoes the patches that re-pointed the copies
         restore_plain(snapshot, list(self.optimizers), self._patches, pp_group)
-        self.model, self._runner, self._pipeline, self._context = self.lightning_module, None, None, None
+        self.model, self._run = self.lightning_module, None
         gc.collect()  # DDP's reducer (its autograd hooks on the parameters) goes with the step runner
 
     @classmethod

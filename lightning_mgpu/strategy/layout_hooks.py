@@ -16,8 +16,6 @@ from lightning_mgpu._compat.lightning import layer_sync
 from lightning_mgpu.layout import DP_AXIS, ParallelLayout, RequestedSizes
 from lightning_mgpu.layout_checks import check_sizes
 from lightning_mgpu.options import LaunchOptions, ParallelOptions
-from lightning_mgpu.parallel.context import ContextParallel
-from lightning_mgpu.parallel.pipeline import PipelineEngine
 from lightning_mgpu.planner import auto as planner_auto
 from lightning_mgpu.strategy.layout_choice import check_trainer_layout
 
@@ -25,12 +23,15 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_mgpu.parallel import ParallelRun
+    from lightning_mgpu.parallel.context import ContextParallel
+    from lightning_mgpu.parallel.pipeline import PipelineEngine
     from lightning_mgpu.precision import HybridPrecision
 
 
 class LayoutHooks(ParallelStrategy):
-    """Mixed into ``HybridStrategy``, which sets the requested sizes and options in ``__init__`` and the mesh, the
-    pipeline engine and context parallelism in ``setup_environment``/``setup``."""
+    """Mixed into ``HybridStrategy``, which sets the requested sizes and options in ``__init__``, the mesh in
+    ``setup_environment`` and the run (its pipeline engine and context parallelism) in ``setup``."""
 
     options: ParallelOptions
     _layout: ParallelLayout | None
@@ -38,8 +39,7 @@ class LayoutHooks(ParallelStrategy):
     _requested_sizes: RequestedSizes  # every degree as given ("auto" where allowed)
     _launch_options: LaunchOptions
     _device_mesh: DeviceMesh | None
-    _pipeline: PipelineEngine | None
-    _context: ContextParallel | None
+    _run: ParallelRun | None
     _process_group_backend: str | None
 
     num_nodes: int
@@ -65,12 +65,12 @@ class LayoutHooks(ParallelStrategy):
     @property
     def pipeline(self) -> PipelineEngine | None:
         """This rank's pipeline engine (schedule, stages, microbatches) in a run; None without pipelining."""
-        return self._pipeline
+        return self._run.pipeline if self._run is not None else None
 
     @property
     def context_parallel(self) -> ContextParallel | None:
         """This run's context parallelism (batch splitting, attention calls); None without it."""
-        return self._context
+        return self._run.context if self._run is not None else None
 
     @property
     def device_mesh(self) -> DeviceMesh:

@@ -6,37 +6,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_mgpu.backends.deepspeed import DeepSpeedEngineRunner
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.parallel.context import ContextParallel
-from lightning_mgpu.parallel.data import finish_backward, prepare_backward, set_gradient_sync
-from lightning_mgpu.parallel.local_step import fused_on_cpu
-from lightning_mgpu.parallel.pipeline import PipelineEngine
+from lightning_mgpu.parallel import ParallelRun
+from lightning_mgpu.parallel.data import prepare_backward
 from lightning_mgpu.parallel.tensor import tensor_parallel_context
-from lightning_mgpu.strategy.setup import data_parallel_roots, shard_gathered
+from lightning_mgpu.strategy.setup import shard_gathered
 from lightning_mgpu.strategy.weights import check_first_loss
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_mgpu.backends import ZeroBackend
+    from lightning_mgpu.parallel.pipeline import PipelineEngine
     from lightning_mgpu.planner.auto import StrategyPlan
 
 
 class StepHooks(ParallelStrategy):
-    """Mixed into ``HybridStrategy``, which sets the step runner (``model``), the pipeline engine, context
-    parallelism, the DeepSpeed runner and the planner's plan."""
+    """Mixed into ``HybridStrategy``, which sets the run (``parallel.ParallelRun``: the step runner, the pipeline
+    engine, context parallelism), the data-parallel engine and the planner's plan."""
 
-    _pipeline: PipelineEngine | None
-    _context: ContextParallel | None
-    _deepspeed: DeepSpeedEngineRunner | None
+    _run: ParallelRun | None
+    _data_parallel: ZeroBackend
     _plan: StrategyPlan | None
     _first_loss_checked: bool | None  # None: nothing to check; False: check the next training step's loss
     options: ParallelOptions
@@ -48,13 +46,14 @@ class StepHooks(ParallelStrategy):
 
     @property
     def _data_parallel_roots(self) -> list[nn.Module]:
-        """The modules data parallelism wrapped: the step runner, or this rank's pipeline stages."""
-        return data_parallel_roots(self._pipeline, self.model)
+        """The modules data parallelism wrapped: the step runner, or this rank's pipeline stages (none outside a
+        run)."""
+        return self._run.roots if self._run is not None else []
 
     def _step(self, method_name: str, *args: object, **kwargs: object) -> Any:
+        assert self._run is not None, "a step runs inside a run, after `setup`"
         context = self._tensor_parallel_context(method_name)
-        parallel = (self.model, self._pipeline, self._context)
-        return run_step(*parallel, self.lightning_module, context, method_name, args, kwargs)
+        return run_step(self._run, self.lightning_module, context, method_name, args, kwargs)
 
     @override
     def training_step(self, *args: object, **kwargs: object) -> Any:
@@ -99,17 +98,13 @@ class StepHooks(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: object, **kwargs: object) -> Tensor:
-        if self._pipeline is not None:
-            # The schedule already ran backward inside `training_step`; callbacks still get on_after_backward.
-            assert self.lightning_module is not None
-            return Precision.post_backward(self.precision_plugin, closure_loss, self.lightning_module)
-        if self._deepspeed is not None:
-            assert self.lightning_module is not None
-            return self._deepspeed.backward(closure_loss, self.lightning_module, self.precision_plugin)
-        with self._tensor_parallel_context():
-            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        finish_backward(self._data_parallel_roots)  # DDP: parameters left without a gradient, before the step
-        return loss
+        assert self.lightning_module is not None and self._run is not None
+
+        def lightnings_backward() -> Tensor:
+            with self._tensor_parallel_context():
+                return super(StepHooks, self).backward(closure_loss, optimizer, *args, **kwargs)
+
+        return self._run.backward(closure_loss, self.lightning_module, self.precision_plugin, lightnings_backward)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -120,12 +115,9 @@ class StepHooks(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], object], model: Any = None, **kwargs: object) -> Any:
-        if self._deepspeed is not None:
-            assert self.lightning_module is not None
-            return self._deepspeed.optimizer_step(optimizer, closure, self.lightning_module)
-        # Adam/AdamW on plain CPU tensors step with torch's fused kernel where the user chose neither foreach nor fused.
-        with fused_on_cpu(optimizer):
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.lightning_module is not None
+        lightnings_step = partial(super().optimizer_step, optimizer, closure, model, **kwargs)
+        return self._data_parallel.optimizer_step(optimizer, closure, self.lightning_module, lightnings_step)
 
     def _tensor_parallel_context(self, method_name: str = "training_step") -> AbstractContextManager:
         return step_context(self.layout, self.options, method_name)
@@ -134,17 +126,13 @@ class StepHooks(ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
-        for root in self._data_parallel_roots:
-            set_gradient_sync(root, False)
-        if self._pipeline is not None:
-            self._pipeline.sync_gradients = False
+        run = self._run
+        assert run is not None
+        run.skip_gradient_sync(True)
         try:
             yield
         finally:
-            for root in self._data_parallel_roots:
-                set_gradient_sync(root, True)
-            if self._pipeline is not None:
-                self._pipeline.sync_gradients = True
+            run.skip_gradient_sync(False)
 
 
 def _shard_after_evaluation(roots: list[nn.Module]) -> None:
@@ -166,9 +154,7 @@ def step_context(layout: ParallelLayout, options: ParallelOptions, method_name: 
 
 
 def run_step(
-    model: nn.Module | None,
-    pipeline: PipelineEngine | None,
-    context_parallel: ContextParallel | None,
+    run: ParallelRun,
     module: Any,  # the strategy's lightning_module: typed Optional by Lightning, set by now
     context: AbstractContextManager,
     method_name: str,
@@ -177,14 +163,15 @@ def run_step(
 ) -> Any:
     """``method_name`` of the user's ``module`` (a LightningModule) on this rank's part of the batch (with context
     parallelism: its part of each sequence)."""
-    if context_parallel is None:
-        return _run(model, pipeline, module, context, method_name, args, kwargs)
-    args = context_parallel.split(method_name, args)
-    return context_parallel.finish(method_name, _run(model, pipeline, module, context, method_name, args, kwargs))
+    if run.context is None:
+        return _run(run.model, run.pipeline, module, context, method_name, args, kwargs)
+    args = run.context.split(method_name, args)
+    output = _run(run.model, run.pipeline, module, context, method_name, args, kwargs)
+    return run.context.finish(method_name, output)
 
 
 def _run(
-    model: nn.Module | None,
+    model: nn.Module,
     pipeline: PipelineEngine | None,
     module: pl.LightningModule,
     context: AbstractContextManager,
@@ -202,6 +189,5 @@ def _run(
             return pipeline.evaluation_step(method_name, *args)
     # Through the root wrapper's __call__ so the data-parallel hooks fire even when the step calls a submodule
     # directly (`self.model(input_ids=x)`).
-    assert model is not None  # the StepRunner, or the DeepSpeed engine around it
-    with context:
+    with context:  # `model`: the StepRunner, or the DeepSpeed engine around it
         return model(method_name, *args, **kwargs)

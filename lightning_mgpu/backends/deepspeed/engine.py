@@ -29,7 +29,7 @@ job's NCCL group. The first use on CPU compiles DeepSpeed's ``deepspeed_shm_comm
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.plugins.precision import Precision
@@ -42,6 +42,7 @@ from torch.optim import LBFGS, Optimizer
 from lightning_mgpu._compat.lightning import call_callback_hooks, call_lightning_module_hook, fit_data_source
 from lightning_mgpu.backends.deepspeed.config import DeepSpeedConfig, build_config, check_config
 from lightning_mgpu.backends.deepspeed.release import DeepSpeedRelease
+from lightning_mgpu.backends.deepspeed.states import DeepSpeedStates
 from lightning_mgpu.options import ParallelOptions
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from lightning_mgpu.layout import ParallelLayout, Size
+    from lightning_mgpu.parallel.data import OptimizerStateSharding
 
 
 def check(options: ParallelOptions, zero_stage: int | str, tensor_size: Size, pipeline_size: Size) -> None:
@@ -88,7 +90,10 @@ def composition_error(tensor_parallel_size: Size, pipeline_parallel_size: Size) 
 
 
 class DeepSpeedEngineRunner:
-    """Builds the DeepSpeed engine for a fit and runs backward and the optimizer step through it."""
+    """Builds the DeepSpeed engine for a fit and runs backward and the optimizer step through it: the
+    :class:`~lightning_mgpu.parallel.run.DataParallelEngine` of ``zero_backend="deepspeed"``."""
+
+    restores_by_snapshot = False  # the engine's changes are undone in place (`release`)
 
     def __init__(self, config: DeepSpeedConfig) -> None:
         self.config = config
@@ -99,7 +104,26 @@ class DeepSpeedEngineRunner:
         self._release: DeepSpeedRelease | None = None
         self._released_state: dict[str, object] = {}
 
-    def initialize(
+    def state_access(self) -> DeepSpeedStates:
+        """The checkpointer reads and writes DeepSpeed's partitions (same format as the torch backend's)."""
+        return DeepSpeedStates(self)
+
+    def gathers_fp8_weights(self, layout: ParallelLayout) -> bool:
+        return False  # DeepSpeed's own partitions: no FSDP2 all-gather to run in fp8
+
+    def wire_optimizers(self, *args: object) -> list[OptimizerStateSharding]:
+        """Nothing to wire: the engine steps (and partitions) the one optimizer itself."""
+        return []
+
+    def checkpoint_entries(self) -> dict[str, object]:
+        """The engine's loss scaler and step counters, under :data:`CHECKPOINT_KEY`."""
+        return {CHECKPOINT_KEY: self.state_dict()}
+
+    def load_checkpoint_entries(self, loaded: Mapping[str, object]) -> None:
+        state = loaded.get(CHECKPOINT_KEY)
+        self.load_state_dict(state if isinstance(state, dict) else None)
+
+    def wrap(
         self,
         runner: nn.Module,
         optimizers: list[Optimizer],
@@ -172,15 +196,30 @@ class DeepSpeedEngineRunner:
         self._release.release(self, module)
         self.engine, self.optimizer, self.param_groups, self._release = None, None, [], None
 
-    def backward(self, loss: Tensor, module: pl.LightningModule, precision: Precision) -> Tensor:
-        """Callbacks' ``on_before/after_backward`` around the engine's backward (which owns loss scaling)."""
+    def backward(
+        self,
+        loss: Tensor,
+        module: pl.LightningModule,
+        precision: Precision,
+        roots: list[nn.Module],
+        default: Callable[[], Tensor],
+    ) -> Tensor:
+        """Callbacks' ``on_before/after_backward`` around the engine's backward (which owns loss scaling), in place
+        of Lightning's."""
         assert self.engine is not None
         loss = Precision.pre_backward(precision, loss, module)
         self.engine.set_gradient_accumulation_boundary(self._stepping)
         self.engine.backward(loss, scale_wrt_gas=False)
         return Precision.post_backward(precision, loss, module)
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], object], module: pl.LightningModule) -> object:
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], object],
+        module: pl.LightningModule,
+        default: Callable[[], object],
+    ) -> object:
+        """The closure, the ``on_before_optimizer_step`` hooks and the engine's step, in place of Lightning's."""
         assert self.engine is not None
         self._stepping = True
         try:

@@ -21,7 +21,7 @@ from lightning_mgpu.parallel.pipeline.plan import (
     stages_per_rank,
 )
 from lightning_mgpu.parallel.pipeline.split import PipelineRuntime, split_pipeline
-from lightning_mgpu.parallel.pipeline.step import PipelineEngine
+from lightning_mgpu.parallel.pipeline.step import PipelineEngine, PipelinePrecision
 from lightning_mgpu.parallel.pipeline.timeline import Timeline, timeline
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "SINGLE_STAGE_SCHEDULES",
     "V_SCHEDULES",
     "PipelineEngine",
+    "PipelinePrecision",
     "PipelineRuntime",
     "Timeline",
     "bubble_fraction",

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 _Tree = TypeVar("_Tree")
 
 
-class _PipelinePrecision(Protocol):
+class PipelinePrecision(Protocol):
     """What ``share_with`` reads and sets on the precision plugin (``HybridPrecision``)."""
 
     grad_norm_group: ProcessGroup | None
@@ -245,7 +245,7 @@ class PipelineEngine:
         return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
 
     # ------------------------------------------------------------------------------------ the strategy's side
-    def share_with(self, precision_plugin: _PipelinePrecision) -> None:
+    def share_with(self, precision_plugin: PipelinePrecision) -> None:
         """What the precision plugin needs of the pipeline, and the other way round."""
         # Stages hold disjoint parameters (tied copies aside): gradient norms add up over the pipeline group.
         precision_plugin.grad_norm_group = self.group
