@@ -25,6 +25,7 @@ from tests.test_planner import (
     MEASURED_GPT,
     MEASURED_LAYOUTS,
     StepTimer,
+    planner_layout,
     spearman,
     step_medians,
 )
@@ -39,7 +40,6 @@ def main(argv: list[str] | None = None) -> None:
     from lightning_mgpu.demo import GPTLightningModule, TextDataModule
     from lightning_mgpu.planner import Training, estimate, spec_from_module
     from lightning_mgpu.planner.calibrate import measure
-    from lightning_mgpu.planner.search import layout_from_options
     from tests.helpers.equivalence import fit
 
     vocab = TextDataModule(batch_size=1, block_size=MEASURED_GPT["block_size"]).vocab_size
@@ -64,9 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         wall, cpu = step_medians(extras, args.warmup)
         cluster, efficiency = machine.as_cluster(processes)
-        predicted = estimate(
-            spec, cluster, training, layout_from_options(processes, MEASURED_BATCH, **kwargs), efficiency
-        ).time["step"]
+        predicted = estimate(spec, cluster, training, planner_layout(processes, kwargs), efficiency).time["step"]
         rows.append((processes, kwargs, wall, cpu, predicted, predicted / cluster.contention, os.getloadavg()[0]))
     print()
     print(machine.as_cluster(4)[1].source)

@@ -123,7 +123,7 @@ def part_b(args: argparse.Namespace, a: dict[str, Any]) -> dict[str, Any]:
 
     from examples.rehearse.llama import LlamaLM
     from lightning_mgpu.gpus import gpu_named
-    from lightning_mgpu.planner import Efficiency, Layout, Training, estimate, preset
+    from lightning_mgpu.planner import Efficiency, Layout, Microbatching, Training, estimate, preset
     from lightning_mgpu.planner.model_spec import build_on_meta, spec_from_module
 
     name = torch.cuda.get_device_name()
@@ -143,7 +143,7 @@ def part_b(args: argparse.Namespace, a: dict[str, Any]) -> dict[str, Any]:
     try:
         cluster = preset(gpu.preset, gpus=1)
         if cluster is not None:
-            layout = Layout(microbatch_size=args.batch, num_microbatches=1)
+            layout = Layout(microbatching=Microbatching(size=args.batch))  # one GPU, one batch per step
             predicted = estimate(model, cluster, Training(args.batch, "bf16-mixed"), layout, Efficiency())
             result["planner_tokens_per_s"] = predicted.tokens_per_s
             result["planner_mfu"] = predicted.mfu

@@ -156,10 +156,11 @@ def schedule(name: str) -> str:
 
 def zero_memory() -> str:
     """Memory per GPU of Llama-2-7B's shapes on 8 GPUs at each ZeRO stage, by kind, from the planner's model."""
+    from lightning_mgpu.options import ParallelOptions
     from lightning_mgpu.planner import ModelSpec, Training, preset
     from lightning_mgpu.planner.cluster import GB
     from lightning_mgpu.planner.cost import memory
-    from lightning_mgpu.planner.job import Layout
+    from lightning_mgpu.planner.job import Layout, Microbatching
 
     model = ModelSpec(layers=32, hidden=4096, heads=32, vocab=32000, seq_len=4096, ffn_hidden=11008, gated_mlp=True)
     cluster, training = preset("h100-sxm", gpus=8), Training(global_batch=32, precision="bf16-mixed")
@@ -171,8 +172,9 @@ def zero_memory() -> str:
         "temporary": "#9a9a9a",  # gathered parameters, communication buffers
     }
     stages = {}
+    full = ParallelOptions(activation_checkpointing="full")
     for zero in range(4):
-        layout = Layout.of(dp=8, zero_stage=zero, microbatch_size=1, num_microbatches=4, checkpointing="full")
+        layout = Layout.of(dp=8, zero_stage=zero, options=full, microbatching=Microbatching(size=1, count=4))
         stages[zero] = memory(model, cluster, training, layout)
     tallest = max(sum(parts.get(kind, 0.0) for kind in kinds) for parts in stages.values()) / GB
     left, base, bar = 70.0, 330.0, 90.0

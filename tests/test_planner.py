@@ -14,15 +14,19 @@ import lightning as L
 import pytest
 
 from lightning_mgpu.cli import main
+from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.pipeline import PIPELINE_SCHEDULES
 from lightning_mgpu.planner import (
     ClusterSpec,
     Efficiency,
     Layout,
+    Microbatching,
     ModelSpec,
     Training,
     build_on_meta,
     estimate,
+    microbatching_for,
     preset,
     search,
 )
@@ -35,7 +39,7 @@ from lightning_mgpu.planner.cost import (
 )
 from lightning_mgpu.planner.job import SCHEDULES
 from lightning_mgpu.planner.model_spec import spec_from_module
-from lightning_mgpu.planner.search import candidates, layout_from_options, parse_fix, reference_tokens_per_gpu
+from lightning_mgpu.planner.search import candidates, parse_fix, reference_tokens_per_gpu
 
 # Narayanan et al. (2021), Table 1: (params, hidden, heads, layers, GPUs, batch, tp, pp, published TFLOP/s per GPU).
 TABLE_1 = [
@@ -72,7 +76,7 @@ def test_megatron_table_1(row):
     training = Training(global_batch=batch, precision="bf16-mixed", flash_attention=False)  # 2021: no flash attention
     fixed = search(model, cluster, training, fixed=parse_fix(f"tp={tp},pp={pp},ckpt=full"), scaling=False).best
     assert fixed is not None and fixed.fits
-    assert (fixed.layout.tp, fixed.layout.pp, fixed.layout.checkpointing) == (tp, pp, "full")
+    assert (fixed.layout.tp, fixed.layout.pp, fixed.layout.recomputation) == (tp, pp, "full")
     paper_flops = paper_flops_per_step(model, batch, "full")
     assert fixed.tflops_per_gpu == pytest.approx(paper_flops / fixed.time["step"] / gpus / 1e12)
     assert fixed.tflops_per_gpu == pytest.approx(published, rel=0.15), fixed.layout.describe()
@@ -102,7 +106,7 @@ def test_activation_memory_is_korthikanti(sp):
     s, b, h, a, t = 2048, 2, 4096, 32, 8
     model = ModelSpec(layers=4, hidden=h, heads=a, vocab=1000, seq_len=s)
     eager = Training(global_batch=8, precision="bf16-mixed", flash_attention=False)
-    layout = Layout.of(tp=t, microbatch_size=b, sequence_parallel=sp)
+    layout = Layout.of(tp=t, options=ParallelOptions(sequence_parallel=sp), microbatching=Microbatching(size=b))
     got = {c: activation_bytes_per_layer(model, eager, layout, c) for c in ("none", "selective", "full")}
     if sp:
         assert got["none"] == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
@@ -112,8 +116,14 @@ def test_activation_memory_is_korthikanti(sp):
         assert got["none"] == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
         assert got["selective"] == pytest.approx(s * b * h * (10 + 24 / t))
         assert got["full"] == pytest.approx(2 * s * b * h)
-    one = activation_bytes_per_layer(model, eager, Layout.of(microbatch_size=b), "none")
+    one = activation_bytes_per_layer(model, eager, Layout.of(microbatching=Microbatching(size=b)), "none")
     assert one == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+
+
+def _pipelined(schedule: str) -> Layout:
+    """pp=4, dp=2, 16 microbatches of one sequence under ``schedule``."""
+    options = ParallelOptions(pipeline_schedule=schedule, num_microbatches=16)
+    return Layout.of(pp=4, dp=2, options=options, microbatching=Microbatching(size=1, count=16))
 
 
 def test_memory_by_zero_stage_and_schedule():
@@ -123,22 +133,19 @@ def test_memory_by_zero_stage_and_schedule():
     cluster, training = preset("h100-sxm", gpus=8), Training(global_batch=64)
     n = model.total_params
     for zero, (p, g, o) in {0: (4, 4, 8), 1: (4, 4, 8 / 4), 2: (1, 1, 2), 3: (1, 1, 2)}.items():
-        mem = memory(model, cluster, training, Layout.of(dp=4, tp=2, zero_stage=zero, sequence_parallel=True))
+        with_sp = Layout.of(dp=4, tp=2, zero_stage=zero, options=ParallelOptions(sequence_parallel=True))
+        mem = memory(model, cluster, training, with_sp)
         expected = (p * n / 2, g * n / 2, o * n / 2)  # norms stay whole under tp: 0.1% of the parameters
         assert (mem["params"], mem["grads"], mem["optimizer"]) == pytest.approx(expected, rel=2e-3)
     # Without sequence parallelism this library's plans keep the embedding and the head whole.
     whole = 2 * model.vocab * model.hidden
     mem = memory(model, cluster, training, Layout.of(dp=4, tp=2))
     assert mem["params"] == pytest.approx(4 * ((n - whole) / 2 + whole), rel=2e-3)
-    base = dict(pp=4, dp=2, microbatch_size=1, num_microbatches=16)
     small_vocab = ModelSpec(layers=8, hidden=1024, heads=16, vocab=1000, seq_len=1024)  # the first stage is fullest
-    act = {
-        s: memory(small_vocab, cluster, training, Layout.of(schedule=s, **base))["activations"]
-        for s in ("GPipe", "1F1B")
-    }
+    act = {s: memory(small_vocab, cluster, training, _pipelined(s))["activations"] for s in ("GPipe", "1F1B")}
     assert act["GPipe"] / act["1F1B"] == pytest.approx(16 / 4, rel=0.01)
-    assert bubble_fraction(Layout.of(schedule="1F1B", **base)) == pytest.approx(3 / 19)
-    assert bubble_fraction(Layout.of(schedule="Interleaved1F1B", **base)) == pytest.approx(1.5 / 17.5)
+    assert bubble_fraction(_pipelined("1F1B")) == pytest.approx(3 / 19)
+    assert bubble_fraction(_pipelined("Interleaved1F1B")) == pytest.approx(1.5 / 17.5)
     assert set(SCHEDULES) <= set(PIPELINE_SCHEDULES)  # the planner's schedules are names the runtime runs
 
 
@@ -309,8 +316,15 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ranks(a), ranks(b))) / (n * (n * n - 1))
 
 
-def _planner_layout(processes: int, kwargs: dict) -> Layout:
-    return layout_from_options(processes, MEASURED_BATCH, **kwargs)
+_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "zero_stage")
+
+
+def planner_layout(processes: int, kwargs: dict) -> Layout:
+    """The planner's candidate for ``HybridStrategy(**kwargs)`` on ``processes`` processes: the layout and options
+    the strategy resolves, cut as the strategy cuts ``MEASURED_BATCH`` (``microbatching_for``)."""
+    layout = ParallelLayout.resolve(processes, **{name: kwargs[name] for name in _SIZES if name in kwargs})
+    options = ParallelOptions(**{name: value for name, value in kwargs.items() if name not in _SIZES})
+    return Layout.from_strategy(layout, options, microbatching_for(layout, options, MEASURED_BATCH))
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +373,7 @@ def test_predicted_memory_matches_measured(measured_runs):
     rows = []
     for processes, kwargs, extras in measured_runs:
         measured = max(e["param_bytes"] + e["grad_bytes"] + e["optim_bytes"] for e in extras)
-        predicted = memory(spec, cluster, training, _planner_layout(processes, kwargs))
+        predicted = memory(spec, cluster, training, planner_layout(processes, kwargs))
         predicted_static = predicted["params"] + predicted["grads"] + predicted["optimizer"]
         rows.append((processes, kwargs, measured, predicted_static))
     report = "\n".join(
@@ -386,7 +400,7 @@ def test_predicted_step_time_ranks_the_layouts_as_measured(calibrated, measured_
     rows = []
     for processes, kwargs, extras in measured_runs:
         cluster, efficiency = machine.as_cluster(processes)
-        predicted = estimate(spec, cluster, training, _planner_layout(processes, kwargs), efficiency).time["step"]
+        predicted = estimate(spec, cluster, training, planner_layout(processes, kwargs), efficiency).time["step"]
         rows.append((processes, kwargs, *step_medians(extras), predicted, predicted / cluster.contention))
     rho = spearman([r[4] for r in rows], [r[2] for r in rows])
     rho_cpu = spearman([r[5] for r in rows], [r[3] for r in rows])
@@ -486,8 +500,9 @@ def test_hybrid_sharding_divides_memory_by_the_shard_group_and_keeps_gathers_on_
     assert hybrid["optimizer"] == pytest.approx(8 * n / 8, rel=1e-3) and full["optimizer"] == pytest.approx(8 * n / 32)
     assert hybrid["params"] == pytest.approx(4 * full["params"], rel=1e-6)
     eff = Efficiency()
-    over_nodes = step_time(model, cluster, training, Layout.of(dp=32, zero_stage=3, num_microbatches=2), eff)
-    in_node = step_time(model, cluster, training, Layout.of(dp=32, zero_stage=3, num_microbatches=2, dp_shard=8), eff)
+    two = Microbatching(count=2)
+    over_nodes = step_time(model, cluster, training, Layout.of(dp=32, zero_stage=3, microbatching=two), eff)
+    in_node = step_time(model, cluster, training, Layout.of(dp=32, zero_stage=3, microbatching=two, dp_shard=8), eff)
     assert in_node["zero3_gather"] < over_nodes["zero3_gather"]
     assert Layout.of(dp=32, zero_stage=3, dp_shard=8).describe().endswith("hsdp=8 mbs=1x1 ckpt=none")
     plan = search(model, cluster, training, eff, fixed=parse_fix("zero=3,hsdp=8,tp=1,pp=1"), scaling=False)
@@ -501,14 +516,33 @@ def test_hybrid_sharding_divides_memory_by_the_shard_group_and_keeps_gathers_on_
     assert data_parallel_bytes(n, 0, dp=32) == {"shard": 0.0, "replicas": 0.0, "dp": 2 * 31 / 32 * 4 * n}
 
 
+def test_the_auto_route_estimates_the_strategy_layout_with_its_shard_groups():
+    """``"auto"`` sizes estimate the strategy's whole ``ParallelLayout`` with its options: a candidate with
+    ``data_parallel_shard_size`` is the search's HSDP layout (same memory), not ZeRO over all of dp."""
+    from lightning_mgpu.demo import GPTLightningModule
+    from lightning_mgpu.planner.auto import plan_strategy_layout
+
+    module = build_on_meta(GPTLightningModule, {"n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 32})
+    spec, cluster, eff = spec_from_module(module), preset("h100-sxm", gpus=8), Efficiency()
+    hsdp = ParallelLayout(data_parallel_size=8, zero_stage=3, data_parallel_shard_size=4)
+    planned = plan_strategy_layout(module, [hsdp], cluster, 2, "32-true", ParallelOptions(), eff).estimate
+    assert planned is not None and planned.layout.shard == 4
+    training = Training(global_batch=2 * 8, precision="32-true")
+    fix = parse_fix("zero=3,hsdp=4,tp=1,pp=1,mbs=2,ckpt=none")
+    searched = next(c for c in candidates(spec, cluster, training, fix) if not isinstance(c, str))
+    assert planned.memory == memory(spec, cluster, training, searched)
+    assert planned.memory != memory(spec, cluster, training, replace(searched, data_parallel_shard_size=None))
+
+
 def test_context_parallelism_divides_activations_and_wins_for_long_sequences(capsys):
     """A 7B Llama at 131072 tokens on 8 H100s: activation memory per GPU falls by cp; with data parallelism only
     (tp=1, pp=1) no layout without cp fits and a cp layout does; left free, the search ranks a cp layout first
     (its ring traffic hides behind attention, where tensor parallelism's all-reduces do not)."""
     model = ModelSpec(layers=32, hidden=4096, heads=32, vocab=32000, seq_len=131072, gated_mlp=True, ffn_hidden=11008)
     cluster, training = preset("h100-sxm", gpus=8), Training(global_batch=8)
-    one = memory(model, cluster, training, Layout.of(dp=8, zero_stage=3, checkpointing="full"))
-    four = memory(model, cluster, training, Layout.of(dp=2, cp=4, zero_stage=3, checkpointing="full"))
+    full = ParallelOptions(activation_checkpointing="full")
+    one = memory(model, cluster, training, Layout.of(dp=8, zero_stage=3, options=full))
+    four = memory(model, cluster, training, Layout.of(dp=2, cp=4, zero_stage=3, options=full))
     assert four["activations"] == pytest.approx(one["activations"] / 4, rel=1e-6)
     assert four["optimizer"] == pytest.approx(one["optimizer"], rel=1e-6)  # ZeRO shards over dp x cp = 8 either way
     only_dp = search(model, cluster, training, fixed=parse_fix("tp=1,pp=1"), scaling=False)
@@ -565,7 +599,7 @@ def test_a_moe_model_counts_the_experts_a_token_is_routed_to(mixtral):
     assert mixtral.routed_flops_per_token() == 2 * 2 * one_expert
     cluster = preset("h100-sxm", gpus=64, hbm_gbps=1e12)  # memory traffic out of the way: compute is FLOPs
     training, eff = Training(global_batch=64), Efficiency()
-    base = dict(tp=2, dp=32, zero_stage=1, num_microbatches=2)
+    base = dict(tp=2, dp=32, zero_stage=1, microbatching=Microbatching(count=2))
     times = {ep: step_time(mixtral, cluster, training, Layout.of(ep=ep, **base), eff)["compute"] for ep in (1, 8)}
     tokens, peak = 4096, cluster.peak_tflops * 1e12 * eff.gemm
     # 2 microbatches x 32 layers x 3 passes, the experts' share tp 2 no longer splits
@@ -599,5 +633,5 @@ def test_expert_parallel_memory_and_what_the_planner_refuses_beside_it(mixtral):
     with pytest.raises(ValueError, match=r"--fix ep=0: the expert-parallel size must be a positive integer"):
         parse_fix("ep=0")
     best = search(mixtral, cluster, training, fixed=parse_fix("tp=2,pp=1,ep=8")).best
-    assert best is not None and best.layout.ep == 8 and not best.layout.sequence_parallel
+    assert best is not None and best.layout.ep == 8 and not best.layout.options.sequence_parallel
     assert best.time["expert_parallel"] > 0

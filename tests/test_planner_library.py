@@ -77,12 +77,13 @@ def _assert_runs_as_ranked(layout, cluster, training) -> tuple[ParallelLayout, A
     assert sizes == ParallelLayout(layout.dp, layout.tp, layout.pp, layout.zero_stage, layout.cp)
     options = strategy.options
     assert options.global_batch_size == training.global_batch
-    assert options.activation_checkpointing == {"none": False}.get(layout.checkpointing, layout.checkpointing)
-    assert options.sequence_parallel == (layout.sequence_parallel and layout.tp > 1)
+    assert options.activation_checkpointing == layout.options.activation_checkpointing
+    assert options.sequence_parallel == (layout.options.sequence_parallel and layout.tp > 1)
     assert strategy.layout.expert_parallel_size == layout.ep
     assert (strategy.layout.data_parallel_shard_size or layout.gradient_ranks) == layout.shard
     if layout.pp > 1:
-        assert (options.pipeline_schedule, options.num_microbatches) == (layout.schedule, layout.num_microbatches)
+        planned = (layout.options.pipeline_schedule, layout.microbatching.count)
+        assert (options.pipeline_schedule, options.num_microbatches) == planned
     block = yaml.safe_load(recipe.cli_yaml(layout, cluster, training))["trainer"]
     assert block["strategy"]["init_args"] == recipe.strategy_kwargs(layout, training)
     assert trainer.num_devices * trainer.num_nodes == layout.world_size

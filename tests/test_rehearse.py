@@ -21,7 +21,7 @@ from examples.rehearse.mixtral import MixtralLM
 from lightning_mgpu.cli import main
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.planner.job import Layout, Training
+from lightning_mgpu.planner.job import Layout, Microbatching, Training
 from lightning_mgpu.planner.model_spec import build_on_meta, spec_from_module
 from lightning_mgpu.rehearsal import (
     RehearsalError,
@@ -46,6 +46,11 @@ def _fp32_bytes(kwargs: dict[str, Any]) -> int:
     return sum(p.numel() * 4 for p in build_on_meta(LlamaLM, kwargs).parameters())
 
 
+def _planned(layout: ParallelLayout) -> Layout:
+    """The planner's candidate for the rehearsed layout (the strategy's default options: what ``rehearse`` runs)."""
+    return Layout.from_strategy(layout, ParallelOptions(), Microbatching())
+
+
 def _stage_ranks(layout: ParallelLayout) -> list[int]:
     """Tensor-parallel rank 0 of every pipeline stage of replica 0."""
     first = positions(replace(layout, expert_parallel_size=1))  # not the other expert-parallel positions
@@ -67,8 +72,7 @@ def test_a_70b_llama_at_256_ranks_holds_its_fp32_size_over_the_pipeline_and_tens
     assert total == pytest.approx(_fp32_bytes(LLAMA_70B), rel=5e-3)
     assert [len(by_rank[rank].layers) for rank in _stage_ranks(layout)] == [10] * 8
     model = spec_from_module(build_on_meta(LlamaLM))
-    planned = Layout.of(tp=8, pp=8, dp=4, zero_stage=1)
-    rows = beside_the_planner(reports, predicted_bytes(model, Training(1024), planned), 8)
+    rows = beside_the_planner(reports, predicted_bytes(model, Training(1024), _planned(layout)), 8)
     for row in rows:
         assert abs(row["difference"]["parameter_bytes"]) < 0.02, row
         assert abs(row["difference"]["gradient_bytes"]) < 0.02, row
@@ -82,8 +86,7 @@ def test_rehearsed_bytes_equal_the_planners_at_64_ranks(zero_stage):
     layout = ParallelLayout(4, 4, 4, zero_stage)
     reports = rehearse(functools.partial(LlamaLM, **LLAMA_7B), layout, ParallelOptions(), ranks=_stage_ranks(layout))
     model = spec_from_module(build_on_meta(LlamaLM, LLAMA_7B))
-    planned = Layout.of(tp=4, pp=4, dp=4, zero_stage=zero_stage)
-    rows = beside_the_planner(reports, predicted_bytes(model, Training(1024), planned), 4)
+    rows = beside_the_planner(reports, predicted_bytes(model, Training(1024), _planned(layout)), 4)
     for row in rows:
         assert abs(row["difference"]["parameter_bytes"]) < 0.02, row
         assert abs(row["difference"]["gradient_bytes"]) < 0.02, row
@@ -103,9 +106,7 @@ def test_a_405b_shape_at_1024_ranks_with_16_stages():
     layers = [len(report.layers) for report in reports]
     assert sum(layers) < 126 and all(7 <= n <= 9 for n in layers), layers
     model = spec_from_module(build_on_meta(LlamaLM, LLAMA_405B))
-    rows = beside_the_planner(
-        reports, predicted_bytes(model, Training(1024), Layout.of(tp=8, pp=16, dp=8, zero_stage=1)), 16
-    )
+    rows = beside_the_planner(reports, predicted_bytes(model, Training(1024), _planned(layout)), 16)
     assert abs(rows[1]["difference"]["parameter_bytes"]) < 0.02, rows[1]
 
 
@@ -228,8 +229,7 @@ def test_rehearsed_expert_parallel_bytes_equal_the_planners_at_64_ranks(pp, zero
     )
     model = spec_from_module(build_on_meta(MixtralLM, MIXTRAL_8X7B))
     assert (model.experts, model.experts_per_token, model.fused_experts) == (8, 2, True)
-    planned = Layout.of(tp=2, pp=pp, dp=layout.data_parallel_size, zero_stage=zero_stage, ep=ep)
-    rows = beside_the_planner(reports, predicted_bytes(model, Training(1024), planned), pp)
+    rows = beside_the_planner(reports, predicted_bytes(model, Training(1024), _planned(layout)), pp)
     for row in rows:
         assert abs(row["difference"]["parameter_bytes"]) < 0.02, row
         assert abs(row["difference"]["gradient_bytes"]) < 0.02, row

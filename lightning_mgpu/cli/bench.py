@@ -278,7 +278,15 @@ def _add_predictions(args: argparse.Namespace, results: list[dict[str, Any]]) ->
         import torch
 
         from lightning_mgpu.monitor.measures import device_peak_flops
-        from lightning_mgpu.planner import ClusterSpec, Efficiency, Layout, Training, estimate, spec_from_path
+        from lightning_mgpu.planner import (
+            ClusterSpec,
+            Efficiency,
+            Layout,
+            Training,
+            estimate,
+            microbatching_for,
+            spec_from_path,
+        )
 
         spec = spec_from_path(args.module, args.init_args)
         peak, _ = device_peak_flops(torch.device(args.accelerator), args.precision)
@@ -300,22 +308,12 @@ def _add_predictions(args: argparse.Namespace, results: list[dict[str, Any]]) ->
                 reserved_gb=0.0,
                 name=args.accelerator,
             )
-            layout = Layout.of(
-                tp=tp,
-                pp=pp,
-                dp=dp,
-                zero_stage=run["zero_stage"],
-                schedule=args.pipeline_schedule if pp > 1 else "none",
-                microbatch_size=max(1, args.batch_size // pp),
-                num_microbatches=pp if pp > 1 else 1,
-            )
-            predicted = estimate(
-                spec,
-                cluster,
-                Training(global_batch=args.batch_size * dp, precision=args.precision),
-                layout,
-                Efficiency(),
-            )
+            layout = ParallelLayout(dp, tp, pp, run["zero_stage"])  # as the sweep ran it (``_measure``)
+            options = ParallelOptions(pipeline_schedule=args.pipeline_schedule) if pp > 1 else ParallelOptions()
+            training = Training(global_batch=args.batch_size * dp, precision=args.precision)
+            microbatching = microbatching_for(layout, options, training.global_batch)
+            planned = Layout.from_strategy(layout, options, microbatching)
+            predicted = estimate(spec, cluster, training, planned, Efficiency())
             run["predicted_tokens_per_s"] = predicted.tokens_per_s
             run["predicted_bubble"] = predicted.bubble
         except Exception:

@@ -214,12 +214,12 @@ def plan_as_dict(plan: Plan, top: int) -> dict[str, Any]:
 
 def _row(rank: str, e: Estimate) -> str:
     lay = e.layout
-    schedule = lay.schedule if lay.pp > 1 else "-"
+    schedule = lay.options.pipeline_schedule if lay.pp > 1 else "-"
     scaling = "-" if e.scaling_efficiency != e.scaling_efficiency else f"{e.scaling_efficiency:.0%}"
     return (
         f"{rank:>4} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.cp:>3} {lay.zero_stage:>4} {schedule:<15}"
-        f" {lay.microbatch_size:>4}"
-        f" {lay.num_microbatches:>5} {lay.checkpointing:<9} {e.memory['total'] / GB:>7.1f} {e.time['step']:>8.3f}"
+        f" {lay.microbatching.size:>4} {lay.microbatching.count:>5} {lay.recomputation:<9}"
+        f" {e.memory['total'] / GB:>7.1f} {e.time['step']:>8.3f}"
         f" {e.tokens_per_s:>11,.0f} {e.tflops_per_gpu:>7.1f} {e.mfu:>5.0%} {e.bubble:>6.1%} {scaling:>6}"
     )
 

@@ -27,7 +27,7 @@ import types
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from lightning_mgpu._compat.tensors import OpOverload
 
 Mode = bool | str | list[type] | tuple[type, ...]
+Recomputation = Literal["none", "full", "selective"]
 
 _INNER_FORWARD = "_mgpu_checkpointed_forward"
 
@@ -91,6 +92,14 @@ def _selective_context() -> tuple[AbstractContextManager[object], AbstractContex
     if not _SAVED_OPS:
         _SAVED_OPS.update(_saved_ops())
     return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def recomputation(mode: Mode) -> Recomputation:
+    """What backward recomputes under ``mode``: ``"none"`` (False), ``"selective"``, or ``"full"`` (True, "full"
+    and a list of classes: those modules' whole forward). The planner's cost of a mode reads it."""
+    if mode is False:
+        return "none"
+    return "selective" if mode == "selective" else "full"
 
 
 def checkpoint_targets(module: nn.Module, mode: Mode, blocks: list[nn.Module] | None = None) -> list[nn.Module]:

@@ -23,9 +23,9 @@ from lightning_mgpu.layout import ParallelLayout, Size, degree_splits
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency, preset
 from lightning_mgpu.planner.cost import Estimate, estimate
-from lightning_mgpu.planner.job import PRECISIONS, Training
+from lightning_mgpu.planner.job import PRECISIONS, Layout, Training, microbatching_for
 from lightning_mgpu.planner.model_spec import spec_from_module
-from lightning_mgpu.planner.search import _structural_problem, explain, layout_from_options, search
+from lightning_mgpu.planner.search import _structural_problem, explain, search
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -80,7 +80,10 @@ def choose_layout(
     seq_len: int | None = None,
     efficiency: Efficiency | None = None,
 ) -> Estimate:
-    """The fastest layout that fits, keeping the ``fixed`` choices (``tp``, ``pp``, ``dp``, ``zero_stage``, ...).
+    """The fastest layout that fits, keeping the ``fixed`` choices as :func:`~lightning_mgpu.planner.parse_fix` gives
+    them: sizes by mesh axis (``tp``, ``pp``, ``dp``, ``cp``, ``ep``, ``dp_shard``), ``zero_stage``,
+    ``microbatch_size``, and options by the strategy's names and values (``pipeline_schedule``,
+    ``activation_checkpointing``, ``sequence_parallel``, ``context_parallel_mode``).
 
     Raises ``ValueError`` naming what does not fit when no layout does.
     """
@@ -203,7 +206,8 @@ def plan_strategy_layout(
 ) -> StrategyPlan:
     """The candidate (already checked against the strategy's options) that the cost model predicts fastest among
     those that fit, each at the global batch it will really run (``batch_per_replica x dp``: Lightning's batch size
-    is per data-parallel rank), with the strategy's schedule, microbatches and checkpointing. CPU processes
+    is per data-parallel rank), estimated as the strategy runs it: the whole layout (HSDP's shard groups too) with
+    the strategy's options, cut into the microbatches they imply (``microbatching_for``). CPU processes
     (``cluster.cores_per_node`` set) without an ``efficiency`` are measured first (:func:`measured_cpu`).
 
     A module the planner cannot read falls back to the first candidate, saying why. Raises ``ValueError`` when none
@@ -221,27 +225,14 @@ def plan_strategy_layout(
     efficiency = efficiency or Efficiency()
     fitting, problems = [], []
     for candidate in candidates:
-        tp, pp, dp = (candidate.tensor_parallel_size, candidate.pipeline_parallel_size, candidate.data_parallel_size)
-        training = Training(global_batch=per_replica * dp, precision=precision)
-        cp, ep = candidate.context_parallel_size, candidate.expert_parallel_size
-        problem = _structural_problem(spec, cluster, training, tp, pp, dp, cp, ep)
+        training = Training(global_batch=per_replica * candidate.dp, precision=precision)
+        sizes = (candidate.tp, candidate.pp, candidate.dp, candidate.cp, candidate.ep)
+        problem = _structural_problem(spec, cluster, training, *sizes)
         if problem:
             problems.append(f"{candidate.describe()}: {problem}")
             continue
-        layout = layout_from_options(
-            candidate.world_size,
-            training.global_batch,
-            tp,
-            pp,
-            candidate.zero_stage,
-            options.pipeline_schedule,
-            options.num_microbatches,
-            options.activation_checkpointing,
-            options.sequence_parallel,
-            cp,
-            options.context_parallel_mode,
-            ep,
-        )
+        microbatching = microbatching_for(candidate, options, training.global_batch)
+        layout = Layout.from_strategy(candidate, options, microbatching)
         result = estimate(spec, cluster, training, layout, efficiency)
         if result.fits:
             fitting.append((candidate, result))

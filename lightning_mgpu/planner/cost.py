@@ -64,9 +64,9 @@ def activation_bytes_per_layer(model: ModelSpec, training: Training, layout: Lay
     """Korthikanti et al. (2022), eq. 1-6, for one block and one microbatch, generalised to GQA, any FFN width,
     gated MLPs and 32-bit activations. With flash attention the ``5 a s^2 b`` score terms vanish. Context
     parallelism holds ``s / cp`` tokens per rank (and ``1/cp`` of the scores)."""
-    s, b, h, t = model.seq_len // layout.cp, layout.microbatch_size, model.hidden, layout.tp
+    s, b, h, t = model.seq_len // layout.cp, layout.microbatching.size, model.hidden, layout.tp
     scale = PRECISIONS[training.precision][3] / 2
-    sp = layout.sequence_parallel and t > 1
+    sp = layout.options.sequence_parallel and t > 1
     if checkpointing == "full":
         return scale * 2 * s * b * h / (t if sp else 1)
     replicated = 10 * s * b * h  # norm inputs, the q/k/v and MLP inputs, two dropout masks
@@ -85,20 +85,20 @@ def in_flight(layout: Layout) -> float:
     schedules' action lists give (``parallel.pipeline.timeline``, compared in the tests): every microbatch for the
     all-forward-first schedules, one per stage for the 1F1B kinds, interleaving's warm-up on top, and DualPipeV's
     overlapped forward."""
-    p, m, v = layout.pp, layout.num_microbatches, layout.stages_per_rank
+    p, m, v = layout.pp, layout.microbatching.count, layout.stages_per_rank
     if p == 1:
         return 1.0
-    if layout.schedule in ("GPipe", "LoopedBFS"):
+    if layout.options.pipeline_schedule in ("GPipe", "LoopedBFS"):
         return float(m)
-    if layout.schedule == "Interleaved1F1B":
+    if layout.options.pipeline_schedule == "Interleaved1F1B":
         return min(float(m), p + (p - 1) / v)
-    if layout.schedule == "DualPipeV":
+    if layout.options.pipeline_schedule == "DualPipeV":
         return min(m, p) + 1 / v
     return float(min(m, p))  # 1F1B, InterleavedZeroBubble, ZBVZeroBubble
 
 
 def bubble_fraction(layout: Layout) -> float:
-    return pipeline.bubble_fraction(layout.pp, layout.num_microbatches, layout.stages_per_rank)
+    return pipeline.bubble_fraction(layout.pp, layout.microbatching.count, layout.stages_per_rank)
 
 
 def block_params(model: ModelSpec, layout: Layout) -> tuple[float, float]:
@@ -123,7 +123,7 @@ def stage_params(model: ModelSpec, layout: Layout) -> dict[str, tuple[float, flo
     (``ModelSpec.vocab_parallel``: Hugging Face models with an untied head).
     """
     t = layout.tp
-    vocab_t = t if layout.sequence_parallel or model.vocab_parallel else 1
+    vocab_t = t if layout.options.sequence_parallel or model.vocab_parallel else 1
     dense, experts = block_params(model, layout)
     token = model.vocab * model.hidden
     first = min(token, model.first_stage_params) / vocab_t + max(0, model.first_stage_params - token)
@@ -193,8 +193,8 @@ def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: L
     p_bytes, g_bytes, _, a_bytes = PRECISIONS[training.precision]
     t, d, z = layout.tp, layout.shard, layout.zero_stage  # ZeRO divides by the ranks it shards over
     layers = math.ceil(model.layers / layout.pp)
-    s, b, h = model.seq_len // layout.cp, layout.microbatch_size, model.hidden
-    per_layer = activation_bytes_per_layer(model, training, layout, layout.checkpointing)
+    s, b, h = model.seq_len // layout.cp, layout.microbatching.size, model.hidden
+    per_layer = activation_bytes_per_layer(model, training, layout, layout.recomputation)
     worst: dict[str, float] = {}
     states = state_bytes(model, training, layout)
     for stage, local in local_params(model, layout).items():
@@ -202,13 +202,14 @@ def memory(model: ModelSpec, cluster: ClusterSpec, training: Training, layout: L
         inflight = in_flight(layout) if stage != "last" else 1.0
         activations = per_layer * layers * inflight
         if stage in ("first", "only"):
-            activations += inflight * a_bytes * s * b * h / (t if layout.sequence_parallel else 1)  # embedding output
+            embedding_output = inflight * a_bytes * s * b * h
+            activations += embedding_output / (t if layout.options.sequence_parallel else 1)
         temporary = 0.0
         if stage in ("last", "only"):
             temporary += 2 * 4 * s * b * model.vocab / t  # fp32 logits and their gradient in the loss
-        if layout.checkpointing == "full":  # the block being recomputed holds its full activations
+        if layout.recomputation == "full":  # the block being recomputed holds its full activations
             temporary += activation_bytes_per_layer(model, training, layout, "none")
-        elif layout.checkpointing == "selective" and not training.flash_attention:  # one block's scores, recomputed
+        elif layout.recomputation == "selective" and not training.flash_attention:  # one block's scores, recomputed
             temporary += activation_bytes_per_layer(model, training, layout, "none") - activation_bytes_per_layer(
                 model, training, layout, "selective"
             )
@@ -239,12 +240,12 @@ def step_time(
     model: ModelSpec, cluster: ClusterSpec, training: Training, layout: Layout, eff: Efficiency
 ) -> dict[str, float]:
     """Seconds per optimizer step, by kind; ``step`` is the total the GPUs wait for."""
-    t, p, d, m, v = layout.tp, layout.pp, layout.gradient_ranks, layout.num_microbatches, layout.stages_per_rank
+    t, p, d, m, v = layout.tp, layout.pp, layout.gradient_ranks, layout.microbatching.count, layout.stages_per_rank
     p_bytes, g_bytes, _, a_bytes = PRECISIONS[training.precision]
-    s, b, h = model.seq_len, layout.microbatch_size, model.hidden
+    s, b, h = model.seq_len, layout.microbatching.size, model.hidden
     tokens = s * b // layout.cp  # this rank's share of each microbatch's tokens
     block_flops, head_flops = model.forward_flops_per_token()
-    ckpt = layout.checkpointing
+    ckpt = layout.recomputation
     passes = 4 if ckpt == "full" else 3  # forward, backward = 2 forwards, and the forward again when recomputing
     peak = cluster.peak_flops(training.precision) * eff.gemm
     hbm = cluster.hbm_gbps * GB
@@ -340,7 +341,7 @@ def expert_parallel_bytes(model: ModelSpec, training: Training, layout: Layout) 
     ``(ep - 1) / ep`` of them off the rank (balanced routing)."""
     if layout.ep == 1 or not model.expert_params:
         return 0.0
-    tokens = model.seq_len // layout.cp * layout.microbatch_size
+    tokens = model.seq_len // layout.cp * layout.microbatching.size
     copies = tokens * (model.experts_per_token or 1) * model.hidden * PRECISIONS[training.precision][3]
     return 4 * copies * (layout.ep - 1) / layout.ep
 
@@ -370,9 +371,9 @@ def context_parallel_bytes(
     if cp == 1:
         return {"forward": 0.0, "backward": 0.0}
     value = PRECISIONS[training.precision][3] if bytes_per_value is None else bytes_per_value
-    tokens = model.seq_len // cp * layout.microbatch_size
+    tokens = model.seq_len // cp * layout.microbatching.size
     kv_values = 2 * tokens * model.kv_dim / layout.tp
-    if layout.cp_mode == "ring":
+    if layout.options.context_parallel_mode == "ring":
         return {"forward": (cp - 1) * kv_values * value, "backward": (cp - 1) * kv_values * value + cp * kv_values * 4}
     exchanged = (cp - 1) / cp * (2 * tokens * model.hidden / layout.tp + kv_values) * value
     return {"forward": exchanged, "backward": exchanged}
@@ -388,7 +389,7 @@ def context_parallel_time(
     sent = context_parallel_bytes(model, training, layout)
     bandwidth = _bandwidth(layout.tp, layout.cp, cluster) * GB * eff.comm
     seconds = (sent["forward"] + sent["backward"]) / bandwidth
-    if layout.cp_mode == "ring":
+    if layout.options.context_parallel_mode == "ring":
         hops = 3 * layout.cp - 2
         return max(0.0, seconds - block_compute) + hops * eff.latency_s
     return seconds + 8 * eff.latency_s
@@ -444,7 +445,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, training: Training, layout:
     times = step_time(model, cluster, training, layout, eff)
     step = times["step"]
     tokens = training.global_batch * model.seq_len
-    run_flops = paper_flops_per_step(model, training.global_batch, layout.checkpointing)
+    run_flops = paper_flops_per_step(model, training.global_batch, layout.recomputation)
     model_flops = paper_flops_per_step(model, training.global_batch, "none")
     problems = []
     if mem["total"] > cluster.usable_bytes:

@@ -123,7 +123,7 @@ def sharded_sizes(model: ModelSpec, layout: Layout) -> dict[str, int]:
     }
     if not (model.experts and layout.ep > 1):  # experts split by expert under ep, by tensor parallelism without
         sizes["the MLP's intermediate_size = {}"] = model.expert_ffn
-    if layout.sequence_parallel or model.vocab_parallel:  # the embedding and the head split over the vocabulary
+    if layout.options.sequence_parallel or model.vocab_parallel:  # the embedding and the head split over the vocabulary
         sizes["the model's vocab_size = {}"] = model.vocab
     return sizes
 

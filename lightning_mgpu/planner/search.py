@@ -7,9 +7,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from lightning_mgpu.layout import degree_splits, divisors
+from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.parallel import pipeline
+from lightning_mgpu.parallel.activation import recomputation
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
 from lightning_mgpu.planner.cost import Estimate, estimate
-from lightning_mgpu.planner.job import CHECKPOINTING, SCHEDULES, Layout, Training, stages_per_rank
+from lightning_mgpu.planner.job import SCHEDULES, Layout, Microbatching, Training
 from lightning_mgpu.planner.model_spec import ModelSpec
 from lightning_mgpu.planner.recipe import refusal
 
@@ -31,13 +34,20 @@ _FIX_KEYS = {
     "cp_mode": str,
     "ep": int,
 }
+# --fix's keys for the strategy's option names (sizes keep the mesh axes' names, as ``ParallelLayout.tp`` does)
 _ALIASES = {
     "zero": "zero_stage",
     "mbs": "microbatch_size",
-    "ckpt": "checkpointing",
+    "schedule": "pipeline_schedule",
+    "ckpt": "activation_checkpointing",
+    "checkpointing": "activation_checkpointing",
     "sp": "sequence_parallel",
     "hsdp": "dp_shard",
+    "cp_mode": "context_parallel_mode",
 }
+# The activation_checkpointing values the search ranks (True is "full" again), by what --fix calls them: what they
+# recompute (ckpt=none|selective|full).
+_CHECKPOINTING: dict[str, bool | str] = {recomputation(mode): mode for mode in (False, "selective", "full")}
 
 
 @dataclass
@@ -57,7 +67,8 @@ class Plan:
 
 
 def parse_fix(text: str | None) -> dict[str, object]:
-    """``tp=8,pp=64,ckpt=full`` to ``{"tp": 8, "pp": 64, "checkpointing": "full"}``."""
+    """``tp=8,pp=64,ckpt=full`` to ``{"tp": 8, "pp": 64, "activation_checkpointing": "full"}``: the sizes by their
+    mesh axes, the options by the strategy's names and values (``ckpt=none``: ``False``)."""
     fixed: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
         key, sep, value = item.partition("=")
@@ -70,14 +81,17 @@ def parse_fix(text: str | None) -> dict[str, object]:
             raise ValueError(f"--fix {item!r}: {value!r} is not a valid {_FIX_KEYS[key].__name__}.") from None
         name = _ALIASES.get(key, key)
         fixed[name] = bool(converted) if name == "sequence_parallel" else converted
-    if "checkpointing" in fixed and fixed["checkpointing"] not in CHECKPOINTING:
-        raise ValueError(f"--fix ckpt={fixed['checkpointing']}: choose one of {', '.join(CHECKPOINTING)}.")
-    if "schedule" in fixed and fixed["schedule"] not in SCHEDULES + ("none",):
-        raise ValueError(f"--fix schedule={fixed['schedule']}: choose one of {', '.join(SCHEDULES)}.")
+    if "activation_checkpointing" in fixed:
+        ckpt = fixed["activation_checkpointing"]
+        if ckpt not in _CHECKPOINTING:
+            raise ValueError(f"--fix ckpt={ckpt}: choose one of {', '.join(_CHECKPOINTING)}.")
+        fixed["activation_checkpointing"] = _CHECKPOINTING[str(ckpt)]
+    if "pipeline_schedule" in fixed and fixed["pipeline_schedule"] not in SCHEDULES + ("none",):
+        raise ValueError(f"--fix schedule={fixed['pipeline_schedule']}: choose one of {', '.join(SCHEDULES)}.")
     if "zero_stage" in fixed and fixed["zero_stage"] not in (0, 1, 2, 3):
         raise ValueError(f"--fix zero={fixed['zero_stage']}: ZeRO stages are 0, 1, 2, 3.")
-    if "cp_mode" in fixed and fixed["cp_mode"] not in ("ring", "alltoall"):
-        raise ValueError(f"--fix cp_mode={fixed['cp_mode']}: choose ring or alltoall.")
+    if "context_parallel_mode" in fixed and fixed["context_parallel_mode"] not in ("ring", "alltoall"):
+        raise ValueError(f"--fix cp_mode={fixed['context_parallel_mode']}: choose ring or alltoall.")
     if "ep" in fixed and int(fixed["ep"]) < 1:  # type: ignore[call-overload]
         raise ValueError(f"--fix ep={fixed['ep']}: the expert-parallel size must be a positive integer.")
     if "dp_shard" in fixed and int(fixed["dp_shard"]) < 1:  # type: ignore[call-overload]
@@ -89,8 +103,11 @@ def _structural_problem(
     model: ModelSpec, cluster: ClusterSpec, training: Training, tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1
 ) -> str | None:
     """What the strategy refuses about these sizes for the model, whatever the other choices: its own message."""
-    probe = Layout.of(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, schedule="GPipe" if pp > 1 else "none")
+    probe = Layout.of(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, options=_PROBE if pp > 1 else ParallelOptions())
     return refusal(model, probe, training)
+
+
+_PROBE = ParallelOptions(pipeline_schedule="GPipe")  # a pipeline any number of microbatches runs
 
 
 def _fixed_ep(fixed: dict[str, object]) -> int:
@@ -155,48 +172,50 @@ def _variants(
         yield f"mbs={mbs_fixed} does not divide the {per_rank} sequences per data-parallel rank at dp={dp}"
         return
     ep = _fixed_ep(fixed)
+    context_mode = ParallelOptions.context_parallel_mode  # the default, which the strategy requires at cp=1
+    if cp > 1:
+        context_mode = str(fixed.get("context_parallel_mode", context_mode))
     # Sequence parallelism where tensor parallelism is (less activation memory), else without it where the strategy
     # refuses it for this model (a vocabulary tp does not divide: the sequence-parallel plan shards the embedding).
     if "sequence_parallel" in fixed:
-        sequence_parallel = [bool(fixed["sequence_parallel"])]
+        sequence_parallel = [bool(fixed["sequence_parallel"]) and tp > 1]
     else:
         sequence_parallel = [True, False] if tp > 1 and ep == 1 else [False]
     for mbs in divisors(per_rank):
         if mbs > 64 or fixed.get("microbatch_size", mbs) != mbs:
             continue
         m = per_rank // mbs
-        for schedule in SCHEDULES if pp > 1 else ("none",):
-            if fixed.get("schedule", schedule) != schedule:
-                continue
-            if stages_per_rank(schedule) > 1 and model.layers % (stages_per_rank(schedule) * pp):
-                continue  # the cost model assumes stages of equal blocks
+        for schedule in _schedules(model, pp, fixed):
             for zero in _zero_stages(dp, pp, fixed):
-                for ckpt in CHECKPOINTING:
-                    if fixed.get("checkpointing", ckpt) != ckpt:
+                for ckpt, mode in _CHECKPOINTING.items():
+                    if fixed.get("activation_checkpointing", mode) != mode:
                         continue
                     if ckpt != "none" and ep > 1 and not model.fused_experts:
-                        if "checkpointing" in fixed:  # a block with a list of experts runs twice under ep
+                        if "activation_checkpointing" in fixed:  # a block with a list of experts runs twice under ep
                             yield f"ckpt={ckpt}: blocks with a list of experts are not checkpointed under ep={ep}"
                         continue
-                    if ckpt == "selective" and training.flash_attention and "checkpointing" not in fixed:
+                    if ckpt == "selective" and training.flash_attention and "activation_checkpointing" not in fixed:
                         continue  # flash attention keeps no scores: selective recomputation would change nothing
                     for shard in _shard_sizes(dp, tp, zero, gpus_per_node, fixed) if cp == 1 else [None]:
                         problems = []
                         for sp in sequence_parallel:  # the first the strategy runs
+                            options = ParallelOptions(
+                                pipeline_schedule=schedule,
+                                num_microbatches=m if pp > 1 else None,
+                                activation_checkpointing=mode,
+                                sequence_parallel=sp,
+                                context_parallel_mode=context_mode,
+                            )
                             layout = Layout.of(
                                 tp=tp,
                                 pp=pp,
                                 dp=dp,
                                 cp=cp,
-                                cp_mode=str(fixed.get("cp_mode", "ring")),
-                                zero_stage=zero,
-                                schedule=schedule,
-                                microbatch_size=mbs,
-                                num_microbatches=m,
-                                checkpointing=ckpt,
-                                sequence_parallel=sp,
-                                dp_shard=shard,
                                 ep=ep,
+                                zero_stage=zero,
+                                dp_shard=shard,
+                                options=options,
+                                microbatching=Microbatching(mbs, m),
                             )
                             problem = refusal(model, layout, training)
                             if problem is None:
@@ -206,6 +225,21 @@ def _variants(
                         else:
                             if fixed:
                                 yield problems[0]
+
+
+def _schedules(model: ModelSpec, pp: int, fixed: dict[str, object]) -> tuple[str, ...]:
+    """The pipeline schedules worth ranking: every one the runtime has whose stages cut the blocks evenly (the
+    cost model assumes stages of equal blocks); without a pipeline the default, which the strategy requires there
+    (``--fix schedule=none``: no pipeline)."""
+    wanted = fixed.get("pipeline_schedule")
+    if pp == 1:
+        return (ParallelOptions.pipeline_schedule,) if wanted in (None, "none") else ()
+    schedules = []
+    for schedule in SCHEDULES:
+        per_rank = pipeline.stages_per_rank(schedule, None)
+        if wanted in (None, schedule) and (per_rank == 1 or model.layers % (per_rank * pp) == 0):
+            schedules.append(schedule)
+    return tuple(schedules)
 
 
 def _zero_stages(dp: int, pp: int, fixed: dict[str, object]) -> tuple[int, ...]:
@@ -279,7 +313,7 @@ def _distinct(results: list[Estimate]) -> list[Estimate]:
     kept = []
     for result in results:
         lay = result.layout
-        key = (lay.tp, lay.pp, lay.dp, lay.cp, lay.zero_stage, lay.checkpointing, lay.shard)
+        key = (lay.tp, lay.pp, lay.dp, lay.cp, lay.zero_stage, lay.recomputation, lay.shard)
         if key not in seen:
             seen.add(key)
             kept.append(result)
@@ -339,43 +373,4 @@ def check_fit_hint(plan: Plan) -> str:
     return (
         f" The smallest footprint is {need:.1f} GB per GPU ({plan.smallest.layout.describe()}): about"
         f" {math.ceil(plan.cluster.gpus * need / (plan.cluster.usable_bytes / GB))} GPUs would hold it."
-    )
-
-
-def layout_from_options(
-    world_size: int,
-    global_batch: int,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    zero_stage: int = 0,
-    pipeline_schedule: str = "1F1B",
-    num_microbatches: int | None = None,
-    activation_checkpointing: object = False,
-    sequence_parallel: bool = False,
-    context_parallel_size: int = 1,
-    context_parallel_mode: str = "ring",
-    expert_parallel_size: int = 1,
-) -> Layout:
-    """The planner's :class:`Layout` for ``HybridStrategy`` arguments (its defaults: as many microbatches as stages)."""
-    tp, pp, cp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
-    dp = world_size // (tp * pp * cp)
-    per_rank = global_batch // dp
-    schedule = pipeline_schedule if pp > 1 else "none"
-    stages = pp * stages_per_rank(schedule)
-    m = (num_microbatches or stages) if pp > 1 else 1
-    names = {False: "none", True: "full", "full": "full", "selective": "selective"}
-    ckpt = names.get(activation_checkpointing, "full")  # module classes: full
-    return Layout.of(
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        zero_stage=zero_stage,
-        schedule=schedule,
-        microbatch_size=max(1, per_rank // m),
-        num_microbatches=m,
-        checkpointing=ckpt,
-        sequence_parallel=sequence_parallel and tp > 1,
-        cp=cp,
-        cp_mode=context_parallel_mode,
-        ep=expert_parallel_size,
     )

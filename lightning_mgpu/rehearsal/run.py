@@ -38,7 +38,7 @@ from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.planner.cluster import ClusterSpec
 from lightning_mgpu.planner.cost import STATE_KINDS, state_bytes
-from lightning_mgpu.planner.job import Layout, Training
+from lightning_mgpu.planner.job import Layout, Training, microbatching_for
 from lightning_mgpu.planner.model_spec import ModelSpec, build_on_meta, load_class
 from lightning_mgpu.rehearsal.step import (
     Collectives,
@@ -393,7 +393,7 @@ def run_rehearsal(
     )
     options = ParallelOptions(
         sequence_parallel=bool(fixed.get("sequence_parallel", False)) and sizes["tp"] > 1,
-        pipeline_schedule=str(fixed.get("schedule", "1F1B")),
+        pipeline_schedule=str(fixed.get("pipeline_schedule", ParallelOptions.pipeline_schedule)),
     )
     kwargs = json.loads(args.init_args) if args.init_args else {}  # valid JSON: spec_from_path read it already
     cls = load_class(args.module)
@@ -412,11 +412,7 @@ def run_rehearsal(
     except (ValueError, NotImplementedError, RehearsalError, CheckpointError) as error:
         raise ValueError(f"--rehearse: {layout.describe()} would fail: {error}") from None
     seconds = time.perf_counter() - start
-    planner_layout = Layout.of(
-        tp=sizes["tp"], pp=sizes["pp"], dp=layout.data_parallel_size, zero_stage=zero, cp=sizes["cp"],
-        ep=layout.expert_parallel_size, sequence_parallel=options.sequence_parallel,
-        dp_shard=layout.data_parallel_shard_size,
-    )  # fmt: skip
+    planner_layout = Layout.from_strategy(layout, options, microbatching_for(layout, options, training.global_batch))
     rows = beside_the_planner(reports, predicted_bytes(model, training, planner_layout), sizes["pp"])
     if args.json:
         print(json.dumps({"layout": layout.describe(), "world_size": layout.world_size, "seconds": seconds,

@@ -407,8 +407,9 @@ def test_context_parallel_traffic_is_the_analytic_volume(mode, cp):
     the output forward and their gradients backward: ``planner.cost.context_parallel_bytes``, per block and step.
     The ring's sends and the all-to-all's forward calls are counted where they are issued; the all-to-all's
     backward (autograd's, from C++) by the profiler's record of every collective the step ran."""
+    from lightning_mgpu.options import ParallelOptions
     from lightning_mgpu.planner.cost import context_parallel_bytes
-    from lightning_mgpu.planner.job import Layout, Training
+    from lightning_mgpu.planner.job import Layout, Microbatching, Training
     from lightning_mgpu.planner.model_spec import ModelSpec
 
     strategy = {"context_parallel_size": cp, "context_parallel_mode": mode}
@@ -416,7 +417,8 @@ def test_context_parallel_traffic_is_the_analytic_volume(mode, cp):
     outcome = fit_each({"counted": Run(NANOGPT, _tokens(GLOBAL_BATCH), strategy, 3, {}, probes)}, cp)
     _, extras = result(outcome["counted"])
     spec = ModelSpec(layers=2, hidden=32, heads=4, vocab=pm.VOCAB, seq_len=32)
-    layout = Layout.of(cp=cp, cp_mode=mode, microbatch_size=GLOBAL_BATCH)
+    options = ParallelOptions(context_parallel_mode=mode)
+    layout = Layout.of(cp=cp, options=options, microbatching=Microbatching(size=GLOBAL_BATCH))
     per_block = context_parallel_bytes(spec, Training(GLOBAL_BATCH, precision="32-true"), layout)
     # By hand, per block and rank: the ring sends K and V ((B, T/cp, C) fp32 each) cp-1 hops forward; backward
     # sends them cp-1 hops again and their gradients cp hops (home).

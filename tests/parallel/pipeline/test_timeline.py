@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.pipeline import PIPELINE_SCHEDULES, bubble_fraction, timeline
 from lightning_mgpu.planner.cost import in_flight
-from lightning_mgpu.planner.job import Layout
+from lightning_mgpu.planner.job import Layout, Microbatching
 
 SIZES = [(2, 4), (4, 8), (4, 16), (8, 16)]  # (pp, microbatches): counts every schedule runs
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -23,7 +24,8 @@ def test_the_timeline_gives_the_planners_bubble_and_activations(schedule):
             assert played.idle_fraction < planned, (pp, microbatches)
         else:
             assert played.idle_fraction == pytest.approx(planned, abs=1e-9), (pp, microbatches)
-        layout = Layout.of(pp=pp, schedule=schedule, num_microbatches=microbatches)
+        options = ParallelOptions(pipeline_schedule=schedule, num_microbatches=microbatches)
+        layout = Layout.of(pp=pp, options=options, microbatching=Microbatching(count=microbatches))
         assert played.peak_in_flight(0) == pytest.approx(in_flight(layout)), (pp, microbatches)
         assert max(played.peak_in_flight(rank) for rank in range(pp)) == pytest.approx(played.peak_in_flight(0))
 
