@@ -5,14 +5,24 @@ each layout it ranks (``planner.recipe``), so that the two never disagree.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lightning_mgpu.backends import deepspeed
 from lightning_mgpu.layout import ParallelLayout, Size
 from lightning_mgpu.options import ParallelOptions
-from lightning_mgpu.parallel import context, data, pipeline, tensor
-from lightning_mgpu.parallel.experts import check_expert_layout
+from lightning_mgpu.parallel import context, data, experts, pipeline, tensor
 from lightning_mgpu.precision import check_precision_layout
 
 _SIZE_NAMES = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
+# Every parallelism's `check(layout, options)`, in the order their refusals are said.
+_CHECKS: tuple[Callable[[ParallelLayout, ParallelOptions], None], ...] = (
+    tensor.check,
+    pipeline.check,
+    deepspeed.check,
+    data.check,
+    context.check,
+    experts.check,
+)
 
 
 def check_options(
@@ -25,34 +35,27 @@ def check_options(
     """Every parallelism's checks of its own options, against the sizes as given (``"auto"`` ones are judged per
     candidate layout by :func:`check_sizes`). Raised when the strategy is built, before any process starts."""
     options.check_implemented()
-    tensor.check(options)
-    pipeline.check(options)
+    tensor.check_options(options)
+    pipeline.check_options(options)
     options.check_sizes(
         zero_stage, tensor_parallel_size, pipeline_parallel_size, context_parallel_size=context_parallel_size
     )
-    _check_with_sizes(options, zero_stage, tensor_parallel_size, pipeline_parallel_size)
+    if isinstance(pipeline_parallel_size, int):
+        pipeline.check_microbatches(options, pipeline_parallel_size)
+    deepspeed.check_requested(options, zero_stage, tensor_parallel_size, pipeline_parallel_size)
 
 
 def check_sizes(
     options: ParallelOptions, precision: str, requested_sizes: tuple[Size | None, ...], layout: ParallelLayout
 ) -> None:
     """The options and the Trainer's ``precision`` against one layout's sizes (raises naming the option and the
-    fix)."""
+    fix): the rule for options of a dimension of size 1, then each parallelism's ``check(layout, options)``."""
     auto = tuple(name for name, size in zip(_SIZE_NAMES, requested_sizes) if size == "auto")
     sizes = (layout.zero_stage, layout.tensor_parallel_size, layout.pipeline_parallel_size)
     options.check_sizes(*sizes, auto, context_parallel_size=layout.context_parallel_size)
-    _check_with_sizes(options, *sizes)
-    data.check(options, layout)
-    context.check(options, layout)
-    if layout.expert_parallel_size > 1:
-        check_expert_layout(options, layout)
+    for check in _CHECKS:
+        check(layout, options)
     check_precision_layout(precision, layout.tensor_parallel_size)
-
-
-def _check_with_sizes(options: ParallelOptions, zero_stage: Size, tensor_size: Size, pipeline_size: Size) -> None:
-    if isinstance(pipeline_size, int):
-        pipeline.check_microbatches(options, pipeline_size)
-    deepspeed.check(options, zero_stage, tensor_size, pipeline_size)
 
 
 def accumulation_for(global_batch_size: int, per_rank_batch: int, data_parallel_size: int, requested: int) -> int:

@@ -75,7 +75,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--warmup-steps {args.warmup_steps} leaves no measured step of --steps {args.steps}: give more --steps."
         )
-    pipeline.check(ParallelOptions(pipeline_schedule=args.pipeline_schedule))
+    pipeline.check_options(ParallelOptions(pipeline_schedule=args.pipeline_schedule))
     module_cls = load_class(args.module)
     datamodule_cls = load_class(args.datamodule, "--datamodule") if args.datamodule else None
     module_args, datamodule_args = (

@@ -10,6 +10,7 @@ from lightning_mgpu.backends.deepspeed.engine import (
     CHECKPOINT_KEY,
     DeepSpeedEngineRunner,
     check,
+    check_requested,
     memory_per_rank,
     zero_bytes_per_param,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "build_config",
     "check",
     "check_config",
+    "check_requested",
     "memory_per_rank",
     "zero_bytes_per_param",
 ]

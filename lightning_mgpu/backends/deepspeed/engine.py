@@ -53,8 +53,14 @@ if TYPE_CHECKING:
     from lightning_mgpu.parallel.data import OptimizerStateSharding
 
 
-def check(options: ParallelOptions, zero_stage: int | str, tensor_size: Size, pipeline_size: Size) -> None:
-    """``zero_backend='deepspeed'``: the DeepSpeed engine's layouts and config, judged before launch."""
+def check(layout: ParallelLayout, options: ParallelOptions) -> None:
+    """``zero_backend='deepspeed'``: one layout against the DeepSpeed engine and its config."""
+    check_requested(options, layout.zero_stage, layout.tensor_parallel_size, layout.pipeline_parallel_size)
+
+
+def check_requested(options: ParallelOptions, zero_stage: int | str, tensor_size: Size, pipeline_size: Size) -> None:
+    """``zero_backend='deepspeed'``: the DeepSpeed engine's layouts and config, judged before launch on the sizes
+    as given (``"auto"`` ones are judged per candidate by :func:`check`)."""
     if options.zero_backend != "deepspeed":
         return
     why = composition_error(tensor_size, pipeline_size)

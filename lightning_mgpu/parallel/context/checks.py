@@ -6,7 +6,7 @@ from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions, refuse_compositions
 
 
-def check(options: ParallelOptions, layout: ParallelLayout) -> None:
+def check(layout: ParallelLayout, options: ParallelOptions) -> None:
     """The compositions this version implements with ``context_parallel_size > 1``."""
     cp = layout.context_parallel_size
     if cp == 1:

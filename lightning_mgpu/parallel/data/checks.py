@@ -6,7 +6,7 @@ from lightning_mgpu.layout import ParallelLayout, divisors
 from lightning_mgpu.options import ParallelOptions, refuse_compositions
 
 
-def check(options: ParallelOptions, layout: ParallelLayout) -> None:
+def check(layout: ParallelLayout, options: ParallelOptions) -> None:
     """Hybrid sharding (``data_parallel_shard_size``): a shard size that divides ``dp``, a ZeRO stage that shards,
     and the compositions this version implements."""
     shard, dp = layout.data_parallel_shard_size, layout.data_parallel_size

@@ -1,14 +1,14 @@
 """Expert parallelism for mixture-of-experts models: experts split over an ``ep`` group carved out of data
 parallelism, the router's load-balancing loss over the whole batch, and tokens counted per expert.
 
-``check_expert_layout`` validates before processes start; ``plan_without_experts`` and ``apply_expert_parallel``
+``check`` validates a layout before processes start; ``plan_without_experts`` and ``apply_expert_parallel``
 are the steps ``parallelize`` takes; ``with_peers_listed_experts`` completes a gathered state at teardown.
 """
 
 from lightning_mgpu.parallel.experts.apply import (
     apply_expert_parallel,
+    check,
     check_expert_counts,
-    check_expert_layout,
     expert_parameters,
     find_expert_lists,
     find_experts,
@@ -22,8 +22,8 @@ __all__ = [
     "ExpertTokenCounts",
     "apply_expert_parallel",
     "apply_global_router_loss",
+    "check",
     "check_expert_counts",
-    "check_expert_layout",
     "check_no_router_loss",
     "expert_parameters",
     "find_expert_lists",

@@ -105,9 +105,11 @@ def _routed_call(experts: nn.Module) -> bool:
     return len(inspect.signature(experts.forward).parameters) >= 3
 
 
-def check_expert_layout(options: ParallelOptions, layout: ParallelLayout) -> None:
+def check(layout: ParallelLayout, options: ParallelOptions) -> None:
     """When the Trainer is built: an ``ep`` that divides ``dp`` and compositions this version implements."""
     ep, dp = layout.expert_parallel_size, layout.data_parallel_size
+    if ep == 1:
+        return
     if dp % ep:
         valid = [d for d in range(1, dp + 1) if dp % d == 0]
         raise ValueError(

@@ -6,7 +6,7 @@ tables and ``check``/``check_microbatches`` judge the pipeline options before an
 plays a schedule's own action lists (the docs' figures, the planner's tests).
 """
 
-from lightning_mgpu.parallel.pipeline.checks import check, check_microbatches
+from lightning_mgpu.parallel.pipeline.checks import check, check_microbatches, check_options
 from lightning_mgpu.parallel.pipeline.microbatches import microbatch_count_error
 from lightning_mgpu.parallel.pipeline.plan import (
     LOOP_SCHEDULES,
@@ -36,6 +36,7 @@ __all__ = [
     "bubble_fraction",
     "check",
     "check_microbatches",
+    "check_options",
     "check_stage_count",
     "microbatch_count_error",
     "plan_split",

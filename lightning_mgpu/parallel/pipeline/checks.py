@@ -3,6 +3,7 @@ microbatch count it can run (torch 2.13's schedules' own rules, named with the f
 
 from __future__ import annotations
 
+from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.pipeline.microbatches import microbatch_count_error
 from lightning_mgpu.parallel.pipeline.plan import (
@@ -14,7 +15,13 @@ from lightning_mgpu.parallel.pipeline.plan import (
 )
 
 
-def check(options: ParallelOptions) -> None:
+def check(layout: ParallelLayout, options: ParallelOptions) -> None:
+    """The options against one layout: a schedule torch runs, and a microbatch count it runs with ``pp`` ranks."""
+    check_options(options)
+    check_microbatches(options, layout.pipeline_parallel_size)
+
+
+def check_options(options: ParallelOptions) -> None:
     """The schedule is one torch runs, with a number of stages per rank it places."""
     schedule, per_rank = options.pipeline_schedule, options.stages_per_rank
     if schedule not in PIPELINE_SCHEDULES:

@@ -13,6 +13,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel.blocks import (
     block_glob,
@@ -91,10 +92,16 @@ _HF_REFUSED_KEEP_MODULE = ("grouped_gemm", "ep_dispatch_experts", "local_params"
 STYLE_NAMES = (*STYLES, *(name for name in PARAMETER_STYLES if name not in STYLES))
 
 
-def check(options: ParallelOptions) -> None:
+def check_options(options: ParallelOptions) -> None:
     """The tensor-parallel options checked before any process starts: a dict ``tp_plan`` names known styles."""
     if isinstance(options.tp_plan, dict):
         check_style_names(options.tp_plan)
+
+
+def check(layout: ParallelLayout, options: ParallelOptions) -> None:
+    """The options against one layout: nothing of tensor parallelism depends on the other degrees (the plan's
+    divisibility by ``tp`` is checked on the module, when it is applied), so the options alone."""
+    check_options(options)
 
 
 def check_style_names(plan: dict[str, str]) -> None:
