@@ -8,7 +8,7 @@ shard instead, which only code written for shards survives. Both run here on the
 
 ==========  ======================================================================================================
 ``global``  ``HybridStrategy(tensor_parallel_size=tp)``, ``tp_plan="auto"``: global-shape regions
-``local``   the same strategy with a callable ``tp_plan``: ``apply_tensor_parallel(..., "auto")`` with no region
+``local``   the same strategy with a callable ``tp_plan``: ``parallel.tensor.apply(..., "auto")`` with no region
             (plain shards, as Hugging Face models get them), the attentions' head counts localized
 ==========  ======================================================================================================
 
@@ -50,7 +50,7 @@ def _local_plan(module: Any, tp_mesh: Any) -> None:
 
     tensor._regions = all_local
     try:
-        tensor.apply_tensor_parallel(module, tp_mesh, "auto", sequence_parallel=False)
+        tensor.apply(module, tp_mesh, "auto", sequence_parallel=False)
     finally:
         tensor._regions = regions
     for block in module.model.transformer.h:

@@ -1,4 +1,10 @@
-"""Parallelizers, applied to the LightningModule in a fixed order after ``configure_model``."""
+"""Parallelizers, applied to the LightningModule in a fixed order after ``configure_model``.
+
+Each parallelism is a subpackage with the same two entry points: ``check(layout, options)``, run on every layout
+before any process starts (``layout_checks``), and ``apply(...)``, which ``parallelize`` calls in torchtitan's
+order (tensor, checkpointing, compilation, pipeline, experts, data; context parallelism patches the step's calls).
+``parallelize`` returns the one :class:`ParallelRun` the strategy drives.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +13,21 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from lightning_mgpu.layout import CP_AXIS, PP_AXIS, TP_AXIS, ParallelLayout, gradient_mesh, zero_mesh
+from lightning_mgpu.layout import PP_AXIS, TP_AXIS, ParallelLayout, gradient_mesh, zero_mesh
 from lightning_mgpu.options import ParallelOptions
+from lightning_mgpu.parallel import context, data, experts, pipeline, tensor
 from lightning_mgpu.parallel.activation import apply_activation_checkpointing
 from lightning_mgpu.parallel.blocks import compile_blocks, is_float8_linear
-from lightning_mgpu.parallel.context import ContextParallel
-from lightning_mgpu.parallel.data import apply_data_parallel, replicates_parameters, sharded_by_user
+from lightning_mgpu.parallel.data import replicates_parameters, sharded_by_user
 from lightning_mgpu.parallel.example import ExampleStep
 from lightning_mgpu.parallel.experts import (
-    apply_expert_parallel,
     apply_global_router_loss,
     check_no_router_loss,
     find_expert_lists,
     plan_without_experts,
 )
-from lightning_mgpu.parallel.pipeline import PipelineEngine, PipelineRuntime, split_pipeline
+from lightning_mgpu.parallel.pipeline import PipelineEngine, PipelineRuntime
 from lightning_mgpu.parallel.run import DataParallelEngine, ParallelRun, StepRunner
-from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +62,7 @@ def parallelize(
     stages = _apply(module, layout, mesh, options, precision.mp_policy(), runner, example)
     run = ParallelRun(runner, data_parallel)
     if layout.context_parallel_size > 1:
-        run.context = ContextParallel(module, mesh[CP_AXIS].get_group(), options.context_parallel_mode, patches)
+        run.context = context.apply(module, mesh, options, patches)
     if stages is not None:
         pp_group = mesh[PP_AXIS].get_group()
         schedule, microbatches = options.pipeline_schedule, options.num_microbatches
@@ -104,7 +108,7 @@ def _apply(
         if layout.expert_parallel_size > 1:
             # experts: split over ep
             tp_plan = plan_without_experts(module, tp_plan, options.sequence_parallel, example)
-        apply_tensor_parallel(module, mesh[TP_AXIS], tp_plan, options.sequence_parallel, options.loss_parallel, example)
+        tensor.apply(module, mesh[TP_AXIS], tp_plan, options.sequence_parallel, options.loss_parallel, example)
     if options.activation_checkpointing is not False:
         # Before the pipeline split: its gate around each owned block must stay *outside* the checkpointed region,
         # so that recomputation in backward sees the same (received) input as the forward did.
@@ -115,7 +119,7 @@ def _apply(
         compile_blocks(module, {} if options.compile is True else options.compile)
     runtime = None
     if layout.pipeline_parallel_size > 1:
-        runtime = split_pipeline(module, mesh, options)
+        runtime = pipeline.apply(module, mesh, options)
     offload_policy = None
     if options.cpu_offload:
         # Pinned host memory makes the copies to and from the GPU asynchronous; there is none without CUDA.
@@ -132,7 +136,7 @@ def _apply(
             )
             check_no_router_loss(module, f"{sizes}: the last stage would compute it from its own layers' logits only")
         # Under pipelining at ZeRO 0/1 the schedule reduces the gradients of `replicate` wraps only.
-        apply_expert_parallel(
+        experts.apply(
             module,
             mesh,
             layout.expert_parallel_size,
@@ -159,7 +163,7 @@ def _apply(
             find_unused = True
         hybrid_mesh = zero_mesh(mesh) if layout.data_parallel_shard_size is not None else None
         for stage_root, blocks in roots:
-            apply_data_parallel(
+            data.apply(
                 module,
                 gradient_mesh(mesh),  # dp, or dp x cp: ranks whose gradients average
                 layout.zero_stage,

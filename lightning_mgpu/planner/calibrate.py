@@ -361,19 +361,18 @@ def _parallel_probes(
     plain_step: float,
     init_device_mesh: Callable[..., DeviceMesh],
 ) -> dict[str, float]:
-    from lightning_mgpu.parallel.data import apply_data_parallel
+    from lightning_mgpu.parallel import data, tensor
     from lightning_mgpu.parallel.local_step import ShardLocalStep, steps_on_shards
-    from lightning_mgpu.parallel.tensor import apply_tensor_parallel
 
     out: dict[str, float] = {}
     tp = _tp_degree(world, heads)
     if tp > 1:
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=(DP_AXIS, TP_AXIS))
         module = copy.deepcopy(probe.module)
-        apply_tensor_parallel(module, mesh[TP_AXIS], "auto", False)
+        tensor.apply(module, mesh[TP_AXIS], "auto", False)
         out["tp"], out["tp_degree"] = _best_times(_forward_backward(module, inputs), 3)[1], tp
     module = copy.deepcopy(probe.module)
-    apply_data_parallel(module, init_device_mesh("cpu", (world,), mesh_dim_names=(DP_AXIS,)), 3)
+    data.apply(module, init_device_mesh("cpu", (world,), mesh_dim_names=(DP_AXIS,)), 3)
     out["zero3"] = _best_times(_forward_backward(module, inputs), 3)[1]
     optimizer = torch.optim.AdamW(module.parameters())
     if steps_on_shards(optimizer):  # stepped as the library steps it: on the local shards

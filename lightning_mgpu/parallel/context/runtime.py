@@ -33,12 +33,16 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_mgpu._compat.attention import attn_implementation
+from lightning_mgpu.layout import CP_AXIS
 from lightning_mgpu.parallel.context.attention import alltoall_attention, block_attention, ring_attention
 from lightning_mgpu.parallel.context.order import local_positions, shard_sequence
 from lightning_mgpu.patches import PatchLog
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_mgpu.options import ParallelOptions
 
 _SPLIT_STEPS = ("training_step", "validation_step", "test_step")
 # Buffers of rotary tables that a model slices by the (local) sequence length itself: they cannot follow the
@@ -54,6 +58,12 @@ def check_sequence_length(seq_len: int, cp: int) -> None:
             f" the causal mask's work), but the batch's sequences have {seq_len} tokens. Pad or cut them to a"
             f" multiple of {2 * cp}, or choose a context_parallel_size whose double divides {seq_len}."
         )
+
+
+def apply(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, patches: PatchLog) -> ContextParallel:
+    """Context parallelism for ``module`` over ``mesh["cp"]``, attention by ``options.context_parallel_mode``: the
+    run's batch splitting and the patches that make attention, losses and positions exact (into ``patches``)."""
+    return ContextParallel(module, mesh[CP_AXIS].get_group(), options.context_parallel_mode, patches)
 
 
 class ContextParallel:

@@ -1,6 +1,6 @@
 """Data parallelism and ZeRO stages 0-3 on torch's FSDP2 and composable DDP.
 
-``check`` validates the options against a layout; ``apply_data_parallel`` wraps a module (or pipeline stage) for
+``check`` validates the options against a layout; ``apply`` wraps a module (or pipeline stage) for
 its ZeRO stage, over all data-parallel ranks or hybrid-sharded (HSDP); ``OptimizerStateSharding`` is
 ZeRO-1's optimizer-state partition; ``set_gradient_sync``, ``reduce_metrics_over`` and the unused-parameter
 watch (``finish_backward``, ``stop_watching``) and ``prepare_backward`` (manual optimization's backward inside the
@@ -25,7 +25,7 @@ from lightning_mgpu.parallel.data.stages import (
 from lightning_mgpu.parallel.data.unused_params import finish_backward, stop_watching
 from lightning_mgpu.parallel.data.wrap import (
     OptimizerStateSharding,
-    apply_data_parallel,
+    apply,
     reduce_metrics_over,
     set_gradient_sync,
     sharded_by_user,
@@ -33,7 +33,7 @@ from lightning_mgpu.parallel.data.wrap import (
 
 __all__ = [
     "OptimizerStateSharding",
-    "apply_data_parallel",
+    "apply",
     "can_leave_gathered",
     "check",
     "finish_backward",

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from lightning_mgpu.patches import PatchLog
 
 
-def apply_data_parallel(
+def apply(
     module: nn.Module,
     dp_mesh: DeviceMesh,
     zero_stage: int,

@@ -1,12 +1,12 @@
 """Expert parallelism for mixture-of-experts models: experts split over an ``ep`` group carved out of data
 parallelism, the router's load-balancing loss over the whole batch, and tokens counted per expert.
 
-``check`` validates a layout before processes start; ``plan_without_experts`` and ``apply_expert_parallel``
+``check`` validates a layout before processes start; ``plan_without_experts`` and ``apply``
 are the steps ``parallelize`` takes; ``with_peers_listed_experts`` completes a gathered state at teardown.
 """
 
 from lightning_mgpu.parallel.experts.apply import (
-    apply_expert_parallel,
+    apply,
     check,
     check_expert_counts,
     expert_parameters,
@@ -20,7 +20,7 @@ from lightning_mgpu.parallel.experts.router_loss import apply_global_router_loss
 
 __all__ = [
     "ExpertTokenCounts",
-    "apply_expert_parallel",
+    "apply",
     "apply_global_router_loss",
     "check",
     "check_expert_counts",

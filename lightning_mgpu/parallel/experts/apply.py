@@ -159,7 +159,7 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return full[EXPERT_REPLICA_AXIS, EP_AXIS]
 
 
-def apply_expert_parallel(
+def apply(
     module: nn.Module,
     mesh: DeviceMesh,
     ep: int,

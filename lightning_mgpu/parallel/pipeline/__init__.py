@@ -1,6 +1,6 @@
 """Pipeline parallelism for unmodified models, run by ``torch.distributed.pipelining`` schedules.
 
-``split_pipeline`` keeps this rank's stages of a module (``plan.py`` decides the cut, pure functions);
+``apply`` keeps this rank's stages of a module (``plan.py`` decides the cut, pure functions);
 ``PipelineEngine`` runs a training step through the schedule behind an unchanged ``training_step``. The schedule
 tables and ``check``/``check_microbatches`` judge the pipeline options before any process starts; ``timeline``
 plays a schedule's own action lists (the docs' figures, the planner's tests).
@@ -20,7 +20,7 @@ from lightning_mgpu.parallel.pipeline.plan import (
     stage_owner,
     stages_per_rank,
 )
-from lightning_mgpu.parallel.pipeline.split import PipelineRuntime, split_pipeline
+from lightning_mgpu.parallel.pipeline.split import PipelineRuntime, apply
 from lightning_mgpu.parallel.pipeline.step import PipelineEngine, PipelinePrecision
 from lightning_mgpu.parallel.pipeline.timeline import Timeline, timeline
 
@@ -33,6 +33,7 @@ __all__ = [
     "PipelinePrecision",
     "PipelineRuntime",
     "Timeline",
+    "apply",
     "bubble_fraction",
     "check",
     "check_microbatches",
@@ -40,7 +41,6 @@ __all__ = [
     "check_stage_count",
     "microbatch_count_error",
     "plan_split",
-    "split_pipeline",
     "stage_indices",
     "stage_owner",
     "stages_per_rank",

@@ -275,7 +275,7 @@ class PipelineRuntime:
         self.trial_output: object = None  # the last stage's output in torch's shape-inference trial
         self.inferring = False
         self.active: Stage | None = None
-        self.tied_gradients: TiedGradients | None = None  # set by `split_pipeline`
+        self.tied_gradients: TiedGradients | None = None  # set by `apply`
         self.value_check = ValueCheck()  # shared by this rank's stand-ins and gates
         self.carried = CarriedValues()  # what later stages take from the first stage besides the activation
         self._carry_hooks: list[RemovableHandle] = []
@@ -432,7 +432,7 @@ def _placeholder_targets(module: nn.Module, fqn: str) -> list[str]:
     ]
 
 
-def split_pipeline(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions) -> PipelineRuntime:
+def apply(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions) -> PipelineRuntime:
     """Keep this rank's stages of ``module`` (in place) and return them. Collective over the whole ``mesh``."""
     schedule, pp_mesh = options.pipeline_schedule, mesh[PP_AXIS]
     per_rank = stages_per_rank(schedule, options.stages_per_rank)

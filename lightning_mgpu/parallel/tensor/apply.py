@@ -81,7 +81,7 @@ def _retie(module: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- apply
-def apply_tensor_parallel(
+def apply(
     module: nn.Module,
     tp_mesh: DeviceMesh,
     tp_plan: Plan,

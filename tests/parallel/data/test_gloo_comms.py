@@ -19,7 +19,7 @@ def _compare() -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.profiler import profile
 
-    from lightning_mgpu.parallel.data.wrap import apply_data_parallel
+    from lightning_mgpu.parallel.data.wrap import apply as apply_data_parallel
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -11,7 +11,7 @@ import torch
 
 from lightning_mgpu import HybridStrategy
 from lightning_mgpu.demo import GPTLightningModule, TextDataModule
-from lightning_mgpu.parallel.tensor.apply import apply_tensor_parallel
+from lightning_mgpu.parallel.tensor.apply import apply as apply_tensor_parallel
 from lightning_mgpu.parallel.tensor.plan import auto_plan
 from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.distributed import run_distributed, run_each, traceback_of

@@ -375,7 +375,7 @@ def _tp2_worker(refused: list[tuple[Any, bool]]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from lightning_mgpu.parallel.tensor.apply import apply_tensor_parallel
+    from lightning_mgpu.parallel.tensor.apply import apply as apply_tensor_parallel
 
     torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
