@@ -39,7 +39,16 @@ from typing import Any
 
 from benchmarks import by_hand, demo_gpt
 from benchmarks.probes import make_step_probe, memory_per_rank, profiled_collectives
-from benchmarks.report import MB, fmt_comm, interval_table, memory_columns, ratio_table, table, thread_table
+from benchmarks.report import (
+    MB,
+    fmt_comm,
+    interval_table,
+    memory_columns,
+    outside_table,
+    ratio_table,
+    table,
+    thread_table,
+)
 from benchmarks.run import fit, load_average, quiet_fds, run_interleaved, start_rank
 from benchmarks.stats import summarize
 from benchmarks.timing import PROFILED_NOTE, LoopTimer, StepProfile
@@ -244,6 +253,7 @@ def print_report(runs: dict[str, list], args: dict[str, Any]) -> dict[str, Any]:
     pairs = [(name, peer, target) for name, (_, _, peer, target) in CONFIGS.items() if peer and name in results]
     rows = ratio_table(results, pairs)
     thread_table(results, pairs)
+    outside_table(results, pairs)
     interval_table(results, pairs)
     minimum = {name: analytic_comm(name, dp, n_params, n_root)[0] for name in results}
     mb = lambda value: f"{value / MB:.2f}" if value else "-"

@@ -70,6 +70,23 @@ def thread_table(results: dict[str, dict[str, Any]], pairs: Pairs) -> None:
             print(f"  {name:<22} {peer:<22} {ms[0]:8.1f} {ms[1]:8.1f} {_fmt_ratio(r):>20}")
 
 
+def outside_table(results: dict[str, dict[str, Any]], pairs: Pairs) -> None:
+    """The per-step time outside the model's forward, backward and optimizer step: what the strategy's own code and
+    Lightning's loop add (median step minus its three phases' medians, wall), ours beside the peer's. Pairs without
+    phases (the pipeline's schedule runs them interleaved) are left out."""
+    print("\nper-step time outside forward / backward / optimizer step (the strategy's and the loop's own code), ms:")
+    for name, peer, _ in pairs:
+        ours, theirs = results.get(name, {}), results.get(peer, {})
+        if not (_has_phases(ours) and _has_phases(theirs)):
+            continue
+        mine, peers = ((r["median"] - sum(r["phases"][:3])) * 1e3 for r in (ours, theirs))
+        print(f"  {name:<22} {peer:<22} {mine:8.1f} {peers:8.1f}   difference {mine - peers:+.1f}")
+
+
+def _has_phases(result: dict[str, Any]) -> bool:
+    return len(result.get("phases") or ()) >= 3 and all(x > 0 for x in result["phases"][:3])
+
+
 def interval_table(results: dict[str, dict[str, Any]], pairs: Pairs) -> None:
     """For each pair with a target: where the median of its per-repeat ratios lies (``median_interval``), step and
     CPU, and whether this run decides the target: ``met`` (the interval lies below it), ``missed`` (above it) or
