@@ -71,20 +71,15 @@ def thread_table(results: dict[str, dict[str, Any]], pairs: Pairs) -> None:
 
 
 def outside_table(results: dict[str, dict[str, Any]], pairs: Pairs) -> None:
-    """The per-step time outside the model's forward, backward and optimizer step: what the strategy's own code and
-    Lightning's loop add (median step minus its three phases' medians, wall), ours beside the peer's. Pairs without
-    phases (the pipeline's schedule runs them interleaved) are left out."""
-    print("\nper-step time outside forward / backward / optimizer step (the strategy's and the loop's own code), ms:")
+    """The per-step time outside the step's forward, backward and optimizer step (the phases, which partition the
+    step): from one step's end to the next one's start, what Lightning's loop, the data and the strategy's hooks
+    around the step take (median over steps of the ranks' mean), ours beside the peer's."""
+    print("\nper-step time between steps (outside forward / backward / optimizer: loop, data, hooks), ms, ours / peer:")
     for name, peer, _ in pairs:
-        ours, theirs = results.get(name, {}), results.get(peer, {})
-        if not (_has_phases(ours) and _has_phases(theirs)):
+        mine, peers = results.get(name, {}).get("outside"), results.get(peer, {}).get("outside")
+        if mine is None or peers is None:
             continue
-        mine, peers = ((r["median"] - sum(r["phases"][:3])) * 1e3 for r in (ours, theirs))
-        print(f"  {name:<22} {peer:<22} {mine:8.1f} {peers:8.1f}   difference {mine - peers:+.1f}")
-
-
-def _has_phases(result: dict[str, Any]) -> bool:
-    return len(result.get("phases") or ()) >= 3 and all(x > 0 for x in result["phases"][:3])
+        print(f"  {name:<22} {peer:<22} {mine * 1e3:8.1f} {peers * 1e3:8.1f}   difference {(mine - peers) * 1e3:+.1f}")
 
 
 def interval_table(results: dict[str, dict[str, Any]], pairs: Pairs) -> None:

@@ -63,6 +63,15 @@ def summarize(runs: list[list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
         for s in list(zip(*(o["phases"] for o in outputs)))[warmup:]
     ]
     out["phases"] = [statistics.median(column) for column in zip(*phases)] if phases else []
+    # Outside the step's forward, backward and optimizer step (which partition it): from each rank's step end to its
+    # next step's start, the loop's, the data's and the hooks' own time (the mean over ranks; median over steps).
+    outside = [
+        statistics.mean(o["iter_times"][i] - o["times"][i] for o in outputs)
+        for outputs in runs
+        if all(o.get("iter_times") for o in outputs)
+        for i in range(warmup, min(min(len(o["iter_times"]), len(o["times"])) for o in outputs))
+    ]
+    out["outside"] = statistics.median(outside) if outside else None
     return out
 
 
