@@ -43,6 +43,23 @@ def _structure(module: nn.Module) -> dict[str, Any]:
     }
 
 
+class _RunSeen(L.Callback):
+    """What ``trainer.strategy.run`` holds during training: the one object the strategy's hooks drive."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        run = getattr(trainer.strategy, "run", None)
+        if run is not None:
+            self.seen = {
+                "run": type(run).__name__,
+                "pipeline": run.pipeline is not None,
+                "steps_what_lightning_calls": run.model is trainer.strategy.model,
+                "roots": len(run.roots),
+            }
+
+
 def _fit_twice(strategy_kwargs: dict[str, Any] | None, batch_size: int) -> dict[str, Any]:
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -52,9 +69,9 @@ def _fit_twice(strategy_kwargs: dict[str, Any] | None, batch_size: int) -> dict[
     L.seed_everything(1234, verbose=False)
     module = LlamaModule()
     before = _structure(module)
-    losses = []
+    losses, runs = [], []
     for _ in range(2):
-        recorder = LossRecorder()
+        recorder, run_seen = LossRecorder(), _RunSeen()
         timeout = timedelta(seconds=120)
         strategy = (
             DDPStrategy(timeout=timeout)
@@ -66,7 +83,7 @@ def _fit_twice(strategy_kwargs: dict[str, Any] | None, batch_size: int) -> dict[
             devices=world_size,
             strategy=strategy,
             max_steps=STEPS,
-            callbacks=[recorder],
+            callbacks=[recorder, run_seen],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -75,10 +92,12 @@ def _fit_twice(strategy_kwargs: dict[str, Any] | None, batch_size: int) -> dict[
         )
         trainer.fit(module, RandomTokenDataModule(batch_size=batch_size))
         losses.append(recorder.losses)
+        runs.append({**run_seen.seen, "after_fit": getattr(trainer.strategy, "run", None)})
     rank = dist.get_rank()
     dist.destroy_process_group()
     changed = _changes(before, _structure(module))
-    return {"rank": rank, "losses": losses, "changed": changed, **_use_plainly(module, trainer.optimizers[0])}
+    plain = _use_plainly(module, trainer.optimizers[0])
+    return {"rank": rank, "losses": losses, "runs": runs, "changed": changed, **plain}
 
 
 def _changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -157,8 +176,13 @@ def test_fit_twice_then_plain_torch(layout: str) -> None:
             atol=0.0,
             msg=lambda m: f"fit {fit + 1}'s losses: {m}",
         )
+    pipelined = "pipeline_parallel_size" in kwargs
     for result in results:
         rank = result["rank"]
+        # Each fit ran through one ParallelRun (this rank's stage under pipelining), handed back at teardown.
+        for run in result["runs"]:
+            expected = {"run": "ParallelRun", "pipeline": pipelined, "steps_what_lightning_calls": True, "roots": 1}
+            assert run == {**expected, "after_fit": None}, (rank, run)
         # Nothing left at all (plain Lightning's DDP leaves an instance `forward` on the LightningModule; we don't).
         assert result["changed"] == {}, (rank, result["changed"])
         assert set(result["kinds"].values()) == {("Parameter", "Tensor", "cpu")}, (rank, result["kinds"])

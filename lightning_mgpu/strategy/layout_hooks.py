@@ -63,6 +63,13 @@ class LayoutHooks(ParallelStrategy):
         return self._layout
 
     @property
+    def run(self) -> ParallelRun | None:
+        """The parallel module of the fit (validate, test, predict) in progress, as ``parallel.parallelize`` made
+        it: step runner, pipeline engine, context parallelism, optimizer-state shardings, data-parallel engine;
+        None outside a run."""
+        return self._run
+
+    @property
     def pipeline(self) -> PipelineEngine | None:
         """This rank's pipeline engine (schedule, stages, microbatches) in a run; None without pipelining."""
         return self._run.pipeline if self._run is not None else None
