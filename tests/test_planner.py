@@ -534,6 +534,19 @@ def test_the_auto_route_estimates_the_strategy_layout_with_its_shard_groups():
     assert planned.memory != memory(spec, cluster, training, replace(searched, data_parallel_shard_size=None))
 
 
+def test_fixed_choices_under_names_the_search_does_not_know_are_refused_by_name():
+    """``fixed`` holds sizes by mesh axis and options by the strategy's names (``parse_fix``'s output); a name of the
+    planner's old vocabulary (``schedule``, ``checkpointing``) is refused, not silently ignored."""
+    from lightning_mgpu.demo import GPTLightningModule
+
+    module = build_on_meta(GPTLightningModule, {"n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 32})
+    spec, cluster = spec_from_module(module), preset("h100-sxm", gpus=8)
+    for old in ({"schedule": "GPipe"}, {"checkpointing": "full"}, {"cp_mode": "ring"}):
+        with pytest.raises(ValueError, match=rf"Unknown fixed choices \['{next(iter(old))}'\].*pipeline_schedule"):
+            list(candidates(spec, cluster, Training(global_batch=16), old))
+    assert any(not isinstance(c, str) for c in candidates(spec, cluster, Training(16), parse_fix("schedule=GPipe")))
+
+
 def test_context_parallelism_divides_activations_and_wins_for_long_sequences(capsys):
     """A 7B Llama at 131072 tokens on 8 H100s: activation memory per GPU falls by cp; with data parallelism only
     (tp=1, pp=1) no layout without cp fits and a cp layout does; left free, the search ranks a cp layout first

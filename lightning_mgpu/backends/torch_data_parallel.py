@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 class TorchDataParallel:
     """Torch's data parallelism through one run: the wraps are already on the module, the steps are Lightning's."""
 
+    applies_torch_wraps = True
     restores_by_snapshot = True
 
     def state_access(self) -> StateAccess | None:

@@ -59,7 +59,8 @@ def parallelize(
     called. Patches on the user's objects go into ``patches``."""
     _refuse_manual_optimization_under_pipelining(module, layout)
     runner = StepRunner(module)
-    stages = _apply(module, layout, mesh, options, precision.mp_policy(), runner, example)
+    torch_wraps = data_parallel.applies_torch_wraps
+    stages = _apply(module, layout, mesh, options, precision.mp_policy(), runner, torch_wraps, example)
     run = ParallelRun(runner, data_parallel)
     if layout.context_parallel_size > 1:
         run.context = context.apply(module, mesh, options, patches)
@@ -94,10 +95,12 @@ def _apply(
     options: ParallelOptions,
     mp_policy: MixedPrecisionPolicy | None,
     root: nn.Module,
+    torch_wraps: bool,
     example: ExampleStep | None,
 ) -> PipelineRuntime | None:
     """Each parallelism's ``apply`` in torchtitan's order; with pipeline parallelism, this rank's stages (each then
-    a data-parallel root of its own; else ``root``, called once per step)."""
+    a data-parallel root of its own; else ``root``, called once per step). ``torch_wraps``: the data-parallel
+    engine's wraps are torch's, applied here (DeepSpeed's engine is its own wrap)."""
     # A configure_model that applied fully_shard itself (Lightning's ModelParallelStrategy style) keeps its own wrap;
     # asked first, before the experts' own fully_shard below.
     wrap = not sharded_by_user(module, layout.zero_stage, layout.pipeline_parallel_size)
@@ -126,8 +129,6 @@ def _apply(
         offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     # The wrap also does the casting (param_dtype) and the offloading, so it applies at dp=1 when either is asked.
     casts = mp_policy is not None and getattr(mp_policy, "param_dtype", None) is not None
-    # Under zero_backend="deepspeed" the DeepSpeed engine is the data-parallel wrap (built by the strategy).
-    torch_data_parallel = options.zero_backend == "torch"
     if layout.expert_parallel_size > 1:
         # Before the data-parallel wrap, which then leaves the experts (wrapped over their replicas) out.
         if runtime is not None:
@@ -148,7 +149,7 @@ def _apply(
     if layout.gradient_ranks > 1 and runtime is None:
         # A Hugging Face load-balancing loss on the whole batch, as one process computes it (not each rank's own).
         apply_global_router_loss(module, gradient_mesh(mesh).get_group())
-    if torch_data_parallel and wrap and (layout.gradient_ranks > 1 or offload_policy is not None or casts):
+    if torch_wraps and wrap and (layout.gradient_ranks > 1 or offload_policy is not None or casts):
         # With pipelining each stage is a root of its own: the schedule drives each stage's gradient sync
         # (no-sync on all but the last backward of a step), also when a rank holds several stages.
         roots = [(stage, stage.blocks) for stage in runtime.stages] if runtime is not None else [(root, None)]

@@ -61,6 +61,10 @@ class DataParallelEngine(Protocol):
     ``default`` arguments are Lightning's own backward or optimizer step, which an engine runs or replaces.
     """
 
+    applies_torch_wraps: bool
+    """``True``: ``parallelize`` wraps the module with torch's DDP/FSDP2 for the ZeRO stage; ``False``: the engine
+    is the wrap (built in :meth:`wrap`, once the optimizers exist)."""
+
     restores_by_snapshot: bool
     """``True``: the strategy gives the user's module back from its snapshot (``restore_plain``); ``False``: the
     engine gives it back in place (:meth:`release`)."""
@@ -166,7 +170,6 @@ class ParallelRun:
     ) -> None:
         """The user's optimizers made to fit the run: ``zero_grad`` guarded under pipelining (the schedule made the
         gradients before Lightning zeroes them), then the data-parallel engine's wiring (states sharded at ZeRO-1)."""
-        self.unwire_optimizers()
         if self.pipeline is not None:
             for optimizer in optimizers:
                 patches.keep_attribute(optimizer, "zero_grad")
@@ -193,9 +196,9 @@ class ParallelRun:
             return Precision.post_backward(precision, loss, module)
         return self.data_parallel.backward(loss, module, precision, self.roots, default)
 
-    def skip_gradient_sync(self, skip: bool) -> None:
-        """Gradient communication off (``skip``) or on again, for accumulation's non-final micro-steps."""
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Gradient communication on or off (accumulation's non-final micro-steps), in every root and the schedule."""
         for root in self.roots:
-            set_gradient_sync(root, not skip)
+            set_gradient_sync(root, enabled)
         if self.pipeline is not None:
-            self.pipeline.sync_gradients = not skip
+            self.pipeline.sync_gradients = enabled

@@ -25,6 +25,9 @@ PRECISIONS: dict[str, tuple[int, int, int, int]] = {
 # Every schedule the strategy runs (the runtime's one table, `parallel.pipeline`); the cost model has an
 # activation-memory model for each (`cost.in_flight`, checked against torch's own action lists in the tests).
 SCHEDULES = pipeline.PIPELINE_SCHEDULES
+# The activation_checkpointing values the planner ranks and prints (True and a list of classes are "full"), by what
+# they recompute, as --fix names them (ckpt=none|selective|full).
+CHECKPOINTING_ARGUMENTS: dict[str, bool | str] = {recomputation(mode): mode for mode in (False, "selective", "full")}
 DP_BUCKET_BYTES = 25 * 2**20  # one all-reduce bucket (DDP's default size); two are in flight
 
 
@@ -164,7 +167,7 @@ class Layout(ParallelLayout):
             arguments["expert_parallel_size"] = self.ep
         if self.dp_shard is not None and self.dp_shard != self.gradient_ranks:
             arguments["data_parallel_shard_size"] = self.dp_shard
-        arguments["activation_checkpointing"] = options.activation_checkpointing
+        arguments["activation_checkpointing"] = CHECKPOINTING_ARGUMENTS[self.recomputation]
         return arguments
 
     @property

@@ -9,10 +9,9 @@ from dataclasses import dataclass, field, replace
 from lightning_mgpu.layout import degree_splits, divisors
 from lightning_mgpu.options import ParallelOptions
 from lightning_mgpu.parallel import pipeline
-from lightning_mgpu.parallel.activation import recomputation
 from lightning_mgpu.planner.cluster import GB, ClusterSpec, Efficiency
 from lightning_mgpu.planner.cost import Estimate, estimate
-from lightning_mgpu.planner.job import SCHEDULES, Layout, Microbatching, Training
+from lightning_mgpu.planner.job import CHECKPOINTING_ARGUMENTS, SCHEDULES, Layout, Microbatching, Training
 from lightning_mgpu.planner.model_spec import ModelSpec
 from lightning_mgpu.planner.recipe import refusal
 
@@ -45,9 +44,6 @@ _ALIASES = {
     "hsdp": "dp_shard",
     "cp_mode": "context_parallel_mode",
 }
-# The activation_checkpointing values the search ranks (True is "full" again), by what --fix calls them: what they
-# recompute (ckpt=none|selective|full).
-_CHECKPOINTING: dict[str, bool | str] = {recomputation(mode): mode for mode in (False, "selective", "full")}
 
 
 @dataclass
@@ -83,9 +79,9 @@ def parse_fix(text: str | None) -> dict[str, object]:
         fixed[name] = bool(converted) if name == "sequence_parallel" else converted
     if "activation_checkpointing" in fixed:
         ckpt = fixed["activation_checkpointing"]
-        if ckpt not in _CHECKPOINTING:
-            raise ValueError(f"--fix ckpt={ckpt}: choose one of {', '.join(_CHECKPOINTING)}.")
-        fixed["activation_checkpointing"] = _CHECKPOINTING[str(ckpt)]
+        if ckpt not in CHECKPOINTING_ARGUMENTS:
+            raise ValueError(f"--fix ckpt={ckpt}: choose one of {', '.join(CHECKPOINTING_ARGUMENTS)}.")
+        fixed["activation_checkpointing"] = CHECKPOINTING_ARGUMENTS[str(ckpt)]
     if "pipeline_schedule" in fixed and fixed["pipeline_schedule"] not in SCHEDULES + ("none",):
         raise ValueError(f"--fix schedule={fixed['pipeline_schedule']}: choose one of {', '.join(SCHEDULES)}.")
     if "zero_stage" in fixed and fixed["zero_stage"] not in (0, 1, 2, 3):
@@ -116,11 +112,25 @@ def _fixed_ep(fixed: dict[str, object]) -> int:
     return ep if isinstance(ep, int) else 1
 
 
+# The names `fixed` holds (what `parse_fix` gives): sizes by mesh axis, options by the strategy's names.
+FIXED_NAMES = frozenset(_ALIASES.get(key, key) for key in _FIX_KEYS)
+
+
+def _check_fixed_names(fixed: dict[str, object]) -> None:
+    unknown = sorted(set(fixed) - FIXED_NAMES)
+    if unknown:
+        raise ValueError(
+            f"Unknown fixed choices {unknown}: name sizes by mesh axis and options by HybridStrategy's names, one of"
+            f" {sorted(FIXED_NAMES)} (as `parse_fix` gives them from --fix keys)."
+        )
+
+
 def candidates(
     model: ModelSpec, cluster: ClusterSpec, training: Training, fixed: dict[str, object] | None = None
 ) -> Iterator[Layout | str]:
     """Every layout worth estimating; a string says why a fixed choice cannot run at all."""
     fixed = fixed or {}
+    _check_fixed_names(fixed)
     n = cluster.gpus
     degrees = {k: int(v) for k, v in fixed.items() if k in ("tp", "pp", "dp", "cp")}  # type: ignore[call-overload]
     complete = "dp" in degrees and len(degrees.keys() & {"tp", "pp", "dp"}) == 3 and "cp" in degrees
@@ -187,7 +197,7 @@ def _variants(
         m = per_rank // mbs
         for schedule in _schedules(model, pp, fixed):
             for zero in _zero_stages(dp, pp, fixed):
-                for ckpt, mode in _CHECKPOINTING.items():
+                for ckpt, mode in CHECKPOINTING_ARGUMENTS.items():
                     if fixed.get("activation_checkpointing", mode) != mode:
                         continue
                     if ckpt != "none" and ep > 1 and not model.fused_experts:

@@ -4,7 +4,7 @@ For each distinct position in the mesh (every ``(pp, tp)`` coordinate of data-pa
 every other kind of replica: each context-parallel and expert-parallel position), one rank of the job is played in a
 worker process: torch's fake process group (``backend="fake"``: collectives return at once, world size and rank as on
 the cluster), the user's LightningModule built on the meta device (no memory), then the library's own setup path,
-``strategy.setup.parallelize_for_run`` and ``wire_optimizers`` (tensor plan, pipeline cut, tied weights, expert split,
+``parallel.parallelize`` and ``ParallelRun.wire_optimizers`` (tensor plan, pipeline cut, tied weights, expert split,
 ZeRO wrap, optimizer sharding), and one optimizer step on zero gradients so that the optimizer creates its states.
 What the real job would refuse is refused here, with the same message.
 

@@ -404,6 +404,7 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
         precision_name = str(self.precision_plugin.precision)
         self.model = run.wrap(self.optimizers, trainer, self.layout, precision_name, self._dp_group)
         self.setup_precision_plugin()
+        run.model = self.model  # what Lightning holds after its precision plugin's `connect`: what each step calls
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
@@ -455,18 +456,20 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
         if not self._data_parallel.restores_by_snapshot and not self._failed:
             self._data_parallel.release(self.lightning_module)  # collective: DeepSpeed's changes undone in place
             self.model, self._run = self.lightning_module, None
-        run = self._run
-        if snapshot is None or run is None or self._failed:
+        if snapshot is None or self._failed:
             self._patches.undo()
             return
-        pp_group = self.device_mesh[PP_AXIS].get_group() if run.pipeline is not None else None
+        run = self._run  # None: `parallelize` raised on every rank, the module half cut; the snapshot restores it
+        roots: list[torch.nn.Module] = run.roots if run is not None else [self.lightning_module]
+        pipelined = run is not None and run.pipeline is not None
+        pp_group = self.device_mesh[PP_AXIS].get_group() if pipelined else None
         if self._interrupted and can_leave_gathered(self.layout):  # only sharded groups can be left so
-            module_setup.reshard(run.roots)
+            module_setup.reshard(roots)
         else:
             # A run that ended with an evaluation (validation at the epoch's end) left FSDP2's root groups gathered
             # (ZeRO-2/3, and FSDP2's replicate beside tp or pp): the module then held the gathered copies, not the
             # parameters the optimizers step and point at.
-            module_setup.shard_gathered(run.roots)
+            module_setup.shard_gathered(roots)
         self._averaged.gather()  # before restore_plain undoes the patches that re-pointed the copies
         restore_plain(snapshot, list(self.optimizers), self._patches, pp_group)
         self.model, self._run = self.lightning_module, None

@@ -128,11 +128,11 @@ class StepHooks(ParallelStrategy):
         """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
         run = self._run
         assert run is not None
-        run.skip_gradient_sync(True)
+        run.set_gradient_sync(False)
         try:
             yield
         finally:
-            run.skip_gradient_sync(False)
+            run.set_gradient_sync(True)
 
 
 def _shard_after_evaluation(roots: list[nn.Module]) -> None:
@@ -164,13 +164,13 @@ def run_step(
     """``method_name`` of the user's ``module`` (a LightningModule) on this rank's part of the batch (with context
     parallelism: its part of each sequence)."""
     if run.context is None:
-        return _run(run.model, run.pipeline, module, context, method_name, args, kwargs)
+        return _call_step(run.model, run.pipeline, module, context, method_name, args, kwargs)
     args = run.context.split(method_name, args)
-    output = _run(run.model, run.pipeline, module, context, method_name, args, kwargs)
+    output = _call_step(run.model, run.pipeline, module, context, method_name, args, kwargs)
     return run.context.finish(method_name, output)
 
 
-def _run(
+def _call_step(
     model: nn.Module,
     pipeline: PipelineEngine | None,
     module: pl.LightningModule,

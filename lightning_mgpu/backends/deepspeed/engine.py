@@ -29,7 +29,7 @@ job's NCCL group. The first use on CPU compiles DeepSpeed's ``deepspeed_shm_comm
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.plugins.precision import Precision
@@ -48,9 +48,12 @@ from lightning_mgpu.options import ParallelOptions
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_mgpu.layout import ParallelLayout, Size
     from lightning_mgpu.parallel.data import OptimizerStateSharding
+    from lightning_mgpu.parallel.run import RunPrecision
+    from lightning_mgpu.patches import PatchLog
 
 
 def check(layout: ParallelLayout, options: ParallelOptions) -> None:
@@ -99,6 +102,7 @@ class DeepSpeedEngineRunner:
     """Builds the DeepSpeed engine for a fit and runs backward and the optimizer step through it: the
     :class:`~lightning_mgpu.parallel.run.DataParallelEngine` of ``zero_backend="deepspeed"``."""
 
+    applies_torch_wraps = False  # the engine is the data-parallel wrap
     restores_by_snapshot = False  # the engine's changes are undone in place (`release`)
 
     def __init__(self, config: DeepSpeedConfig) -> None:
@@ -117,7 +121,16 @@ class DeepSpeedEngineRunner:
     def gathers_fp8_weights(self, layout: ParallelLayout) -> bool:
         return False  # DeepSpeed's own partitions: no FSDP2 all-gather to run in fp8
 
-    def wire_optimizers(self, *args: object) -> list[OptimizerStateSharding]:
+    def wire_optimizers(
+        self,
+        optimizers: Sequence[Optimizer],
+        module: nn.Module,
+        layout: ParallelLayout,
+        mesh: DeviceMesh,
+        roots: list[nn.Module],
+        precision: RunPrecision,
+        patches: PatchLog,
+    ) -> list[OptimizerStateSharding]:
         """Nothing to wire: the engine steps (and partitions) the one optimizer itself."""
         return []
 
