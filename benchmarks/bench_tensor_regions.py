@@ -8,7 +8,7 @@ shard instead, which only code written for shards survives. Both run here on the
 
 ==========  ======================================================================================================
 ``global``  ``HybridStrategy(tensor_parallel_size=tp)``, ``tp_plan="auto"``: global-shape regions
-``local``   the same strategy with a callable ``tp_plan``: ``parallel.tensor.apply(..., "auto")`` with no region
+``local``   the same strategy with a callable ``tp_plan``: ``parallel.tensor.sharding(..., "auto")`` with no region
             (plain shards, as Hugging Face models get them), the attentions' head counts localized
 ==========  ======================================================================================================
 
@@ -40,7 +40,7 @@ def _local_plan(module: Any, tp_mesh: Any) -> None:
     (as for a Hugging Face model), and the attentions' head counts are localized for it (the demo GPT reads them)."""
     from torch import nn
 
-    from lightning_mgpu.parallel.tensor import apply as tensor  # an ablation: patches the private region choice
+    from lightning_mgpu.parallel.tensor import sharding as tensor  # an ablation: patches the private region choice
 
     regions = tensor._regions
 

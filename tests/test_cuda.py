@@ -209,7 +209,7 @@ def test_cuda_fp8_recipe_needs_ada_or_newer():
 
 def test_cuda_random_state_is_replayed_for_experts():
     """Expert parallelism replays the MoE block's forward with the random state of its first pass, CUDA's too."""
-    from lightning_mgpu.parallel.experts.apply import _rng_state, _set_rng_state
+    from lightning_mgpu.parallel.experts.sharding import _rng_state, _set_rng_state
 
     state = _rng_state()
     first = torch.rand(4, device="cuda")

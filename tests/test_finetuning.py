@@ -123,7 +123,7 @@ def test_fine_tuning_trains_like_one_process(name):
 def test_lora_adapters_tensor_parallelism_cannot_split_are_refused_by_name():
     """DoRA's magnitude vector (a per-output-feature scale of the whole weight) is not split beside a sharded
     projection: refused before the mesh is used, naming the layer and what works."""
-    from lightning_mgpu.parallel.tensor.apply import apply as apply_tensor_parallel
+    from lightning_mgpu.parallel.tensor.sharding import apply as apply_tensor_parallel
 
     module = LoraLM(use_dora=True)
     with pytest.raises(NotImplementedError, match=r"q_proj.*DoRA magnitudes.*use_dora=False"):

@@ -5,7 +5,9 @@ parallelism, the router's load-balancing loss over the whole batch, and tokens c
 are the steps ``parallelize`` takes; ``with_peers_listed_experts`` completes a gathered state at teardown.
 """
 
-from lightning_mgpu.parallel.experts.apply import (
+from lightning_mgpu.parallel.experts.counts import ExpertTokenCounts
+from lightning_mgpu.parallel.experts.router_loss import apply_global_router_loss, check_no_router_loss
+from lightning_mgpu.parallel.experts.sharding import (
     apply,
     check,
     check_expert_counts,
@@ -15,8 +17,6 @@ from lightning_mgpu.parallel.experts.apply import (
     plan_without_experts,
     with_peers_listed_experts,
 )
-from lightning_mgpu.parallel.experts.counts import ExpertTokenCounts
-from lightning_mgpu.parallel.experts.router_loss import apply_global_router_loss, check_no_router_loss
 
 __all__ = [
     "ExpertTokenCounts",

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu._compat.tensors import in_backward
-from lightning_mgpu.parallel.experts.apply import (
+from lightning_mgpu.parallel.experts.sharding import (
     _TOTAL,
     _list_name,
     _LocalExperts,

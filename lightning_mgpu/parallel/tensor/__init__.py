@@ -7,9 +7,9 @@ tensor-parallel options (a user's plan) before any process starts, ``check`` aga
 code that writes one by hand (the benchmarks' torch baseline).
 """
 
-from lightning_mgpu.parallel.tensor.apply import apply, tensor_parallel_context
 from lightning_mgpu.parallel.tensor.checks import check_sharded_sizes
 from lightning_mgpu.parallel.tensor.plan import auto_plan, check, check_options, check_style_names
+from lightning_mgpu.parallel.tensor.sharding import apply, tensor_parallel_context
 from lightning_mgpu.parallel.tensor.styles import keep_grad_placement, style
 
 __all__ = [

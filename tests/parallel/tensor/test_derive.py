@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.parallel.tensor.apply import _global_shape_regions
 from lightning_mgpu.parallel.tensor.derive import derive_block_plan
 from lightning_mgpu.parallel.tensor.plan import _block_rules, _match, auto_plan
+from lightning_mgpu.parallel.tensor.sharding import _global_shape_regions
 from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.distributed import run_distributed
 from tests.helpers.equivalence import assert_same_training
@@ -375,7 +375,7 @@ def _tp2_worker(refused: list[tuple[Any, bool]]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from lightning_mgpu.parallel.tensor.apply import apply as apply_tensor_parallel
+    from lightning_mgpu.parallel.tensor.sharding import apply as apply_tensor_parallel
 
     torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))

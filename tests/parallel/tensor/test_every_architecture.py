@@ -350,8 +350,8 @@ def _train(model_type: str, tp_mesh: Any = None, noise: float = 0.0, noise_seed:
     from torch.distributed.tensor import DTensor
 
     from lightning_mgpu.parallel.local_step import ShardLocalStep
-    from lightning_mgpu.parallel.tensor.apply import apply as apply_tensor_parallel
-    from lightning_mgpu.parallel.tensor.apply import tensor_parallel_context
+    from lightning_mgpu.parallel.tensor.sharding import apply as apply_tensor_parallel
+    from lightning_mgpu.parallel.tensor.sharding import tensor_parallel_context
 
     torch.manual_seed(SEED)
     model = _tiny_model(model_type)

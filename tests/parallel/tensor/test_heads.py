@@ -67,7 +67,7 @@ def _sharded_checks() -> dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_mgpu.parallel.tensor.apply import apply as apply_tensor_parallel
+    from lightning_mgpu.parallel.tensor.sharding import apply as apply_tensor_parallel
     from tests.parallel.tensor.test_every_architecture import _loss, _tiny_model
 
     rank = int(os.environ["RANK"])

@@ -13,8 +13,8 @@ import re
 import pytest
 import torch
 
-from lightning_mgpu.parallel.tensor.apply import apply as apply_tensor_parallel
 from lightning_mgpu.parallel.tensor.plan import _HF_REFUSED, _HF_STYLES, STYLE_NAMES, auto_plan
+from lightning_mgpu.parallel.tensor.sharding import apply as apply_tensor_parallel
 from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.distributed import run_distributed
 from tests.helpers.equivalence import assert_same_training

@@ -65,7 +65,7 @@ def _worker() -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_mgpu.parallel.tensor.apply import apply as apply_tensor_parallel
+    from lightning_mgpu.parallel.tensor.sharding import apply as apply_tensor_parallel
 
     torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))

@@ -131,8 +131,8 @@ def _step(mesh, factory, sequence_parallel):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from lightning_mgpu.parallel.tensor.apply import apply as apply_tensor_parallel
-    from lightning_mgpu.parallel.tensor.apply import tensor_parallel_context
+    from lightning_mgpu.parallel.tensor.sharding import apply as apply_tensor_parallel
+    from lightning_mgpu.parallel.tensor.sharding import tensor_parallel_context
 
     torch.manual_seed(0)
     reference = factory()
@@ -199,7 +199,7 @@ def test_collectives_with_sequence_parallel(spawned):
 def _fused_grouped_query(mesh):
     """tp_plan="auto" keeps a fused grouped-query attention whole (with a warning); an explicit 'colwise_qkv' on it
     is refused with the grouped-query reason, before any size check that divides its width by three."""
-    from lightning_mgpu.parallel.tensor.apply import apply as apply_tensor_parallel
+    from lightning_mgpu.parallel.tensor.sharding import apply as apply_tensor_parallel
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -367,7 +367,7 @@ def _nested(mesh):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from lightning_mgpu.parallel.tensor.apply import apply as apply_tensor_parallel
+    from lightning_mgpu.parallel.tensor.sharding import apply as apply_tensor_parallel
 
     torch.manual_seed(0)
     reference = torch.nn.ModuleDict({"h": torch.nn.ModuleList([_NestedAttention(), _NestedAttention()])})
@@ -406,8 +406,8 @@ def test_a_projection_nested_deeper_shares_the_region_of_its_row_parallel_partne
 
 def test_auto_picks_plain_shards_only_for_hugging_face_plans():
     """Which modules run with global shapes is read from the model's structure, before training."""
-    from lightning_mgpu.parallel.tensor.apply import _global_shape_regions
     from lightning_mgpu.parallel.tensor.plan import _match, auto_plan
+    from lightning_mgpu.parallel.tensor.sharding import _global_shape_regions
     from tests.helpers.modules import GPT2Module, LlamaModule
 
     def regions(module):

@@ -11,8 +11,8 @@ import torch
 
 from lightning_mgpu import HybridStrategy
 from lightning_mgpu.demo import GPTLightningModule, TextDataModule
-from lightning_mgpu.parallel.tensor.apply import apply as apply_tensor_parallel
 from lightning_mgpu.parallel.tensor.plan import auto_plan
+from lightning_mgpu.parallel.tensor.sharding import apply as apply_tensor_parallel
 from tests.helpers.batched import Run, fit_each, references, result
 from tests.helpers.distributed import run_distributed, run_each, traceback_of
 from tests.helpers.equivalence import assert_same_training
@@ -233,7 +233,7 @@ def _comm_counts(sequence_parallel):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from lightning_mgpu.parallel.tensor.apply import tensor_parallel_context
+    from lightning_mgpu.parallel.tensor.sharding import tensor_parallel_context
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
@@ -378,7 +378,7 @@ def _loss_parallel_comm(loss_parallel):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from lightning_mgpu.parallel.tensor.apply import tensor_parallel_context
+    from lightning_mgpu.parallel.tensor.sharding import tensor_parallel_context
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
@@ -446,7 +446,7 @@ def _llama_collectives():
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from lightning_mgpu.parallel.tensor.apply import tensor_parallel_context
+    from lightning_mgpu.parallel.tensor.sharding import tensor_parallel_context
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -515,7 +515,7 @@ def test_loss_parallel_context_nests_and_survives_errors():
     """manual_backward inside a step enters the context again; an exception must not leave torch's handlers on."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_mgpu.parallel.tensor.apply import tensor_parallel_context
+    from lightning_mgpu.parallel.tensor.sharding import tensor_parallel_context
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
     log_softmax = torch.ops.aten._log_softmax.default

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_mgpu import ScalingMonitor
-from lightning_mgpu.parallel.experts.apply import _FUSED, check_experts, find_experts
+from lightning_mgpu.parallel.experts.sharding import _FUSED, check_experts, find_experts
 from tests.helpers.equivalence import LOSS_RTOL, assert_same_training, fit
 from tests.helpers.modules import RandomTokenDataModule
 from tests.helpers.tiers import case
@@ -422,7 +422,7 @@ def test_hugging_face_moe_layers_are_found_and_the_rest_left_alone():
         transformers.Llama4TextConfig(hidden_size=64, intermediate_size=32, num_local_experts=4)
     )
     assert not find_experts(llama4)  # called with tokens already grouped per expert, not with the routing
-    from lightning_mgpu.parallel.experts.apply import find_expert_lists
+    from lightning_mgpu.parallel.experts.sharding import find_expert_lists
 
     assert sorted(find_expert_lists(TorchMoEModule())) == ["moes.0", "moes.1"]
     assert not find_expert_lists(mixtral_without_aux_loss())  # its decoder layers have no router beside them
