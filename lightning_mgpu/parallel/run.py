@@ -136,16 +136,11 @@ class ParallelRun:
     pipeline: PipelineEngine | None = None
     context: ContextParallel | None = None
     optimizer_sharding: list[OptimizerStateSharding] = field(default_factory=list)
-    model: nn.Module = field(init=False)
-    """What each step calls: the step runner, or the engine the data-parallel engine wrapped around it."""
-
-    def __post_init__(self) -> None:
-        self.model = self.runner
 
     @property
     def roots(self) -> list[nn.Module]:
-        """The modules the data-parallel root wraps went on: this rank's pipeline stages, or what each step calls."""
-        return list(self.pipeline.runtime.stages) if self.pipeline is not None else [self.model]
+        """The modules the data-parallel root wraps went on: this rank's pipeline stages, or the step runner."""
+        return list(self.pipeline.runtime.stages) if self.pipeline is not None else [self.runner]
 
     def wrap(
         self,
@@ -155,9 +150,8 @@ class ParallelRun:
         precision: str,
         group: ProcessGroup,
     ) -> nn.Module:
-        """The data-parallel engine's wrap, once the optimizers exist; returns what each step calls."""
-        self.model = self.data_parallel.wrap(self.runner, optimizers, trainer, layout, precision, group)
-        return self.model
+        """What each step calls, once the optimizers exist: the step runner, or the engine wrapped around it."""
+        return self.data_parallel.wrap(self.runner, optimizers, trainer, layout, precision, group)
 
     def wire_optimizers(
         self,

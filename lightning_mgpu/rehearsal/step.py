@@ -112,7 +112,7 @@ def _step(
         warnings.simplefilter("ignore")  # the bytes pass showed the module's warnings; `self.log` has no Trainer here
         with precision.train_step_context():
             context = step_context(layout, options, "training_step")
-            loss = run_step(run, module, context, "training_step", ((ids, ids), 0), {})
+            loss = run_step(run.runner, run, module, context, "training_step", ((ids, ids), 0), {})
         loss = loss["loss"] if isinstance(loss, dict) else loss
         with step_context(layout, options, "training_step"):
             loss.backward()

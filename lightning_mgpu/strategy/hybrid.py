@@ -369,7 +369,7 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
         self.model = self.precision_plugin.convert_module(self.model)
         run = self._run
         if run is not None and run.runner.module is self.lightning_module:
-            self.model = run.model  # kept parallelized by an earlier fit/validate (restore_module_on_teardown off)
+            self.model = run.runner  # kept parallelized by an earlier fit/validate (restore_module_on_teardown off)
             module_setup.shard_gathered(run.roots)
             if run.context is not None:
                 run.context.patch_functions(self._patches)  # undone when that run ended
@@ -389,7 +389,7 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
             run = parallelize(module, self.layout, mesh, self.options, precision, device, patches, engine, example)
             self._run = run
             self._fill_weights(module, weights)
-            self.model = run.model
+            self.model = run.runner
             module_setup.name_fsdp_roots(run.roots)
             if self._snapshot is not None:
                 self._snapshot.release()  # originals the parallel module replaced hold no memory while it trains
@@ -404,7 +404,6 @@ class HybridStrategy(LaunchHooks, LayoutHooks, StepHooks, CheckpointHooks, Weigh
         precision_name = str(self.precision_plugin.precision)
         self.model = run.wrap(self.optimizers, trainer, self.layout, precision_name, self._dp_group)
         self.setup_precision_plugin()
-        run.model = self.model  # what Lightning holds after its precision plugin's `connect`: what each step calls
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 

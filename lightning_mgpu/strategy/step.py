@@ -53,7 +53,7 @@ class StepHooks(ParallelStrategy):
     def _step(self, method_name: str, *args: object, **kwargs: object) -> Any:
         assert self._run is not None, "a step runs inside a run, after `setup`"
         context = self._tensor_parallel_context(method_name)
-        return run_step(self._run, self.lightning_module, context, method_name, args, kwargs)
+        return run_step(self.model, self._run, self.lightning_module, context, method_name, args, kwargs)
 
     @override
     def training_step(self, *args: object, **kwargs: object) -> Any:
@@ -154,6 +154,7 @@ def step_context(layout: ParallelLayout, options: ParallelOptions, method_name: 
 
 
 def run_step(
+    model: nn.Module | None,
     run: ParallelRun,
     module: Any,  # the strategy's lightning_module: typed Optional by Lightning, set by now
     context: AbstractContextManager,
@@ -162,16 +163,17 @@ def run_step(
     kwargs: dict[str, Any],
 ) -> Any:
     """``method_name`` of the user's ``module`` (a LightningModule) on this rank's part of the batch (with context
-    parallelism: its part of each sequence)."""
+    parallelism: its part of each sequence), through ``model`` (what Lightning holds: the run's step runner, or the
+    engine wrapped around it) or the run's pipeline schedule."""
     if run.context is None:
-        return _call_step(run.model, run.pipeline, module, context, method_name, args, kwargs)
+        return _call_step(model, run.pipeline, module, context, method_name, args, kwargs)
     args = run.context.split(method_name, args)
-    output = _call_step(run.model, run.pipeline, module, context, method_name, args, kwargs)
+    output = _call_step(model, run.pipeline, module, context, method_name, args, kwargs)
     return run.context.finish(method_name, output)
 
 
 def _call_step(
-    model: nn.Module,
+    model: nn.Module | None,
     pipeline: PipelineEngine | None,
     module: pl.LightningModule,
     context: AbstractContextManager,
@@ -189,5 +191,6 @@ def _call_step(
             return pipeline.evaluation_step(method_name, *args)
     # Through the root wrapper's __call__ so the data-parallel hooks fire even when the step calls a submodule
     # directly (`self.model(input_ids=x)`).
-    with context:  # `model`: the StepRunner, or the DeepSpeed engine around it
+    assert model is not None  # the StepRunner, or the DeepSpeed engine around it
+    with context:
         return model(method_name, *args, **kwargs)
